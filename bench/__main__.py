@@ -1,0 +1,60 @@
+"""Run every benchmark and print one table: `python -m bench [--quick] [--record] [--only NAME,...]`.
+
+Each benchmark module exposes `run(quick: bool) -> list[Row]`. `--quick` runs few repeats (CI checks
+the harness, not the figures); `--record` appends the table to bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+
+from bench.harness import Row, append_results, format_table
+
+BENCHMARKS = [
+    "bench.import_time",
+    "bench.loop_overhead",
+    "bench.tiny_gpt_throughput",
+    "bench.resume_cost",
+    "bench.prefetch",
+    "bench.checkpoint",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="few repeats: checks the harness, not the figures")
+    parser.add_argument("--record", action="store_true", help="append the table to bench/RESULTS.md")
+    parser.add_argument("--only", default="", help="comma-separated module names (e.g. loop_overhead)")
+    args = parser.parse_args(argv)
+    wanted = {f"bench.{name}" for name in args.only.split(",") if name}
+    rows: list[Row] = []
+    failed = []
+    for name in BENCHMARKS:
+        if wanted and name not in wanted:
+            continue
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if error.name == name:
+                continue  # not written yet
+            raise
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        try:
+            rows.extend(module.run(quick=args.quick))
+        except Exception:
+            traceback.print_exc()
+            failed.append(name)
+    print(format_table(rows))
+    if args.record:
+        append_results("Benchmark suite" + (" (quick)" if args.quick else ""), rows)
+    if failed:
+        print(f"benchmarks failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

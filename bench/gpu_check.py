@@ -1,0 +1,172 @@
+"""GPU checks: one script, one section per capability, for whichever machine with a GPU is available.
+
+    python -m bench.gpu_check            # every section, prints a short table last (<= 8 minutes)
+    python -m bench.gpu_check --only matmul_peak,train_throughput
+
+Each section is a function `section(report)` that adds rows with `report.add(section, measure, value,
+goal, ok)`; a section that cannot run here (no CUDA) says so and is skipped. CI never runs this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Report:
+    rows: list[tuple[str, str, str, str, str]] = field(default_factory=list)
+
+    def add(self, section: str, measure: str, value: str, goal: str = "-", ok: bool | None = None) -> None:
+        self.rows.append((section, measure, value, goal, "-" if ok is None else ("yes" if ok else "NO")))
+        print(f"[{section}] {measure}: {value} (goal {goal})", flush=True)
+
+    def table(self) -> str:
+        lines = ["| section | measure | value | goal | met |", "|---|---|---|---|---|"]
+        lines += [f"| {' | '.join(row)} |" for row in self.rows]
+        return "\n".join(lines)
+
+
+def _need_cuda(report: Report, section: str) -> bool:
+    if not torch.cuda.is_available():
+        report.add(section, "skipped", "no CUDA device")
+        return False
+    return True
+
+
+def environment(report: Report) -> None:
+    report.add("environment", "torch", torch.__version__)
+    if torch.cuda.is_available():
+        report.add("environment", "device", torch.cuda.get_device_name(0))
+
+
+def _matmul_peak_flops(dtype: torch.dtype = torch.bfloat16, size: int = 8192, iters: int = 20) -> float:
+    a = torch.randn(size, size, device="cuda", dtype=dtype)
+    b = torch.randn(size, size, device="cuda", dtype=dtype)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * size**3 * iters / (time.perf_counter() - start)
+
+
+_PEAK: dict[str, float] = {}
+
+
+def matmul_peak(report: Report) -> None:
+    if not _need_cuda(report, "matmul_peak"):
+        return
+    _PEAK["bf16"] = _matmul_peak_flops()
+    report.add("matmul_peak", "bf16 8192^3 matmul", f"{_PEAK['bf16'] / 1e12:.0f} TFLOP/s")
+
+
+def _gpt2_small_run(steps: int, log_every: int, compile_model: bool, count_syncs: bool) -> dict:
+    """Train a GPT-2-124M-sized TinyGPT in bf16 autocast through fntrain.train; tokens/s and syncs."""
+    from fntrain import Event, RunPlan, TrainState, train
+    from fntrain.step import causal_lm_loss, make_train_step
+    from recipes.tiny_gpt import ModelConfig, TinyGPT
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(context=1024, n_layer=12, n_head=12, d_model=768, vocab_size=50304)
+    model = TinyGPT(cfg).cuda()
+    params = sum(p.numel() for p in model.parameters())
+    if compile_model:
+        model = torch.compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    step_fn = make_train_step(
+        model, causal_lm_loss, optimizer, max_grad_norm=1.0, device=torch.device("cuda"),
+        autocast_dtype=torch.bfloat16,
+    )  # fmt: skip
+    micro, batch = 2, 8
+    ids = torch.randint(0, cfg.vocab_size, (batch, cfg.context), device="cuda")
+    batches = [[{"input_ids": ids[i : i + micro], "labels": ids[i : i + micro]} for i in range(0, batch, micro)]]
+    plan = RunPlan(train_iters=steps, steps_per_epoch=steps, epochs=1)
+    timings: dict[str, float] = {}
+    syncs = {"count": 0}
+
+    def data(epoch: int, cursor: int):
+        return (batches[0] for _ in range(steps - cursor))
+
+    def timer(event, state, info):
+        if event is Event.STEP_END and state.global_step == 3:
+            torch.cuda.synchronize()
+            timings["start"] = time.perf_counter()
+        if event is Event.STEP_END and log_every and state.global_step % log_every == 0:
+            float(info.metrics["loss"])  # a logging step: the one place a value leaves the device
+
+    train(TrainState(), step_fn, [timer], data=data, plan=plan)  # warm-up and compile
+    torch.cuda.synchronize()
+    if count_syncs:
+        # Count host syncs on non-logging steps: sync debug mode "warn" emits a warning per sync.
+        import warnings
+
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(TrainState(), step_fn, [], data=data, plan=RunPlan(train_iters=5, steps_per_epoch=5, epochs=1))
+            torch.cuda.set_sync_debug_mode("default")
+        syncs["count"] = sum("synchroniz" in str(w.message) for w in caught)
+        return {"syncs": syncs["count"] / 5}
+    train(TrainState(), step_fn, [timer], data=data, plan=plan)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - timings["start"]
+    tokens = (steps - 3) * batch * cfg.context
+    flops_per_token = 6 * params + 12 * cfg.n_layer * cfg.d_model * cfg.context
+    return {"tokens_per_s": tokens / elapsed, "flops": flops_per_token * tokens / elapsed, "params": params}
+
+
+def train_throughput(report: Report) -> None:
+    if not _need_cuda(report, "train_throughput"):
+        return
+    result = _gpt2_small_run(steps=30, log_every=10, compile_model=True, count_syncs=False)
+    report.add("train_throughput", "GPT-2-124M bf16 compile tokens/s", f"{result['tokens_per_s']:.0f}")
+    if "bf16" in _PEAK:
+        mfu = result["flops"] / _PEAK["bf16"]
+        report.add("train_throughput", "MFU vs measured matmul peak", f"{mfu:.1%}", ">= 30%", mfu >= 0.30)
+
+
+def host_syncs(report: Report) -> None:
+    if not _need_cuda(report, "host_syncs"):
+        return
+    result = _gpt2_small_run(steps=5, log_every=0, compile_model=False, count_syncs=True)
+    report.add("host_syncs", "syncs per non-logging step", f"{result['syncs']:.1f}", "0", result["syncs"] == 0)
+
+
+SECTIONS: list[Callable[[Report], None]] = [environment, matmul_peak, train_throughput, host_syncs]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", default="", help="comma-separated section names")
+    parser.add_argument("--json", default=os.environ.get("GPU_CHECK_JSON", ""), help="also write rows as JSON")
+    args = parser.parse_args()
+    wanted = {name for name in args.only.split(",") if name}
+    report = Report()
+    for section in SECTIONS:
+        if wanted and section.__name__ not in wanted:
+            continue
+        try:
+            section(report)
+        except Exception as error:  # a failing section must not hide the others
+            traceback.print_exc()
+            report.add(section.__name__, "FAILED", repr(error)[:120], ok=False)
+    print(report.table())
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report.rows, handle)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""P1 loop overhead: `train()` against a hand-written PyTorch loop running the same step on the same data.
+
+Rows: per-step overhead of `train()` with no hooks (goal <= 10 us), of `make_train_step` against a
+hand-written step, of the default hooks (progress, metrics every 10 steps, throughput; goal <= 30 us, the
+baseline logging on the same steps), and of idle profiler / memory hooks configured outside their windows.
+Run: `python -m bench.loop_overhead [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bench.harness import Row, append_results, format_table, interleave, overhead_row
+from fntrain import RunPlan, TrainState, train
+from fntrain.step import make_train_step
+
+torch.set_num_threads(1)
+
+
+def _mlp_workload(batch_size: int = 32, width: int = 128) -> tuple[torch.nn.Module, list, Callable]:
+    """A tiny MLP regression step of about 0.3 ms on one CPU thread."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, 1))
+    batches = [
+        [{"x": torch.randn(batch_size, width), "y": torch.randn(batch_size, 1)}] for _ in range(64)
+    ]
+
+    def loss_fn(output: torch.Tensor, micro_batch: dict) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(output, micro_batch["y"])
+
+    return model, batches, loss_fn
+
+
+def _gpt_workload() -> tuple[torch.nn.Module, list, Callable]:
+    from recipes.tiny_gpt import ModelConfig, TinyGPT
+    from fntrain.step import causal_lm_loss
+
+    torch.manual_seed(0)
+    config = ModelConfig(context=64, n_layer=2, n_head=2, d_model=64)
+    model = TinyGPT(config)
+    batches = []
+    for _ in range(16):
+        ids = torch.randint(0, 256, (8, 64))
+        batches.append([{"input_ids": ids, "labels": ids}])
+    return model, batches, causal_lm_loss
+
+
+def _forward_x(model: torch.nn.Module, micro_batch: dict) -> Any:
+    return model(micro_batch["x"])
+
+
+def _forward_ids(model: torch.nn.Module, micro_batch: dict) -> Any:
+    return model(micro_batch["input_ids"])
+
+
+def _variants(model, batches, loss_fn, forward, steps: int, hooks_factories: dict[str, Callable[[], list]]):
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    step_fn = make_train_step(model, loss_fn, optimizer, forward=forward, loss_weighting="mean")
+    epoch_len = len(batches)
+    plan = RunPlan(train_iters=steps, steps_per_epoch=epoch_len, epochs=-(-steps // epoch_len))
+    state0 = TrainState()
+
+    def data(epoch: int, cursor: int):
+        return iter(batches[cursor:])
+
+    def handwritten_step(batch):
+        micro_batch = batch[0]
+        loss = loss_fn(forward(model, micro_batch), micro_batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def plain_loop() -> int:
+        done = 0
+        while done < steps:
+            for batch in batches[: steps - done]:
+                step_fn(state0, batch)
+                done += 1
+        return steps
+
+    def plain_loop_handwritten_step() -> int:
+        done = 0
+        while done < steps:
+            for batch in batches[: steps - done]:
+                handwritten_step(batch)
+                done += 1
+        return steps
+
+    def with_train(hooks_factory: Callable[[], list]) -> Callable[[], int]:
+        def run() -> int:
+            train(state0, step_fn, hooks_factory(), data=data, plan=plan)
+            return steps
+
+        return run
+
+    variants = {
+        "plain loop": plain_loop,
+        "plain loop, hand-written step": plain_loop_handwritten_step,
+        "train(), no hooks": with_train(lambda: []),
+    }
+    for name, factory in hooks_factories.items():
+        variants[f"train(), {name}"] = with_train(factory)
+    return variants
+
+
+def _idle_window_hooks() -> dict[str, Callable[[], list]]:
+    """Profiler and memory hooks configured with windows that never open in the benchmark."""
+    factories: dict[str, Callable[[], list]] = {}
+    from fntrain.runtime import Runtime
+
+    runtime = Runtime()
+    try:
+        from fntrain.hooks.profiler import ProfilerConfig, profiler_hook
+
+        config = ProfilerConfig(enabled=True, start_step=10**8, stop_step=10**8 + 1)
+        factories["idle profiler"] = lambda: [profiler_hook(config, runtime)]
+    except ImportError:
+        pass
+    try:
+        from fntrain.hooks.memory import MemoryConfig, memory_hook
+
+        config_mem = MemoryConfig(mem_info=False)
+        factories["memory hook (disabled)"] = lambda: [memory_hook(config_mem, runtime)]
+    except ImportError:
+        pass
+    return factories
+
+
+def run(quick: bool = False) -> list[Row]:
+    steps, repeats = (20, 3) if quick else (200, 15)
+    logging.getLogger("fntrain").setLevel(logging.WARNING)
+    rows: list[Row] = []
+    workloads = [("tiny MLP", _mlp_workload(), _forward_x), ("tiny GPT", _gpt_workload(), _forward_ids)]
+    for label, (model, batches, loss_fn), forward in workloads:
+        hooks = _idle_window_hooks() if label == "tiny MLP" else {}
+        variants = _variants(model, batches, loss_fn, forward, steps if label == "tiny MLP" else steps // 4, hooks)
+        timing = interleave(variants, repeats=repeats, aa="plain loop")
+        rows.append(
+            overhead_row(
+                f"P1 {label}: train(), no hooks vs plain loop", timing, "train(), no hooks", "plain loop",
+                goal_us=10,
+                note="the loop's own Python work per step (two event dispatches, one state and one StepInfo).",
+            )
+        )  # fmt: skip
+        rows.append(
+            overhead_row(
+                f"P1 {label}: make_train_step vs hand-written step", timing, "plain loop",
+                "plain loop, hand-written step", goal_us=None,
+                note="token/loss bookkeeping and the finite check the library step does and a bare step skips.",
+            )
+        )  # fmt: skip
+        for name in hooks:
+            rows.append(
+                overhead_row(
+                    f"P1 {label}: train(), {name} vs no hooks", timing, f"train(), {name}", "train(), no hooks",
+                    goal_us=5, note="a hook outside its window costs a call and an integer comparison.",
+                )
+            )  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="few steps and repeats (CI: checks the harness)")
+    parser.add_argument("--record", action="store_true", help="append the table to bench/RESULTS.md")
+    args = parser.parse_args()
+    rows = run(args.quick)
+    print(format_table(rows))
+    if args.record:
+        append_results("Loop overhead", rows)
+
+
+if __name__ == "__main__":
+    main()

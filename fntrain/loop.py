@@ -1,0 +1,162 @@
+"""`train`: the one training loop, a fold of a step function and hooks over `TrainState`. No torch.
+
+The loop owns the transitions of `TrainState`, the dispatch of events to hooks (list order), the ABORT
+path and the lifetime of each epoch's data iterator. It knows nothing of models, devices or files, and it
+never calls `.item()`, `.cpu()` or a device synchronize: metrics pass through as the step returned them.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fntrain.state import RunPlan, TrainState
+
+__all__ = ["Event", "Hook", "StepInfo", "StopTraining", "train"]
+
+log = logging.getLogger("fntrain.loop")
+
+
+class Event(enum.Enum):
+    TRAIN_BEGIN = "train_begin"
+    EPOCH_BEGIN = "epoch_begin"
+    STEP_BEGIN = "step_begin"
+    STEP_END = "step_end"
+    EPOCH_END = "epoch_end"
+    TRAIN_END = "train_end"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    """What STEP_END hooks get: the step's metrics (possibly device tensors), batch size, host wall time.
+
+    `tokens` and `samples` come from the loop's `count_batch` (0 when none was given); `tokens` may be
+    a device tensor. `step_time_s` is the host time spent in `step_fn` (no device sync is made, so on an
+    asynchronous device it is dispatch time; hooks that report throughput sync on their logging steps).
+    """
+
+    metrics: Mapping[str, Any]
+    tokens: Any = 0
+    samples: int = 0
+    step_time_s: float = 0.0
+
+
+class Hook(Protocol):
+    """A hook is any callable of (event, state, info). ABORT's info is the exception."""
+
+    def __call__(self, event: Event, state: TrainState, info: StepInfo | BaseException | None) -> None: ...
+
+
+class StopTraining(Exception):
+    """Raised by a hook or a step to end the run cleanly: TRAIN_END is sent and `train` returns."""
+
+
+StepFn = Callable[[TrainState, Any], Mapping[str, Any]]
+DataFn = Callable[[int, int], Iterator[Any]]
+CountFn = Callable[[Any], "tuple[Any, int]"]
+
+_EXHAUSTED = object()
+
+
+def _close(iterator: Any) -> None:
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        close()
+
+
+def train(
+    state: TrainState,
+    step_fn: StepFn,
+    hooks: Sequence[Hook] = (),
+    *,
+    data: DataFn,
+    plan: RunPlan,
+    count_batch: CountFn | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> TrainState:
+    """Run `step_fn` over `data` from `state` until `plan.train_iters` steps; return the final state.
+
+    Events, in order: TRAIN_BEGIN; per epoch EPOCH_BEGIN, then per step STEP_BEGIN (after the batch was
+    fetched), the step, the state advances, STEP_END (with a `StepInfo`); EPOCH_END (with the finished
+    epoch's state); finally TRAIN_END. Any exception sends ABORT (info = the exception) to every hook,
+    closes the data iterator and re-raises the same exception object; TRAIN_END is then not sent.
+    `StopTraining` ends the run cleanly. `data(epoch, cursor)` returns the epoch's remaining global
+    batches; running out early ends the epoch quietly without advancing `global_step` [S13].
+    """
+    hooks = tuple(hooks)
+    iterator: Iterator[Any] | None = None
+
+    def dispatch(event: Event, current: TrainState, info: Any = None) -> None:
+        for hook in hooks:
+            hook(event, current, info)
+
+    try:
+        try:
+            dispatch(Event.TRAIN_BEGIN, state)
+            while state.global_step < plan.train_iters:
+                steps = plan.steps_in_epoch(state)
+                if steps > 0:
+                    dispatch(Event.EPOCH_BEGIN, state)
+                    started_at = state.cursor
+                    iterator = iter(data(state.epoch, state.cursor))
+                    for _ in range(steps):
+                        batch = next(iterator, _EXHAUSTED)
+                        if batch is _EXHAUSTED:
+                            log.info(
+                                "epoch %d ran out of data after %d of %d steps; ending the epoch",
+                                state.epoch, state.cursor, plan.steps_per_epoch,
+                            )  # fmt: skip
+                            if state.cursor == started_at == 0:
+                                raise RuntimeError(
+                                    f"data(epoch={state.epoch}, cursor=0) yielded no batch: "
+                                    "an empty epoch would repeat forever"
+                                )
+                            steps = -1
+                            break
+                        dispatch(Event.STEP_BEGIN, state)
+                        t0 = clock()
+                        metrics = step_fn(state, batch)
+                        elapsed = clock() - t0
+                        state = state.after_step()
+                        if count_batch is None:
+                            info = StepInfo(metrics, 0, 0, elapsed)
+                        else:
+                            tokens, samples = count_batch(batch)
+                            info = StepInfo(metrics, tokens, samples, elapsed)
+                        dispatch(Event.STEP_END, state, info)
+                    _close(iterator)
+                    iterator = None
+                    if steps != -1 and state.cursor < plan.steps_per_epoch:
+                        break  # train_iters reached mid-epoch: the epoch is not finished
+                # The epoch is finished (all its steps, its data ran out, or a restored cursor at its end).
+                dispatch(Event.EPOCH_END, state)
+                state = state.next_epoch()
+        except StopTraining:
+            log.info("StopTraining at global_step %d; ending the run", state.global_step)
+        if iterator is not None:
+            _close(iterator)
+            iterator = None
+        dispatch(Event.TRAIN_END, state)
+        return state
+    except BaseException as error:
+        _abort(hooks, state, error, iterator)
+        raise
+
+
+def _abort(hooks: tuple[Hook, ...], state: TrainState, error: BaseException, iterator: Any) -> None:
+    """Send ABORT to every hook and close the data; nothing raised here may hide `error`."""
+    for hook in hooks:
+        try:
+            hook(Event.ABORT, state, error)
+        except BaseException as hook_error:  # noqa: BLE001 - logged, the original error wins
+            log.error("hook %r raised during ABORT: %r", hook, hook_error)
+    if iterator is not None:
+        try:
+            _close(iterator)
+        except BaseException as close_error:  # noqa: BLE001
+            log.error("closing the data iterator during ABORT raised: %r", close_error)

@@ -1,0 +1,43 @@
+"""`Runtime`: what the rest of fntrain needs to know about the process it runs in (frozen)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Runtime"]
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Ranks, device and parallel sizes of this process. Constructible by keywords for tests.
+
+    `dp_rank`/`dp_size` are this process's data-parallel coordinates (the data shard it reads);
+    tp/pp/cp/ep sizes are carried so hooks can report them. `mesh` is the DeviceMesh when one was built.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dp_size: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+    cp_size: int = 1
+    ep_size: int = 1
+    dp_rank: int = 0
+    backend: str | None = None
+    mesh: Any = None
+    seed: int = 42
+    parallel_mode: str = "none"
+
+    @property
+    def distributed(self) -> bool:
+        """True when a process group is in use (world_size > 1 or explicitly initialised)."""
+        return self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0

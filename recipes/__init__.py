@@ -1,0 +1,1 @@
+"""Built-in recipes: each composes fntrain's builders and exposes a tyro CLI."""
