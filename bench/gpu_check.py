@@ -143,7 +143,95 @@ def host_syncs(report: Report) -> None:
     report.add("host_syncs", "syncs per non-logging step", f"{result['syncs']:.1f}", "0", result["syncs"] == 0)
 
 
-SECTIONS: list[Callable[[Report], None]] = [environment, matmul_peak, train_throughput, host_syncs]
+def memory_snapshot(report: Report) -> None:
+    """The memory hook on the real CUDA allocator [S35]: a window snapshot of a training run, then a forced
+    out-of-memory error whose snapshot the allocator's OOM observer writes before the stack unwinds."""
+    if not _need_cuda(report, "memory_snapshot"):
+        return
+    import logging
+    import pickle
+    import tempfile
+
+    from fntrain import RunPlan, TrainState, train
+    from fntrain.hooks.memory import MemoryConfig, memory_hook
+    from fntrain.runtime import Runtime
+    from fntrain.step import causal_lm_loss, make_train_step
+    from recipes.tiny_gpt import ModelConfig, TinyGPT
+
+    name = "memory_snapshot"
+    device = torch.device("cuda", torch.cuda.current_device())
+    runtime = Runtime(device=device)
+    torch.manual_seed(0)
+    cfg = ModelConfig(context=256, n_layer=2, n_head=4, d_model=256)
+    model = TinyGPT(cfg).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step_fn = make_train_step(model, causal_lm_loss, optimizer, device=device)
+    ids = torch.randint(0, cfg.vocab_size, (4, cfg.context), device=device)
+    batch = [{"input_ids": ids, "labels": ids}]
+    plan = RunPlan(train_iters=4, steps_per_epoch=4, epochs=1)
+
+    def data(epoch: int, cursor: int):
+        return (batch for _ in range(4 - cursor))
+
+    def actions_in(path: str) -> tuple[dict, set]:
+        with open(path, "rb") as handle:
+            snapshot = pickle.load(handle)
+        return snapshot, {e.get("action") for trace in snapshot.get("device_traces", []) for e in trace}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # A window over control points [1, 3) of a real run, with mem_info's peak log.
+        records: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+        logger = logging.getLogger("fntrain.hooks.memory")
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            config = MemoryConfig(enable=True, start_step=1, end_step=3, save_path=f"{tmp}/w", mem_info=True)
+            train(TrainState(), step_fn, [memory_hook(config, runtime)], data=data, plan=plan)
+        finally:
+            logger.removeHandler(handler)
+        files = sorted(os.listdir(f"{tmp}/w"))
+        one = len(files) == 1 and files[0].startswith("snapshot_") and files[0].endswith("_0.pickle")
+        report.add(name, "window files", ", ".join(files), "one snapshot_<time>_0.pickle", one)
+        snapshot, actions = actions_in(f"{tmp}/w/{files[0]}")
+        ok = {"segments", "device_traces"} <= set(snapshot) and "alloc" in actions
+        value = f"keys={sorted(snapshot)} actions={sorted(a for a in actions if a)}"
+        report.add(name, "pickle loads; segments, device_traces, alloc events", value, "yes", ok)
+        peaks = [line for line in records if "peak_reserved_mib=" in line]
+        reserved = float(peaks[-1].split("peak_reserved_mib=")[1].split()[0]) if peaks else 0.0
+        value = f"{len(peaks)} lines, last peak_reserved {reserved:.1f} MiB"
+        report.add(name, "mem_info", value, "6 lines, > 0 MiB", len(peaks) == 6 and reserved > 0)
+
+        # A forced OOM inside the window: the observer (without one: ABORT) writes snapshot_oom_0.pickle.
+        total = torch.cuda.get_device_properties(device).total_memory
+
+        def oom_step(state, batch):
+            if state.global_step == 1:
+                torch.empty(2 * total, dtype=torch.uint8, device=device)
+            return step_fn(state, batch)
+
+        config = MemoryConfig(enable=True, start_step=1, end_step=10, save_path=f"{tmp}/oom")
+        raised = None
+        try:
+            train(TrainState(), oom_step, [memory_hook(config, runtime)], data=data, plan=plan)
+        except torch.OutOfMemoryError as error:
+            raised = error
+        torch.cuda.empty_cache()
+        path = f"{tmp}/oom/snapshot_oom_0.pickle"
+        written = os.path.exists(path)
+        oom_event = written and "oom" in actions_in(path)[1]
+        via = "observer" if hasattr(torch._C, "_cuda_attach_out_of_memory_observer") else "ABORT"
+        value = f"raised={type(raised).__name__} written={written} oom_event={oom_event}"
+        ok = raised is not None and oom_event
+        report.add(name, f"forced OOM snapshot (via {via})", value, "OutOfMemoryError, oom event", ok)
+        left = sum(len(trace) for trace in torch.cuda.memory._snapshot()["device_traces"])
+        report.add(name, "history events left after the runs", str(left), "0", left == 0)
+
+
+SECTIONS: list[Callable[[Report], None]] = [
+    environment, matmul_peak, train_throughput, host_syncs, memory_snapshot,
+]  # fmt: skip
 
 
 def main() -> int:

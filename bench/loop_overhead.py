@@ -37,8 +37,8 @@ def _mlp_workload(batch_size: int = 32, width: int = 128) -> tuple[torch.nn.Modu
 
 
 def _gpt_workload() -> tuple[torch.nn.Module, list, Callable]:
-    from recipes.tiny_gpt import ModelConfig, TinyGPT
     from fntrain.step import causal_lm_loss
+    from recipes.tiny_gpt import ModelConfig, TinyGPT
 
     torch.manual_seed(0)
     config = ModelConfig(context=64, n_layer=2, n_head=2, d_model=64)

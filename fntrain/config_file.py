@@ -55,7 +55,9 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(path).expanduser()
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
-        raise ConfigFileError(f"config file {str(path)!r}: unknown format {suffix!r}; use one of {', '.join(SUFFIXES)}")
+        raise ConfigFileError(
+            f"config file {str(path)!r}: unknown format {suffix!r}; use one of {', '.join(SUFFIXES)}"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
     text = path.read_text(encoding="utf-8")
@@ -73,7 +75,9 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     if data is None:  # an empty YAML file
         return {}
     if not isinstance(data, Mapping):
-        raise ConfigFileError(f"config file {str(path)!r} must hold a table of fields, got {type(data).__name__}")
+        raise ConfigFileError(
+            f"config file {str(path)!r} must hold a table of fields, got {type(data).__name__}"
+        )
     return dict(data)
 
 
@@ -85,7 +89,9 @@ def _toml_module() -> Any:
     try:
         import tomli
     except ImportError as error:
-        raise ConfigFileError("reading TOML on Python < 3.11 needs the tomli package (pip install tomli)") from error
+        raise ConfigFileError(
+            "reading TOML on Python < 3.11 needs the tomli package (pip install tomli)"
+        ) from error
     return tomli
 
 
@@ -125,7 +131,9 @@ def _merge_dataclass(cls: type, base: Any, data: Any, prefix: str) -> Any:
         if key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1)
             hint = f"; did you mean {(prefix + '.' if prefix else '') + close[0]!r}?" if close else ""
-            raise ValueError(f"unknown config key {dotted!r}{hint} (known at {where}: {', '.join(sorted(fields))})")
+            raise ValueError(
+                f"unknown config key {dotted!r}{hint} (known at {where}: {', '.join(sorted(fields))})"
+            )
         if key in changes:
             raise ValueError(f"config key {dotted!r} is given twice")
         current = getattr(base, key) if base is not None else None
@@ -215,7 +223,10 @@ def _convert_sequence(kind: Any, args: tuple[Any, ...], value: Any, field: str) 
     if kind is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
         if len(value) != len(args):
             raise ValueError(f"{field} must have {len(args)} items, got {len(value)}: {list(value)!r}")
-        return tuple(_convert(arm, item, f"{field}[{i}]") for i, (arm, item) in enumerate(zip(args, value)))
+        return tuple(
+            _convert(arm, item, f"{field}[{i}]")
+            for i, (arm, item) in enumerate(zip(args, value, strict=True))
+        )
     item_hint = args[0] if args else Any
     items = [_convert(item_hint, item, f"{field}[{i}]") for i, item in enumerate(value)]
     return kind(items) if kind is not list else items
@@ -313,7 +324,9 @@ def _toml_key(key: Any) -> str:
     return key if key and all(c.isalnum() or c in "_-" for c in key) else json.dumps(key)
 
 
-def write_config(config: Any, run_dir: str | os.PathLike[str], *, formats: Sequence[str] = ("json",)) -> list[Path]:
+def write_config(
+    config: Any, run_dir: str | os.PathLike[str], *, formats: Sequence[str] = ("json",)
+) -> list[Path]:
     """Write the resolved config into `run_dir` as config.json (and/or config.toml); every file it
     writes reads back with `load_config` to an equal config."""
     run_dir = Path(run_dir).expanduser()
@@ -367,7 +380,11 @@ CONFIG_HELP = (
 
 
 def parse_config_cli(
-    cls: type[T], argv: Sequence[str] | None = None, *, description: str | None = None, prog: str | None = None
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    *,
+    description: str | None = None,
+    prog: str | None = None,
 ) -> T:
     """tyro's CLI for `cls`, with defaults seeded by any `--config FILE` in `argv` (None: sys.argv)."""
     import tyro

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import typing
 from collections.abc import Callable
@@ -73,8 +74,6 @@ def _module_exists(module_name: str) -> bool:
 
 def available_recipes() -> dict[str, str]:
     """name -> module path, for every recipe that can be found by name (entry points and built-ins)."""
-    import importlib.util  # noqa: F401  (find_spec lives there)
-
     names: dict[str, str] = {name: ep.value for name, ep in _entry_points().items()}
     for package in _PACKAGES:
         if not _module_exists(package):
@@ -85,22 +84,35 @@ def available_recipes() -> dict[str, str]:
     return dict(sorted(names.items()))
 
 
-def _import_by_name(name: str) -> ModuleType:
-    import importlib.util  # noqa: F401
+def _try_import(module_name: str) -> ModuleType | None:
+    """The module, or None when it (or a package above it) does not exist. A recipe whose own imports
+    fail (a missing extra) raises: that error must reach the user."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        missing = error.name or ""
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            return None
+        raise
 
+
+def _import_by_name(name: str) -> ModuleType:
     key = _normalize(name)
     entry_point = _entry_points().get(key)
     if entry_point is not None:
         loaded = entry_point.load()
         if not isinstance(loaded, ModuleType):
-            raise TypeError(f"entry point {ENTRY_POINT_GROUP}:{entry_point.name} must name a module, got {loaded!r}")
+            raise TypeError(
+                f"entry point {ENTRY_POINT_GROUP}:{entry_point.name} must name a module, got {loaded!r}"
+            )
         return loaded
     candidates = [f"{package}.{key}" for package in _PACKAGES]
     if "." in name:
         candidates.append(name)
     for module_name in candidates:
-        if _module_exists(module_name):
-            return importlib.import_module(module_name)
+        module = _try_import(module_name)
+        if module is not None:
+            return module
     known = ", ".join(available_recipes()) or "none"
     raise RecipeNotFound(f"no recipe named {name!r} (known recipes: {known}; or give a dotted module path)")
 

@@ -5,25 +5,43 @@ last one when data-parallel), weights each micro-batch's loss by its share of th
 (summed over data-parallel ranks), clips, steps the optimizers, zeroes the gradients, steps the
 schedulers, and returns its metrics as device tensors: nothing here forces a host sync, except the
 checks that are free on CPU and the opt-in skip-non-finite mode.
+
+Data parallelism. DDP and FSDP2 *average* gradients over the data-parallel ranks. In token mode each
+rank's micro-batch weights are `tokens_i * dp_size / global_tokens`, so after that average the
+gradient is exactly the gradient of one batch holding every rank's tokens, and the per-rank "loss"
+metric is (local weighted share x dp_size): its mean over ranks (what the metrics hook reports) is the
+exact global token-weighted mean [S23]. The only collective the step adds is the all_reduce of the
+step's token count, which the weights need before the first backward.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import optree
 import torch
 import torch.distributed as dist
 
-from fntrain.data.tokens import IGNORE_INDEX, count_loss_tokens
+from fntrain.data.tokens import IGNORE_INDEX, count_loss_tokens, loss_targets
 from fntrain.state import TrainState
 
-__all__ = ["make_train_step", "default_forward", "causal_lm_loss", "current_lr"]
+__all__ = [
+    "make_train_step",
+    "default_forward",
+    "causal_lm_loss",
+    "current_lr",
+    "LOSS_WEIGHTINGS",
+    "NONFINITE_MODES",
+]
+
+log = logging.getLogger(__name__)
 
 LOSS_WEIGHTINGS = ("token", "mean")
 NONFINITE_MODES = ("raise", "skip")
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
@@ -32,13 +50,14 @@ def default_forward(model: torch.nn.Module, micro_batch: Mapping[str, Any]) -> A
     return model(**{key: micro_batch[key] for key in _MODEL_INPUTS if key in micro_batch})
 
 
-def causal_lm_loss(output: Any, micro_batch: Mapping[str, Any], ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def causal_lm_loss(
+    output: Any, micro_batch: Mapping[str, Any], ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
     """Mean next-token cross-entropy over the valid tokens of one micro-batch; 0 when there are none.
 
-    `output` is the logits tensor or an object with `.logits` (Hugging Face). Targets and validity per [S22].
+    `output` is the logits tensor or an object with `.logits` (Hugging Face). Targets and validity per
+    [S22]; the cross-entropy is computed in fp32 whatever the logits' dtype.
     """
-    from fntrain.data.tokens import loss_targets
-
     logits = output.logits if hasattr(output, "logits") else output
     targets, valid = loss_targets(micro_batch, ignore_index)
     if "shift_labels" not in micro_batch:
@@ -60,26 +79,78 @@ def current_lr(optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence
     return max(group["lr"] for opt in optimizers for group in opt.param_groups)
 
 
-def _to_device(micro_batch: Any, device: torch.device | None) -> Any:
-    if device is None or device.type == "cpu":
+def _to_device(micro_batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
         return micro_batch
     return optree.tree_map(
         lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, micro_batch
     )
 
 
-def _gradient_sync(model: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-    """DDP `no_sync` / FSDP2 `set_requires_gradient_sync` for all but the last micro-batch [S21]."""
-    if enabled:
-        if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(True)
-        return contextlib.nullcontext()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)
-        return contextlib.nullcontext()
-    if hasattr(model, "no_sync"):  # DDP
-        return model.no_sync()
-    return contextlib.nullcontext()
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's global value (FSDP2's grad norm); plain tensors unchanged."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+_ASSERT_MODES: dict[str, str] = {}  # device type -> "msg" | "plain" | "host"
+
+
+def _device_assert(condition: torch.Tensor, message: str, error: type[Exception]) -> None:
+    """Assert `condition` on the device without a host sync (`torch._assert_async`).
+
+    A backend without the op (or without its message overload) falls back to the plain op, and as a
+    last resort to a host check, which costs a sync per step and is logged once.
+    """
+    device_type = condition.device.type
+    mode = _ASSERT_MODES.get(device_type, "msg")
+    if mode == "msg":
+        try:
+            torch._assert_async(condition, message)
+            return
+        except NotImplementedError:
+            mode = _ASSERT_MODES[device_type] = "plain"
+    if mode == "plain":
+        try:
+            torch._assert_async(condition)
+            return
+        except NotImplementedError:
+            _ASSERT_MODES[device_type] = "host"
+            log.warning(
+                "torch._assert_async is not available on %s: step checks now cost a host sync", device_type
+            )
+    if not bool(condition):
+        raise error(message)
+
+
+@contextlib.contextmanager
+def _fsdp_accumulation(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """FSDP2: gradients are reduce-scattered only on the last micro-batch [S21]; sync is switched back
+    on when the step ends, even by an exception, so a later single-micro-batch step still syncs."""
+    if not enabled:
+        yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _check_step_args(
+    loss_weighting: str, nonfinite: str, max_grad_norm: Any, dp_size: Any, autocast_dtype: Any
+) -> None:
+    if loss_weighting not in LOSS_WEIGHTINGS:
+        raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {loss_weighting!r}")
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+    if not isinstance(max_grad_norm, (int, float)) or isinstance(max_grad_norm, bool) or max_grad_norm < 0:
+        raise ValueError(f"max_grad_norm must be a number >= 0, got {max_grad_norm!r}")
+    if type(dp_size) is not int or dp_size < 1:
+        raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
+    if autocast_dtype is not None and autocast_dtype not in AUTOCAST_DTYPES:
+        raise ValueError(
+            f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {autocast_dtype!r}"
+        )
 
 
 def make_train_step(
@@ -99,98 +170,145 @@ def make_train_step(
     nonfinite: str = "raise",
     ignore_index: int = IGNORE_INDEX,
 ) -> Callable[[TrainState, Sequence[Mapping[str, Any]]], dict[str, Any]]:
-    """Build `step_fn(state, batch) -> {"loss", "grad_norm", "lr", ...}` for one optimizer step.
+    """Build `step_fn(state, batch) -> {"loss", "grad_norm", "lr"}` for one optimizer step.
 
     `batch` is the sequence of micro-batches of one global step (a lone mapping is one micro-batch).
-    loss_weighting "token" (default, [S23]): the gradient equals that of one big batch over all ranks and
-    the reported loss is the exact token-weighted mean once averaged over data-parallel ranks (the metrics
-    hook's reduction); "mean": plain mean over micro-batches and ranks. `max_grad_norm > 0` clips and
-    `grad_norm` reports the pre-clip norm, else 0 [S24]. Order: optimizers step, zero_grad, schedulers
-    step [S25]. nonfinite "raise": a non-finite loss is an error naming the step, checked without a host
-    sync on accelerators (`torch._assert_async`); "skip" skips the update instead, which costs a sync.
+    `model` is what `parallelize` returned (plain, DDP or FSDP2); `dp_size`/`dp_group` are the
+    data-parallel degree and group (`Runtime.dp_size`, `data_parallel_group(runtime)`).
+
+    loss_weighting "token" (default, [S23]): the gradient equals that of one big batch over all ranks
+    and the reported loss, averaged over data-parallel ranks, is the exact token-weighted mean; a step
+    with zero valid tokens must have zero loss (else ValueError) and then takes a zero-gradient update.
+    "mean": plain mean over micro-batches and ranks.
+    `max_grad_norm > 0` clips and `grad_norm` reports the pre-clip norm, else 0 [S24]. Order: optimizers
+    step, zero_grad, schedulers step [S25]. `autocast_dtype` (bf16/fp16) runs forward under autocast;
+    `grad_scaler` (needed for fp16; `ShardedGradScaler` under FSDP2) scales the backward, unscales
+    before clipping and skips steps with inf/NaN gradients by itself.
+    nonfinite "raise": a non-finite loss (or, when clipping without a scaler, a non-finite gradient norm,
+    which is the same on every rank so all ranks stop together) is an error naming the step, checked
+    without a host sync on accelerators (`torch._assert_async`: the error surfaces at the device's next
+    sync; on CPU the check is free and immediate). "skip": skip the update and the schedulers instead
+    (metrics gain "skipped"); deciding that on the host costs a sync per step. With several
+    data-parallel ranks the decision follows the synced gradients' norm so every rank agrees; with a
+    grad scaler it is left to the scaler.
     """
-    if loss_weighting not in LOSS_WEIGHTINGS:
-        raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {loss_weighting!r}")
-    if nonfinite not in NONFINITE_MODES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
-    if not isinstance(max_grad_norm, (int, float)) or isinstance(max_grad_norm, bool) or max_grad_norm < 0:
-        raise ValueError(f"max_grad_norm must be a number >= 0, got {max_grad_norm!r}")
+    _check_step_args(loss_weighting, nonfinite, max_grad_norm, dp_size, autocast_dtype)
     optimizers = (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
     schedulers = tuple(schedulers) if isinstance(schedulers, (list, tuple)) else (schedulers,)
     if not optimizers:
         raise ValueError("make_train_step needs at least one optimizer")
     params = [p for p in model.parameters() if p.requires_grad]
-    device = device if device is not None else (params[0].device if params else torch.device("cpu"))
+    if not params:
+        raise ValueError("make_train_step: the model has no trainable parameters")
+    device = device if device is not None else params[0].device
     on_cpu = device.type == "cpu"
     token_weighted = loss_weighting == "token"
-    reduce_tokens = dp_size > 1 and dist.is_available() and dist.is_initialized()
-    autocast = (
-        (lambda: torch.autocast(device.type, dtype=autocast_dtype))
-        if autocast_dtype is not None
-        else contextlib.nullcontext
-    )
-    zero = torch.zeros((), device=device)
+    if dp_size > 1:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"dp_size={dp_size} needs an initialized process group (see setup_runtime)")
+        group_size = dist.get_world_size(dp_group)
+        if group_size != dp_size:
+            raise ValueError(f"dp_size={dp_size} but the data-parallel group has {group_size} ranks")
+    reduce_tokens = dp_size > 1
+    fsdp = hasattr(model, "set_requires_gradient_sync")
+    ddp = not fsdp and hasattr(model, "no_sync")
+    clip = max_grad_norm > 0
+    # A scaler expects inf gradients now and then (it skips those steps itself), so only the loss is
+    # checked when one is in use; without one, a non-finite clipped norm is a global stop signal.
+    check_grad_norm = clip and grad_scaler is None
+    skip_mode = nonfinite == "skip"
+
+    def autocast() -> contextlib.AbstractContextManager:
+        if autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=autocast_dtype)
+
+    def token_weights(micro_batches: Sequence[Mapping[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-micro-batch weights, global token count) for token mode."""
+        counts = [count_loss_tokens(mb, ignore_index) for mb in micro_batches]
+        tokens = torch.stack([torch.as_tensor(c, dtype=torch.int64, device=device) for c in counts])
+        total = tokens.sum()
+        if reduce_tokens:
+            dist.all_reduce(total, group=dp_group)
+        # x dp_size undoes DDP/FSDP2's 1/dp gradient averaging: these weights already sum to 1 over all ranks.
+        weights = tokens.to(torch.float32) * (dp_size / total.clamp(min=1).to(torch.float32))
+        return weights, total
+
+    def check_zero_tokens(state: TrainState, total: torch.Tensor, raw_losses: list[torch.Tensor]) -> None:
+        step = state.global_step + 1
+        bad = (total == 0) & (torch.stack(raw_losses).abs().sum() != 0)
+        if on_cpu:
+            if bool(bad):
+                raise ValueError(
+                    f"step {step} has zero loss tokens but a non-zero loss "
+                    f"({[float(x) for x in raw_losses]}): the loss function must return 0 when no token is valid"
+                )
+        else:
+            _device_assert(~bad, f"step {step} has zero loss tokens but a non-zero loss", ValueError)
 
     def step_fn(state: TrainState, batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        micro_batches = (batch,) if isinstance(batch, Mapping) else batch
+        micro_batches = [batch] if isinstance(batch, Mapping) else list(batch)
         count = len(micro_batches)
+        if count == 0:
+            raise ValueError(f"step {state.global_step + 1}: the batch holds no micro-batches")
         micro_batches = [_to_device(mb, device) for mb in micro_batches]
-
         if token_weighted:
-            tokens = [count_loss_tokens(mb, ignore_index) for mb in micro_batches]
-            total_tokens = torch.stack(tokens).sum() if count > 1 else tokens[0].clone()
-            if reduce_tokens:
-                dist.all_reduce(total_tokens, group=dp_group)
-            # DDP/FSDP2 average gradients over ranks; the token weights already sum to 1 over all ranks,
-            # so scaling by dp_size undoes that implicit 1/world.
-            denominator = total_tokens.clamp(min=1).to(torch.float32) / dp_size
+            weights, total_tokens = token_weights(micro_batches)
 
-        loss_sum = zero.clone()
-        raw_loss_sum = zero.clone()
-        for index, micro_batch in enumerate(micro_batches):
-            with _gradient_sync(model, index == count - 1 or count == 1):
-                with autocast():
-                    output = forward(model, micro_batch)
-                loss = loss_fn(output, micro_batch)
+        parts: list[torch.Tensor] = []
+        raw_losses: list[torch.Tensor] = []
+        with _fsdp_accumulation(model, fsdp and count > 1):
+            for index, micro_batch in enumerate(micro_batches):
+                last = index == count - 1
+                if fsdp and last and count > 1:
+                    model.set_requires_gradient_sync(True)
+                no_sync = model.no_sync() if ddp and not last else contextlib.nullcontext()
+                with no_sync:  # DDP: forward and backward of all but the last micro-batch skip the all-reduce
+                    with autocast():
+                        output = forward(model, micro_batch)
+                    loss = loss_fn(output, micro_batch)
+                    weighted = loss * weights[index] if token_weighted else loss / count
+                    (grad_scaler.scale(weighted) if grad_scaler is not None else weighted).backward()
+                parts.append(weighted.detach())
                 if token_weighted:
-                    weighted = loss * tokens[index] / denominator
-                    raw_loss_sum += loss.detach()
-                else:
-                    weighted = loss / count
-                (grad_scaler.scale(weighted) if grad_scaler is not None else weighted).backward()
-            loss_sum += weighted.detach()
-
-        reported = loss_sum  # token mode: local share x dp_size; averaged over ranks it is the global mean
+                    raw_losses.append(loss.detach())
+        reported = parts[0] if count == 1 else torch.stack(parts).sum()
         if token_weighted:
-            no_tokens_but_loss = (total_tokens == 0) & (raw_loss_sum != 0)
-            if on_cpu:
-                if bool(no_tokens_but_loss):
-                    raise ValueError(
-                        f"step {state.global_step + 1} has zero loss tokens but a non-zero loss "
-                        f"({float(raw_loss_sum)}): the loss function must return 0 when no token is valid"
-                    )
-            else:
-                torch._assert_async(~no_tokens_but_loss, f"step {state.global_step + 1}: zero loss tokens but non-zero loss")
-
-        finite = torch.isfinite(reported)
-        skip = False
-        if nonfinite == "skip":
-            skip = not bool(finite)  # documented host sync
-        elif on_cpu:
-            if not bool(finite):
-                raise FloatingPointError(f"non-finite loss at step {state.global_step + 1}: {float(reported)}")
-        else:
-            torch._assert_async(finite, f"non-finite loss at step {state.global_step + 1}")
+            check_zero_tokens(state, total_tokens, raw_losses)
 
         if grad_scaler is not None:
             for optimizer in optimizers:
                 grad_scaler.unscale_(optimizer)
-        if max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=None)
-            if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2
-                grad_norm = grad_norm.full_tensor()
+        if clip:
+            grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=None))
         else:
-            grad_norm = zero
+            grad_norm = torch.zeros((), device=device)
+
+        step = state.global_step + 1
+        finite = torch.isfinite(reported)
+        if check_grad_norm:
+            finite = finite & torch.isfinite(grad_norm)
+        skip = False
+        if skip_mode:
+            if dp_size == 1:
+                skip = not bool(finite)  # documented host sync
+            elif grad_scaler is None:
+                # The decision must agree on every rank: the synced gradients' norm does, a rank's loss
+                # does not (a non-finite loss anywhere makes the synced gradients non-finite everywhere).
+                norm = (
+                    grad_norm
+                    if clip
+                    else _full(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+                )
+                skip = not bool(torch.isfinite(norm))  # documented host sync
+            # else: the scaler skips non-finite gradients itself, consistently over ranks
+        elif on_cpu:
+            if not bool(finite):
+                raise FloatingPointError(
+                    f"non-finite loss at step {step}: loss {float(reported)}, grad_norm {float(grad_norm)}"
+                )
+        else:
+            _device_assert(finite, f"non-finite loss or gradient norm at step {step}", FloatingPointError)
 
         if not skip:
             for optimizer in optimizers:
@@ -198,15 +316,19 @@ def make_train_step(
                     grad_scaler.step(optimizer)
                 else:
                     optimizer.step()
-            if grad_scaler is not None:
-                grad_scaler.update()
+        if grad_scaler is not None:
+            grad_scaler.update()  # also after a skipped step: unscale_ must be followed by update
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
         if not skip:
             for scheduler in schedulers:
                 scheduler.step()
-        metrics = {"loss": reported, "grad_norm": grad_norm, "lr": current_lr(optimizers, schedulers)}
-        if nonfinite == "skip":
+        metrics: dict[str, Any] = {
+            "loss": reported,
+            "grad_norm": grad_norm,
+            "lr": current_lr(optimizers, schedulers),
+        }
+        if skip_mode:
             metrics["skipped"] = float(skip)
         return metrics
 

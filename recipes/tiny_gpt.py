@@ -10,9 +10,7 @@ data -> plan -> optimizer -> schedule -> hooks -> train.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,9 +24,23 @@ from fntrain import RunPlan, TrainState, make_run_plan, train
 from fntrain.components import Components
 from fntrain.data.pipeline import DataSpec, build_data, data_fn
 from fntrain.data.tokens import count_batch
+from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook, checkpoint_root
+from fntrain.hooks.evaluate import EvaluateConfig, evaluate_hook, make_eval_fn
+from fntrain.hooks.gc import GCConfig, gc_hook
 from fntrain.hooks.memory import MemoryConfig, memory_hook
+from fntrain.hooks.metrics import MetricBoard, MetricsConfig, metrics_hook, metrics_log
+from fntrain.hooks.profiler import ProfilerConfig, profiler_hook
+from fntrain.hooks.progress import ProgressConfig, progress_hook
+from fntrain.hooks.throughput import ThroughputConfig, measure_flops_per_token, throughput_hook
 from fntrain.optim import OptimizerConfig, ScheduleConfig, build_lr_schedule, build_optimizer
 from fntrain.runtime import Runtime
+from fntrain.runtime.parallel import (
+    ParallelConfig,
+    autocast_dtype,
+    build_grad_scaler,
+    data_parallel_group,
+    parallelize,
+)
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime
 from fntrain.step import causal_lm_loss, make_train_step
 
@@ -67,6 +79,14 @@ class DataConfig:
     """Tail fraction of the corpus held out for validation."""
     shuffle: bool = True
     """Shuffle the sample order each epoch (seeded by seed and epoch)."""
+    num_workers: int = 0
+    """DataLoader worker processes (0 reads in the training process); results do not depend on it."""
+    prefetch: bool = False
+    """Read the next steps' batches on a background thread; results do not depend on it."""
+    prefetch_depth: int = 1
+    """Steps the prefetch thread may read ahead."""
+    pin_memory: bool = True
+    """Page-lock host batches in the background when training on an accelerator (ignored on CPU)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +118,8 @@ class TinyGPTConfig:
     log_every: int = 10
     """Log metrics every N steps (0 = never)."""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Data parallelism (none / ddp / fsdp2 under torchrun), mixed precision, activation checkpointing, compile."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -105,6 +127,21 @@ class TinyGPTConfig:
     schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(warmup_iters=20))
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """Allocator-history snapshots and peak-memory logs; a relative save_path is under run_dir."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints under <run_dir>/checkpoints (or checkpoint.dir): cadence, retention, async, restore, export."""
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    """A window of steps traced with torch.profiler / torch_npu.profiler into
+    <output_path>/profile/rank_<rank>/; output_path None is run_dir, a relative one is under run_dir."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Where the metrics logged every log_every steps go: <run_dir>/metrics.jsonl, TensorBoard."""
+    throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
+    """Step time, tokens/s, TFLOP/s and MFU (FLOPs per token measured on a meta copy of the model)."""
+    progress: ProgressConfig = field(default_factory=ProgressConfig)
+    """The tqdm progress bar on rank 0."""
+    evaluate: EvaluateConfig = field(default_factory=lambda: EvaluateConfig(eval_every=50, at_end=True))
+    """Validation loss and perplexity on the held-out tail of the corpus."""
+    gc: GCConfig = field(default_factory=GCConfig)
+    """Python gc and device-cache cadence."""
 
     def validate(self) -> None:
         """Value rules, each error naming the dotted field; runs before any model or device work."""
@@ -114,6 +151,7 @@ class TinyGPTConfig:
         require_int("seed", self.seed, min=0)
         require_int("log_every", self.log_every, min=0)
         self.runtime.validate("runtime")
+        self.parallel.validate("parallel")
         for name in ("context", "n_layer", "n_head", "d_model"):
             require_int(f"model.{name}", getattr(self.model, name), min=1)
         if self.model.d_model % self.model.n_head:
@@ -122,12 +160,21 @@ class TinyGPTConfig:
             )
         require_float("model.dropout", self.model.dropout, min=0.0, max=1.0)
         require_float("data.val_fraction", self.data.val_fraction, min=0.0, max=0.5)
+        require_int("data.num_workers", self.data.num_workers, min=0)
+        require_int("data.prefetch_depth", self.data.prefetch_depth, min=1)
         require_int("train.global_batch_size", self.train.global_batch_size, min=1)
         require_int("train.micro_batch_size", self.train.micro_batch_size, min=1)
         require_float("train.max_grad_norm", self.train.max_grad_norm, min=0.0)
         self.optim.validate("optim")
         self.schedule.validate("schedule")
         self.memory.validate("memory")
+        self.profiler.validate("profiler")
+        self.checkpoint.validate("checkpoint")
+        self.metrics.validate("metrics")
+        self.throughput.validate("throughput")
+        self.progress.validate("progress")
+        self.evaluate.validate("evaluate")
+        self.gc.validate("gc")
 
 
 # ----------------------------------------------------------------------------- model (nanoGPT-style)
@@ -212,13 +259,30 @@ class ByteChunks(torch.utils.data.Dataset):
         return {"input_ids": chunk, "labels": chunk}
 
 
-def build_datasets(config: TinyGPTConfig) -> tuple[ByteChunks, ByteChunks]:
-    """(train, validation): the corpus as bytes, its tail `val_fraction` held out."""
-    path = Path(config.data.path) if config.data.path else CORPUS
+def _corpus_path(config: TinyGPTConfig) -> Path:
+    path = Path(config.data.path).expanduser() if config.data.path else CORPUS
     if not path.is_file():
         raise FileNotFoundError(f"data.path {str(path)!r} does not exist")
+    return path
+
+
+def _split_point(corpus_bytes: int, config: TinyGPTConfig) -> int:
+    return int(corpus_bytes * (1.0 - config.data.val_fraction))
+
+
+def dataset_sizes(config: TinyGPTConfig) -> tuple[int, int]:
+    """(train, validation) sample counts from the corpus file's size alone (no read): the lengths
+    `build_datasets` gives."""
+    size = _corpus_path(config).stat().st_size
+    split = _split_point(size, config)
+    return split // config.model.context, (size - split) // config.model.context
+
+
+def build_datasets(config: TinyGPTConfig) -> tuple[ByteChunks, ByteChunks]:
+    """(train, validation): the corpus as bytes, its tail `val_fraction` held out."""
+    path = _corpus_path(config)
     raw = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
-    split = int(len(raw) * (1.0 - config.data.val_fraction))
+    split = _split_point(len(raw), config)
     return ByteChunks(raw[:split], config.model.context), ByteChunks(raw[split:], config.model.context)
 
 
@@ -241,25 +305,130 @@ class Built:
 def build_memory_hook(config: TinyGPTConfig, runtime: Runtime) -> Any:
     """The memory hook [S35], a relative save_path resolved under run_dir. `run` builds it before the
     model, so a device without allocator history fails before any model work [S9]."""
+    return memory_hook(_memory_config(config), runtime)
+
+
+def _memory_config(config: TinyGPTConfig) -> MemoryConfig:
+    """config.memory with a relative save_path resolved under run_dir."""
     memory = config.memory
     save_path = os.path.expanduser(memory.save_path)
     if not os.path.isabs(save_path):
         run_dir = os.path.expanduser(config.run_dir)
         memory = dataclasses.replace(memory, save_path=os.path.join(run_dir, save_path))
-    return memory_hook(memory, runtime)
+    return memory
 
 
-def build_hooks(built: Built, *, memory: Any = None) -> list[Any]:
+def build_profiler_hook(config: TinyGPTConfig, runtime: Runtime) -> Any:
+    """The profiler hook [S34]. `run` builds it before the model so that a bad profiler setting fails
+    before any model or device work."""
+    return profiler_hook(_profiler_config(config), runtime)
+
+
+def _profiler_config(config: TinyGPTConfig) -> ProfilerConfig:
+    """config.profiler with output_path resolved: None is run_dir, a relative path is under run_dir."""
+    profiler = config.profiler
+    run_dir = os.path.expanduser(config.run_dir)
+    if not profiler.output_path:
+        return dataclasses.replace(profiler, output_path=run_dir)
+    output_path = os.path.expanduser(profiler.output_path)
+    if not os.path.isabs(output_path):
+        output_path = os.path.join(run_dir, output_path)
+    return dataclasses.replace(profiler, output_path=output_path)
+
+
+def build_hooks(built: Built, *, memory: Any = None, profiler: Any = None) -> list[Any]:
     """The hook list in dispatch order [S27]: memory, throughput, metrics, progress, evaluate, gc,
-    profiler, checkpoint. `memory` is the hook from `build_memory_hook` when already built."""
+    profiler, checkpoint. `memory` / `profiler` are the hooks from `build_memory_hook` /
+    `build_profiler_hook` when already built."""
     hooks: list[Any] = [memory if memory is not None else build_memory_hook(built.config, built.runtime)]
+    hooks.extend(build_observability_hooks(built))
+    hooks.append(profiler if profiler is not None else build_profiler_hook(built.config, built.runtime))
+    hooks.append(build_checkpoint_hook(built, hooks))  # keep last: it saves what every other hook reached
     return hooks
+
+
+def build_observability_hooks(built: Built) -> list[Any]:
+    """Throughput, metrics, progress, evaluate and gc hooks, in that order [S27]; the first three share
+    the `log_every` cadence and a `MetricBoard`, evaluation writes through the same metrics log."""
+    config, runtime, plan = built.config, built.runtime, built.plan
+    board = MetricBoard()
+    writer = metrics_log(config.metrics, runtime, built.run_dir)
+    micro_batch = {
+        "input_ids": torch.zeros(config.train.micro_batch_size, config.model.context, dtype=torch.long),
+        "labels": torch.zeros(config.train.micro_batch_size, config.model.context, dtype=torch.long),
+    }
+    hooks = [
+        throughput_hook(
+            config.throughput,
+            runtime,
+            log_every=config.log_every,
+            board=board,
+            last_step=plan.train_iters,
+            # FLOPs of the unwrapped model, counted at TRAIN_BEGIN on a meta copy: no memory, no device work
+            flops_per_token=lambda: measure_flops_per_token(
+                lambda: TinyGPT(config.model), micro_batch, loss_fn=causal_lm_loss
+            ),
+        ),
+        metrics_hook(
+            runtime, log_every=config.log_every, writer=writer, board=board, last_step=plan.train_iters
+        ),
+        progress_hook(config.progress, runtime, total=plan.train_iters, board=board),
+    ]
+    if config.evaluate.enabled and len(built.val_dataset) > 0:
+        eval_fn = make_eval_fn(
+            built.components.model,
+            built.components.loss_fn,
+            built.val_dataset,
+            micro_batch_size=config.evaluate.micro_batch_size or config.train.micro_batch_size,
+            runtime=runtime,
+            max_batches=config.evaluate.max_batches,
+            autocast_dtype=autocast_dtype(config.parallel),
+            group=data_parallel_group(runtime),
+        )
+        hooks.append(
+            evaluate_hook(config.evaluate, eval_fn, runtime, writer=writer, last_step=plan.train_iters)
+        )
+    hooks.append(gc_hook(config.gc, runtime))
+    return hooks
+
+
+def build_checkpoint_hook(built: Built, hooks: list[Any]) -> Any:
+    """The checkpoint hook [S36]; each checkpoint holds the state of every stateful hook in `hooks`
+    (the list it is appended to, itself included) and the resolved config."""
+    from fntrain.config_file import config_to_dict
+
+    checkpoint = built.config.checkpoint
+    return checkpoint_hook(
+        checkpoint,
+        built.components,
+        built.runtime,
+        directory=checkpoint_root(checkpoint, built.run_dir),
+        hooks=lambda: hooks,
+        run_config=config_to_dict(built.config),
+    )
+
+
+def restore_checkpoint(built: Built, hooks: list[Any]) -> TrainState:
+    """Restore checkpoint.restore_from (none | latest | a path) into the components and hooks [S36];
+    return the TrainState to train from."""
+    from fntrain.checkpoint import restore
+
+    checkpoint = built.config.checkpoint
+    return restore(
+        checkpoint.restore_from,
+        built.components,
+        root=checkpoint_root(checkpoint, built.run_dir),
+        hooks=hooks,
+        weights_only=checkpoint.weights_only,
+        device=built.runtime.device,
+    )
 
 
 def build(config: TinyGPTConfig, runtime: Runtime) -> Built:
     """Build model, loss, data, plan, optimizer and schedule, in that order [S1]."""
     torch.manual_seed(config.seed)
     model = TinyGPT(config.model).to(runtime.device)
+    model = parallelize(model, runtime, config.parallel)
     train_set, val_set = build_datasets(config)
     plan = make_run_plan(
         global_batch_size=config.train.global_batch_size,
@@ -278,25 +447,39 @@ def build(config: TinyGPTConfig, runtime: Runtime) -> Built:
         seed=config.seed,
         dp_rank=runtime.dp_rank,
         dp_size=runtime.dp_size,
+        num_workers=config.data.num_workers,
+        prefetch=config.data.prefetch,
+        prefetch_depth=config.data.prefetch_depth,
+        pin_memory=config.data.pin_memory and runtime.device.type != "cpu",
     )
     optimizer = build_optimizer(config.optim, model).optimizer
     schedule = build_lr_schedule(config.schedule, plan, optimizer).scheduler
-    components = Components(model=model, loss_fn=causal_lm_loss, optimizers=(optimizer,), schedulers=(schedule,))
+    components = Components(
+        model=model,
+        loss_fn=causal_lm_loss,
+        optimizers=(optimizer,),
+        schedulers=(schedule,),
+        grad_scaler=build_grad_scaler(config.parallel, runtime),
+    )
     return Built(config, runtime, plan, components, data, val_set, Path(config.run_dir).expanduser())
 
 
 def write_resolved_config(config: TinyGPTConfig, run_dir: Path) -> None:
-    """The resolved config, effective seed included, as JSON in the run directory [S2]."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, sort_keys=True))
+    """The resolved config, effective seed included, as JSON in the run directory [S2]; it reads back
+    with `--config <run_dir>/config.json`."""
+    from fntrain.config_file import write_config
+
+    write_config(config, run_dir)
 
 
 def run(config: TinyGPTConfig, state: TrainState | None = None) -> TrainState:
-    """Validate, build, train; return the final `TrainState`."""
+    """Validate, build, restore (checkpoint.restore_from, unless `state` is given), train, export the
+    weights; return the final `TrainState`."""
     config.validate()
     runtime_config = dataclasses.replace(config.runtime, seed=config.seed)
-    with setup_runtime(runtime_config) as runtime:
+    with setup_runtime(runtime_config, config.parallel) as runtime:
         memory = build_memory_hook(config, runtime)
+        profiler = build_profiler_hook(config, runtime)
         built = build(config, runtime)
         if runtime.is_main:
             write_resolved_config(config, built.run_dir)
@@ -310,23 +493,75 @@ def run(config: TinyGPTConfig, state: TrainState | None = None) -> TrainState:
             loss_weighting=config.train.loss_weighting,
             device=runtime.device,
             dp_size=runtime.dp_size,
+            dp_group=data_parallel_group(runtime),
+            autocast_dtype=autocast_dtype(config.parallel),
+            grad_scaler=components.grad_scaler,
         )
-        hooks = build_hooks(built, memory=memory)
-        return train(
-            state or TrainState(),
+        hooks = build_hooks(built, memory=memory, profiler=profiler)
+        if state is None:
+            state = restore_checkpoint(built, hooks)
+        final = train(
+            state,
             step_fn,
             hooks,
             data=data_fn(built.data),
             plan=built.plan,
             count_batch=count_batch,
         )
+        if config.checkpoint.export:
+            from fntrain.checkpoint import export_safetensors
+
+            # A collective under FSDP2 (every rank gathers), written by rank 0.
+            export_safetensors(components.model, built.run_dir / "model.safetensors", metadata=final.as_dict())
+        return final
+
+
+def plan(config: TinyGPTConfig, world_size: int = 1) -> dict[str, Any]:
+    """The resolved run plan for `world_size` ranks (what `fntrain plan tiny_gpt` prints): run length,
+    batch shape, checkpoint steps, profiler and memory windows and the ranks that record. Builds no
+    model, reads no corpus (its size is enough) and touches no device."""
+    from fntrain.plan_report import describe_run_plan
+
+    config.validate()
+    train_len, val_len = dataset_sizes(config)
+    parallel = getattr(config, "parallel", None)
+    model_parallel = 1
+    for name in ("tp_size", "pp_size", "cp_size"):
+        model_parallel *= int(getattr(parallel, name, 1) or 1)
+    if world_size % model_parallel:
+        raise ValueError(f"world size {world_size} is not divisible by tp x pp x cp = {model_parallel}")
+    run_plan = make_run_plan(
+        global_batch_size=config.train.global_batch_size,
+        micro_batch_size=config.train.micro_batch_size,
+        dp_size=world_size // model_parallel,
+        train_iters=config.train.train_iters,
+        train_samples=config.train.train_samples,
+        dataset_len=train_len,
+        lr_schedule_iters=config.schedule.lr_schedule_iters,
+    )
+    memory = getattr(config, "memory", None)
+    return describe_run_plan(
+        run_plan,
+        world_size=world_size,
+        pp_size=int(getattr(parallel, "pp_size", 1) or 1),
+        device_type=config.runtime.device,
+        dataset_len=train_len,
+        profiler=_profiler_config(config),
+        memory=_memory_config(config) if memory is not None else None,
+        checkpoint=dataclasses.replace(config.checkpoint, dir=str(checkpoint_root(config.checkpoint, config.run_dir))),
+        extra={"val_samples": val_len, "run_dir": config.run_dir},
+    )
+
+
+Config = TinyGPTConfig  # the name the `fntrain` command looks for
 
 
 def main(argv: list[str] | None = None) -> TrainState:
-    import tyro
+    """`python -m recipes.tiny_gpt [--config FILE] [overrides]`."""
+    from fntrain.config_file import parse_config_cli
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = tyro.cli(TinyGPTConfig, args=argv, description=__doc__)
+    config = parse_config_cli(TinyGPTConfig, argv, description=__doc__)
     return run(config)
 
 

@@ -1,0 +1,41 @@
+"""Checkpoints over torch.distributed.checkpoint: save, restore, find the latest, export [S36].
+
+path = save(root, state, components, hooks=hooks)             # <root>/step_<N>/, complete on return
+pending = save_async(root, state, components, hooks=hooks)    # staged; pending.result() completes it
+state = restore("latest", components, root=root, hooks=hooks) # "none" | "latest" | a path
+export_safetensors(model, run_dir / "model.safetensors")
+"""
+
+from fntrain.checkpoint.export import export_safetensors
+from fntrain.checkpoint.layout import (
+    clean_partial,
+    find_latest,
+    is_complete,
+    list_checkpoints,
+    retain,
+    step_dir,
+)
+from fntrain.checkpoint.restorer import MissingKeysError, read_meta, resolve_source, restore
+from fntrain.checkpoint.rng import rng_state, set_rng_state
+from fntrain.checkpoint.saver import PendingSave, app_state, make_stager, save, save_async
+
+__all__ = [
+    "save",
+    "save_async",
+    "PendingSave",
+    "make_stager",
+    "restore",
+    "resolve_source",
+    "read_meta",
+    "MissingKeysError",
+    "find_latest",
+    "list_checkpoints",
+    "is_complete",
+    "step_dir",
+    "retain",
+    "clean_partial",
+    "rng_state",
+    "set_rng_state",
+    "app_state",
+    "export_safetensors",
+]

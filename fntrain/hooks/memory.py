@@ -56,7 +56,7 @@ class MemoryConfig:
     """Allocator-history recording and peak-memory logging [S35]."""
 
     enable: bool = False
-    """Record the device allocator's history over [start_step, end_step) and write snapshots (cuda/npu only)."""
+    """Record the device allocator's history over [start_step, end_step), write snapshots (cuda/npu only)."""
     start_step: int = 1
     """Control point where recording starts: 0 = TRAIN_BEGIN, k = before step k of this run."""
     end_step: int = 2
@@ -216,6 +216,7 @@ class _HistoryWindow:
         self._writes = writes
         self._save_path = save_path
         self._attach = attach_oom_observer
+        self._slot: _OomSlot | None = None
         self._lock = threading.RLock()  # the OOM observer may fire on any allocating thread
         self._recording = False
         self._finished = True
@@ -337,7 +338,7 @@ class _HistoryWindow:
                 if self._recording and self._writes:
                     # Overwritten on each OOM of the window (an allocation may fail, be retried and
                     # fail again): the file left is the one of the failure that ended the run.
-                    self._write_oom(f"the OOM observer {payload!r}")
+                    self._write_oom(f"the allocator's OOM observer {payload!r}")
         except BaseException as error:  # noqa: BLE001 - never raise into the allocator
             log.error("could not write the out-of-memory snapshot: %r", error)
 
@@ -345,16 +346,15 @@ class _HistoryWindow:
         if self._attach is None:
             return
         try:
-            _oom_slot(self._attach).target = self._on_oom
+            self._slot = _oom_slot(self._attach)
+            self._slot.target = self._on_oom
         except Exception as error:  # noqa: BLE001 - recording works without it; ABORT writes instead
             log.warning(
                 "could not attach the allocator's OOM observer (%r); OOM snapshots come at ABORT", error
             )
 
     def _detach_oom(self) -> None:
-        if self._attach is None:
-            return
-        slot = _OOM_SLOTS.get(self._attach)
+        slot, self._slot = self._slot, None
         if slot is not None and slot.target == self._on_oom:
             slot.target = None
 

@@ -4,7 +4,8 @@
 work) and returns a hook. The window is counted in steps of this run (1-based, inclusive), never in
 restored global steps: steps `start_step..stop_step` are recorded, one trace is written when the window
 closes, and a trace viewer shows them as `ProfilerStep#<k>` (k = step of this run). The session is stopped
-after `stop_step`, at TRAIN_END (the partial window is written) or at ABORT (nothing is written).
+after `stop_step`, at TRAIN_END (the partial window is written) or at ABORT (no trace is written; on npu
+the raw folder torch_npu fills while recording stays, unparsed).
 
 Traces go to `<output_path or ./output>/profile/rank_<global rank>/`. On cpu/cuda they are
 `rank_<r>.<ns>.pt.trace.json` Chrome traces (torch.profiler.tensorboard_trace_handler) that open in
@@ -94,8 +95,26 @@ class ProfilerConfig:
     record_shapes: bool = False
     """Record operator input shapes."""
 
+    def validate(self, prefix: str = "profiler") -> None:
+        """The type rules (`TypeError` naming the dotted field); needs no runtime, touches nothing.
 
-def check_profiler_config(config: ProfilerConfig, runtime: Runtime, *, prefix: str = "profiler") -> ProfilerConfig:
+        The value rules that need the runtime (rank range, stages, device) and the normalisation live
+        in `check_profiler_config`, which `profiler_hook` calls.
+        """
+        for name in _BOOL_FIELDS:
+            require_bool(f"{prefix}.{name}", getattr(self, name))
+        require_int(f"{prefix}.start_step", self.start_step)
+        require_int(f"{prefix}.stop_step", self.stop_step)
+        require_str(f"{prefix}.output_path", self.output_path, optional=True)
+        if self.rank_ids is not None and not isinstance(self.rank_ids, (list, tuple)):
+            raise TypeError(f"{prefix}.rank_ids must be a list of ints or None, got {self.rank_ids!r}")
+        if self.level is not None and type(self.level) is not int:
+            raise TypeError(f"{prefix}.level must be an int (0, 1 or 2) or None, got {self.level!r}")
+
+
+def check_profiler_config(
+    config: ProfilerConfig, runtime: Runtime, *, prefix: str = "profiler"
+) -> ProfilerConfig:
     """Validate `config` for `runtime` and return it normalised; touches no device, imports nothing.
 
     Types are checked even when disabled (`TypeError` naming the dotted field); the rest only when
@@ -105,15 +124,7 @@ def check_profiler_config(config: ProfilerConfig, runtime: Runtime, *, prefix: s
     """
     if not isinstance(config, ProfilerConfig):
         raise TypeError(f"{prefix} must be a ProfilerConfig, got {type(config).__name__}")
-    for name in _BOOL_FIELDS:
-        require_bool(f"{prefix}.{name}", getattr(config, name))
-    require_int(f"{prefix}.start_step", config.start_step)
-    require_int(f"{prefix}.stop_step", config.stop_step)
-    require_str(f"{prefix}.output_path", config.output_path, optional=True)
-    if config.rank_ids is not None and not isinstance(config.rank_ids, (list, tuple)):
-        raise TypeError(f"{prefix}.rank_ids must be a list of ints or None, got {config.rank_ids!r}")
-    if config.level is not None and type(config.level) is not int:
-        raise TypeError(f"{prefix}.level must be an int (0, 1 or 2) or None, got {config.level!r}")
+    config.validate(prefix)
     if not config.enabled:
         return config
 
@@ -195,7 +206,9 @@ def _make_profiler_hook(config: ProfilerConfig, runtime: Runtime) -> Hook:
     device_type = _device_type(runtime.device)
     start, stop = config.start_step, config.stop_step
     trace_dir = os.path.join(
-        os.path.abspath(os.path.expanduser(config.output_path or "./output")), "profile", f"rank_{runtime.rank}"
+        os.path.abspath(os.path.expanduser(config.output_path or "./output")),
+        "profile",
+        f"rank_{runtime.rank}",
     )
     worker_name = f"rank_{runtime.rank}"
     distributed_args = json.dumps(_distributed_args(runtime))
@@ -231,7 +244,9 @@ def _make_profiler_hook(config: ProfilerConfig, runtime: Runtime) -> Hook:
         with warnings.catch_warnings():
             # The window is exact by design (skip_first = start, active = stop - start + 1): no warmup.
             warnings.filterwarnings("ignore", message=".*warmup.*")
-            schedule = profiler.schedule(wait=0, warmup=0, active=stop - start + 1, repeat=1, skip_first=start)
+            schedule = profiler.schedule(
+                wait=0, warmup=0, active=stop - start + 1, repeat=1, skip_first=start
+            )
         kwargs: dict[str, Any] = dict(
             activities=activities,
             schedule=schedule,

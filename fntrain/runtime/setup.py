@@ -1,40 +1,151 @@
-"""setup_runtime: seeding and the single-process runtime (the distributed runtime extends this)."""
+"""`setup_runtime`: the process runtime from the torchrun environment, and its teardown (§5) [S2] [S3].
+
+    with setup_runtime(RuntimeConfig(device="auto"), parallel=ParallelConfig(strategy="fsdp2")) as runtime:
+        ...  # build, parallelize, train
+
+Order inside: read the launcher's environment -> pick the device -> determinism and precision flags ->
+set the device -> init the process group (backend + timeout) -> DeviceMesh -> seed. On leaving the
+block normally: device synchronize, barrier, destroy the process group (destroyed even when the
+barrier fails, whose error is then re-raised). When the block raises, ranks are out of step, so no
+barrier is attempted: the group is destroyed and the original exception propagates unchanged.
+Global flags the runtime changed (determinism, TF32) are restored on exit.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import logging
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from fntrain.config import require_bool, require_choice, require_int
+from fntrain.config import require_bool, require_choice, require_float, require_int, require_str
+from fntrain.runtime import device as devices
+from fntrain.runtime.parallel import ParallelConfig
 from fntrain.runtime.runtime import Runtime
 
-__all__ = ["RuntimeConfig", "setup_runtime", "seed_everything"]
+__all__ = [
+    "RuntimeConfig",
+    "LaunchEnv",
+    "read_launch_env",
+    "resolve_backend",
+    "setup_runtime",
+    "teardown_runtime",
+    "seed_everything",
+]
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "gloo", "nccl", "hccl")
+_BACKEND_DEVICE = {"nccl": "cuda", "hccl": "npu"}
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
     """Process runtime settings."""
 
-    device: str = "cpu"
-    """cpu, cuda, npu or auto (the best available)."""
+    device: Literal["cpu", "cuda", "npu", "auto"] = "cpu"
+    """cpu, cuda, npu or auto (the best available: cuda, else npu when torch_npu is installed, else cpu)."""
     seed: int = 42
     """Seed for python, numpy and torch (42 when not configured) [S2]."""
     deterministic: bool = False
-    """Full determinism: deterministic algorithms, cuBLAS workspace config, cuDNN deterministic [S3]."""
+    """Full determinism: deterministic algorithms, cuBLAS workspace config, cuDNN deterministic and no benchmark, deterministic HCCL reductions on npu [S3]."""
+    backend: str = "auto"
+    """Process-group backend: auto (nccl on cuda, hccl on npu, gloo on cpu), gloo, nccl, hccl, or a per-device mapping such as 'cuda:nccl,cpu:gloo'."""
+    timeout_s: float = 1800.0
+    """Collective timeout in seconds: a rank waiting longer than this for its peers fails."""
+    tf32: bool = True
+    """Allow TF32 (cuda) / HF32 (npu) for fp32 matmuls and convolutions: faster, ~10-bit mantissa."""
 
     def validate(self, prefix: str = "runtime") -> None:
         require_choice(f"{prefix}.device", self.device, ("cpu", "cuda", "npu", "auto"))
         require_int(f"{prefix}.seed", self.seed, min=0)
         require_bool(f"{prefix}.deterministic", self.deterministic)
+        require_str(f"{prefix}.backend", self.backend, non_empty=True)
+        if ":" not in self.backend:
+            require_choice(f"{prefix}.backend", self.backend, BACKENDS)
+        require_float(f"{prefix}.timeout_s", self.timeout_s, min=0.0, min_exclusive=True)
+        require_bool(f"{prefix}.tf32", self.tf32)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher (torchrun) told this process; `launched` is False for a plain `python` run."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    launched: bool = False
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
+    """RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE as torchrun sets them (validated).
+
+    A process is `launched` when RANK and WORLD_SIZE are both set; then MASTER_ADDR and MASTER_PORT
+    must be set too (torchrun does; other launchers must).
+    """
+    env = os.environ if env is None else env
+    has_rank, has_world = "RANK" in env, "WORLD_SIZE" in env
+    if has_rank != has_world:
+        missing = "WORLD_SIZE" if has_rank else "RANK"
+        raise ValueError(
+            f"environment variable {missing} is not set but {'RANK' if has_rank else 'WORLD_SIZE'} is"
+        )
+    world_size = _env_int(env, "WORLD_SIZE", 1)
+    rank = _env_int(env, "RANK", 0)
+    local_world_size = _env_int(env, "LOCAL_WORLD_SIZE", world_size)
+    if local_world_size < 1:
+        raise ValueError(f"environment variable LOCAL_WORLD_SIZE must be >= 1, got {local_world_size}")
+    local_rank = _env_int(env, "LOCAL_RANK", rank % local_world_size)
+    if world_size < 1:
+        raise ValueError(f"environment variable WORLD_SIZE must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"environment variable RANK must be in [0, {world_size}), got {rank}")
+    if local_rank < 0:
+        raise ValueError(f"environment variable LOCAL_RANK must be >= 0, got {local_rank}")
+    if has_rank:
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+        if missing:
+            raise ValueError(
+                f"RANK/WORLD_SIZE are set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
+                "launch with torchrun, or set the rendezvous address yourself"
+            )
+    return LaunchEnv(rank, local_rank, world_size, local_world_size, launched=has_rank)
+
+
+def resolve_backend(backend: str, device_type: str) -> str:
+    """The process-group backend for `device_type`: auto -> nccl (cuda), hccl (npu), gloo (cpu);
+    an explicit nccl/hccl must match the device; a 'dev:backend,...' mapping is passed through."""
+    if backend == "auto":
+        return devices.default_backend(device_type)
+    if ":" in backend:
+        return backend
+    required = _BACKEND_DEVICE.get(backend)
+    if required is not None and required != device_type:
+        raise ValueError(f"runtime.backend {backend!r} needs device {required!r}, got device {device_type!r}")
+    return backend
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed python, numpy and torch (every device) with `seed` [S2]; `deterministic` turns on [S3]."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -45,9 +156,188 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def _global_flags() -> dict[str, Any]:
+    return {
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "env": {name: os.environ.get(name) for name in ("CUBLAS_WORKSPACE_CONFIG", "HCCL_DETERMINISTIC")},
+    }
+
+
+def _restore_global_flags(flags: dict[str, Any]) -> None:
+    current = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    if current != (flags["deterministic"], flags["warn_only"]):  # the setter imports inductor: seconds
+        torch.use_deterministic_algorithms(flags["deterministic"], warn_only=flags["warn_only"])
+    torch.backends.cudnn.deterministic = flags["cudnn.deterministic"]
+    torch.backends.cudnn.benchmark = flags["cudnn.benchmark"]
+    for name, value in flags["env"].items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def _init_process_group(backend: str, timeout_s: float, device: torch.device) -> None:
+    """`dist.init_process_group` from the env:// rendezvous torchrun provides (a seam for tests)."""
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        kwargs["device_id"] = device  # eager NCCL communicator init bound to this rank's GPU
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+def _parallel_sizes(parallel: ParallelConfig | None, world_size: int) -> dict[str, int]:
+    sizes = {
+        name: getattr(parallel, name) if parallel else 1
+        for name in ("tp_size", "pp_size", "cp_size", "ep_size")
+    }
+    model_parallel = sizes["tp_size"] * sizes["pp_size"] * sizes["cp_size"]
+    if world_size % model_parallel:
+        raise ValueError(
+            f"world size {world_size} must be divisible by parallel.tp_size x pp_size x cp_size "
+            f"= {sizes['tp_size']} x {sizes['pp_size']} x {sizes['cp_size']} = {model_parallel}"
+        )
+    sizes["dp_size"] = world_size // model_parallel
+    if (sizes["dp_size"] * sizes["cp_size"]) % sizes["ep_size"]:
+        raise ValueError(
+            f"parallel.ep_size ({sizes['ep_size']}) must divide data-parallel x context-parallel size "
+            f"({sizes['dp_size']} x {sizes['cp_size']})"
+        )
+    return sizes
+
+
+def _build_mesh(device_type: str, sizes: dict[str, int]) -> Any:
+    """A DeviceMesh over ("pp", "dp", "cp", "tp"), keeping "dp" and every dimension larger than 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = [(name, sizes[f"{name}_size"]) for name in ("pp", "dp", "cp", "tp")]
+    dims = [(name, size) for name, size in dims if name == "dp" or size > 1]
+    return init_device_mesh(
+        device_type, tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims)
+    )
+
+
+def _dp_rank(rank: int, sizes: dict[str, int]) -> int:
+    # Row-major layout over (pp, dp, cp, tp), the same as the mesh's.
+    return (rank // (sizes["cp_size"] * sizes["tp_size"])) % sizes["dp_size"]
+
+
+def teardown_runtime(runtime: Runtime, *, clean: bool = True, owns_group: bool = True) -> None:
+    """End the runtime: device synchronize and barrier (when `clean`), then destroy the process group
+    when this runtime created it, even if the synchronize or the barrier failed (that error is
+    re-raised after the group is gone)."""
+    try:
+        if clean:
+            devices.synchronize(runtime.device)
+            if owns_group and dist.is_available() and dist.is_initialized():
+                dist.barrier()
+    finally:
+        if owns_group and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @contextlib.contextmanager
-def setup_runtime(config: RuntimeConfig) -> Iterator[Runtime]:
-    """Seed the process and yield its `Runtime`."""
-    config.validate()
-    seed_everything(config.seed, config.deterministic)
-    yield Runtime(device=torch.device("cpu" if config.device == "auto" else config.device), seed=config.seed)
+def setup_runtime(
+    config: RuntimeConfig,
+    parallel: ParallelConfig | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[Runtime]:
+    """Set up this process (see the module docstring) and yield its `Runtime`; tear down on exit.
+
+    Under torchrun (RANK/WORLD_SIZE set) a process group is initialised, even for one rank, and a
+    DeviceMesh built; a plain `python` run gets no group (`runtime.distributed` is False). A process
+    group that already exists is reused and left alone at exit. `parallel` supplies the strategy
+    (recorded as `parallel_mode`) and the tp/pp/cp/ep degrees, which set dp_size = world / (tp*pp*cp).
+    """
+    config.validate("runtime")
+    if parallel is not None:
+        parallel.validate("parallel")
+    launch = read_launch_env(env)
+    sizes = _parallel_sizes(parallel, launch.world_size)
+    device_type = devices.resolve_device_type(config.device)
+    backend = resolve_backend(config.backend, device_type)
+    device = devices.local_device(device_type, launch.local_rank)
+
+    flags = _global_flags()
+    precision_flags: dict[str, bool] = {}
+    owns_group = False
+    runtime = Runtime(device=device, seed=config.seed)
+    try:
+        if config.deterministic and device_type == "npu":
+            os.environ.setdefault("HCCL_DETERMINISTIC", "true")  # read when HCCL initialises
+        seed_everything(config.seed, config.deterministic)
+        precision_flags = devices.set_precision_flags(device_type, config.tf32)
+        devices.set_device(device)
+        already = dist.is_available() and dist.is_initialized()
+        if launch.launched and not already:
+            _init_process_group(backend, config.timeout_s, device)
+            owns_group = True
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed and dist.get_world_size() != launch.world_size:
+            raise RuntimeError(
+                f"the existing process group has {dist.get_world_size()} ranks but WORLD_SIZE is {launch.world_size}"
+            )
+        mesh = _build_mesh(device_type, sizes) if distributed else None
+        dp_rank = mesh.get_local_rank("dp") if mesh is not None else _dp_rank(launch.rank, sizes)
+        runtime = Runtime(
+            rank=launch.rank,
+            local_rank=launch.local_rank,
+            world_size=launch.world_size,
+            device=device,
+            dp_size=sizes["dp_size"],
+            tp_size=sizes["tp_size"],
+            pp_size=sizes["pp_size"],
+            cp_size=sizes["cp_size"],
+            ep_size=sizes["ep_size"],
+            dp_rank=dp_rank,
+            backend=(dist.get_backend() if not owns_group else backend) if distributed else None,
+            mesh=mesh,
+            seed=config.seed,
+            parallel_mode=parallel.strategy if parallel is not None else "none",
+        )
+        if runtime.is_main:
+            log.info(
+                "runtime: world %d, device %s, backend %s, dp %d (rank %d), seed %d%s",
+                runtime.world_size, device, runtime.backend, runtime.dp_size, runtime.dp_rank,
+                runtime.seed, ", deterministic" if config.deterministic else "",
+            )  # fmt: skip
+    except BaseException:
+        _teardown_after_error(runtime, owns_group, flags, device_type, precision_flags)
+        raise
+
+    try:
+        yield runtime
+    except BaseException:
+        _teardown_after_error(runtime, owns_group, flags, device_type, precision_flags)
+        raise
+    try:
+        teardown_runtime(runtime, clean=True, owns_group=owns_group)
+    finally:
+        _restore_global_flags(flags)
+        devices.restore_precision_flags(device_type, precision_flags)
+
+
+def _teardown_after_error(
+    runtime: Runtime,
+    owns_group: bool,
+    flags: dict[str, Any],
+    device_type: str,
+    precision_flags: dict[str, bool],
+) -> None:
+    """Teardown on the failure path: no synchronize or barrier (peers may be stuck elsewhere); a
+    teardown error is logged, never allowed to replace the exception being raised."""
+    try:
+        teardown_runtime(runtime, clean=False, owns_group=owns_group)
+    except Exception:
+        log.exception("runtime teardown failed while handling another error")
+    finally:
+        _restore_global_flags(flags)
+        try:
+            devices.restore_precision_flags(device_type, precision_flags)
+        except Exception:
+            log.exception("restoring precision flags failed while handling another error")

@@ -305,6 +305,19 @@ def test_save_path_expands_home(tmp_path, monkeypatch):
     assert len(snapshots(tmp_path / "snaps")) == 1
 
 
+def test_a_backend_with_only_dump_snapshot_writes_through_it(tmp_path):
+    fake = FakeAllocator()
+    dumped = []
+    module = types.SimpleNamespace(
+        _record_memory_history=fake._record_memory_history,
+        _dump_snapshot=lambda path: (dumped.append(path), open(path, "wb").close()),
+    )
+    hook = memory_hook(config(tmp_path), Runtime(device=CUDA), allocator=module)
+    run_events(hook, 2)
+    [name] = snapshots(tmp_path / "snap")
+    assert SNAPSHOT_NAME.match(name) and dumped == [str(tmp_path / "snap" / name)]
+
+
 # --- stop, abort and failures ---------------------------------------------------------------------------
 
 

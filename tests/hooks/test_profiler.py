@@ -8,10 +8,12 @@ torch.profiler on CPU through `fntrain.train`.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import logging
 import os
+import re
 import sys
 import types
 import warnings
@@ -123,7 +125,10 @@ class FakeExperimentalConfig:
         export_type=None,
     ):  # fmt: skip
         self.kwargs = dict(
-            profiler_level=profiler_level, mstx=mstx, data_simplification=data_simplification, export_type=export_type
+            profiler_level=profiler_level,
+            mstx=mstx,
+            data_simplification=data_simplification,
+            export_type=export_type,
         )
 
 
@@ -211,13 +216,21 @@ def enabled(**kwargs) -> ProfilerConfig:
 
 def test_defaults_are_the_specified_ones():
     config = ProfilerConfig()
-    assert (config.enabled, config.start_step, config.stop_step, config.start_on_init) == (False, 1, 10, False)
-    assert (config.memory, config.rank_ids, config.pipeline_stage_leaders, config.output_path) == (
-        True, None, False, None,
-    )  # fmt: skip
-    assert (config.level, config.with_stack, config.data_simplification, config.mstx, config.record_shapes) == (
-        1, False, False, False, False,
-    )  # fmt: skip
+    assert dataclasses.asdict(config) == {
+        "enabled": False,
+        "start_step": 1,
+        "stop_step": 10,
+        "start_on_init": False,
+        "memory": True,
+        "rank_ids": None,
+        "pipeline_stage_leaders": False,
+        "output_path": None,
+        "level": 1,
+        "with_stack": False,
+        "data_simplification": False,
+        "mstx": False,
+        "record_shapes": False,
+    }
     with pytest.raises(AttributeError):
         config.enabled = True  # frozen
 
@@ -268,6 +281,8 @@ def test_type_rules(field, value):
     kwargs = {"enabled": True, field: value}
     with pytest.raises(TypeError, match=rf"profiler\.{field}\b"):
         profiler_hook(ProfilerConfig(**kwargs), cpu())
+    with pytest.raises(TypeError, match=rf"train\.prof\.{field}\b"):  # the runtime-free part, for recipes
+        ProfilerConfig(**kwargs).validate("train.prof")
 
 
 @pytest.mark.parametrize("rank_ids", [[8], [-1], [0, 9], [True], ["1"], [1.0]])
@@ -289,12 +304,13 @@ def test_valid_rank_ids_and_output_path_are_accepted(fake):
         (dict(start_step=-3, stop_step=4), (1, 4), r"start_step must be >= 1, got -3"),
         (dict(start_step=2, stop_step=0), (2, 10), r"stop_step must be >= 1, got 0"),
         (dict(start_step=5, stop_step=3), (1, 10), r"start_step \(5\) is after profiler\.stop_step \(3\)"),
-        (dict(start_step=12, stop_step=-1), (1, 10), r"is after"),
+        (dict(start_step=12, stop_step=-1), (1, 10), r"stop_step must be >= 1, got -1.*\n.*is after"),
     ],
 )
 def test_bad_windows_normalise_with_a_warning(kwargs, expected, message):
-    with pytest.warns(UserWarning, match=message):
+    with pytest.warns(UserWarning) as record:
         config = check_profiler_config(enabled(**kwargs), cpu())
+    assert re.search(message, "\n".join(str(w.message) for w in record))
     assert (config.start_step, config.stop_step) == expected
 
 
@@ -308,7 +324,7 @@ def test_start_on_init_needs_start_step_one():
     assert config.start_on_init is True and config.start_step == 1
 
 
-@pytest.mark.parametrize("level, message", [(None, "level is None"), (3, "got 3"), (-1, "got -1")])
+@pytest.mark.parametrize("level, message", [(None, "is None"), (3, "got 3"), (-1, "got -1")])
 def test_level_rules(level, message):
     with pytest.warns(UserWarning, match=rf"profiler\.level.*{message}"):
         config = check_profiler_config(enabled(level=level), cpu())
@@ -372,19 +388,14 @@ def test_world_not_divisible_by_stages_is_an_error():
 
 def test_window_three_to_four_on_cpu(fake, tmp_path):
     hook = profiler_hook(enabled(start_step=3, stop_step=4, output_path=str(tmp_path)), cpu())
-    state = TrainState()
-    hook(Event.TRAIN_BEGIN, state, None)
-    for step in (1, 2):  # before the window the profiler is not even created
+    state = run_events(hook, 2, end=False)
+    # before the window the profiler is not even created
+    assert fake.resolved == ["cpu"] and fake.instances == []
+    for _ in (3, 4):
         hook(Event.STEP_BEGIN, state, None)
         state = state.after_step()
         hook(Event.STEP_END, state, StepInfo({}))
-    assert fake.resolved == ["cpu"] and fake.instances == []
-    run_events_from = state
-    for _ in (3, 4):
-        hook(Event.STEP_BEGIN, run_events_from, None)
-        run_events_from = run_events_from.after_step()
-        hook(Event.STEP_END, run_events_from, StepInfo({}))
-    hook(Event.TRAIN_END, run_events_from, None)
+    hook(Event.TRAIN_END, state, None)
 
     assert fake.schedules == [dict(wait=0, warmup=0, active=2, repeat=1, skip_first=3)]
     (prof,) = fake.instances
@@ -646,3 +657,38 @@ def test_real_cpu_run_aborted_mid_window_writes_nothing(tmp_path):
     hook2 = profiler_hook(enabled(start_step=1, stop_step=1, output_path=str(tmp_path / "again")), cpu())
     _tiny_run([hook2], steps=1)
     assert len(_trace_files(tmp_path / "again")) == 1
+
+
+def test_tiny_gpt_recipe_profiles_a_window_into_its_run_dir(tmp_path):
+    from recipes import tiny_gpt
+
+    run_dir = tmp_path / "run"
+    final = tiny_gpt.main(
+        [
+            "--run-dir", str(run_dir), "--train.train-iters", "3", "--train.global-batch-size", "4",
+            "--train.micro-batch-size", "4", "--model.n-layer", "1", "--model.d-model", "32",
+            "--model.context", "32", "--profiler.enabled", "--profiler.start-step", "2",
+            "--profiler.stop-step", "3",
+        ]
+    )  # fmt: skip
+    assert final.global_step == 3
+    (trace_file,) = _trace_files(run_dir)  # output_path None: the run directory
+    with open(trace_file) as f:
+        trace = json.load(f)
+    steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#2", "ProfilerStep#3"}
+    assert any(e.get("name") == "aten::scaled_dot_product_attention" for e in trace["traceEvents"])
+
+
+def test_tiny_gpt_recipe_rejects_a_bad_profiler_setting_before_building(tmp_path):
+    import dataclasses as dc
+
+    from recipes import tiny_gpt
+
+    config = tiny_gpt.TinyGPTConfig(run_dir=str(tmp_path / "run"))
+    bad = dc.replace(config, profiler=ProfilerConfig(enabled=True, rank_ids=[1]))  # world size 1
+    with pytest.raises(ValueError, match=r"profiler\.rank_ids must contain integers in \[0, 1\)"):
+        tiny_gpt.run(bad)
+    assert not (tmp_path / "run").exists()  # nothing was built or written
+    with pytest.raises(TypeError, match=r"profiler\.start_step"):
+        dc.replace(config, profiler=ProfilerConfig(start_step="2")).validate()

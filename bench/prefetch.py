@@ -1,0 +1,122 @@
+"""P3 prefetch: with a step of C ms of compute (torch threads = 1) and a dataset that spends L ms per batch
+outside the GIL (sleeping, like file or network I/O), `--data.prefetch` should bring the step time down from
+L + C to max(L, C): goal <= 1.10 x max(L, C), for L = C = 20 ms and L = 2C.
+
+Each configuration runs `train()` four ways, interleaved: with prefetch, without, compute only (batches
+already in memory) and loading only (the data iterator alone); max(L, C) is the larger of the last two as
+measured in the same run. Run: `python -m bench.prefetch [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.harness import Row, append_results, format_table, interleave, ratio_row
+from fntrain import RunPlan, TrainState, train
+from fntrain.data.pipeline import batches, build_data, data_fn
+
+
+class SlowReads(torch.utils.data.Dataset):
+    """Every sample costs `latency_s` of sleeping (the GIL is released, as in real I/O)."""
+
+    def __init__(self, length: int, latency_s: float):
+        self.length, self.latency_s = length, latency_s
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        time.sleep(self.latency_s)
+        return {"x": torch.full((64,), float(index))}
+
+
+def _compute_step(compute_s: float):
+    """A step function doing about `compute_s` of matrix multiplications on one thread."""
+    a = torch.randn(192, 192)
+    for _ in range(5):
+        a @ a
+    started = time.perf_counter()
+    for _ in range(50):
+        a @ a
+    repeats = max(1, round(compute_s / ((time.perf_counter() - started) / 50)))
+
+    def step_fn(state, batch):
+        out = batch[0]["x"].sum()
+        for _ in range(repeats):
+            out = out + (a @ a)[0, 0]
+        return {"loss": out}
+
+    return step_fn
+
+
+def _variants(load_s: float, compute_s: float, steps: int):
+    plan = RunPlan(train_iters=steps, steps_per_epoch=steps, epochs=1)
+    dataset = SlowReads(steps, load_s)
+    plain = build_data(dataset, micro_batch_size=1, micro_batches=1, shuffle=False)
+    prefetched = build_data(dataset, micro_batch_size=1, micro_batches=1, shuffle=False, prefetch=True)
+    in_memory = [[{"x": torch.full((64,), float(i))}] for i in range(steps)]
+    step_fn = _compute_step(compute_s)
+
+    def with_data(data):
+        def run() -> int:
+            train(TrainState(), step_fn, [], data=data, plan=plan)
+            return steps
+
+        return run
+
+    def load_only() -> int:
+        iterator = batches(plain, 0, 0)
+        for _ in iterator:
+            pass
+        return steps
+
+    return {
+        "prefetch": with_data(data_fn(prefetched)),
+        "no prefetch": with_data(data_fn(plain)),
+        "compute only": with_data(lambda epoch, cursor: iter(in_memory[cursor:])),
+        "load only": load_only,
+    }
+
+
+def run(quick: bool = False) -> list[Row]:
+    steps, repeats = (6, 2) if quick else (30, 5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows: list[Row] = []
+    try:
+        for load_ms, compute_ms in ((20, 20), (40, 20)):
+            timing = interleave(
+                _variants(load_ms / 1e3, compute_ms / 1e3, steps), repeats=repeats, aa="compute only"
+            )
+            ideal = max(timing.median("compute only"), timing.median("load only"))
+            rows.append(
+                ratio_row(
+                    f"P3 prefetch, L = {load_ms} ms, C = {compute_ms} ms: step time vs max(L, C)",
+                    timing.median("prefetch") * 1e3, ideal * 1e3, unit="ms", goal_ratio=1.10,
+                    noise=timing.noise * 1e3,
+                    note=f"without prefetch a step takes {timing.median('no prefetch') * 1e3:.1f} ms (L + C); "
+                    "the depth-1 queue hides the load behind the compute (each run's first step, which fills "
+                    "the queue, is included).",
+                )
+            )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="few steps and repeats (CI: checks the harness)")
+    parser.add_argument("--record", action="store_true", help="append the table to bench/RESULTS.md")
+    args = parser.parse_args()
+    rows = run(args.quick)
+    print(format_table(rows))
+    if args.record:
+        append_results("Prefetch", rows)
+
+
+if __name__ == "__main__":
+    main()

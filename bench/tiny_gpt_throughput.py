@@ -1,0 +1,101 @@
+"""Tiny-GPT throughput: the recipe (train() + its default hooks) against a plain-PyTorch script of the
+same model, data, optimizer and schedule, logging on the same steps. Interleaved rounds of K steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+
+import torch
+
+from bench.harness import Row, ratio_row
+from fntrain import TrainState, train
+from fntrain.data.pipeline import data_fn
+from fntrain.data.tokens import count_batch
+from fntrain.step import causal_lm_loss, make_train_step
+
+LOG_EVERY = 10
+
+
+def _config(run_dir: str):
+    from recipes.tiny_gpt import ModelConfig, TinyGPTConfig, TrainConfig
+
+    return TinyGPTConfig(
+        run_dir=run_dir,
+        log_every=LOG_EVERY,
+        model=ModelConfig(context=64, n_layer=2, n_head=2, d_model=64),
+        train=TrainConfig(train_iters=10_000, global_batch_size=16, micro_batch_size=8),
+    )
+
+
+def run(quick: bool = False) -> list[Row]:
+    import recipes.tiny_gpt as recipe
+    from fntrain.runtime import Runtime
+
+    torch.set_num_threads(1)
+    logging.getLogger("fntrain").setLevel(logging.WARNING)
+    steps, repeats = (10, 2) if quick else (40, 7)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = _config(tmp)
+        config = dataclasses.replace(
+            config, progress=dataclasses.replace(config.progress, enabled=False)
+        ) if hasattr(config, "progress") else config  # no terminal bar inside a benchmark  # fmt: skip
+        runtime = Runtime()
+        built = recipe.build(config, runtime)
+        comp = built.components
+        step_fn = make_train_step(comp.model, comp.loss_fn, comp.optimizers, comp.schedulers, max_grad_norm=1.0)
+        state = {"state": TrainState()}
+
+        def fntrain_round() -> int:
+            plan = dataclasses.replace(built.plan, train_iters=state["state"].global_step + steps)
+            state["state"] = train(
+                state["state"], step_fn, recipe.build_hooks(built), data=data_fn(built.data), plan=plan,
+                count_batch=count_batch,
+            )  # fmt: skip
+            return steps
+
+        # The plain script: its own copy of the model, optimizer and schedule, same data order and shapes.
+        plain = recipe.build(config, runtime)
+        model = plain.components.model
+        optimizer, scheduler = plain.components.optimizers[0], plain.components.schedulers[0]
+        dataset = plain.data.dataset
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
+        position = {"index": 0, "step": 0}
+        micro, per_step = config.train.micro_batch_size, config.train.global_batch_size
+
+        def plain_round() -> int:
+            for _ in range(steps):
+                start = position["index"] % (len(order) - per_step)
+                position["index"] += per_step
+                total = 0.0
+                for m in range(0, per_step, micro):
+                    samples = [dataset[i] for i in order[start + m : start + m + micro]]
+                    ids = torch.stack([s["input_ids"] for s in samples])
+                    loss = causal_lm_loss(model(ids), {"labels": ids}) / (per_step // micro)
+                    loss.backward()
+                    total = total + loss.detach()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                position["step"] += 1
+                if position["step"] % LOG_EVERY == 0:
+                    float(total)  # the plain script logs on the same steps
+            return steps
+
+        from bench.harness import interleave
+
+        timing = interleave({"plain": plain_round, "fntrain": fntrain_round}, repeats=repeats, aa="plain")
+    tokens_per_step = config.train.global_batch_size * config.model.context
+    ours = tokens_per_step / timing.median("fntrain")
+    base = tokens_per_step / timing.median("plain")
+    noise = abs(tokens_per_step / timing.median("plain/A") - base)
+    return [
+        ratio_row(
+            "Tiny-GPT throughput: recipe (train + default hooks) vs plain script",
+            ours, base, unit="tokens/s", goal_ratio=0.95, noise=noise, lower_is_better=False,
+            note="the step itself dominates; the difference is the hooks' logging steps and token counting.",
+        )  # fmt: skip
+    ]

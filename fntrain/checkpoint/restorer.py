@@ -1,0 +1,337 @@
+"""`restore`: put a checkpoint back into live components and hooks, and return the `TrainState` [S36].
+
+`source` is "none", "latest" (needs `root`) or a path. "latest" resolves to the `latest` pointer if it
+names a complete checkpoint, else the highest complete `step_<N>`, else a fresh start with a warning; a
+path that does not exist is a `FileNotFoundError`. Partial checkpoints under `root` are removed first.
+
+Model and optimizer are loaded with DCP into the tensors `get_state_dict` gives for the live objects, so
+the sharding of this run decides what each rank reads (a checkpoint saved at one world size loads at
+another), then handed back with `set_state_dict`. Missing model keys are an error naming them; missing
+optimizer state is a warning (the optimizer keeps its fresh state). Nothing is unpickled: DCP's metadata
+is read with a restricted unpickler and everything else is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+from fntrain.checkpoint import _dist
+from fntrain.checkpoint.layout import (
+    DCP_METADATA,
+    LATEST,
+    MARKER,
+    clean_partial,
+    find_latest,
+    is_complete,
+    step_of,
+)
+from fntrain.checkpoint.rng import set_rng_state
+from fntrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
+from fntrain.checkpoint.saver import FORMAT_VERSION, app_state
+from fntrain.checkpoint.tree import dcp_key, decode_value, leaves, rebuild
+from fntrain.components import Components
+from fntrain.hooks.base import load_hook_states
+from fntrain.loop import Hook
+from fntrain.state import TrainState
+
+__all__ = ["restore", "resolve_source", "read_meta", "MissingKeysError", "RESTORE_CHOICES"]
+
+log = logging.getLogger("fntrain.checkpoint")
+
+RESTORE_CHOICES = ("none", "latest")
+_SHOWN = 8  # key names listed in a message before "... and N more"
+
+
+class MissingKeysError(KeyError):
+    """The checkpoint lacks state the live model needs; the message names the keys."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _names(keys: Iterable[str], strip: str = "") -> str:
+    keys = sorted(keys)
+    shown = [key[len(strip) :] if strip and key.startswith(strip) else key for key in keys[:_SHOWN]]
+    more = f" ... and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
+    return ", ".join(shown) + more
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint's meta.json (TrainState, non-tensor state, config, world size, versions)."""
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(
+            f"checkpoint {path} has format {meta.get('format')!r}; this fntrain reads {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def _resolve_on_rank0(source: str | os.PathLike, root: Path | None) -> Path | None:
+    if root is not None:
+        clean_partial(root)
+    if str(source) == "latest":
+        if root is None:
+            raise ValueError('restore "latest" needs the checkpoint root directory (root=...)')
+        found = find_latest(root)
+        if found is None:
+            warnings.warn(f"no complete checkpoint under {root}; starting fresh", stacklevel=4)
+        return found
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    if is_complete(path):
+        return path
+    if path.is_dir() and step_of(path) is None and ((path / LATEST).exists() or any(path.glob("step_*"))):
+        found = find_latest(path)  # a checkpoint root given as a path: its latest checkpoint
+        if found is not None:
+            return found
+        raise ValueError(f"checkpoint root {str(path)!r} holds no complete checkpoint")
+    missing = [name for name in (DCP_METADATA, MARKER) if not (path / name).is_file()]
+    raise ValueError(
+        f"{str(path)!r} is not a complete checkpoint (missing {', '.join(missing)}: an interrupted save?)"
+    )
+
+
+def resolve_source(
+    source: str | os.PathLike | None, root: str | os.PathLike | None = None, process_group: Any = None
+) -> Path | None:
+    """The checkpoint directory `source` names, or None for a fresh start (same answer on every rank).
+
+    Rank 0 cleans partial checkpoints under `root` and resolves; other ranks get its answer.
+    """
+    if source is None or str(source) == "none":
+        return None
+    root_path = Path(root).expanduser() if root is not None else None
+    error: BaseException | None = None
+    found: Path | None = None
+    if _dist.rank() == 0:
+        try:
+            found = _resolve_on_rank0(source, root_path)
+        except (FileNotFoundError, ValueError) as caught:
+            error = caught
+    if not _dist.initialized():
+        if error is not None:
+            raise error
+        return found
+    answer = _dist.broadcast_text(f"error:{error}" if error is not None else str(found or ""), process_group)
+    if error is not None:
+        raise error
+    assert answer is not None
+    if answer.startswith("error:"):
+        raise RuntimeError(f"rank 0 could not resolve checkpoint {str(source)!r}: {answer[6:]}")
+    return Path(answer) if answer else None
+
+
+def _rank_file(path: Path, rank: int) -> dict[str, Any] | None:
+    file = path / f"rank_{rank}.json"
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
+def _global_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    return tuple(tensor.shape)  # a DTensor reports its global shape
+
+
+def restore(
+    source: str | os.PathLike | None,
+    components: Components,
+    *,
+    root: str | os.PathLike | None = None,
+    hooks: Iterable[Hook] | Callable[[], Iterable[Hook]] = (),
+    weights_only: bool = False,
+    device: torch.device | str | None = None,
+    process_group: Any = None,
+) -> TrainState:
+    """Restore `source` ("none" | "latest" | a path) into `components` and `hooks`; return its TrainState.
+
+    weights_only: load the model weights alone and return a fresh `TrainState()` (optimizer, schedulers,
+    RNG and hook states keep their fresh values). Every rank must call this (it is a collective).
+    """
+    path = resolve_source(source, root, process_group)
+    if path is None:
+        return TrainState()
+    meta = read_meta(path)
+    metadata = read_dcp_metadata(path).state_dict_metadata
+    optimizers = tuple(components.optimizers)
+    stateless = [not optimizer.state for optimizer in optimizers]  # app_state initialises these
+    live = app_state(components, weights_only=weights_only)
+    saved_values = {tuple(entry[0]): decode_value(entry[1]) for entry in meta["values"]}
+
+    live_tensors = {dcp_key(p): leaf for p, leaf in leaves(live) if isinstance(leaf, torch.Tensor)}
+    sections = {key: key.split(".", 1)[0] for key in live_tensors}
+
+    def section_saved(section: str) -> bool:
+        return any(key.startswith(section + ".") for key in metadata) or any(
+            p[0] == section for p in saved_values
+        )
+
+    missing = {key for key in live_tensors if key not in metadata}
+    missing_model = {key for key in missing if sections[key] == "model"}
+    if missing_model:
+        raise MissingKeysError(
+            f"checkpoint {path} lacks model keys the model needs: {_names(missing_model, 'model.')}"
+        )
+    unexpected = {key for key in metadata if key.startswith("model.") and key not in live_tensors}
+    if unexpected:
+        log.warning(
+            "checkpoint %s has model keys the model does not: %s (ignored)",
+            path,
+            _names(unexpected, "model."),
+        )
+    for key, leaf in live_tensors.items():
+        entry = metadata.get(key)
+        if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != _global_shape(leaf):
+            raise ValueError(
+                f"checkpoint {path}: {key} has shape {tuple(entry.size)}, the live state {_global_shape(leaf)}"
+            )
+
+    skip: set[str] = set()
+    if not weights_only:
+        skip = _check_optional_sections(path, live, saved_values, missing, sections, section_saved)
+    if "optimizer" in skip:
+        # Starting fresh means no state at all: the zero-lr initialisation would otherwise count as a step.
+        for optimizer, was_stateless in zip(optimizers, stateless, strict=True):
+            if was_stateless:
+                optimizer.state.clear()
+    to_load = {
+        key: leaf for key, leaf in live_tensors.items() if key not in missing and sections[key] not in skip
+    }
+    if to_load:
+        with _dist.quiet_single_process():
+            dcp.load(
+                to_load,
+                storage_reader=SafeFileSystemReader(path),
+                planner=SafeLoadPlanner(),
+                process_group=process_group,
+                no_dist=not _dist.initialized(),
+            )
+
+    def merged(tree_path: tuple[Any, ...], leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) or tree_path not in saved_values:
+            return leaf  # tensors were loaded in place (or keep their fresh values)
+        return saved_values[tree_path]
+
+    state_tree = rebuild(live, merged)
+    if weights_only or "optimizer" in skip or "optimizer" not in state_tree:
+        set_model_state_dict(components.model, state_tree["model"])
+    else:
+        set_state_dict(
+            components.model,
+            optimizers,
+            model_state_dict=state_tree["model"],
+            optim_state_dict=state_tree["optimizer"],
+        )
+    if weights_only:
+        log.info("restored model weights from %s (weights only; training starts at step 0)", path)
+        return TrainState()
+
+    if "schedulers" not in skip:
+        for scheduler, scheduler_state in zip(
+            components.schedulers, state_tree.get("schedulers", ()), strict=False
+        ):
+            scheduler.load_state_dict(scheduler_state)
+    if components.grad_scaler is not None and "grad_scaler" not in skip:
+        components.grad_scaler.load_state_dict(state_tree["grad_scaler"])
+
+    _restore_rank_state(path, meta, hooks, components, device)
+    state = TrainState(**meta["train_state"])
+    log.info(
+        "restored checkpoint %s (epoch %d, step %d, cursor %d)",
+        path,
+        state.epoch,
+        state.global_step,
+        state.cursor,
+    )
+    return state
+
+
+def _check_optional_sections(
+    path: Path,
+    live: dict[str, Any],
+    saved_values: dict[tuple[Any, ...], Any],
+    missing: set[str],
+    sections: dict[str, str],
+    section_saved: Callable[[str], bool],
+) -> set[str]:
+    """Warn about optimizer / scheduler / scaler state the checkpoint lacks; return sections to skip."""
+    skip = set()
+    for section in ("optimizer", "schedulers", "grad_scaler"):
+        if section in live and not section_saved(section):
+            warnings.warn(f"checkpoint {path} has no {section} state; it starts fresh", stacklevel=3)
+            skip.add(section)
+    if "optimizer" in live and "optimizer" not in skip:
+        live_groups = [group.get("params") for group in live["optimizer"].get("param_groups", [])]
+        saved_groups: dict[int, list[str]] = {}
+        for tree_path, value in saved_values.items():
+            if (
+                tree_path[:2] == ("optimizer", "param_groups")
+                and len(tree_path) == 5
+                and tree_path[3] == "params"
+            ):
+                saved_groups.setdefault(tree_path[2], []).append(value)
+        if [saved_groups.get(i) for i in range(len(saved_groups))] != live_groups:
+            warnings.warn(
+                f"checkpoint {path}: the optimizer's parameter groups differ from the saved ones; "
+                "optimizer state not restored (it starts fresh)",
+                stacklevel=3,
+            )
+            skip.add("optimizer")
+        else:
+            missing_optimizer = {key for key in missing if sections[key] == "optimizer"}
+            if missing_optimizer:
+                warnings.warn(
+                    f"checkpoint {path} lacks optimizer state for: {_names(missing_optimizer, 'optimizer.state.')}; "
+                    "those entries keep their fresh values",
+                    stacklevel=3,
+                )
+    if "schedulers" in live and "schedulers" not in skip:
+        saved_count = 1 + max((p[1] for p in saved_values if p[0] == "schedulers"), default=-1)
+        if saved_count != len(live["schedulers"]):
+            warnings.warn(
+                f"checkpoint {path} has {saved_count} LR scheduler state(s), the run {len(live['schedulers'])}; "
+                "restoring the first min of both",
+                stacklevel=3,
+            )
+    return skip
+
+
+def _restore_rank_state(
+    path: Path,
+    meta: dict[str, Any],
+    hooks: Iterable[Hook] | Callable[[], Iterable[Hook]],
+    components: Components,
+    device: torch.device | str | None,
+) -> None:
+    """This rank's RNG states and hook states (rank 0's hook states when the checkpoint has no file for it)."""
+    rank, world = _dist.rank(), _dist.world_size()
+    saved_world = meta.get("world_size", 1)
+    if saved_world != world:
+        log.warning("checkpoint %s was saved by %d rank(s), restoring on %d", path, saved_world, world)
+    threads = meta.get("num_threads")
+    if threads is not None and threads != torch.get_num_threads():
+        log.warning(
+            "checkpoint %s was saved with torch.get_num_threads() == %d, this process has %d: CPU results "
+            "may differ from an uninterrupted run in the last bits", path, threads, torch.get_num_threads(),
+        )  # fmt: skip
+    own = _rank_file(path, rank)
+    if own is None:
+        log.warning("checkpoint %s has no RNG state for rank %d; its RNG keeps the seeded state", path, rank)
+    else:
+        if device is None:
+            device = next((p.device for p in components.model.parameters()), torch.device("cpu"))
+        set_rng_state(own["rng"], device)
+    hook_source = own if own is not None else _rank_file(path, 0)
+    hook_list = list(hooks() if callable(hooks) else hooks)
+    missing = load_hook_states(hook_list, hook_source["hooks"] if hook_source else {})
+    if missing:
+        log.warning("checkpoint %s has no state for hook(s) %s; they start fresh", path, ", ".join(missing))

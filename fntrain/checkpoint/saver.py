@@ -1,0 +1,296 @@
+"""`save` / `save_async`: one checkpoint of a run as `<root>/step_<N>/` over torch.distributed.checkpoint.
+
+What is saved [S36]: the model and optimizer state (via `get_state_dict`, so DDP and FSDP2 save sharded
+and a checkpoint loads at another world size), LR schedulers, the grad scaler, `TrainState`, every
+stateful hook's `state_dict()` and the RNG states (both per rank), and the resolved config. Tensors go to
+DCP; everything else is JSON. Nothing is pickled by fntrain.
+
+Order, so that a crash at any point leaves either a complete checkpoint or one that is ignored:
+per-rank JSON and meta.json → DCP data → DCP `.metadata` (DCP writes it last) → `COMPLETE` marker →
+`latest` pointer → retention. Only rank 0 writes the marker, the pointer and deletes old checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+from fntrain.checkpoint import _dist
+from fntrain.checkpoint.layout import retain, step_dir, write_json_atomic, write_latest, write_marker
+from fntrain.checkpoint.rng import rng_state
+from fntrain.checkpoint.tree import split
+from fntrain.components import Components
+from fntrain.hooks.base import hook_states
+from fntrain.loop import Hook
+from fntrain.state import TrainState
+
+__all__ = ["FORMAT_VERSION", "app_state", "save", "save_async", "make_stager", "PendingSave"]
+
+log = logging.getLogger("fntrain.checkpoint")
+
+FORMAT_VERSION = 1
+HooksArg = Iterable[Hook] | Callable[[], Iterable[Hook]]
+
+
+def app_state(components: Components, *, weights_only: bool = False) -> dict[str, Any]:
+    """The state tree of `components`: {"model", "optimizer", "schedulers", "grad_scaler"}.
+
+    Model and optimizer come from `get_state_dict` (FQN keys without DDP/FSDP wrappers; DTensor shards
+    under FSDP2). On an optimizer without state yet it initialises the state with a zero-lr step, which is
+    what lets a fresh optimizer receive a checkpoint's moments. `weights_only` gives the model alone.
+    """
+    optimizers = tuple(components.optimizers)
+    if optimizers and not weights_only:
+        model_state, optimizer_state = get_state_dict(components.model, optimizers)
+        tree: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
+    else:
+        tree = {"model": get_model_state_dict(components.model)}
+    if weights_only:
+        return tree
+    if components.schedulers:
+        tree["schedulers"] = [scheduler.state_dict() for scheduler in components.schedulers]
+    if components.grad_scaler is not None:
+        tree["grad_scaler"] = components.grad_scaler.state_dict()
+    return tree
+
+
+def _hooks(hooks: HooksArg) -> list[Hook]:
+    return list(hooks() if callable(hooks) else hooks)
+
+
+def _device_of(components: Components, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for param in components.model.parameters():
+        return param.device
+    return torch.device("cpu")
+
+
+def _prepare(
+    root: str | os.PathLike,
+    state: TrainState,
+    components: Components,
+    hooks: HooksArg,
+    config: Mapping[str, Any] | None,
+    device: torch.device | str | None,
+    process_group: Any,
+) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Make the step directory, write the JSON parts, return (directory, tensors for DCP)."""
+    path = step_dir(root, state.global_step)
+    rank, world = _dist.rank(), _dist.world_size()
+    if rank == 0:
+        # A directory for this step can only be a leftover (a crashed save, or a run resumed from an
+        # earlier checkpoint that passes this step again): it is replaced, never merged into.
+        if path.exists():
+            log.info("replacing existing checkpoint directory %s", path)
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+    _dist.barrier(process_group)
+
+    tensors, values = split(app_state(components))
+    write_json_atomic(
+        path / f"rank_{rank}.json",
+        {
+            "rank": rank,
+            "world_size": world,
+            "rng": rng_state(_device_of(components, device)),
+            "hooks": hook_states(_hooks(hooks)),
+        },
+    )
+    if rank == 0:
+        write_json_atomic(
+            path / "meta.json",
+            {
+                "format": FORMAT_VERSION,
+                "step": state.global_step,
+                "train_state": state.as_dict(),
+                "world_size": world,
+                "values": values,
+                "config": dict(config) if config is not None else None,
+                "torch_version": torch.__version__,
+                "num_threads": torch.get_num_threads(),
+                "saved_at": time.time(),
+            },
+        )
+    return path, tensors
+
+
+def _writer(path: Path, thread_count: int) -> dcp.FileSystemWriter:
+    return dcp.FileSystemWriter(path, sync_files=True, thread_count=thread_count)
+
+
+def _finalize(root: str | os.PathLike, path: Path, state: TrainState, keep_last: int) -> None:
+    """Rank 0: completion marker (only once DCP's metadata exists), then `latest`, then retention."""
+    if _dist.rank() != 0:
+        return
+    write_marker(
+        path, {"step": state.global_step, "train_state": state.as_dict(), "completed_at": time.time()}
+    )
+    write_latest(root, path)
+    retain(root, keep_last)
+    log.info("checkpoint saved: %s", path)
+
+
+def save(
+    root: str | os.PathLike,
+    state: TrainState,
+    components: Components,
+    *,
+    hooks: HooksArg = (),
+    config: Mapping[str, Any] | None = None,
+    keep_last: int = 0,
+    device: torch.device | str | None = None,
+    process_group: Any = None,
+    thread_count: int = 1,
+) -> Path:
+    """Save `<root>/step_<global_step>/` and return it, complete, on every rank (a collective).
+
+    `hooks` (a list, or a callable returning it) contributes the `state_dict()` of each stateful hook;
+    `config` is the resolved run config (JSON-able); `keep_last` > 0 deletes older complete checkpoints.
+    Saving before the first optimizer step initialises the optimizers' state (see `app_state`).
+    """
+    path, tensors = _prepare(root, state, components, hooks, config, device, process_group)
+    with _dist.quiet_single_process():
+        dcp.save(
+            tensors,
+            storage_writer=_writer(path, thread_count),
+            process_group=process_group,
+            no_dist=not _dist.initialized(),
+        )
+    _finalize(root, path, state, keep_last)
+    _dist.barrier(process_group)  # every rank returns only once the checkpoint is marked complete
+    return path
+
+
+class PendingSave:
+    """An asynchronous save in flight (owns DCP's future).
+
+    As soon as the background write succeeds, rank 0 completes the checkpoint from DCP's thread (marker,
+    then `latest`, then retention), so a crash later in the run does not lose a checkpoint that was fully
+    written. `done()` never blocks; `result()` waits and returns the directory, or raises if the write
+    or its completion failed; `stop(timeout)` is for abort paths: it waits at most `timeout` seconds
+    and never raises.
+    """
+
+    def __init__(self, root: Path, path: Path, state: TrainState, keep_last: int, future: Future):
+        self.root, self.path, self.state, self.keep_last = root, path, state, keep_last
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        future.add_done_callback(self._complete)
+
+    def _complete(self, future: Future) -> None:
+        """Runs once the write has finished, in DCP's thread (or at once if it already had)."""
+        try:
+            failure = future.exception()
+            if failure is None:
+                _finalize(self.root, self.path, self.state, self.keep_last)
+            else:
+                error = RuntimeError(
+                    f"asynchronous checkpoint save of step {self.state.global_step} to {self.path} failed"
+                )
+                error.__cause__ = failure
+                self._error = error
+        except BaseException as error:  # noqa: BLE001 - kept for result() to raise in the caller's thread
+            self._error = error
+        finally:
+            self._finished.set()
+
+    def done(self) -> bool:
+        """True once the write and its completion have finished (successfully or not); never blocks."""
+        return self._finished.is_set()
+
+    def result(self, timeout: float | None = None) -> Path:
+        if not self._finished.wait(timeout):
+            raise FutureTimeout(
+                f"asynchronous checkpoint save to {self.path} still running after {timeout} s"
+            )
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+    def stop(self, timeout: float = 60.0) -> bool:
+        """Settle without raising: True when the checkpoint ended complete."""
+        try:
+            self.result(timeout=timeout)
+            return True
+        except FutureTimeout:
+            log.error(
+                "asynchronous checkpoint save to %s still running after %.0f s; abandoning it (unless it "
+                "completes before the process exits, it stays incomplete and is ignored on restore)",
+                self.path, timeout,
+            )  # fmt: skip
+        except BaseException as error:  # noqa: BLE001 - an abort path must not raise
+            log.error("asynchronous checkpoint save to %s failed: %r", self.path, error.__cause__ or error)
+        return False
+
+
+def make_stager(device: torch.device | str | None = None) -> Any:
+    """A DCP stager to reuse across `save_async` calls (close it with `.close()` when the run ends).
+
+    Staging copies the state off the live tensors before `save_async` returns, synchronously, so the
+    next optimizer step can never race the write. From an accelerator it copies into pinned host
+    buffers with non-blocking copies; the buffers are cached by the stager, so later saves reuse them.
+    """
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    accelerated = (
+        device is not None and torch.device(device).type != "cpu" and torch.accelerator.is_available()
+    )
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=accelerated,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=accelerated,
+        )
+    )
+
+
+def save_async(
+    root: str | os.PathLike,
+    state: TrainState,
+    components: Components,
+    *,
+    hooks: HooksArg = (),
+    config: Mapping[str, Any] | None = None,
+    keep_last: int = 0,
+    device: torch.device | str | None = None,
+    process_group: Any = None,
+    thread_count: int = 1,
+    stager: Any = None,
+) -> PendingSave:
+    """Like `save`, but returns once the state is staged (copied off the live tensors); DCP writes in a
+    background thread. Settle the returned `PendingSave` before the next save.
+
+    `stager`: one from `make_stager`, reused across saves (else DCP stages into fresh, unpinned memory).
+    With a process group, pass a dedicated group (e.g. a gloo group from `dist.new_group`) so the
+    background collectives never interleave with training collectives (it must include a CPU backend).
+    """
+    path, tensors = _prepare(root, state, components, hooks, config, device, process_group)
+    if not _dist.initialized():
+        # The write runs in DCP's thread, outside any `catch_warnings` here; the single-process intent
+        # is explicit (no_dist), so its warning about assuming it is noise.
+        warnings.filterwarnings("ignore", message=_dist.SINGLE_PROCESS_WARNING)
+    with _dist.quiet_single_process():
+        response = dcp.async_save(
+            tensors,
+            storage_writer=_writer(path, thread_count),
+            process_group=process_group,
+            no_dist=not _dist.initialized(),
+            async_stager=stager,
+        )
+    future = getattr(response, "upload_completion", response)  # AsyncSaveResponse (async staging) or Future
+    return PendingSave(Path(root), path, state, keep_last, future)

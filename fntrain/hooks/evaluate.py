@@ -1,0 +1,222 @@
+"""Evaluation [S32]: every `eval_every` steps and/or `eval_epochs` epochs, at most once per global step.
+
+`make_eval_fn` builds the standard evaluation of a language model over a validation split: the split is
+read in order and sharded across data-parallel ranks (rank r reads samples r, r + world, ...), every rank
+runs the same number of forwards (ranks short of samples repeat one with weight 0, so FSDP's collectives
+stay matched), with no grad and the model in eval mode (its previous mode restored after, even on error).
+Each micro-batch's mean loss is weighted by its valid tokens and the sums are reduced across ranks with
+one collective: `val_loss` is the exact token-weighted mean over the whole split, `val_ppl` its exp.
+
+`evaluate_hook` calls any such function on its cadence (on every rank: evaluation takes part in
+collectives) and writes the result as its own record through the run's `MetricsLog` (rank 0), since it
+runs after the metrics hook: metrics.jsonl then holds a `val_loss` line for that step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+from torch.utils.data import default_collate
+
+from fntrain.config import require_bool, require_int
+from fntrain.data.tokens import IGNORE_INDEX, count_loss_tokens
+from fntrain.hooks.base import StatefulHook, stateful
+from fntrain.hooks.metrics import RESERVED, MetricsLog, format_record
+from fntrain.loop import Event
+from fntrain.runtime.collectives import exact_dtype, reduce_scalars
+from fntrain.runtime.runtime import Runtime
+from fntrain.state import TrainState
+
+__all__ = ["EvaluateConfig", "evaluate_hook", "make_eval_fn", "eval_index_groups"]
+
+log = logging.getLogger("fntrain.hooks.evaluate")
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    """When and how much to evaluate on the validation split."""
+
+    eval_every: int = 0
+    """Evaluate every N optimizer steps (0: not by steps)."""
+    eval_epochs: int = 0
+    """Evaluate after every N-th epoch (0: not by epochs)."""
+    at_end: bool = False
+    """Also evaluate after the run's last step."""
+    max_batches: int = 0
+    """Micro-batches per rank and evaluation (0: the whole validation split)."""
+    micro_batch_size: int = 0
+    """Sequences per evaluation forward (0: the training micro-batch size)."""
+
+    def validate(self, prefix: str = "evaluate") -> None:
+        require_int(f"{prefix}.eval_every", self.eval_every, min=0)
+        require_int(f"{prefix}.eval_epochs", self.eval_epochs, min=0)
+        require_bool(f"{prefix}.at_end", self.at_end)
+        require_int(f"{prefix}.max_batches", self.max_batches, min=0)
+        require_int(f"{prefix}.micro_batch_size", self.micro_batch_size, min=0)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.eval_every or self.eval_epochs or self.at_end)
+
+
+def eval_index_groups(
+    length: int, micro_batch_size: int, rank: int, world_size: int, max_batches: int = 0
+) -> list[tuple[list[int], bool]]:
+    """This rank's evaluation micro-batches as (sample indices, counted) pairs, in order.
+
+    Rank r reads samples r, r + world, ... (each sample once over all ranks). Every rank gets the same
+    number of micro-batches, ceil(ceil(length / world) / micro_batch_size) capped at `max_batches` when
+    > 0; a rank that has run out repeats a real sample in an uncounted micro-batch.
+    """
+    if length < 1:
+        raise ValueError("the validation split is empty")
+    require_int("evaluate.micro_batch_size", micro_batch_size, min=1)
+    mine = list(range(rank, length, world_size))
+    count = math.ceil(math.ceil(length / world_size) / micro_batch_size)
+    if max_batches > 0:
+        count = min(count, max_batches)
+    filler = mine[:1] or [0]
+    groups = []
+    for index in range(count):
+        chunk = mine[index * micro_batch_size : (index + 1) * micro_batch_size]
+        groups.append((chunk, True) if chunk else (filler, False))
+    return groups
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    return optree.tree_map(
+        lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, batch
+    )
+
+
+def make_eval_fn(
+    model: torch.nn.Module,
+    loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor],
+    dataset: Any,
+    *,
+    micro_batch_size: int,
+    runtime: Runtime,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    forward: Callable[[torch.nn.Module, Mapping[str, Any]], Any] | None = None,
+    max_batches: int = 0,
+    autocast_dtype: torch.dtype | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    group: Any = None,
+) -> Callable[[], dict[str, float]]:
+    """`eval_fn() -> {"val_loss", "val_ppl"}` over `dataset` (map-style), sharded over data-parallel ranks.
+
+    `loss_fn(output, micro_batch)` must return the mean loss over the micro-batch's valid tokens (like
+    `causal_lm_loss`); it is weighted by `count_loss_tokens`. Must be called on every rank of `group`.
+    """
+    from fntrain.step import default_forward
+
+    if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        raise TypeError(
+            f"the validation dataset must be map-style (__getitem__ and __len__), got {type(dataset)!r}"
+        )
+    groups = eval_index_groups(len(dataset), micro_batch_size, runtime.dp_rank, runtime.dp_size, max_batches)
+    collate = collate_fn or default_collate
+    forward = forward or default_forward
+    device = runtime.device
+    dtype = exact_dtype(device)
+
+    def eval_fn() -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                loss_sum = torch.zeros((), dtype=dtype, device=device)
+                token_sum = torch.zeros((), dtype=dtype, device=device)
+                for indices, counted in groups:
+                    micro_batch = _to_device(collate([dataset[i] for i in indices]), device)
+                    if autocast_dtype is not None:
+                        with torch.autocast(device.type, dtype=autocast_dtype):
+                            output = forward(model, micro_batch)
+                    else:
+                        output = forward(model, micro_batch)
+                    loss = loss_fn(output, micro_batch)
+                    if counted:  # a filler micro-batch only keeps the ranks' forwards matched
+                        tokens = count_loss_tokens(micro_batch, ignore_index).to(dtype)
+                        loss_sum += loss.detach().to(dtype) * tokens
+                        token_sum += tokens
+            totals = reduce_scalars(
+                {"loss": loss_sum, "tokens": token_sum}, "sum", device=device, dtype=dtype, group=group
+            )
+        finally:
+            model.train(was_training)
+        if totals["tokens"] <= 0:
+            log.warning("evaluation: the validation split has no valid loss tokens")
+            return {"val_loss": math.nan, "val_ppl": math.nan}
+        val_loss = totals["loss"] / totals["tokens"]
+        try:
+            val_ppl = math.exp(val_loss)
+        except OverflowError:
+            val_ppl = math.inf
+        return {"val_loss": val_loss, "val_ppl": val_ppl}
+
+    return eval_fn
+
+
+def evaluate_hook(
+    config: EvaluateConfig,
+    eval_fn: Callable[[], Mapping[str, float]],
+    runtime: Runtime,
+    *,
+    writer: MetricsLog | None = None,
+    last_step: int | None = None,
+) -> StatefulHook:
+    """The evaluation hook: `eval_fn()` at STEP_END every `eval_every` steps (and at `last_step` with
+    `at_end`), at EPOCH_END after every `eval_epochs`-th epoch, never twice for one global step (the
+    evaluated step survives a resume: state name "evaluate"). Runs on every rank; the result is written
+    through `writer` (rank 0), or logged when there is none.
+    """
+    config.validate()
+    if config.at_end and last_step is None:
+        raise ValueError("evaluate.at_end needs the run's last step (last_step=plan.train_iters)")
+    every, epochs = config.eval_every, config.eval_epochs
+    end = last_step if config.at_end else None
+    evaluated = -1  # the global step of the last evaluation
+
+    def evaluate(state: TrainState) -> None:
+        nonlocal evaluated
+        if state.global_step == evaluated:
+            return
+        evaluated = state.global_step
+        started = time.perf_counter()
+        metrics = dict(eval_fn())
+        for name in RESERVED:
+            if name in metrics:
+                raise ValueError(f"metric name collision: {name!r} is reserved for the record's position")
+        if runtime.rank == 0:
+            log.info("evaluation at step %d took %.2fs", state.global_step, time.perf_counter() - started)
+        if writer is not None:
+            writer.write(state.global_step, state.epoch, metrics)
+        elif runtime.rank == 0:
+            log.info("%s", format_record(state.global_step, state.epoch, metrics))
+
+    def hook(event: Event, state: TrainState, info: Any) -> None:
+        if event is Event.STEP_END:
+            step = state.global_step
+            if (every and step % every == 0) or step == end:
+                evaluate(state)
+        elif event is Event.EPOCH_END:
+            if epochs and (state.epoch + 1) % epochs == 0:
+                evaluate(state)
+
+    def state_dict() -> dict[str, Any]:
+        return {"last_step": evaluated}
+
+    def load_state_dict(saved: Mapping[str, Any]) -> None:
+        nonlocal evaluated
+        evaluated = int(saved.get("last_step", -1))
+
+    return stateful("evaluate", hook, state_dict, load_state_dict)

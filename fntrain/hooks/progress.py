@@ -1,0 +1,166 @@
+"""Progress bar [S31]: a tqdm bar on rank 0, advanced every step, its postfix refreshed on logging steps.
+
+The bar counts optimizer steps of the whole run: total = `train_iters`, initial = the global step the run
+starts from (a resumed run starts part-way). Its postfix (loss, grad_norm, lr, tokens/s, step time) comes
+from the metrics hook's last record (`MetricBoard.last`, so the progress hook goes after the metrics
+hook) and is refreshed only on the steps that record is made; on other steps the hook advances the bar by
+one and reads nothing from the device. The bar opens at TRAIN_BEGIN and closes once, at TRAIN_END or
+ABORT. tqdm is imported when the hook is built on rank 0, never by `import fntrain`; without tqdm the hook
+warns once and shows no bar. While the bar is open, log records are routed through `tqdm.write` so they
+do not break it.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import torch
+
+from fntrain.config import require_bool, require_float, require_int
+from fntrain.hooks.metrics import MetricBoard
+from fntrain.loop import Event, Hook
+from fntrain.runtime.runtime import Runtime
+from fntrain.state import TrainState
+
+__all__ = ["ProgressConfig", "progress_hook", "format_postfix"]
+
+log = logging.getLogger("fntrain.hooks.progress")
+
+
+@dataclass(frozen=True)
+class ProgressConfig:
+    """The progress bar (rank 0)."""
+
+    enabled: bool = True
+    """Show a tqdm progress bar of the run's optimizer steps."""
+    mininterval: float = 0.5
+    """Least seconds between two redraws of the bar."""
+    leave: bool = True
+    """Keep the finished bar on screen."""
+    redirect_logging: bool = True
+    """Route log records through tqdm.write while the bar is open, so they print above it."""
+
+    def validate(self, prefix: str = "progress") -> None:
+        require_bool(f"{prefix}.enabled", self.enabled)
+        require_float(f"{prefix}.mininterval", self.mininterval, min=0.0)
+        require_bool(f"{prefix}.leave", self.leave)
+        require_bool(f"{prefix}.redirect_logging", self.redirect_logging)
+
+
+_POSTFIX = (
+    ("loss", "loss", "{:.4f}"),
+    ("grad_norm", "grad_norm", "{:.3f}"),
+    ("lr", "lr", "{:.3e}"),
+    ("tokens_per_s", "tok/s", "{:.4g}"),
+    ("step_time_s", "step", "{:.3g}s"),
+)
+
+
+def format_postfix(metrics: Mapping[str, Any]) -> str:
+    """The bar's postfix from a record: loss, grad_norm, lr (.3e), tokens/s, step time; absent ones skipped."""
+    parts = []
+    for name, label, form in _POSTFIX:
+        value = metrics.get(name)
+        if value is not None:
+            parts.append(f"{label}={form.format(float(value))}")
+    return ", ".join(parts)
+
+
+def _inactive(event: Event, state: TrainState, info: Any) -> None:
+    """The progress hook off rank 0, when disabled, or without tqdm: nothing happens."""
+
+
+def progress_hook(
+    config: ProgressConfig,
+    runtime: Runtime,
+    *,
+    total: int,
+    board: MetricBoard | None = None,
+    log_every: int = 0,
+    file: TextIO | None = None,
+) -> Hook:
+    """The progress bar hook: rank 0 only, `total` = the plan's train_iters.
+
+    The postfix is refreshed from `board.last` on the steps the metrics hook logged; without a board, on
+    every `log_every`-th step from the step's own metrics (rank 0's values, read on those steps only).
+    `file` is where the bar is drawn (None: stderr).
+    """
+    config.validate()
+    require_int("total", total, min=1)
+    require_int("log_every", log_every, min=0)
+    if not config.enabled or runtime.rank != 0:
+        return _inactive
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        warnings.warn(
+            "progress: tqdm is not installed; training runs without a progress bar", UserWarning, stacklevel=2
+        )
+        return _inactive
+    redirect: Any = None
+    if config.redirect_logging:
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        redirect = logging_redirect_tqdm
+
+    bar: Any = None
+    redirecting: Any = None
+    every = log_every
+
+    def close() -> None:
+        nonlocal bar, redirecting
+        opened, bar = bar, None
+        context, redirecting = redirecting, None
+        try:
+            if opened is not None:
+                opened.close()
+        finally:
+            if context is not None:
+                context.__exit__(None, None, None)
+
+    def refresh(state: TrainState, info: Any) -> None:
+        if board is not None:
+            record = board.last
+            if record.get("step") != state.global_step:
+                return
+        elif every and state.global_step % every == 0:
+            record = {
+                name: float(value) if isinstance(value, torch.Tensor) else value
+                for name, value in info.metrics.items()
+            }
+        else:
+            return
+        bar.set_postfix_str(format_postfix(record), refresh=False)  # drawn at the next update
+
+    def progress(event: Event, state: TrainState, info: Any) -> None:
+        nonlocal bar, redirecting
+        if event is Event.STEP_END:
+            if bar is not None:
+                bar.update(1)
+                refresh(state, info)
+        elif event is Event.EPOCH_BEGIN:
+            if bar is not None:
+                bar.set_description(f"epoch {state.epoch}", refresh=False)
+        elif event is Event.TRAIN_BEGIN:
+            close()  # a previous run on this hook that neither ended nor aborted
+            if redirect is not None:
+                redirecting = redirect()
+                redirecting.__enter__()
+            bar = tqdm(
+                total=total,
+                initial=state.global_step,
+                desc=f"epoch {state.epoch}",
+                unit="step",
+                file=file,
+                leave=config.leave,
+                mininterval=config.mininterval,
+                dynamic_ncols=True,
+            )
+        elif event is Event.TRAIN_END or event is Event.ABORT:
+            close()
+
+    return progress

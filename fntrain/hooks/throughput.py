@@ -1,0 +1,396 @@
+"""Throughput meter [S28]: step time, tokens/s, samples/s, TFLOP/s per device, MFU, peak memory, consumed counts.
+
+Per step the hook adds the step's host time, samples and tokens to its interval (a few integer and float
+additions; a token count that is a device tensor is kept by reference, not summed). On a logging step
+(the metrics hook's cadence), on every rank, it synchronises the device (the wait is added to the step
+time, so queued device work is counted), reduces the interval with one collective and posts to the
+`MetricBoard` for the metrics hook, which must come after it in the hook list:
+
+- `step_time_s`: time inside the step function (host time, plus the device drain at the logging step),
+  averaged over the interval's steps, max over ranks. Data loading and hook time (evaluation,
+  checkpoints) are not part of it.
+- `tokens_per_s`, `samples_per_s`: the interval's tokens/samples over all data-parallel ranks divided by
+  (step time x steps). Tokens come from the loop's `count_batch` (precedence per [S28]).
+- `tflops` (TFLOP/s per device) when the training FLOPs per token are known, and `mfu` (fraction of the
+  device's peak dense bf16 FLOP/s) when the peak is known too: from `ThroughputConfig.peak_tflops`, else
+  from `PEAK_FLOPS` by device name. On cpu there is no MFU unless a peak is configured.
+- `peak_mem_gib`: the device allocator's peak allocated memory, max over ranks (not on cpu).
+- `consumed_tokens`, `consumed_samples`: cumulative over the whole run, kept in the hook's
+  `state_dict()` (name "throughput") so a resumed run continues counting.
+
+FLOPs per token are given analytically (`ThroughputConfig.flops_per_token`,
+`dense_transformer_flops_per_token`) or measured once, at TRAIN_BEGIN, with
+`torch.utils.flop_counter.FlopCounterMode` on a meta-device copy of the model (`measure_flops_per_token`):
+no memory is allocated and nothing runs on the device.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from fntrain.config import require_bool, require_float
+from fntrain.data.tokens import count_tokens
+from fntrain.hooks.base import StatefulHook, stateful
+from fntrain.hooks.metrics import MetricBoard
+from fntrain.loop import Event
+from fntrain.runtime.collectives import exact_dtype, reduce_scalars
+from fntrain.runtime.runtime import Runtime
+from fntrain.state import TrainState
+
+__all__ = [
+    "ThroughputConfig",
+    "throughput_hook",
+    "PEAK_FLOPS",
+    "peak_flops_for_name",
+    "device_peak_flops",
+    "measure_flops_per_token",
+    "dense_transformer_flops_per_token",
+]
+
+log = logging.getLogger("fntrain.hooks.throughput")
+
+_GIB = float(2**30)
+_FOLD_AT = 256  # token tensors kept before they are summed into one (bounds memory when nothing logs)
+
+# Peak dense (no sparsity) bf16 matrix FLOP/s of one device, matched as a case-insensitive substring of
+# the device name, first match wins (so "H200" is tested before "H20", "L40S" before "L40"). Sources:
+# vendor datasheets (NVIDIA, AMD); Ascend values as used by VeOmni/verl (one device = one die).
+PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("GB200", 2500e12),
+    ("B200", 2250e12),
+    ("B100", 1750e12),
+    ("GH200", 989e12),
+    ("H200", 989e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM
+    ("H800 PCIe", 756e12),
+    ("H800", 989e12),
+    ("H20", 148e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L20", 119.5e12),
+    ("L4", 121e12),
+    ("A40", 149.7e12),
+    ("A10", 125e12),
+    ("RTX 6000 Ada", 364.2e12),
+    ("RTX 5090", 209.5e12),
+    ("RTX 4090", 165.2e12),
+    ("RTX 3090", 71e12),
+    ("V100", 125e12),  # fp16: no bf16 on Volta
+    ("T4", 65e12),  # fp16
+    ("MI355X", 2500e12),
+    ("MI325X", 1307e12),
+    ("MI300X", 1307e12),
+    ("MI250X", 383e12),
+    ("MI250", 362e12),
+    ("910B", 354e12),  # Ascend 910B1..B4 ("Ascend910B2", "Ascend910B3", ...)
+    ("910_93", 354e12),  # Ascend 910C, reported per die as "Ascend910_93xx"
+    ("910C", 354e12),
+)
+
+
+@dataclass(frozen=True)
+class ThroughputConfig:
+    """What the throughput meter reports. Its cadence is the recipe's `log_every`."""
+
+    enabled: bool = True
+    """Report throughput on logging steps (off: the hook does nothing and keeps no counts)."""
+    flops_per_token: float | None = None
+    """Training FLOPs (forward + backward) per token, given analytically; None: measured once with
+    FlopCounterMode on a meta copy of the model when the recipe offers one (see measure_flops)."""
+    measure_flops: bool = True
+    """Measure FLOPs per token at the start of training when flops_per_token is not given."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device for MFU; None: from the device table (no MFU on cpu)."""
+    memory: bool = True
+    """Report peak allocated device memory (GiB, max over ranks; not on cpu)."""
+
+    def validate(self, prefix: str = "throughput") -> None:
+        require_bool(f"{prefix}.enabled", self.enabled)
+        if self.flops_per_token is not None:
+            require_float(f"{prefix}.flops_per_token", self.flops_per_token, min=0.0, min_exclusive=True)
+        require_bool(f"{prefix}.measure_flops", self.measure_flops)
+        if self.peak_tflops is not None:
+            require_float(f"{prefix}.peak_tflops", self.peak_tflops, min=0.0, min_exclusive=True)
+        require_bool(f"{prefix}.memory", self.memory)
+
+
+# ----------------------------------------------------------------------------- peak FLOP/s
+
+
+def peak_flops_for_name(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s for a device name from `PEAK_FLOPS`, or None when it is not listed."""
+    lowered = device_name.lower()
+    for pattern, flops in PEAK_FLOPS:
+        if pattern.lower() in lowered:
+            return flops
+    return None
+
+
+def _device_module(device: torch.device) -> Any:
+    """torch.cuda / torch.npu / ... for an accelerator, None for cpu (a seam the tests replace)."""
+    if device.type == "cpu":
+        return None
+    return torch.get_device_module(device)
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The table's peak FLOP/s for `device` (None on cpu, for an unlisted device, or a failed query)."""
+    module = _device_module(device)
+    if module is None:
+        return None
+    try:
+        name = module.get_device_name(device)
+    except Exception as error:  # noqa: BLE001 - a missing name only costs the MFU figure
+        log.warning("throughput: could not read the name of device %s: %r", device, error)
+        return None
+    flops = peak_flops_for_name(name)
+    if flops is None:
+        log.warning("throughput: no peak FLOP/s known for %r; set throughput.peak_tflops for MFU", name)
+    return flops
+
+
+# ----------------------------------------------------------------------------- FLOPs per token
+
+
+def dense_transformer_flops_per_token(n_params: int, n_layers: int, d_model: int, context: int) -> float:
+    """Training FLOPs per token of a dense decoder: 6 N + 12 L d T (PaLM, appendix B).
+
+    6 N covers the forward and backward matmuls of the N parameters, 12 L d T the attention scores and
+    values over a context of T tokens (not halved for the causal mask).
+    """
+    return 6.0 * n_params + 12.0 * n_layers * d_model * context
+
+
+def _meta_copy(model: Any) -> torch.nn.Module:
+    """A copy of `model` on the meta device, allocating no memory: a module's parameters and buffers are
+    replaced through deepcopy's memo (ties kept); a zero-argument factory is called under the meta device."""
+    if not isinstance(model, torch.nn.Module):
+        with torch.device("meta"):
+            return model()
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        if id(param) not in memo:
+            memo[id(param)] = torch.nn.Parameter(
+                torch.empty_like(param, device="meta"), requires_grad=param.requires_grad
+            )
+    for buffer in model.buffers():
+        memo.setdefault(id(buffer), torch.empty_like(buffer, device="meta"))
+    return copy.deepcopy(model, memo)
+
+
+def measure_flops_per_token(
+    model: torch.nn.Module | Callable[[], torch.nn.Module],
+    example_batch: Mapping[str, Any],
+    *,
+    loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor] | None = None,
+    forward: Callable[[torch.nn.Module, Mapping[str, Any]], Any] | None = None,
+    backward: bool = True,
+) -> float:
+    """Training FLOPs per token, counted by FlopCounterMode over one forward (and backward) on meta.
+
+    `model` is an unwrapped module (copied to meta through deepcopy's memo) or a factory called under
+    the meta device. `example_batch` is one micro-batch of host tensors; its tokens are counted like the
+    loop counts them (`count_tokens`), so FLOPs per step = this x the step's tokens for batches of that
+    shape. Backward uses `loss_fn(output, batch)`, else the output's sum.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fntrain.step import default_forward
+
+    tokens = int(count_tokens(example_batch))
+    if tokens <= 0:
+        raise ValueError(f"the example batch must hold at least one token, got {tokens}")
+    meta_model = _meta_copy(model)
+    meta_batch = optree.tree_map(
+        lambda leaf: leaf.to("meta") if isinstance(leaf, torch.Tensor) else leaf, dict(example_batch)
+    )
+    forward = forward or default_forward
+    with FlopCounterMode(display=False) as counter:
+        output = forward(meta_model, meta_batch)
+        if backward:
+            if loss_fn is not None:
+                loss = loss_fn(output, meta_batch)
+            else:
+                loss = (output.logits if hasattr(output, "logits") else output).sum()
+            if loss.requires_grad:
+                loss.backward()
+    return counter.get_total_flops() / tokens
+
+
+# ----------------------------------------------------------------------------- the hook
+
+
+def _inactive(event: Event, state: TrainState, info: Any) -> None:
+    """The throughput hook when disabled: nothing happens."""
+
+
+def throughput_hook(
+    config: ThroughputConfig,
+    runtime: Runtime,
+    *,
+    log_every: int,
+    board: MetricBoard,
+    last_step: int | None = None,
+    flops_per_token: float | Callable[[], float] | None = None,
+) -> StatefulHook:
+    """The throughput meter, posting to `board` on the logging steps of `log_every` (and `last_step`).
+
+    `flops_per_token` is a number or a callable measured once at TRAIN_BEGIN (e.g. a partial of
+    `measure_flops_per_token`); `config.flops_per_token` overrides both, `config.measure_flops=False`
+    skips the callable. A failed measurement is a warning (no TFLOP/s, no MFU), never a failed run.
+    State (name "throughput"): consumed tokens/samples, plus the counts of steps not yet reduced.
+    """
+    config.validate()
+    if type(log_every) is not int or log_every < 0:
+        raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
+    if not config.enabled:
+        return stateful("throughput", _inactive, dict, lambda saved: None)
+    every = log_every
+    last = last_step if every else None
+    device = runtime.device
+    scale = runtime.dp_size  # mean over ranks x dp_size = sum over the data-parallel replicas
+    world = runtime.world_size
+    reduce_dtype = exact_dtype(device)
+
+    busy = 0.0  # host seconds inside steps since the last logging step (this rank)
+    steps = 0
+    samples = 0
+    tokens = 0  # integer token counts since the last logging step
+    token_tensors: list[Any] = []  # tensor token counts since the last logging step, summed when reduced
+    carry_tokens = carry_samples = 0  # restored counts of steps a checkpoint had not yet reduced
+    consumed_tokens = consumed_samples = 0  # all ranks, whole run (identical on every rank)
+    fpt: float | None = None
+    peak: float | None = None
+    module: Any = None
+
+    def resolve(state: TrainState) -> None:
+        nonlocal fpt, peak, module
+        module = _device_module(device)
+        if config.flops_per_token is not None:
+            fpt = float(config.flops_per_token)
+        elif callable(flops_per_token):
+            fpt = None
+            if config.measure_flops:
+                started = time.perf_counter()
+                try:
+                    fpt = float(flops_per_token())
+                except Exception as error:  # noqa: BLE001 - TFLOP/s are a nicety, never a failed run
+                    log.warning("throughput: measuring FLOPs per token failed (%r); no TFLOP/s or MFU", error)
+                else:
+                    log.info(
+                        "throughput: %.4g training FLOPs per token (measured in %.2fs)",
+                        fpt, time.perf_counter() - started,
+                    )  # fmt: skip
+        else:
+            fpt = float(flops_per_token) if flops_per_token is not None else None
+        if config.peak_tflops is not None:
+            peak = float(config.peak_tflops) * 1e12
+        else:
+            peak = device_peak_flops(device)
+
+    def local_tokens() -> int:
+        """This rank's tokens since the last logging step (reads the device: logging steps only)."""
+        if token_tensors:
+            return tokens + int(torch.stack(token_tensors).sum())
+        return tokens
+
+    def flush(step: int) -> None:
+        nonlocal busy, steps, samples, tokens, carry_tokens, carry_samples, consumed_tokens, consumed_samples
+        if module is not None:
+            started = time.perf_counter()
+            module.synchronize()  # the steps' queued device work belongs to their time
+            busy += time.perf_counter() - started
+        values: dict[str, Any] = {
+            "tokens": local_tokens(),
+            "samples": samples,
+            "carry_tokens": carry_tokens,
+            "carry_samples": carry_samples,
+            "step_time_s": busy / steps if steps else 0.0,
+        }
+        ops = {"step_time_s": "max"}
+        with_memory = config.memory and module is not None
+        if with_memory:
+            values["peak_mem_gib"] = module.max_memory_allocated(device) / _GIB
+            ops["peak_mem_gib"] = "max"
+        reduced = reduce_scalars(values, ops, device=device, dtype=reduce_dtype)
+        interval_tokens = round(reduced["tokens"] * scale)
+        interval_samples = round(reduced["samples"] * scale)
+        consumed_tokens += interval_tokens + round(reduced["carry_tokens"] * scale)
+        consumed_samples += interval_samples + round(reduced["carry_samples"] * scale)
+        step_time = reduced["step_time_s"]
+        elapsed = step_time * steps
+        board.post(step, "step_time_s", step_time)
+        board.post(step, "consumed_tokens", consumed_tokens)
+        board.post(step, "consumed_samples", consumed_samples)
+        if elapsed > 0:
+            board.post(step, "tokens_per_s", interval_tokens / elapsed)
+            board.post(step, "samples_per_s", interval_samples / elapsed)
+            if fpt is not None:
+                flops_per_device = fpt * interval_tokens / elapsed / world
+                board.post(step, "tflops", flops_per_device / 1e12)
+                if peak is not None:
+                    board.post(step, "mfu", flops_per_device / peak)
+        if with_memory:
+            board.post(step, "peak_mem_gib", reduced["peak_mem_gib"])
+        busy, steps, samples, tokens, carry_tokens, carry_samples = 0.0, 0, 0, 0, 0, 0
+        token_tensors.clear()
+
+    def throughput(event: Event, state: TrainState, info: Any) -> None:
+        nonlocal busy, steps, samples, tokens
+        if event is Event.STEP_END:
+            busy += info.step_time_s
+            steps += 1
+            samples += info.samples
+            count = info.tokens
+            if count.__class__ is int:
+                tokens += count
+            elif isinstance(count, torch.Tensor):
+                token_tensors.append(count)
+                if len(token_tensors) >= _FOLD_AT:  # a device op, no sync: only when nothing logs for long
+                    folded = torch.stack(token_tensors).sum()
+                    token_tensors.clear()
+                    token_tensors.append(folded)
+            else:
+                tokens += int(count)
+            step = state.global_step
+            if every and (step % every == 0 or step == last):
+                flush(step)
+        elif event is Event.TRAIN_BEGIN:
+            resolve(state)
+            busy, steps = 0.0, 0
+
+    def state_dict() -> dict[str, Any]:
+        # The unreduced counts are this rank's; with one state per rank the resume is exact, with rank 0's
+        # state on every rank the next logging step scales rank 0's share (exact for equal shares).
+        return {
+            "consumed_tokens": consumed_tokens,
+            "consumed_samples": consumed_samples,
+            "pending_tokens": local_tokens() + carry_tokens,
+            "pending_samples": samples + carry_samples,
+        }
+
+    def load_state_dict(saved: Mapping[str, Any]) -> None:
+        nonlocal consumed_tokens, consumed_samples, carry_tokens, carry_samples, samples, tokens
+        missing = [key for key in ("consumed_tokens", "consumed_samples") if key not in saved]
+        if missing:
+            raise ValueError(f"throughput state is missing {missing}, got keys {sorted(saved)}")
+        consumed_tokens = int(saved["consumed_tokens"])
+        consumed_samples = int(saved["consumed_samples"])
+        carry_tokens = int(saved.get("pending_tokens", 0))
+        carry_samples = int(saved.get("pending_samples", 0))
+        samples = tokens = 0
+        token_tensors.clear()
+
+    return stateful("throughput", throughput, state_dict, load_state_dict)

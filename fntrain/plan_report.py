@@ -1,0 +1,282 @@
+"""The resolved run plan as plain data: what `fntrain plan` prints, computed without a model or a device.
+
+`describe_run_plan(plan, ...)` takes a `RunPlan` and the hook configs a recipe carries (profiler,
+memory, checkpoint; any may be absent) and returns a JSON-ready dict: run length, batch shape, the
+steps a fresh run checkpoints at, the profiler and memory windows in steps of this run, and which ranks
+record. `format_run_plan(report)` renders it for a terminal. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+from fntrain.state import RunPlan
+
+__all__ = ["describe_run_plan", "format_run_plan", "checkpoint_steps"]
+
+_LIST_LIMIT = 12  # longer step lists are shown as head ... tail
+
+
+def checkpoint_steps(
+    plan: RunPlan, *, save_every: int = 0, save_epochs: int = 0, save_at_end: bool = True
+) -> list[int]:
+    """Global steps at which a fresh run saves [S36]: every `save_every` steps, at the end of every
+    `save_epochs`-th epoch, and once at the end when the last step is otherwise unsaved."""
+    steps: set[int] = set()
+    if save_every and save_every > 0:
+        steps.update(range(save_every, plan.train_iters + 1, save_every))
+    if save_epochs and save_epochs > 0 and plan.sized:
+        for epoch in range(plan.epochs):
+            if (epoch + 1) % save_epochs == 0:
+                steps.add(min((epoch + 1) * plan.steps_per_epoch, plan.train_iters))
+    if save_at_end and (steps or save_every or save_epochs):
+        steps.add(plan.train_iters)
+    return sorted(steps)
+
+
+def _profiler_section(
+    config: Any, *, world_size: int, pp_size: int, device_type: str, train_iters: int
+) -> dict:
+    from fntrain.hooks.profiler import check_profiler_config, profiled_ranks
+    from fntrain.runtime.runtime import Runtime
+
+    # The profiler's own checks and normalisation, on a stand-in device: planning touches none.
+    runtime = Runtime(world_size=world_size, pp_size=pp_size, device=SimpleNamespace(type=device_type))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = check_profiler_config(config, runtime)
+    section: dict[str, Any] = {"enabled": bool(config.enabled)}
+    notes = [str(w.message) for w in caught]
+    if notes:
+        section["notes"] = notes
+    if not config.enabled:
+        return section
+    start = 1 if config.start_on_init else config.start_step
+    stop = config.stop_step
+    section.update(
+        start_step=config.start_step,
+        stop_step=stop,
+        starts_at="TRAIN_BEGIN" if config.start_on_init else f"step {start}",
+        steps=[start, min(stop, train_iters)] if start <= train_iters else [],
+        partial=stop > train_iters and start <= train_iters,
+        ranks=sorted(profiled_ranks(config, world_size, pp_size)),
+        output=f"{config.output_path or './output'}/profile/rank_<rank>/",
+    )
+    if start > train_iters:
+        section["notes"] = [
+            *section.get("notes", []),
+            f"the window starts after the last step ({train_iters})",
+        ]
+    return section
+
+
+def _memory_section(config: Any, *, world_size: int, train_iters: int, device_type: str) -> dict:
+    config.validate("memory")
+    section: dict[str, Any] = {"enabled": bool(config.enable), "mem_info": bool(config.mem_info)}
+    if config.mem_info:
+        section["mem_info_ranks"] = list(range(world_size))
+    if not config.enable:
+        return section
+    start, end = config.start_step, config.end_step
+    first = max(start, 1)
+    last = min(end - 1, train_iters)
+    writers = sorted({r for r in config.dump_ranks if r < world_size})
+    section.update(
+        start_step=start,
+        end_step=end,
+        starts_at="TRAIN_BEGIN" if start == 0 else f"before step {start}",
+        writes_at=(f"before step {end}" if end <= train_iters else "at TRAIN_END (partial window)"),
+        recorded_steps=[first, last] if first <= last else [],
+        recording_ranks=list(range(world_size)),
+        writing_ranks=writers,
+        save_path=config.save_path,
+    )
+    notes = []
+    if device_type == "cpu":
+        notes.append(
+            "memory.enable needs a cuda or npu device (allocator history); on cpu the run fails at setup"
+        )
+    if start > train_iters:
+        notes.append(f"the window starts after the last step ({train_iters}): nothing is recorded")
+    elif not writers:
+        notes.append(
+            f"memory.dump_ranks {list(config.dump_ranks)} names no rank of this {world_size}-rank run"
+        )
+    if notes:
+        section["notes"] = notes
+    return section
+
+
+def _checkpoint_section(config: Any, plan: RunPlan) -> dict:
+    save_every = int(getattr(config, "save_every", 0) or 0)
+    save_epochs = int(getattr(config, "save_epochs", 0) or 0)
+    save_at_end = bool(getattr(config, "save_at_end", getattr(config, "save_last", True)))
+    enabled = bool(getattr(config, "enabled", getattr(config, "enable", True)))
+    steps = checkpoint_steps(plan, save_every=save_every, save_epochs=save_epochs, save_at_end=save_at_end)
+    section: dict[str, Any] = {"enabled": enabled and bool(steps), "steps": steps if enabled else []}
+    for name in (
+        "save_every",
+        "save_epochs",
+        "keep_last",
+        "async_save",
+        "restore_from",
+        "save_on_interrupt",
+        "dir",
+    ):
+        if hasattr(config, name):
+            section[name] = getattr(config, name)
+    return section
+
+
+def describe_run_plan(
+    plan: RunPlan,
+    *,
+    world_size: int = 1,
+    pp_size: int = 1,
+    device_type: str = "cpu",
+    dataset_len: int | None = None,
+    profiler: Any = None,
+    memory: Any = None,
+    checkpoint: Any = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The plan of a fresh run as JSON-ready data (see the module doc). Config errors raise as the
+    hooks themselves would, naming the dotted field."""
+    report: dict[str, Any] = {
+        "world_size": world_size,
+        "dp_size": plan.dp_size,
+        "train_iters": plan.train_iters,
+        "steps_per_epoch": plan.steps_per_epoch,
+        "epochs": plan.epochs,
+        "micro_batches": plan.micro_batches,
+        "global_batch_size": plan.global_batch_size,
+        "micro_batch_size": plan.micro_batch_size,
+        "lr_schedule_iters": plan.lr_schedule_iters,
+        "dataset_len": dataset_len,
+        "sized": plan.sized,
+    }
+    if extra:
+        report.update(extra)
+    if checkpoint is not None:
+        report["checkpoint"] = _checkpoint_section(checkpoint, plan)
+    if profiler is not None:
+        report["profiler"] = _profiler_section(
+            profiler,
+            world_size=world_size,
+            pp_size=pp_size,
+            device_type=device_type,
+            train_iters=plan.train_iters,
+        )
+    if memory is not None:
+        report["memory"] = _memory_section(
+            memory, world_size=world_size, train_iters=plan.train_iters, device_type=device_type
+        )
+    return report
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def _steps(steps: Sequence[int]) -> str:
+    if len(steps) <= _LIST_LIMIT:
+        return ", ".join(map(str, steps))
+    head, tail = steps[:5], steps[-3:]
+    return f"{', '.join(map(str, head))}, ..., {', '.join(map(str, tail))}"
+
+
+def _ranks(ranks: Sequence[int], world_size: int) -> str:
+    if list(ranks) == list(range(world_size)):
+        return f"every rank ({world_size})" if world_size > 1 else "rank 0"
+    return "ranks " + _steps(ranks) if len(ranks) != 1 else f"rank {ranks[0]}"
+
+
+def format_run_plan(report: Mapping[str, Any]) -> str:
+    """`report` (from `describe_run_plan`) as aligned text lines."""
+    rows: list[tuple[str, str]] = []
+    if "recipe" in report:
+        rows.append(("recipe", str(report["recipe"])))
+    world, dp = report["world_size"], report["dp_size"]
+    rows.append(("world size", f"{world} (data-parallel {dp})"))
+    if report.get("dataset_len") is not None:
+        rows.append(("dataset", f"{report['dataset_len']} samples"))
+    rows.append(("train_iters", str(report["train_iters"])))
+    per_epoch = str(report["steps_per_epoch"]) + ("" if report.get("sized", True) else " (streaming)")
+    rows.append(("steps per epoch", per_epoch))
+    rows.append(("epochs", str(report["epochs"])))
+    rows.append(
+        (
+            "micro-batches/step",
+            f"{report['micro_batches']} (global batch {report['global_batch_size']} = micro-batch "
+            f"{report['micro_batch_size']} x {report['micro_batches']} x data-parallel {dp})",
+        )
+    )
+    rows.append(("lr schedule iters", str(report["lr_schedule_iters"])))
+    for key, value in report.items():
+        if key in _SHOWN or isinstance(value, Mapping):
+            continue
+        rows.append((key.replace("_", " "), str(value)))
+
+    checkpoint = report.get("checkpoint")
+    if checkpoint is not None:
+        if checkpoint["enabled"]:
+            steps = checkpoint["steps"]
+            text = f"steps {_steps(steps)} ({len(steps)} saves)"
+            if checkpoint.get("keep_last"):
+                text += f", keep last {checkpoint['keep_last']}"
+            if checkpoint.get("dir"):
+                text += f" -> {checkpoint['dir']}"
+            rows.append(("checkpoint", text))
+        else:
+            rows.append(("checkpoint", "off"))
+    profiler = report.get("profiler")
+    if profiler is not None:
+        if profiler["enabled"]:
+            window = profiler["steps"]
+            span = f"steps {window[0]}..{window[1]}" if window else "no step"
+            text = f"{span} (from {profiler['starts_at']}"
+            text += ", partial: stops at TRAIN_END)" if profiler.get("partial") else ")"
+            text += f" on {_ranks(profiler['ranks'], world)} -> {profiler['output']}"
+            rows.append(("profiler", text))
+        else:
+            rows.append(("profiler", "off"))
+        rows.extend(("  note", note) for note in profiler.get("notes", []))
+    memory = report.get("memory")
+    if memory is not None:
+        if memory["enabled"]:
+            window = memory["recorded_steps"]
+            span = f"steps {window[0]}..{window[1]}" if window else "no step"
+            text = (
+                f"{span} (from {memory['starts_at']}, written {memory['writes_at']}); records on "
+                f"{_ranks(memory['recording_ranks'], world)}, writes on "
+                f"{_ranks(memory['writing_ranks'], world) if memory['writing_ranks'] else 'no rank'}"
+                f" -> {memory['save_path']}"
+            )
+            rows.append(("memory", text))
+        else:
+            rows.append(("memory", "off"))
+        if memory.get("mem_info"):
+            rows.append(("memory info", f"peak memory logged on {_ranks(memory['mem_info_ranks'], world)}"))
+        rows.extend(("  note", note) for note in memory.get("notes", []))
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+_SHOWN = frozenset(
+    {
+        "recipe",
+        "world_size",
+        "dp_size",
+        "dataset_len",
+        "train_iters",
+        "steps_per_epoch",
+        "epochs",
+        "micro_batches",
+        "global_batch_size",
+        "micro_batch_size",
+        "lr_schedule_iters",
+        "sized",
+    }
+)

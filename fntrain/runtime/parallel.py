@@ -1,0 +1,257 @@
+"""`parallelize(model, runtime, strategy)`: none | DDP | FSDP2, plus mixed precision (§5) [S21].
+
+Everything here is torch.distributed's own machinery: `DistributedDataParallel`, FSDP2's
+`fully_shard` over the runtime's DeviceMesh with a `MixedPrecisionPolicy`, composable activation
+checkpointing and per-block `torch.compile`. fntrain adds only the choice and the order:
+activation checkpointing -> compile -> data parallel (what torchtitan does).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fntrain.config import require_bool, require_choice, require_int, require_str
+from fntrain.runtime.runtime import Runtime
+
+__all__ = [
+    "STRATEGIES",
+    "MIXED_PRECISIONS",
+    "ParallelConfig",
+    "parallelize",
+    "transformer_blocks",
+    "autocast_dtype",
+    "build_grad_scaler",
+    "data_parallel_group",
+    "check_supported_sizes",
+]
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("none", "ddp", "fsdp2")
+MIXED_PRECISIONS = ("fp32", "bf16", "fp16")
+_LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_UNSUPPORTED = {
+    "tp_size": "tensor parallelism",
+    "pp_size": "pipeline parallelism",
+    "cp_size": "context parallelism",
+    "ep_size": "expert parallelism",
+}
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over devices and in which precision it computes."""
+
+    strategy: Literal["none", "ddp", "fsdp2"] = "none"
+    """none (one process), ddp (replicated weights, all-reduced gradients) or fsdp2 (sharded weights, gradients and optimizer state via fully_shard)."""
+    mixed_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute dtype. bf16/fp16: autocast under none/ddp, a MixedPrecisionPolicy (low-precision params, fp32 gradient reduction) under fsdp2; fp16 adds a gradient scaler (sharded under fsdp2)."""
+    reshard_after_forward: bool = True
+    """fsdp2: free each block's gathered weights after its forward and gather them again in backward (less memory, more communication)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward instead of keeping them."""
+    compile: bool = False
+    """torch.compile each transformer block (in place, so parameter names do not change)."""
+    compile_backend: str = "inductor"
+    """torch.compile backend (inductor, aot_eager, eager, ...)."""
+    ddp_bucket_cap_mb: int = 25
+    """ddp: gradient bucket size in MiB."""
+    find_unused_parameters: bool = False
+    """ddp: tolerate parameters that get no gradient in some steps (costs a graph traversal per step)."""
+    tp_size: int = 1
+    """Tensor-parallel degree (only 1 is supported yet)."""
+    pp_size: int = 1
+    """Pipeline-parallel degree (only 1 is supported yet)."""
+    cp_size: int = 1
+    """Context-parallel degree (only 1 is supported yet)."""
+    ep_size: int = 1
+    """Expert-parallel degree (only 1 is supported yet)."""
+
+    def validate(self, prefix: str = "parallel") -> None:
+        require_choice(f"{prefix}.strategy", self.strategy, STRATEGIES)
+        require_choice(f"{prefix}.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        require_bool(f"{prefix}.reshard_after_forward", self.reshard_after_forward)
+        require_bool(f"{prefix}.activation_checkpointing", self.activation_checkpointing)
+        require_bool(f"{prefix}.compile", self.compile)
+        require_str(f"{prefix}.compile_backend", self.compile_backend, non_empty=True)
+        require_int(f"{prefix}.ddp_bucket_cap_mb", self.ddp_bucket_cap_mb, min=1)
+        require_bool(f"{prefix}.find_unused_parameters", self.find_unused_parameters)
+        for name in _UNSUPPORTED:
+            require_int(f"{prefix}.{name}", getattr(self, name), min=1)
+
+
+def check_supported_sizes(sizes: dict[str, int], prefix: str = "parallel") -> None:
+    """Reject tp/pp/cp/ep degrees other than 1: they are carried for reporting, not implemented."""
+    for name, what in _UNSUPPORTED.items():
+        size = sizes.get(name, 1)
+        if size != 1:
+            raise NotImplementedError(
+                f"{prefix}.{name}={size}: {what} is not supported yet; fntrain parallelizes with "
+                f"data parallelism only (parallel.strategy ddp or fsdp2 with {name}=1)"
+            )
+
+
+def _as_config(strategy: str | ParallelConfig) -> ParallelConfig:
+    if isinstance(strategy, ParallelConfig):
+        return strategy
+    require_choice("parallel.strategy", strategy, STRATEGIES)
+    return ParallelConfig(strategy=strategy)  # type: ignore[arg-type]
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to wrap one by one: Hugging Face's `_no_split_modules` classes when the
+    model names them, else the children of its longest `nn.ModuleList`; [] when there is neither."""
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    if no_split:
+        found = [m for m in model.modules() if m is not model and type(m).__name__ in no_split]
+        if found:
+            return found
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        return []
+    return list(max(lists, key=len))
+
+
+def data_parallel_group(runtime: Runtime) -> Any:
+    """The process group of this rank's data-parallel peers (None: the default group or no group)."""
+    mesh = runtime.mesh
+    if mesh is None:
+        return None
+    if mesh.mesh_dim_names and "dp" in mesh.mesh_dim_names:
+        return mesh.get_group("dp")
+    return mesh.get_group()
+
+
+def _data_parallel_mesh(runtime: Runtime) -> Any:
+    mesh = runtime.mesh
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(runtime.device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    if mesh.mesh_dim_names and "dp" in mesh.mesh_dim_names and mesh.ndim > 1:
+        return mesh["dp"]
+    return mesh
+
+
+def autocast_dtype(config: ParallelConfig) -> torch.dtype | None:
+    """The autocast dtype the step should use: bf16/fp16 under none/ddp; None under fsdp2 (its
+    MixedPrecisionPolicy casts the parameters instead) or in fp32."""
+    if config.mixed_precision == "fp32" or config.strategy == "fsdp2":
+        return None
+    return _LOW_PRECISION[config.mixed_precision]
+
+
+def build_grad_scaler(config: ParallelConfig, runtime: Runtime) -> Any:
+    """A gradient scaler for fp16 (None otherwise): FSDP2's `ShardedGradScaler`, whose inf check is
+    all-reduced over the data-parallel group because each rank holds only a shard of the gradients;
+    `torch.amp.GradScaler` under none/ddp, where every rank holds the full gradients."""
+    if config.mixed_precision != "fp16":
+        return None
+    if config.strategy == "fsdp2":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        group = data_parallel_group(runtime)
+        return ShardedGradScaler(
+            device=runtime.device.type, process_group=group if group is not None else dist.group.WORLD
+        )
+    return torch.amp.GradScaler(runtime.device.type)
+
+
+def _checkpoint_blocks(blocks: Sequence[nn.Module]) -> None:
+    # Composable (hook-based) checkpointing leaves the module tree and the parameter names as they
+    # were, so checkpoints do not depend on whether activation checkpointing was on.
+    from torch.distributed._composable import checkpoint
+
+    for block in blocks:
+        checkpoint(block)
+
+
+def _compile_blocks(blocks: Sequence[nn.Module], backend: str) -> None:
+    for block in blocks:
+        block.compile(backend=backend)  # in place: parameter names unchanged
+
+
+def _apply_ddp(model: nn.Module, runtime: Runtime, config: ParallelConfig) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [runtime.device.index] if runtime.device.type in ("cuda", "npu") else None
+    return DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        process_group=data_parallel_group(runtime),
+        bucket_cap_mb=config.ddp_bucket_cap_mb,
+        find_unused_parameters=config.find_unused_parameters,
+    )
+
+
+def _apply_fsdp2(
+    model: nn.Module, runtime: Runtime, config: ParallelConfig, blocks: Sequence[nn.Module]
+) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = _data_parallel_mesh(runtime)
+    if config.mixed_precision == "fp32":
+        policy = MixedPrecisionPolicy()
+    else:
+        policy = MixedPrecisionPolicy(
+            param_dtype=_LOW_PRECISION[config.mixed_precision], reduce_dtype=torch.float32
+        )
+    for index, block in enumerate(blocks):
+        # The last block's weights are needed again as soon as backward starts: keeping them
+        # gathered saves one all-gather per step (torchtitan does the same).
+        reshard = config.reshard_after_forward and index < len(blocks) - 1
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def parallelize(
+    model: nn.Module,
+    runtime: Runtime,
+    strategy: str | ParallelConfig = "none",
+    *,
+    blocks: Sequence[nn.Module] | None = None,
+) -> nn.Module:
+    """Return `model` ready to train under `strategy` (a name or a full `ParallelConfig`).
+
+    The model must already sit on `runtime.device`. `blocks` are the repeated submodules that get
+    checkpointed, compiled and sharded one by one (default: `transformer_blocks(model)`). Under
+    fsdp2 the model is modified in place and returned; under ddp the returned wrapper must be used
+    for training (and given to the optimizer builder). tp/pp/cp/ep degrees other than 1, in the
+    config or in the runtime, are rejected as not supported yet.
+    """
+    config = _as_config(strategy)
+    config.validate("parallel")
+    check_supported_sizes({name: getattr(config, name) for name in _UNSUPPORTED}, "parallel")
+    check_supported_sizes({name: getattr(runtime, name) for name in _UNSUPPORTED}, "runtime")
+    if config.strategy == "none":
+        if runtime.dp_size > 1:
+            raise ValueError(
+                f"parallel.strategy 'none' cannot train with {runtime.dp_size} data-parallel ranks "
+                "(their gradients would never be combined): use ddp or fsdp2"
+            )
+    elif not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"parallel.strategy {config.strategy!r} needs an initialized process group: launch with "
+            "torchrun (e.g. torchrun --nproc_per_node=2 -m recipes.tiny_gpt ...) and build the runtime "
+            "with setup_runtime"
+        )
+    blocks = list(blocks) if blocks is not None else transformer_blocks(model)
+    if (config.activation_checkpointing or config.compile or config.strategy == "fsdp2") and not blocks:
+        log.warning("no repeated blocks found in %s: wrapping the whole model only", type(model).__name__)
+    if config.activation_checkpointing:
+        _checkpoint_blocks(blocks)
+    if config.compile:
+        _compile_blocks(blocks, config.compile_backend)
+    if config.strategy == "ddp":
+        return _apply_ddp(model, runtime, config)
+    if config.strategy == "fsdp2":
+        return _apply_fsdp2(model, runtime, config, blocks)
+    return model

@@ -1,0 +1,124 @@
+"""Runs recipes/tiny_gpt with a loss recorder and an optional SIGKILL at a precise point (for the
+kill-and-resume tests). Works alone or under torchrun (rank 0 records and kills).
+
+    python -m tests.checkpoint.resume_driver OUT_DIR KILL [recipe flags...]
+
+KILL is `none` or `<point>:<step>`:
+  step_begin:K   at STEP_BEGIN of step K (between steps: the batch is fetched, nothing computed)
+  optimizer:K    right after optimizer.step() of step K (inside a step: weights updated, the schedule
+                 and the state not yet)
+  dcp_finish:K   while saving step K: DCP's data files are written, its .metadata not yet (for an async
+                 save this happens in the background thread)
+  marker:K       while saving step K: DCP's .metadata exists, fntrain's COMPLETE marker not yet
+  latest:K       while saving step K: COMPLETE written, the `latest` pointer not yet moved
+  export         after training, before model.safetensors is written
+
+Each recorded line of OUT_DIR/losses.txt is `<global_step> <loss as float.hex()>`, flushed at once so
+that a SIGKILL loses nothing already recorded. Under torchrun the kill takes the whole process group
+(the test starts torchrun in a new session), like a node failure.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _kill() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.environ.get("FNTRAIN_TEST_KILL_GROUP") == "1":
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(argv: list[str]) -> None:
+    out_dir, kill, recipe_args = Path(argv[0]), argv[1], argv[2:]
+    point, _, at = kill.partition(":")
+    kill_step = int(at) if at else -1
+
+    import torch.distributed.checkpoint as dcp
+
+    import fntrain.checkpoint.saver as save_module
+    import recipes.tiny_gpt as recipe
+    from fntrain.config_file import parse_config_cli
+    from fntrain.loop import Event
+
+    rank = int(os.environ.get("RANK", "0"))
+    current = {"step": 0}  # the step being run (global_step + 1 at STEP_BEGIN)
+    losses = open(out_dir / "losses.txt", "a") if rank == 0 else None
+
+    def recorder(event: Event, state: Any, info: Any) -> None:
+        if event is Event.STEP_BEGIN:
+            current["step"] = state.global_step + 1
+            if point == "step_begin" and current["step"] == kill_step and rank == 0:
+                _kill()
+        elif event is Event.STEP_END and losses is not None:
+            losses.write(f"{state.global_step} {float(info.metrics['loss']).hex()}\n")
+            losses.flush()
+
+    original_build_hooks = recipe.build_hooks
+
+    def build_hooks(built: Any, **kwargs: Any) -> list[Any]:
+        hooks = original_build_hooks(built, **kwargs)
+        hooks.insert(len(hooks) - 1, recorder)  # the checkpoint hook stays last
+        if point == "optimizer":
+            optimizer = built.components.optimizers[0]
+            step = optimizer.step
+
+            def killing_step(*args: Any, **kw: Any) -> Any:
+                result = step(*args, **kw)
+                if current["step"] == kill_step and rank == 0:
+                    _kill()
+                return result
+
+            killing_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined] # the scheduler's wrapper is inside
+            optimizer.step = killing_step
+        return hooks
+
+    recipe.build_hooks = build_hooks
+
+    def at_step_dir(path: Any) -> bool:
+        return Path(path).name == f"step_{kill_step}" and rank == 0
+
+    if point == "dcp_finish":
+        finish = dcp.FileSystemWriter.finish
+
+        def killing_finish(self: Any, *args: Any, **kw: Any) -> Any:
+            if at_step_dir(self.path):
+                _kill()
+            return finish(self, *args, **kw)
+
+        dcp.FileSystemWriter.finish = killing_finish
+    elif point in ("marker", "latest"):
+        name = "write_marker" if point == "marker" else "write_latest"
+        original = getattr(save_module, name)
+
+        def killing(*args: Any, **kw: Any) -> Any:
+            target = args[0] if point == "marker" else args[1]
+            if at_step_dir(target):
+                _kill()
+            return original(*args, **kw)
+
+        setattr(save_module, name, killing)
+    elif point == "export":
+        import fntrain.checkpoint as checkpoint_package
+
+        original_export = checkpoint_package.export_safetensors
+
+        def killing_export(*args: Any, **kw: Any) -> Any:
+            if rank == 0:
+                _kill()
+            return original_export(*args, **kw)
+
+        checkpoint_package.export_safetensors = killing_export
+
+    config = parse_config_cli(recipe.TinyGPTConfig, recipe_args)
+    recipe.run(config)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,234 @@
+"""Exact resume [S36]: runs of recipes/tiny_gpt SIGKILLed at several points (between steps, inside a
+step, inside a save) and resumed from "latest" give the same per-step losses (==) and final weights
+(torch.equal) as a run never interrupted; a kill inside a save never leaves `latest` at an incomplete
+checkpoint. The resumed runs read data with 2 workers and prefetch on, the reference reads in-process:
+data order depends on neither. Dropout is on, so the RNG state matters.
+
+The default tier has one quick case; the full matrix, 2-rank FSDP2 and resharding (saved by 2 ranks,
+restored by 1) are in the slow tier (`-m slow`). Runs go through tests/checkpoint/resume_driver.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fntrain.checkpoint import find_latest, is_complete, read_meta
+from fntrain.checkpoint.layout import LATEST
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 12
+MODEL = [
+    "--model.n-layer", "1", "--model.d-model", "32", "--model.n-head", "2", "--model.context", "32",
+    "--model.dropout", "0.1",
+]  # fmt: skip
+COMMON = [
+    *MODEL,
+    "--train.global-batch-size", "8", "--train.micro-batch-size", "4", "--train.train-iters", str(STEPS),
+    "--log-every", "0",
+    "--checkpoint.save-every", "4", "--checkpoint.save-epochs", "1", "--checkpoint.keep-last", "2",
+    "--checkpoint.restore-from", "latest",
+]  # fmt: skip
+WORKERS = ["--data.num-workers", "2", "--data.prefetch"]
+
+
+def env() -> dict[str, str]:
+    out = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
+    out["PYTHONPATH"] = str(ROOT) + os.pathsep + out.get("PYTHONPATH", "")
+    out["OMP_NUM_THREADS"] = "1"  # the same thread count in every run (and no oversubscription)
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A corpus small enough for 6 steps per epoch, so 12 steps cross an epoch boundary."""
+    text = (ROOT / "recipes" / "data" / "shakespeare.txt").read_bytes()[:1700]
+    path = tmp_path_factory.mktemp("corpus") / "small.txt"
+    path.write_bytes(text)
+    return path
+
+
+def launch(run_dir: Path, kill: str, args: list[str], corpus: Path, *, ranks: int = 1) -> subprocess.Popen:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    driver = ["-m", "tests.checkpoint.resume_driver", str(run_dir), kill, *args, "--data.path", str(corpus)]
+    driver += ["--run-dir", str(run_dir)]
+    if ranks == 1:
+        command = [sys.executable, *driver]
+        extra_env = {}
+    else:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={ranks}",
+            *driver,
+        ]
+        extra_env = {
+            "FNTRAIN_TEST_KILL_GROUP": "1"
+        }  # a kill takes torchrun and every rank, like a node failure
+    return subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env={**env(), **extra_env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(process: subprocess.Popen, *, killed: bool, timeout: float = 240) -> None:
+    output, _ = process.communicate(timeout=timeout)
+    if killed:
+        assert process.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), (
+            process.returncode,
+            output[-3000:],
+        )
+    else:
+        assert process.returncode == 0, output[-6000:]
+
+
+def losses(run_dir: Path) -> list[tuple[int, str]]:
+    lines = (run_dir / "losses.txt").read_text().split()
+    return [(int(step), value) for step, value in zip(lines[::2], lines[1::2], strict=True)]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "model.safetensors")
+
+
+def assert_latest_is_complete(run_dir: Path) -> None:
+    root = run_dir / "checkpoints"
+    pointer = root / LATEST
+    if pointer.exists():
+        assert is_complete(root / pointer.read_text().strip()), "latest names an incomplete checkpoint"
+    found = find_latest(root)
+    assert found is None or is_complete(found)
+
+
+def assert_same_run(reference: Path, run_dir: Path) -> None:
+    expected = dict(losses(reference))
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    recorded = losses(run_dir)
+    assert {step for step, _ in recorded} == set(expected)
+    mismatches = [(step, value, expected[step]) for step, value in recorded if value != expected[step]]
+    assert not mismatches, f"losses differ from the uninterrupted run: {mismatches}"
+    want, got = weights(reference), weights(run_dir)
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want), "final weights differ"
+
+
+def kill_and_resume(run_dir: Path, kills: list[str], args: list[str], corpus: Path, ranks: int = 1) -> None:
+    for kill in kills:
+        finish(launch(run_dir, kill, args, corpus, ranks=ranks), killed=True)
+        assert_latest_is_complete(run_dir)
+    finish(launch(run_dir, "none", args, corpus, ranks=ranks), killed=False)
+    assert_latest_is_complete(run_dir)
+    assert read_meta(find_latest(run_dir / "checkpoints"))["train_state"]["global_step"] == STEPS
+
+
+def test_sigkill_inside_a_step_resumes_bit_for_bit(tmp_path, corpus):
+    """The quick case: async saves, 2 workers + prefetch, killed right after step 7's optimizer step
+    (weights updated, schedule and state not): the resumed run redoes step 7 from the step-6
+    checkpoint (an epoch end) and matches the uninterrupted in-process-data run."""
+    reference = launch(tmp_path / "reference", "none", COMMON, corpus)
+    args = [*COMMON, *WORKERS, "--checkpoint.async-save"]
+    killed = launch(tmp_path / "run", "optimizer:7", args, corpus)
+    finish(reference, killed=False)
+    finish(killed, killed=True)
+    assert_latest_is_complete(tmp_path / "run")
+    # Step 6 (an epoch end) is the latest unless its background write was still running at the kill.
+    restored = read_meta(find_latest(tmp_path / "run" / "checkpoints"))["train_state"]
+    assert restored in ({"epoch": 0, "global_step": 6, "cursor": 6}, {"epoch": 0, "global_step": 4, "cursor": 4})
+    finish(launch(tmp_path / "run", "none", args, corpus), killed=False)
+    assert_same_run(tmp_path / "reference", tmp_path / "run")
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert saved == ["latest", "step_12", "step_8"]  # keep_last 2; no partial directory left
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, corpus) -> Path:
+    run_dir = tmp_path_factory.mktemp("reference")
+    finish(launch(run_dir, "none", COMMON, corpus), killed=False)
+    return run_dir
+
+
+KILLS = {
+    "between_steps": ["step_begin:5"],
+    "inside_step": ["optimizer:10"],
+    "dcp_data_written": ["dcp_finish:8"],
+    "before_marker": ["marker:8"],
+    "before_latest": ["latest:8"],
+    "epoch_end_save": ["dcp_finish:6"],
+    "before_export": ["export"],
+    "twice": ["optimizer:3", "marker:8"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("case", sorted(KILLS))
+def test_kill_matrix(tmp_path, corpus, reference_run, case, mode):
+    args = [*COMMON, *WORKERS] + (["--checkpoint.async-save"] if mode == "async" else [])
+    kill_and_resume(tmp_path, KILLS[case], args, corpus)
+    assert_same_run(reference_run, tmp_path)
+
+
+def fsdp_args(steps: int = STEPS, restore: str = "latest", strategy: str = "fsdp2") -> list[str]:
+    return [
+        *MODEL,
+        "--train.global-batch-size", "8", "--train.micro-batch-size", "2", "--train.train-iters", str(steps),
+        "--log-every", "0",
+        "--checkpoint.save-every", "4", "--checkpoint.save-epochs", "1", "--checkpoint.restore-from", restore,
+        "--parallel.strategy", strategy,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_fsdp2_two_ranks_kill_and_resume(tmp_path, corpus):
+    finish(launch(tmp_path / "reference", "none", fsdp_args(), corpus, ranks=2), killed=False)
+    run_dir = tmp_path / "run"
+    args = [*fsdp_args(), *WORKERS, "--checkpoint.async-save"]
+    kill_and_resume(run_dir, ["optimizer:5", "marker:8"], args, corpus, ranks=2)
+    assert_same_run(tmp_path / "reference", run_dir)
+    step = find_latest(run_dir / "checkpoints")
+    assert read_meta(step)["world_size"] == 2
+    for rank in (0, 1):  # each rank saved its own RNG and hook states
+        saved = json.loads((step / f"rank_{rank}.json").read_text())
+        assert saved["rank"] == rank and set(saved["rng"]) == {"python", "numpy", "torch_cpu"}
+        assert saved["hooks"]["checkpoint"] == {"last_saved_step": STEPS}
+
+
+@pytest.mark.slow
+def test_resharding_two_ranks_to_one(tmp_path, corpus):
+    """Saved by 2 FSDP2 ranks at step 8, restored by 1 process: the same weights; training on from there
+    matches the 2-rank run to float tolerance (the reduction order differs)."""
+    two = tmp_path / "two"
+    finish(launch(two, "none", fsdp_args(8), corpus, ranks=2), killed=False)
+    checkpoint = two / "checkpoints" / "step_8"
+    assert read_meta(checkpoint)["world_size"] == 2
+
+    one = tmp_path / "one"
+    finish(launch(one, "none", fsdp_args(8, str(checkpoint), "none"), corpus), killed=False)
+    want, got = weights(two), weights(one)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert (one / "losses.txt").read_text() == ""  # restored at its last step: nothing re-run, not re-saved
+    assert not (one / "checkpoints").exists()
+
+    on = tmp_path / "on"
+    finish(launch(on, "none", fsdp_args(STEPS, str(checkpoint), "none"), corpus), killed=False)
+    finish(launch(two, "none", fsdp_args(STEPS), corpus, ranks=2), killed=False)  # 2 ranks go on from 8 too
+    want, got = weights(two), weights(on)
+    assert all(torch.allclose(want[k], got[k], rtol=1e-4, atol=1e-5) for k in want)
+    assert min(step for step, _ in losses(on)) == 9

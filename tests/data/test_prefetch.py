@@ -1,0 +1,196 @@
+"""The prefetch thread [S16]: bounded queue, errors in the trainer thread, exhaustion, stop(timeout)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+
+from fntrain.data.prefetch import Prefetcher
+
+
+class Source:
+    """An iterator that records what it produced and whether it was closed; `gate` blocks each next()."""
+
+    def __init__(self, items, *, gate: threading.Event | None = None, fail_at: int | None = None):
+        self.items = list(items)
+        self.produced = 0
+        self.closed = False
+        self.gate = gate
+        self.fail_at = fail_at
+        self.entered = threading.Event()
+        self.thread_names: set[str] = set()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.thread_names.add(threading.current_thread().name)
+        self.entered.set()
+        if self.gate is not None:
+            self.gate.wait()
+        if self.fail_at is not None and self.produced == self.fail_at:
+            raise KeyError("bad sample")
+        if self.produced >= len(self.items):
+            raise StopIteration
+        self.produced += 1
+        return self.items[self.produced - 1]
+
+    def close(self):
+        self.closed = True
+
+
+def wait_until(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("fntrain-prefetch")]
+
+
+def test_yields_items_in_order_then_ends_and_stops_its_thread():
+    baseline = threading.active_count()
+    source = Source(range(10))
+    prefetcher = Prefetcher(source)
+    assert list(prefetcher) == list(range(10))
+    assert next(prefetcher, "end") == "end"  # exhausted stays exhausted
+    assert not prefetcher.alive
+    assert source.closed
+    assert source.thread_names == {"fntrain-prefetch"}  # read on the worker, not the consumer
+    assert threading.active_count() == baseline
+
+
+def test_queue_is_bounded_by_depth():
+    for depth in (1, 3):
+        source = Source(range(100))
+        prefetcher = Prefetcher(source, depth=depth)
+        # The worker fills the queue and then holds at most one more item, blocked on the full queue.
+        assert wait_until(lambda source=source, depth=depth: source.produced >= depth)
+        time.sleep(0.05)
+        assert depth <= source.produced <= depth + 1
+        assert next(prefetcher) == 0
+        assert prefetcher.stop() is True
+
+
+def test_worker_error_is_reraised_in_the_consumer_as_the_same_object():
+    baseline = threading.active_count()
+    source = Source(range(10), fail_at=3)
+    prefetcher = Prefetcher(source)
+    got = [next(prefetcher) for _ in range(3)]
+    with pytest.raises(KeyError, match="bad sample") as caught:
+        next(prefetcher)
+    assert got == [0, 1, 2]
+    assert "__next__" in "".join(str(entry.name) for entry in caught.traceback)  # the worker's frame is kept
+    assert next(prefetcher, "end") == "end"  # raised once, then the iterator is finished
+    assert source.closed and threading.active_count() == baseline
+
+
+def test_transform_runs_on_the_worker_and_its_errors_reach_the_consumer():
+    seen = []
+
+    def double(item):
+        seen.append(threading.current_thread().name)
+        return item * 2
+
+    assert list(Prefetcher(Source(range(4)), transform=double)) == [0, 2, 4, 6]
+    assert set(seen) == {"fntrain-prefetch"}
+
+    def broken(item):
+        raise ValueError(f"cannot pin {item}")
+
+    with pytest.raises(ValueError, match="cannot pin 0"):
+        next(Prefetcher(Source(range(4)), transform=broken))
+
+
+def test_stop_unblocks_a_worker_stuck_on_a_full_queue():
+    source = Source(range(1000))
+    prefetcher = Prefetcher(source, depth=1)
+    assert wait_until(lambda: source.produced == 2)  # one queued, one held by a worker blocked on put()
+    started = time.monotonic()
+    assert prefetcher.stop(timeout=5.0) is True
+    assert time.monotonic() - started < 1.0
+    assert not prefetcher.alive and source.closed
+    assert source.produced == 2
+    assert next(prefetcher, "end") == "end"
+    assert prefetcher.stop() is True  # idempotent
+
+
+def test_stop_from_another_thread_releases_a_blocked_consumer():
+    gate = threading.Event()
+    source = Source(range(3), gate=gate)
+    prefetcher = Prefetcher(source)
+    outcome = []
+    consumer = threading.Thread(target=lambda: outcome.append(next(prefetcher, "ended")))
+    consumer.start()
+    assert source.entered.wait(2.0)
+    time.sleep(0.05)  # the consumer is now waiting on the empty queue
+    stopper = threading.Thread(target=lambda: outcome.append(prefetcher.stop(timeout=0.2)))
+    with pytest.warns(RuntimeWarning, match="did not stop within"):
+        stopper.start()
+        stopper.join()
+    consumer.join(2.0)
+    assert not consumer.is_alive()
+    assert "ended" in outcome and False in outcome  # consumer released; the worker was still inside next()
+    gate.set()
+    assert wait_until(lambda: source.closed)
+
+
+def test_stop_timeout_returns_false_then_drops_the_late_item_and_releases_everything():
+    gate = threading.Event()
+    source = Source(["late"], gate=gate)
+    prefetcher = Prefetcher(source)
+    assert source.entered.wait(2.0)
+    with pytest.warns(RuntimeWarning, match="did not stop within 0.1 s"):
+        assert prefetcher.stop(timeout=0.1) is False
+    threads = prefetch_threads()
+    assert threads and threads[0].daemon  # a stuck worker never holds the interpreter open
+    gate.set()  # the source returns its item after the stop request
+    assert wait_until(lambda: not prefetch_threads())
+    assert source.produced == 1 and source.closed
+    assert next(prefetcher, "end") == "end"  # the late item was dropped, never delivered
+    assert prefetcher._items.empty()
+
+
+def test_references_to_the_source_are_released_once_the_worker_exits():
+    source = Source(range(5))
+    ref = weakref.ref(source)
+    prefetcher = Prefetcher(source, depth=2)
+    assert next(prefetcher) == 0
+    del source
+    assert prefetcher.stop() is True
+    gc.collect()
+    assert ref() is None
+
+
+def test_stop_before_the_first_item_and_as_context_manager():
+    baseline = threading.active_count()
+    source = Source(range(5))
+    with Prefetcher(source) as prefetcher:
+        pass
+    assert source.closed and not prefetcher.alive
+    assert threading.active_count() == baseline
+    prefetcher = Prefetcher(Source([]))
+    assert list(prefetcher) == []
+
+
+def test_a_dropped_prefetcher_stops_its_worker():
+    source = Source(range(1000))
+    prefetcher = Prefetcher(source)
+    assert wait_until(lambda: source.produced == 2)
+    del prefetcher
+    gc.collect()
+    assert wait_until(lambda: source.closed)
+    assert wait_until(lambda: not prefetch_threads())
+
+
+def test_depth_is_validated():
+    with pytest.raises(ValueError, match="prefetch depth must be an int >= 1, got 0"):
+        Prefetcher(iter([]), depth=0)

@@ -1,0 +1,313 @@
+"""Checkpoint hook [S36] [S19]: cadence, duplicates, restored steps, interrupts, preemption, async."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from fntrain import RunPlan, StepInfo, StopTraining, TrainState, train
+from fntrain.checkpoint import find_latest, list_checkpoints, read_meta, restore, step_dir
+from fntrain.checkpoint.layout import LATEST
+from fntrain.hooks.base import hook_states, load_hook_states
+from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook, checkpoint_root
+from fntrain.loop import Event
+from fntrain.runtime.runtime import Runtime
+from tests.checkpoint import toy
+
+INFO = StepInfo({"loss": 0.0})
+
+
+def make(tmp_path, parts=None, **fields):
+    config = CheckpointConfig(**fields)
+    parts = parts or toy.components()
+    hooks: list = []
+    hook = checkpoint_hook(
+        config, parts, Runtime(), directory=tmp_path, hooks=lambda: hooks, run_config={"k": 1}
+    )
+    hooks.append(hook)
+    return hook, parts
+
+
+def steps(hook, start: TrainState, count: int) -> TrainState:
+    """Send STEP_BEGIN / STEP_END for `count` steps from `start`; return the state after them."""
+    state = start
+    for _ in range(count):
+        hook(Event.STEP_BEGIN, state, None)
+        state = state.after_step()
+        hook(Event.STEP_END, state, INFO)
+    return state
+
+
+def saved(tmp_path) -> list[int]:
+    return [int(p.name.split("_")[1]) for p in list_checkpoints(tmp_path)]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "match"),
+    [
+        ("save_every", -1, ValueError, "checkpoint.save_every must be >= 0"),
+        ("save_every", True, TypeError, "checkpoint.save_every must be an int"),
+        ("keep_last", 1.5, TypeError, "checkpoint.keep_last"),
+        ("async_save", 1, TypeError, "checkpoint.async_save must be a bool"),
+        ("preempt_signals", ("SIGNOPE",), ValueError, "checkpoint.preempt_signals"),
+        ("preempt_signals", ("SIGKILL",), ValueError, "cannot include SIGKILL"),
+        ("preempt_check_every", 0, ValueError, "checkpoint.preempt_check_every"),
+        ("restore_from", "", ValueError, "checkpoint.restore_from"),
+        ("dir", "", ValueError, "checkpoint.dir"),
+    ],
+)
+def test_config_errors_name_the_field(field, value, error, match):
+    with pytest.raises(error, match=match):
+        CheckpointConfig(**{field: value}).validate()
+
+
+def test_checkpoint_root(tmp_path):
+    assert checkpoint_root(CheckpointConfig(), tmp_path) == tmp_path / "checkpoints"
+    assert checkpoint_root(CheckpointConfig(dir=str(tmp_path / "x")), "ignored") == tmp_path / "x"
+
+
+def test_save_every_and_at_end_once(tmp_path):
+    hook, _ = make(tmp_path, save_every=3)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    state = steps(hook, TrainState(), 7)
+    assert saved(tmp_path) == [3, 6]
+    hook(Event.TRAIN_END, state, None)
+    assert saved(tmp_path) == [3, 6, 7]
+    meta = read_meta(step_dir(tmp_path, 7))
+    assert meta["config"] == {"k": 1} and meta["train_state"]["global_step"] == 7
+
+
+def test_end_save_skipped_when_last_step_was_saved(tmp_path):
+    hook, _ = make(tmp_path, save_every=3)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    state = steps(hook, TrainState(), 6)
+    hook(Event.TRAIN_END, state, None)
+    assert saved(tmp_path) == [3, 6]
+
+
+def test_save_epochs_and_no_duplicate_with_step_cadence(tmp_path):
+    hook, _ = make(tmp_path, save_every=2, save_epochs=1, save_at_end=False)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    state = steps(hook, TrainState(), 4)  # epoch 0 ends at step 4, which save_every already saved
+    hook(Event.EPOCH_END, state, None)
+    state = steps(hook, state.next_epoch(), 3)
+    hook(Event.EPOCH_END, state, None)  # epoch 1 ends at step 7
+    hook(Event.TRAIN_END, state, None)
+    assert saved(tmp_path) == [2, 4, 6, 7]
+    assert read_meta(step_dir(tmp_path, 7))["train_state"] == {"epoch": 1, "global_step": 7, "cursor": 3}
+
+
+def test_disabled_by_default_saves_nothing(tmp_path):
+    hook, _ = make(tmp_path)
+    before = signal.getsignal(signal.SIGTERM)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    assert signal.getsignal(signal.SIGTERM) is before  # no handler without checkpointing
+    state = steps(hook, TrainState(), 3)
+    hook(Event.EPOCH_END, state, None)
+    hook(Event.TRAIN_END, state, None)
+    assert not tmp_path.exists() or saved(tmp_path) == []
+
+
+def test_restored_step_is_not_saved_again(tmp_path):
+    hook, parts = make(tmp_path, save_every=4)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    steps(hook, TrainState(), 4)
+    hook(Event.ABORT, TrainState(0, 4, 4), RuntimeError("crash"))
+
+    resumed, _ = make(tmp_path, parts, save_every=4, save_epochs=1)
+    state = restore("latest", parts, root=tmp_path, hooks=[resumed])
+    assert state == TrainState(0, 4, 4) and resumed.state_dict() == {"last_saved_step": 4}
+    mtime = os.stat(step_dir(tmp_path, 4) / "meta.json").st_mtime_ns
+    resumed(Event.TRAIN_BEGIN, state, None)
+    resumed(Event.EPOCH_END, state, None)  # a checkpoint taken at an epoch's end replays EPOCH_END [S12]
+    resumed(Event.TRAIN_END, state, None)  # and a run restored at its last step ends at once
+    assert saved(tmp_path) == [4]
+    assert os.stat(step_dir(tmp_path, 4) / "meta.json").st_mtime_ns == mtime
+
+
+def test_restored_step_without_hook_state_is_not_saved_again(tmp_path):
+    hook, _ = make(tmp_path, save_every=2)
+    hook(Event.TRAIN_BEGIN, TrainState(0, 6, 6), None)
+    hook(Event.TRAIN_END, TrainState(0, 6, 6), None)
+    assert saved(tmp_path) == []
+
+
+def test_hook_state_round_trip():
+    hook, _ = make("/unused", save_every=2)
+    load_hook_states([hook], {"checkpoint": {"last_saved_step": 12}})
+    assert hook_states([hook]) == {"checkpoint": {"last_saved_step": 12}}
+
+
+def test_keep_last(tmp_path):
+    hook, _ = make(tmp_path, save_every=1, keep_last=2)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    state = steps(hook, TrainState(), 5)
+    hook(Event.TRAIN_END, state, None)
+    assert saved(tmp_path) == [4, 5]
+    assert (tmp_path / LATEST).read_text().strip() == "step_5"
+
+
+def test_interrupt_between_steps_saves(tmp_path):
+    hook, _ = make(tmp_path, save_every=10, save_on_interrupt=True)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    state = steps(hook, TrainState(), 3)
+    hook(Event.ABORT, state, KeyboardInterrupt())
+    assert saved(tmp_path) == [3]
+
+
+def test_interrupt_after_step_end_of_earlier_hooks_saves(tmp_path):
+    """Interrupted in an earlier hook's STEP_END: the step completed (the state advanced), so it is
+    a consistent point even though this hook saw no STEP_END."""
+    hook, _ = make(tmp_path, save_every=10, save_on_interrupt=True)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    state = steps(hook, TrainState(), 2)
+    hook(Event.STEP_BEGIN, state, None)
+    hook(Event.ABORT, state.after_step(), KeyboardInterrupt())
+    assert saved(tmp_path) == [3]
+
+
+def test_interrupt_inside_a_step_does_not_save(tmp_path):
+    hook, _ = make(tmp_path, save_every=10, save_on_interrupt=True)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    state = steps(hook, TrainState(), 3)
+    hook(Event.STEP_BEGIN, state, None)
+    hook(Event.ABORT, state, KeyboardInterrupt())  # the step had not finished: state not advanced
+    assert saved(tmp_path) == []
+
+
+def test_interrupt_without_the_option_or_other_errors_do_not_save(tmp_path):
+    hook, _ = make(tmp_path / "a", save_every=10)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    hook(Event.ABORT, steps(hook, TrainState(), 2), KeyboardInterrupt())
+    other, _ = make(tmp_path / "b", save_every=10, save_on_interrupt=True)
+    other(Event.TRAIN_BEGIN, TrainState(), None)
+    other(Event.ABORT, steps(other, TrainState(), 2), RuntimeError("boom"))
+    assert saved(tmp_path / "a") == [] and saved(tmp_path / "b") == []
+
+
+def test_abort_before_train_begin_is_a_no_op(tmp_path):
+    hook, _ = make(tmp_path, save_every=1, save_on_interrupt=True)
+    hook(Event.ABORT, TrainState(0, 3, 3), KeyboardInterrupt())
+    assert not tmp_path.exists() or saved(tmp_path) == []
+
+
+def test_preemption_signal_saves_at_the_step_boundary_and_stops(tmp_path):
+    hook, _ = make(tmp_path, save_every=100)
+    previous = signal.getsignal(signal.SIGUSR1)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    state = steps(hook, TrainState(), 2)
+    hook(Event.STEP_BEGIN, state, None)
+    signal.raise_signal(signal.SIGUSR1)  # arrives mid-step: only a flag is set
+    assert saved(tmp_path) == []
+    with pytest.raises(StopTraining, match="preempted at step 3"):
+        hook(Event.STEP_END, state.after_step(), INFO)
+    assert saved(tmp_path) == [3]
+    hook(Event.TRAIN_END, state.after_step(), None)
+    assert saved(tmp_path) == [3]  # not saved twice
+    assert signal.getsignal(signal.SIGUSR1) is previous  # handlers removed
+
+
+def test_preemption_through_train_ends_cleanly(tmp_path):
+    parts = toy.components()
+    data = toy.batches(6)
+    hooks: list = []
+    hooks.append(
+        checkpoint_hook(
+            CheckpointConfig(save_every=100, preempt_signals=("SIGUSR1",)),
+            parts,
+            Runtime(),
+            directory=tmp_path,
+            hooks=lambda: hooks,
+        )
+    )
+
+    def step_fn(state, batch):
+        if state.global_step == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return {"loss": toy.step(parts, batch)}
+
+    plan = RunPlan(train_iters=6, steps_per_epoch=6, epochs=1)
+    final = train(TrainState(), step_fn, hooks, data=lambda epoch, cursor: iter(data[cursor:]), plan=plan)
+    assert final.global_step == 3 and saved(tmp_path) == [3]
+
+
+def test_train_loop_integration_resumes_exactly(tmp_path):
+    """The hook inside `train`: a run stopped after step 4 and resumed from "latest" matches one run."""
+    data = toy.batches(8)
+    plan = RunPlan(train_iters=8, steps_per_epoch=8, epochs=1)
+
+    def run(parts, state, stop_at=None):
+        losses = {}
+        hooks: list = []
+        hooks.append(
+            checkpoint_hook(
+                CheckpointConfig(save_every=2), parts, Runtime(), directory=tmp_path, hooks=lambda: hooks
+            )
+        )
+        state = restore("latest", parts, root=tmp_path, hooks=hooks) if state is None else state
+
+        def step_fn(state, batch):
+            if state.global_step == stop_at:
+                raise RuntimeError("crash")
+            losses[state.global_step + 1] = toy.step(parts, batch)
+            return {}
+
+        try:
+            train(state, step_fn, hooks, data=lambda epoch, cursor: iter(data[cursor:]), plan=plan)
+        except RuntimeError:
+            pass
+        return losses
+
+    torch.manual_seed(0)
+    reference = toy.components()
+    expected = run(reference, TrainState())
+    for path in list_checkpoints(tmp_path):
+        shutil.rmtree(path)
+    (tmp_path / LATEST).unlink()
+    torch.manual_seed(0)
+    first = run(toy.components(), TrainState(), stop_at=5)
+    assert find_latest(tmp_path) == step_dir(tmp_path, 4)
+    resumed_parts = toy.components(seed=3)
+    second = run(resumed_parts, None)
+    assert {**first, **second} == expected and min(second) == 5
+    assert toy.same_weights(reference, resumed_parts)
+
+
+def test_async_saves_drain_at_train_end(tmp_path):
+    hook, parts = make(tmp_path, save_every=2, async_save=True)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    state = steps(hook, TrainState(), 5)
+    hook(Event.TRAIN_END, state, None)
+    assert saved(tmp_path) == [2, 4, 5]
+    assert (tmp_path / LATEST).read_text().strip() == "step_5"
+
+
+def test_failed_async_save_raises_at_the_next_step(tmp_path, monkeypatch):
+    hook, _ = make(tmp_path, save_every=2, async_save=True)
+
+    def broken(self, plan, planner):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", broken)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    state = steps(hook, TrainState(), 2)  # step 2's save starts (and fails) in the background
+    with pytest.raises(RuntimeError, match="asynchronous checkpoint save of step 2"):
+        for _ in range(200):  # it surfaces at the first step boundary after the failure is known
+            hook(Event.STEP_BEGIN, state, None)
+            state = state.after_step()
+            hook(Event.STEP_END, state, INFO)
+    hook(Event.ABORT, state, RuntimeError("from the loop"))  # and ABORT stays quiet afterwards
+    assert saved(tmp_path) == []
+
+
+def test_abort_completes_a_pending_async_save(tmp_path):
+    hook, _ = make(tmp_path, save_every=2, async_save=True)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    state = steps(hook, TrainState(), 2)
+    hook(Event.ABORT, state, RuntimeError("crash"))
+    assert saved(tmp_path) == [2]

@@ -1,0 +1,278 @@
+"""Metrics logging [S30]: cadence, rank-0 output, number format, reduction, collisions, writers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+from fntrain.hooks import metrics as metrics_module
+from fntrain.hooks.metrics import (
+    MetricBoard,
+    MetricsConfig,
+    MetricsLog,
+    format_record,
+    is_logging_step,
+    metrics_hook,
+    metrics_log,
+)
+from fntrain.loop import Event, StepInfo
+from fntrain.runtime.collectives import reduce_scalars
+from fntrain.runtime.runtime import Runtime
+from fntrain.state import TrainState
+
+
+def step_state(step: int, epoch: int = 0) -> TrainState:
+    return TrainState(epoch=epoch, global_step=step, cursor=step)
+
+
+def info(loss: float = 2.5, grad_norm: float = 0.75, lr: float = 3e-4) -> StepInfo:
+    return StepInfo({"loss": torch.tensor(loss), "grad_norm": torch.tensor(grad_norm), "lr": lr}, 64, 2, 0.01)
+
+
+def run_steps(hook, steps, *, make_info=info):
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    for step in range(1, steps + 1):
+        hook(Event.STEP_BEGIN, step_state(step - 1), None)
+        hook(Event.STEP_END, step_state(step), make_info())
+    hook(Event.TRAIN_END, step_state(steps), None)
+
+
+def test_format_record_sorts_names_and_uses_nine_significant_digits():
+    line = format_record(3, 1, {"lr": 3e-4, "loss": 2.123456789123, "big": 1234567890123.0, "n": 7})
+    assert line == "step=3 epoch=1 big=1.23456789e+12 loss=2.12345679 lr=0.0003 n=7"
+
+
+def test_is_logging_step_cadence_zero_means_never_and_last_step_logs():
+    assert [s for s in range(1, 11) if is_logging_step(s, 3)] == [3, 6, 9]
+    assert [s for s in range(1, 11) if is_logging_step(s, 3, last_step=10)] == [3, 6, 9, 10]
+    assert not any(is_logging_step(s, 0, last_step=10) for s in range(1, 11))
+
+
+def test_logs_every_n_steps_and_the_last_step_to_logger_and_jsonl(tmp_path, caplog):
+    runtime = Runtime()
+    writer = metrics_log(MetricsConfig(), runtime, tmp_path)
+    hook = metrics_hook(runtime, log_every=2, writer=writer, last_step=5)
+    with caplog.at_level(logging.INFO, logger="fntrain.metrics"):
+        run_steps(hook, 5)
+    lines = [r.getMessage() for r in caplog.records if r.name == "fntrain.metrics"]
+    assert lines == [f"step={s} epoch=0 grad_norm=0.75 loss=2.5 lr=0.0003" for s in (2, 4, 5)]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4, 5]
+    assert records[0] == {"step": 2, "epoch": 0, "grad_norm": 0.75, "loss": 2.5, "lr": 0.0003}
+
+
+def test_log_every_zero_never_logs(tmp_path):
+    runtime = Runtime()
+    hook = metrics_hook(
+        runtime, log_every=0, writer=metrics_log(MetricsConfig(), runtime, tmp_path), last_step=4
+    )
+    run_steps(hook, 4)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_only_rank_zero_writes_but_every_rank_reduces(tmp_path, caplog):
+    runtime = Runtime(rank=1, world_size=2)
+    board = MetricBoard()
+    hook = metrics_hook(
+        runtime, log_every=1, writer=metrics_log(MetricsConfig(), runtime, tmp_path), board=board
+    )
+    with caplog.at_level(logging.INFO, logger="fntrain.metrics"):
+        run_steps(hook, 2)
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert not [r for r in caplog.records if r.name == "fntrain.metrics"]
+    assert board.last == {"loss": 2.5, "grad_norm": 0.75, "lr": 3e-4, "step": 2, "epoch": 0}
+
+
+def test_values_leave_the_device_only_on_logging_steps(tmp_path, monkeypatch):
+    calls = []
+
+    def counting_reduce(values, op="mean", **kwargs):
+        calls.append(sorted(values))
+        return reduce_scalars(values, op, **kwargs)
+
+    monkeypatch.setattr(metrics_module, "reduce_scalars", counting_reduce)
+    runtime = Runtime()
+    hook = metrics_hook(runtime, log_every=3, writer=metrics_log(MetricsConfig(), runtime, tmp_path))
+    run_steps(hook, 7)
+    assert calls == [["grad_norm", "loss"], ["grad_norm", "loss"]]  # steps 3 and 6, tensors only
+
+
+def test_non_logging_step_runs_no_torch_op(tmp_path):
+    from torch.overrides import TorchFunctionMode
+
+    class Recorder(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    runtime = Runtime()
+    hook = metrics_hook(runtime, log_every=10, writer=metrics_log(MetricsConfig(), runtime, tmp_path))
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    step_info = info()
+    with Recorder() as recorder:
+        for step in range(1, 10):
+            hook(Event.STEP_BEGIN, step_state(step - 1), None)
+            hook(Event.STEP_END, step_state(step), step_info)
+    assert recorder.calls == []
+
+
+def test_board_metrics_are_merged_then_cleared_and_kept_as_last_record(tmp_path):
+    runtime = Runtime()
+    board = MetricBoard()
+    hook = metrics_hook(
+        runtime, log_every=1, writer=metrics_log(MetricsConfig(), runtime, tmp_path), board=board
+    )
+    board.post(1, "tokens_per_s", 1234.5)
+    hook(Event.STEP_END, step_state(1, epoch=2), info())
+    assert board.pending == {}
+    assert board.last["tokens_per_s"] == 1234.5 and board.last["step"] == 1 and board.last["epoch"] == 2
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert record["tokens_per_s"] == 1234.5 and record["epoch"] == 2
+
+
+def test_stale_board_posts_are_dropped_not_logged_or_colliding():
+    board = MetricBoard()
+    board.post(10, "tokens_per_s", 1.0)  # posted for step 10, never consumed (no metrics hook)
+    board.post(20, "tokens_per_s", 2.0)  # the same producer at its next logging step: no collision
+    assert board.take(20) == {"tokens_per_s": 2.0} and board.pending == {}
+    board.post(30, "mfu", 0.5)
+    assert board.take(31) == {} and board.pending == {}
+
+
+def test_name_collisions_are_value_errors(tmp_path):
+    runtime = Runtime()
+    board = MetricBoard()
+    hook = metrics_hook(
+        runtime, log_every=1, writer=metrics_log(MetricsConfig(), runtime, tmp_path), board=board
+    )
+    board.post(1, "loss", 1.0)
+    with pytest.raises(ValueError, match="'loss'"):
+        hook(Event.STEP_END, step_state(1), info())
+    board.post(2, "x", 1.0)
+    with pytest.raises(ValueError, match="posted twice"):
+        board.post(2, "x", 2.0)
+    board.pending.clear()
+    with pytest.raises(ValueError, match="'step' is reserved"):
+        hook(Event.STEP_END, step_state(1), StepInfo({"step": 1.0}))
+    with pytest.raises(TypeError, match="'note'"):
+        hook(Event.STEP_END, step_state(1), StepInfo({"note": "text"}))
+    with pytest.raises(ValueError, match="scalar"):
+        hook(Event.STEP_END, step_state(1), StepInfo({"loss": torch.ones(2)}))
+
+
+def test_files_open_lazily_and_a_write_after_stop_appends(tmp_path):
+    writer = metrics_log(MetricsConfig(jsonl_name="m.jsonl"), Runtime(), tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # built: nothing created
+    writer.write(1, 0, {"loss": 1.0})
+    writer.stop()
+    writer.stop()
+    writer.write(2, 0, {"val_loss": 2.0})
+    writer.stop()
+    lines = (tmp_path / "run" / "m.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+
+
+def test_abort_before_train_begin_is_a_no_op(tmp_path):
+    runtime = Runtime()
+    hook = metrics_hook(runtime, log_every=1, writer=metrics_log(MetricsConfig(), runtime, tmp_path))
+    hook(Event.ABORT, TrainState(), RuntimeError("boom"))
+    assert not tmp_path.joinpath("metrics.jsonl").exists()
+
+
+def test_tensorboard_missing_is_a_clear_import_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(ImportError, match="metrics.tensorboard"):
+        metrics_log(MetricsConfig(tensorboard=True), Runtime(), tmp_path)
+
+
+def test_tensorboard_scalars_written_when_available(tmp_path, monkeypatch):
+    written, closed = [], []
+
+    class FakeWriter:
+        def __init__(self, log_dir):
+            self.log_dir = log_dir
+
+        def add_scalar(self, name, value, step):
+            written.append((self.log_dir, name, value, step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setitem(sys.modules, "tensorboard", types.ModuleType("tensorboard"))
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = FakeWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    runtime = Runtime()
+    writer = metrics_log(MetricsConfig(tensorboard=True), runtime, tmp_path)
+    hook = metrics_hook(runtime, log_every=2, writer=writer)
+    run_steps(hook, 2)
+    tb_dir = str(tmp_path / "tensorboard")
+    assert written == [(tb_dir, "grad_norm", 0.75, 2), (tb_dir, "loss", 2.5, 2), (tb_dir, "lr", 3e-4, 2)]
+    assert closed == [True]
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(TypeError, match="metrics.jsonl"):
+        MetricsConfig(jsonl="yes").validate()
+    with pytest.raises(ValueError, match="metrics.jsonl_name"):
+        MetricsConfig(jsonl_name="").validate()
+    with pytest.raises(ValueError, match="log_every"):
+        metrics_hook(
+            Runtime(), log_every=-1, writer=MetricsLog(enabled=False, jsonl_path=None, tensorboard_dir=None)
+        )
+
+
+def test_reduce_scalars_without_a_process_group_reads_values_once():
+    reduced = reduce_scalars({"a": torch.tensor(1.5), "b": 2, "c": torch.tensor(3, dtype=torch.int64)})
+    assert reduced == {"a": 1.5, "b": 2.0, "c": 3.0}
+    assert reduce_scalars({}) == {}
+    with pytest.raises(ValueError, match="reduce op"):
+        reduce_scalars({"a": 1.0}, "median")
+
+
+# ----------------------------------------------------------------------------- two ranks (gloo)
+
+
+def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        runtime = Runtime(rank=rank, world_size=2, dp_size=2, dp_rank=rank, backend="gloo")
+        mixed = reduce_scalars(
+            {"mean": torch.tensor(float(rank + 1)), "max": rank * 10.0, "sum": 1.0},
+            {"max": "max", "sum": "sum"},
+            dtype=torch.float64,
+        )
+        assert mixed == {"mean": 1.5, "max": 10.0, "sum": 2.0}, mixed
+        assert reduce_scalars({"m": torch.tensor(float(rank))}, "max") == {"m": 1.0}
+        board = MetricBoard()
+        writer = metrics_log(MetricsConfig(), runtime, out_dir)
+        hook = metrics_hook(runtime, log_every=1, writer=writer, board=board)
+        # token mode: each rank reports (local share x dp_size); their mean is the global loss
+        hook(Event.STEP_END, step_state(1), StepInfo({"loss": torch.tensor(2.0 + 2 * rank), "lr": 0.1}))
+        hook(Event.TRAIN_END, step_state(1), None)
+        assert board.last["loss"] == 3.0
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_reduce_with_one_collective_and_rank_zero_writes(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_two_rank_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records == [{"step": 1, "epoch": 0, "loss": 3.0, "lr": 0.1}]

@@ -1,0 +1,202 @@
+"""Progress bar [S31]: rank 0 only, total/initial, advanced every step, postfix on logging steps, one close."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+import torch
+import tqdm as tqdm_module
+
+from fntrain.hooks.metrics import MetricBoard
+from fntrain.hooks.progress import ProgressConfig, format_postfix, progress_hook
+from fntrain.loop import Event, StepInfo
+from fntrain.runtime.runtime import Runtime
+from fntrain.state import TrainState
+
+
+class FakeBar:
+    instances: list[FakeBar] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.n = kwargs.get("initial", 0)
+        self.postfixes: list[tuple[int, str]] = []
+        self.descriptions: list[str] = []
+        self.closed = 0
+        FakeBar.instances.append(self)
+
+    def update(self, n):
+        self.n += n
+
+    def set_postfix_str(self, text, refresh=True):
+        self.postfixes.append((self.n, text))
+
+    def set_description(self, text, refresh=True):
+        self.descriptions.append(text)
+
+    def close(self):
+        self.closed += 1
+
+
+@pytest.fixture
+def fake_tqdm(monkeypatch):
+    FakeBar.instances = []
+    monkeypatch.setattr(tqdm_module, "tqdm", FakeBar)
+    return FakeBar
+
+
+def state_at(step: int, epoch: int = 0) -> TrainState:
+    return TrainState(epoch=epoch, global_step=step, cursor=step)
+
+
+def step_info(loss: float = 2.0) -> StepInfo:
+    return StepInfo({"loss": torch.tensor(loss), "grad_norm": torch.tensor(0.5), "lr": 1e-3}, 10, 1, 0.1)
+
+
+def test_bar_counts_the_whole_run_from_the_restored_step(fake_tqdm):
+    board = MetricBoard()
+    hook = progress_hook(ProgressConfig(redirect_logging=False), Runtime(), total=20, board=board)
+    hook(Event.TRAIN_BEGIN, state_at(5), None)
+    (bar,) = fake_tqdm.instances
+    assert bar.kwargs["total"] == 20 and bar.kwargs["initial"] == 5
+    for step in range(6, 9):
+        hook(Event.STEP_END, state_at(step), step_info())
+    assert bar.n == 8
+
+
+def test_postfix_refreshed_only_on_the_steps_the_metrics_hook_logged(fake_tqdm):
+    board = MetricBoard()
+    hook = progress_hook(ProgressConfig(redirect_logging=False), Runtime(), total=10, board=board)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    for step in range(1, 6):
+        if step % 2 == 0:  # what the metrics hook leaves on its logging steps
+            board.last.clear()
+            board.last.update(
+                {
+                    "loss": 2.0,
+                    "grad_norm": 0.5,
+                    "lr": 3e-4,
+                    "tokens_per_s": 12345.6,
+                    "step_time_s": 0.25,
+                    "step": step,
+                }
+            )
+        hook(Event.STEP_END, state_at(step), step_info())
+    (bar,) = fake_tqdm.instances
+    assert [n for n, _ in bar.postfixes] == [2, 4]
+    assert bar.postfixes[0][1] == "loss=2.0000, grad_norm=0.500, lr=3.000e-04, tok/s=1.235e+04, step=0.25s"
+
+
+def test_without_a_board_postfix_comes_from_the_step_every_log_every(fake_tqdm):
+    hook = progress_hook(ProgressConfig(redirect_logging=False), Runtime(), total=10, log_every=3)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    for step in range(1, 7):
+        hook(Event.STEP_END, state_at(step), step_info(loss=float(step)))
+    (bar,) = fake_tqdm.instances
+    assert bar.postfixes == [
+        (3, "loss=3.0000, grad_norm=0.500, lr=1.000e-03"),
+        (6, "loss=6.0000, grad_norm=0.500, lr=1.000e-03"),
+    ]
+
+
+def test_closes_once_on_train_end_then_abort(fake_tqdm):
+    hook = progress_hook(ProgressConfig(redirect_logging=False), Runtime(), total=3)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    hook(Event.TRAIN_END, state_at(3), None)
+    hook(Event.ABORT, state_at(3), RuntimeError("late"))
+    (bar,) = fake_tqdm.instances
+    assert bar.closed == 1
+
+
+def test_abort_closes_and_abort_before_train_begin_is_a_no_op(fake_tqdm):
+    hook = progress_hook(ProgressConfig(), Runtime(), total=3)
+    hook(Event.ABORT, TrainState(), RuntimeError("early"))
+    assert fake_tqdm.instances == []
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    hook(Event.ABORT, state_at(1), RuntimeError("boom"))
+    assert fake_tqdm.instances[0].closed == 1
+
+
+def test_epoch_shown_in_the_description(fake_tqdm):
+    hook = progress_hook(ProgressConfig(redirect_logging=False), Runtime(), total=3)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    hook(Event.EPOCH_BEGIN, TrainState(epoch=1, global_step=2), None)
+    assert fake_tqdm.instances[0].kwargs["desc"] == "epoch 0"
+    assert fake_tqdm.instances[0].descriptions == ["epoch 1"]
+
+
+def test_other_ranks_and_disabled_show_no_bar(fake_tqdm):
+    for hook in (
+        progress_hook(ProgressConfig(), Runtime(rank=1, world_size=2), total=3),
+        progress_hook(ProgressConfig(enabled=False), Runtime(), total=3),
+    ):
+        hook(Event.TRAIN_BEGIN, TrainState(), None)
+        hook(Event.STEP_END, state_at(1), step_info())
+        hook(Event.TRAIN_END, state_at(1), None)
+    assert fake_tqdm.instances == []
+
+
+def test_missing_tqdm_warns_once_and_shows_no_bar(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    with pytest.warns(UserWarning, match="tqdm is not installed") as caught:
+        hook = progress_hook(ProgressConfig(), Runtime(), total=3)
+    assert len(caught) == 1
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    hook(Event.STEP_END, state_at(1), step_info())
+    hook(Event.TRAIN_END, state_at(1), None)
+
+
+def test_real_bar_draws_to_its_file():
+    out = io.StringIO()
+    board = MetricBoard()
+    hook = progress_hook(ProgressConfig(mininterval=0.0), Runtime(), total=4, board=board, file=out)
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    for step in range(1, 5):
+        board.last.update({"loss": 1.5, "lr": 1e-3, "step": step})
+        hook(Event.STEP_END, state_at(step), step_info())
+    hook(Event.TRAIN_END, state_at(4), None)
+    text = out.getvalue()
+    assert "4/4" in text and "loss=1.5000" in text and "lr=1.000e-03" in text
+
+
+def test_console_log_handlers_go_through_tqdm_while_the_bar_is_open():
+    import logging
+
+    root = logging.getLogger()
+    console = logging.StreamHandler(sys.stderr)
+    root.addHandler(console)
+    try:
+        hook = progress_hook(ProgressConfig(), Runtime(), total=2, file=io.StringIO())
+        hook(Event.TRAIN_BEGIN, TrainState(), None)
+        assert console not in root.handlers
+        assert any("Tqdm" in type(handler).__name__ for handler in root.handlers)
+        hook(Event.ABORT, state_at(1), RuntimeError("boom"))
+        assert console in root.handlers
+        assert not any("Tqdm" in type(handler).__name__ for handler in root.handlers)
+    finally:
+        root.removeHandler(console)
+
+
+def test_format_postfix_skips_absent_metrics():
+    assert format_postfix({"lr": 0.1234}) == "lr=1.234e-01"
+    assert format_postfix({}) == ""
+
+
+def test_importing_fntrain_and_the_hook_module_does_not_import_tqdm():
+    code = "import sys, fntrain; assert 'tqdm' not in sys.modules, 'import fntrain imported tqdm'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    # torch.hub imports tqdm when it can; with tqdm blocked the hook module must still import
+    code = "import sys; sys.modules['tqdm'] = None; import fntrain.hooks.progress"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(TypeError, match="progress.enabled"):
+        ProgressConfig(enabled="yes").validate()
+    with pytest.raises(ValueError, match="progress.mininterval"):
+        ProgressConfig(mininterval=-1.0).validate()
+    with pytest.raises(ValueError, match="total"):
+        progress_hook(ProgressConfig(), Runtime(), total=0)

@@ -1,0 +1,93 @@
+"""Plots of a run: loss.png and throughput.png from metrics.jsonl (`python -m fntrain.plot RUN_DIR`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fntrain.plot import main, plot_run, read_metrics, series
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(run_dir, records):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "metrics.jsonl", "w") as file:
+        for record in records:
+            file.write(json.dumps(record) + "\n")
+
+
+def sample_records():
+    records = []
+    for step in range(10, 101, 10):
+        records.append(
+            {"step": step, "epoch": 0, "loss": 5.0 - step / 50, "tokens_per_s": 1000.0 + step, "mfu": 0.3}
+        )
+        if step % 50 == 0:
+            records.append({"step": step, "epoch": 0, "val_loss": 4.9 - step / 50, "val_ppl": 100.0})
+    return records
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
+
+
+def test_plot_run_writes_loss_and_throughput_pngs(tmp_path):
+    write_run(tmp_path / "run", sample_records())
+    written = plot_run(tmp_path / "run")
+    assert [p.name for p in written] == ["loss.png", "throughput.png"]
+    for path in written:
+        assert_png(path)
+
+
+def test_plot_run_skips_throughput_without_rates_and_can_write_elsewhere(tmp_path):
+    write_run(tmp_path / "run", [{"step": 1, "epoch": 0, "loss": 3.0}, {"step": 2, "epoch": 0, "loss": 2.0}])
+    written = plot_run(tmp_path / "run", out_dir=tmp_path / "plots")
+    assert written == [tmp_path / "plots" / "loss.png"]
+    assert_png(written[0])
+
+
+def test_series_keeps_the_last_value_of_a_step_logged_twice_and_skips_bad_lines(tmp_path):
+    write_run(tmp_path, [{"step": 2, "loss": 3.0}, {"step": 1, "loss": 4.0}, {"step": 2, "loss": 2.5}])
+    with open(tmp_path / "metrics.jsonl", "a") as file:
+        file.write('{"step": 3, "lo')  # a line cut short by a killed run
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert series(records, "loss") == ([1, 2], [4.0, 2.5])
+    assert series(records, "val_loss") == ([], [])
+
+
+def test_main_prints_written_paths_and_reports_a_missing_run(tmp_path, capsys):
+    write_run(tmp_path / "run", sample_records())
+    assert main([str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().out.split() == [
+        str(tmp_path / "run" / "loss.png"),
+        str(tmp_path / "run" / "throughput.png"),
+    ]
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_missing_matplotlib_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    write_run(tmp_path / "run", sample_records())
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    with pytest.raises(ImportError, match=r"fntrain\[plot\]"):
+        plot_run(tmp_path / "run")
+    assert main([str(tmp_path / "run")]) == 2
+    assert "pip install" in capsys.readouterr().err
+
+
+def test_module_command_line(tmp_path):
+    write_run(tmp_path / "run", sample_records())
+    result = subprocess.run(
+        [sys.executable, "-m", "fntrain.plot", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "loss.png" in result.stdout
+    assert_png(tmp_path / "run" / "throughput.png")

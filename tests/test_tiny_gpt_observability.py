@@ -1,0 +1,58 @@
+"""The tiny_gpt recipe with its observability hooks: metrics.jsonl holds training and validation loss and
+throughput, and the plot command turns it into non-empty PNGs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+from fntrain.hooks.evaluate import EvaluateConfig
+from fntrain.hooks.progress import ProgressConfig
+from fntrain.plot import main as plot_main
+from recipes import tiny_gpt
+
+
+def tiny_config(tmp_path) -> tiny_gpt.TinyGPTConfig:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("To be, or not to be, that is the question.\n" * 200)  # 8.8 kB
+    base = tiny_gpt.TinyGPTConfig()
+    return dataclasses.replace(
+        base,
+        run_dir=str(tmp_path / "run"),
+        log_every=2,
+        model=dataclasses.replace(base.model, context=32, n_layer=1, n_head=2, d_model=32),
+        data=dataclasses.replace(base.data, path=str(corpus), val_fraction=0.1),
+        train=dataclasses.replace(base.train, train_iters=6, global_batch_size=4, micro_batch_size=2),
+        schedule=dataclasses.replace(base.schedule, warmup_iters=2),
+        checkpoint=dataclasses.replace(base.checkpoint, save_at_end=False, export=False),
+        evaluate=EvaluateConfig(eval_every=3, at_end=True, max_batches=2),
+        progress=ProgressConfig(enabled=False),
+    )
+
+
+def test_recipe_run_logs_train_and_validation_metrics_and_plots_them(tmp_path, capsys):
+    config = tiny_config(tmp_path)
+    final = tiny_gpt.run(config)
+    assert final.global_step == 6
+
+    run_dir = tmp_path / "run"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    val = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in train] == [2, 4, 6]
+    assert [r["step"] for r in val] == [3, 6]
+    for record in val:
+        assert math.isfinite(record["val_loss"]) and record["val_ppl"] == math.exp(record["val_loss"])
+    last = train[-1]
+    for name in ("grad_norm", "lr", "step_time_s", "tokens_per_s", "samples_per_s", "tflops"):
+        assert name in last and last[name] >= 0, name
+    assert "mfu" not in last  # cpu, no configured peak
+    assert last["consumed_samples"] == 6 * 4
+    assert last["consumed_tokens"] == 6 * 4 * (32 - 1)  # labels[..., 1:] of every sequence
+
+    capsys.readouterr()
+    assert plot_main([str(run_dir)]) == 0
+    assert capsys.readouterr().out.split() == [str(run_dir / "loss.png"), str(run_dir / "throughput.png")]
+    for name in ("loss.png", "throughput.png"):
+        assert (run_dir / name).stat().st_size > 1000
