@@ -9,7 +9,10 @@ Run: `python -m bench.loop_overhead [--quick]`.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +23,7 @@ from fntrain import RunPlan, TrainState, train
 from fntrain.step import make_train_step
 
 torch.set_num_threads(1)
+LOG_EVERY = 10
 
 
 def _mlp_workload(batch_size: int = 32, width: int = 128) -> tuple[torch.nn.Module, list, Callable]:
@@ -92,6 +96,22 @@ def _variants(model, batches, loss_fn, forward, steps: int, hooks_factories: dic
                 done += 1
         return steps
 
+    log_file = open(os.devnull, "w")  # noqa: SIM115 - the baseline's metrics file, kept for the run
+    plain_log = logging.getLogger("bench.plain")
+
+    def plain_loop_logging() -> int:
+        """The plain loop logging on the same steps as the metrics hook: a read, a line, a JSON record."""
+        done = 0
+        while done < steps:
+            for batch in batches[: steps - done]:
+                metrics = step_fn(state0, batch)
+                done += 1
+                if done % LOG_EVERY == 0:
+                    loss = float(metrics["loss"])
+                    plain_log.info("step=%d loss=%.9g", done, loss)
+                    log_file.write(json.dumps({"step": done, "loss": loss}) + "\n")
+        return steps
+
     def with_train(hooks_factory: Callable[[], list]) -> Callable[[], int]:
         def run() -> int:
             train(state0, step_fn, hooks_factory(), data=data, plan=plan)
@@ -101,12 +121,34 @@ def _variants(model, batches, loss_fn, forward, steps: int, hooks_factories: dic
 
     variants = {
         "plain loop": plain_loop,
+        "plain loop, logging every 10": plain_loop_logging,
         "plain loop, hand-written step": plain_loop_handwritten_step,
         "train(), no hooks": with_train(lambda: []),
     }
     for name, factory in hooks_factories.items():
         variants[f"train(), {name}"] = with_train(factory)
     return variants
+
+
+def _default_hooks(steps: int, run_dir: str) -> Callable[[], list]:
+    """Progress bar, metrics every 10 steps (log line + metrics.jsonl) and throughput, as recipes use them."""
+    from fntrain.hooks.metrics import MetricBoard, MetricsConfig, metrics_hook, metrics_log
+    from fntrain.hooks.progress import ProgressConfig, progress_hook
+    from fntrain.hooks.throughput import ThroughputConfig, throughput_hook
+    from fntrain.runtime import Runtime
+
+    runtime = Runtime()
+
+    def factory() -> list:
+        board = MetricBoard()
+        writer = metrics_log(MetricsConfig(), runtime, run_dir)
+        return [
+            throughput_hook(ThroughputConfig(), runtime, log_every=LOG_EVERY, board=board, last_step=steps),
+            metrics_hook(runtime, log_every=LOG_EVERY, writer=writer, board=board, last_step=steps),
+            progress_hook(ProgressConfig(), runtime, total=steps, board=board),
+        ]
+
+    return factory
 
 
 def _idle_window_hooks() -> dict[str, Callable[[], list]]:
@@ -137,9 +179,12 @@ def run(quick: bool = False) -> list[Row]:
     logging.getLogger("fntrain").setLevel(logging.WARNING)
     rows: list[Row] = []
     workloads = [("tiny MLP", _mlp_workload(), _forward_x), ("tiny GPT", _gpt_workload(), _forward_ids)]
+    run_dir = tempfile.mkdtemp(prefix="fntrain-bench-")
     for label, (model, batches, loss_fn), forward in workloads:
+        n_steps = steps if label == "tiny MLP" else steps // 4
         hooks = _idle_window_hooks() if label == "tiny MLP" else {}
-        variants = _variants(model, batches, loss_fn, forward, steps if label == "tiny MLP" else steps // 4, hooks)
+        hooks["default hooks"] = _default_hooks(n_steps, run_dir)
+        variants = _variants(model, batches, loss_fn, forward, n_steps, hooks)
         timing = interleave(variants, repeats=repeats, aa="plain loop")
         rows.append(
             overhead_row(
@@ -155,7 +200,17 @@ def run(quick: bool = False) -> list[Row]:
                 note="token/loss bookkeeping and the finite check the library step does and a bare step skips.",
             )
         )  # fmt: skip
+        rows.append(
+            overhead_row(
+                f"P1 {label}: train(), default hooks vs plain loop logging on the same steps", timing,
+                "train(), default hooks", "plain loop, logging every 10", goal_us=30,
+                note="progress bar, metrics every 10 steps (one reduction, a log line, a JSON record) and "
+                "throughput; non-logging steps do a few integer operations per hook.",
+            )
+        )  # fmt: skip
         for name in hooks:
+            if name == "default hooks":
+                continue
             rows.append(
                 overhead_row(
                     f"P1 {label}: train(), {name} vs no hooks", timing, f"train(), {name}", "train(), no hooks",

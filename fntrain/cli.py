@@ -6,6 +6,7 @@
     fntrain config RECIPE [--format toml|json] [--config FILE] [overrides]
                                                         the resolved config, ready to be fed back as --config
     fntrain plot RUN_DIR [options]                      plots of a run's metrics
+    fntrain tokenize INPUT... --output DIR [options]    text/JSONL -> memory-mapped token shards
     fntrain recipes                                     the recipes that can be named
 
 RECIPE is a name registered in the `fntrain.recipes` entry-point group (the built-ins: tiny_gpt,
@@ -29,7 +30,7 @@ from fntrain.recipes_registry import Recipe, RecipeNotFound, available_recipes, 
 
 __all__ = ["main", "dispatch", "resolve_config", "plan_report"]
 
-COMMANDS = ("run", "plan", "config", "plot", "recipes")
+COMMANDS = ("run", "plan", "config", "plot", "tokenize", "recipes")
 _HELP = ("-h", "--help")
 
 
@@ -193,6 +194,22 @@ def _plot(args: list[str]) -> Any:
     return result
 
 
+def _tokenize(args: list[str]) -> Any:
+    import tyro
+
+    from fntrain.data.tokenize import tokenize_command
+
+    try:
+        index = tyro.cli(tokenize_command, args=args, prog="fntrain tokenize")
+    except (ValueError, OSError) as error:  # bad inputs, an occupied output: no traceback
+        raise CommandError(str(error)) from error
+    print(
+        f"{index.directory}: {index.total_tokens} tokens, {index.documents} documents, "
+        f"{len(index.shards)} shard(s) of {index.dtype} (eos {index.eos_id}, tokenizer {index.tokenizer})"
+    )
+    return index
+
+
 def _recipes(args: list[str]) -> dict[str, str]:
     recipes = available_recipes()
     for name, module in recipes.items():
@@ -200,13 +217,21 @@ def _recipes(args: list[str]) -> dict[str, str]:
     return recipes
 
 
-_DISPATCH = {"run": _run, "plan": _plan, "config": _config, "plot": _plot, "recipes": _recipes}
+_DISPATCH = {
+    "run": _run,
+    "plan": _plan,
+    "config": _config,
+    "plot": _plot,
+    "tokenize": _tokenize,
+    "recipes": _recipes,
+}
 
 
 def dispatch(argv: Sequence[str]) -> Any:
     """Run the command line `argv` (without the program name) and return what the command produced:
     the final TrainState for run, the report dict for plan, the text for config, the written paths for
-    plot. Usage and config-file errors print a message and raise `SystemExit(2)`."""
+    plot, the shard index for tokenize. Usage and config-file errors print a message and raise
+    `SystemExit(2)`."""
     args = list(argv)
     if not args or args[0] in _HELP:
         print(_full_help())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -236,14 +237,15 @@ def make_train_step(
 
     def check_zero_tokens(state: TrainState, total: torch.Tensor, raw_losses: list[torch.Tensor]) -> None:
         step = state.global_step + 1
-        bad = (total == 0) & (torch.stack(raw_losses).abs().sum() != 0)
         if on_cpu:
-            if bool(bad):
+            # On CPU a read is free; testing the count first keeps the common case to one read.
+            if int(total) == 0 and any(float(x) != 0 for x in raw_losses):
                 raise ValueError(
                     f"step {step} has zero loss tokens but a non-zero loss "
                     f"({[float(x) for x in raw_losses]}): the loss function must return 0 when no token is valid"
                 )
         else:
+            bad = (total == 0) & (torch.stack(raw_losses).abs().sum() != 0)
             _device_assert(~bad, f"step {step} has zero loss tokens but a non-zero loss", ValueError)
 
     def step_fn(state: TrainState, batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -267,7 +269,10 @@ def make_train_step(
                     with autocast():
                         output = forward(model, micro_batch)
                     loss = loss_fn(output, micro_batch)
-                    weighted = loss * weights[index] if token_weighted else loss / count
+                    if token_weighted:
+                        weighted = loss * weights[index]
+                    else:
+                        weighted = loss / count if count > 1 else loss
                     (grad_scaler.scale(weighted) if grad_scaler is not None else weighted).backward()
                 parts.append(weighted.detach())
                 if token_weighted:
@@ -282,13 +287,23 @@ def make_train_step(
         if clip:
             grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=None))
         else:
-            grad_norm = torch.zeros((), device=device)
+            grad_norm = 0.0  # [S24]: reported as 0 when not clipping; a host float costs no device op
 
         step = state.global_step + 1
-        finite = torch.isfinite(reported)
-        if check_grad_norm:
-            finite = finite & torch.isfinite(grad_norm)
         skip = False
+        if on_cpu and not skip_mode:
+            # On CPU reading a scalar is free (no device to sync), and cheaper than an isfinite op.
+            loss_value = float(reported)
+            norm_value = float(grad_norm) if check_grad_norm else 0.0
+            if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+                raise FloatingPointError(
+                    f"non-finite loss at step {step}: loss {loss_value}, grad_norm {float(grad_norm)}"
+                )
+            finite = None
+        else:
+            finite = torch.isfinite(reported)
+            if check_grad_norm:
+                finite = finite & torch.isfinite(grad_norm)
         if skip_mode:
             if dp_size == 1:
                 skip = not bool(finite)  # documented host sync
@@ -302,12 +317,7 @@ def make_train_step(
                 )
                 skip = not bool(torch.isfinite(norm))  # documented host sync
             # else: the scaler skips non-finite gradients itself, consistently over ranks
-        elif on_cpu:
-            if not bool(finite):
-                raise FloatingPointError(
-                    f"non-finite loss at step {step}: loss {float(reported)}, grad_norm {float(grad_norm)}"
-                )
-        else:
+        elif not on_cpu:
             _device_assert(finite, f"non-finite loss or gradient norm at step {step}", FloatingPointError)
 
         if not skip:

@@ -597,6 +597,32 @@ def load_model(config: HFModelConfig, device: torch.device) -> torch.nn.Module:
     return model.to(device)
 
 
+def load_model_sharded(config: HFModelConfig, runtime: Runtime, parallel: ParallelConfig) -> torch.nn.Module:
+    """parallel.meta_init: the causal LM built on the meta device from `config.path`'s config.json,
+    parallelized, then filled from its safetensors through DCP's Hugging Face reader, each rank reading
+    only its shards (fntrain.checkpoint.hf_load). Returns what `parallelize` returns."""
+    set_offline()
+    directory = require_local_dir("model.path", config.path, needs=("config.json",))
+    if not any(directory.glob("*.safetensors")):
+        raise FileNotFoundError(f"model.path {config.path!r} holds no *.safetensors weights")
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fntrain.checkpoint.hf_load import hf_weights
+    from fntrain.runtime.materialize import build_model
+
+    hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    dtype = _DTYPES.get(config.dtype) or getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    kwargs: dict[str, Any] = {"attn_implementation": config.attn_implementation}
+    if dtype is not None:
+        kwargs["dtype" if (major, minor) >= (4, 56) else "torch_dtype"] = (
+            getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        )
+    factory = lambda: AutoModelForCausalLM.from_config(hf_config, **kwargs)  # noqa: E731
+    return build_model(factory, runtime, parallel, fill=hf_weights(directory))
+
+
 def _check_vocab(model: torch.nn.Module, assets: ModelAssets) -> None:
     embeddings = model.get_input_embeddings().weight.shape[0]
     if len(assets.tokenizer) > embeddings:
@@ -766,11 +792,15 @@ def build(config: HFCausalLMConfig, runtime: Runtime) -> Built:
     """Model (loaded, parallelized), loss, assets, transform, dataset, collate, plan, optimizer and
     schedule, in that order [S1]."""
     torch.manual_seed(config.seed)
-    model = load_model(config.model, runtime.device)
+    if config.parallel.meta_init:  # built on meta, parallelized, each rank loading only its shards
+        model = load_model_sharded(config.model, runtime, config.parallel)
+    else:
+        model = load_model(config.model, runtime.device)
     assets = build_model_assets(config)
-    _check_vocab(model, assets)
-    flops = _flops_per_token(model, config.data.max_length)
-    model = parallelize(model, runtime, config.parallel)
+    _check_vocab(unwrap(model), assets)
+    flops = _flops_per_token(unwrap(model), config.data.max_length)
+    if not config.parallel.meta_init:
+        model = parallelize(model, runtime, config.parallel)
     train_set, val_set = build_datasets(config, assets)
     plan = _make_plan(config, len(train_set), runtime.dp_size)
     data = build_data(

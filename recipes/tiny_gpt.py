@@ -188,11 +188,15 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=2)
         q, k, v = (t.view(batch, seq, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        dropout_p = self.dropout if self.training else 0.0
+        if attn_mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+        else:  # a boolean mask that already holds causality (packed documents: block-diagonal causal)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
 
 
@@ -207,8 +211,8 @@ class Block(nn.Module):
             nn.Dropout(cfg.dropout),
         )  # fmt: skip
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), attn_mask)
         return x + self.mlp(self.ln2(x))
 
 
@@ -234,11 +238,22 @@ class TinyGPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids: torch.Tensor, **_: Any) -> torch.Tensor:
-        positions = torch.arange(input_ids.size(1), device=input_ids.device)
-        x = self.drop(self.tok(input_ids) + self.pos(positions))
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **_: Any,
+    ) -> torch.Tensor:
+        """Logits [batch, seq, vocab]. Packed sequences (fntrain.data.packing) pass `position_ids` that restart
+        at each document and a 4-D boolean `attention_mask` [batch, 1, seq, seq] (True: may attend) that
+        keeps attention inside each document; a 2-D padding mask is ignored (attention stays causal)."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.size(1), device=input_ids.device)
+        attn_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 4 else None
+        x = self.drop(self.tok(input_ids) + self.pos(position_ids))
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if attn_mask is None else block(x, attn_mask)
         return self.head(self.ln_f(x))
 
 
@@ -426,9 +441,15 @@ def restore_checkpoint(built: Built, hooks: list[Any]) -> TrainState:
 
 def build(config: TinyGPTConfig, runtime: Runtime) -> Built:
     """Build model, loss, data, plan, optimizer and schedule, in that order [S1]."""
-    torch.manual_seed(config.seed)
-    model = TinyGPT(config.model).to(runtime.device)
-    model = parallelize(model, runtime, config.parallel)
+    if config.parallel.meta_init:  # meta device -> parallelize -> local shards, seeded as below
+        from fntrain.runtime.materialize import build_model, seeded_init
+
+        fill = seeded_init(config.seed, post_init=TinyGPT._init)
+        model = build_model(lambda: TinyGPT(config.model), runtime, config.parallel, fill=fill)
+    else:
+        torch.manual_seed(config.seed)
+        model = TinyGPT(config.model).to(runtime.device)
+        model = parallelize(model, runtime, config.parallel)
     train_set, val_set = build_datasets(config)
     plan = make_run_plan(
         global_batch_size=config.train.global_batch_size,

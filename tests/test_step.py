@@ -209,7 +209,7 @@ def test_clipping_reports_the_pre_clip_norm_and_clips():
     torch.testing.assert_close(clipped_norm, torch.tensor(0.05), rtol=1e-4, atol=1e-6)
 
     metrics, unclipped = run_step(make_model(), [batch], max_grad_norm=0.0)
-    assert metrics["grad_norm"].item() == 0.0
+    assert metrics["grad_norm"] == 0.0  # a host float: no device op when not clipping
     assert_same_grads(unclipped, raw)
 
 

@@ -56,3 +56,26 @@ def test_recipe_run_logs_train_and_validation_metrics_and_plots_them(tmp_path, c
     assert capsys.readouterr().out.split() == [str(run_dir / "loss.png"), str(run_dir / "throughput.png")]
     for name in ("loss.png", "throughput.png"):
         assert (run_dir / name).stat().st_size > 1000
+
+
+def test_consumed_counts_continue_after_a_checkpoint_resume(tmp_path):
+    config = tiny_config(tmp_path)
+    first = dataclasses.replace(
+        config, checkpoint=dataclasses.replace(config.checkpoint, save_every=3), evaluate=EvaluateConfig()
+    )
+    tiny_gpt.run(first)
+    # step 3 is not a logging step: its tokens were still unreduced when the checkpoint was taken
+    step_3 = tmp_path / "run" / "checkpoints" / "step_3"
+    resumed = dataclasses.replace(
+        config,
+        checkpoint=dataclasses.replace(config.checkpoint, restore_from=str(step_3)),
+        evaluate=EvaluateConfig(),
+    )
+    assert tiny_gpt.run(resumed).global_step == 6
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    per_step = 4 * (32 - 1)
+    assert [(r["step"], r["consumed_tokens"]) for r in records] == [
+        (2, 2 * per_step), (4, 4 * per_step), (6, 6 * per_step),  # the first run
+        (4, 4 * per_step), (6, 6 * per_step),  # the resumed run
+    ]  # fmt: skip
+    assert records[3]["tokens_per_s"] > 0  # a rate over the resumed run's own step

@@ -1,9 +1,12 @@
 """Checkpoints over torch.distributed.checkpoint: save, restore, find the latest, export [S36].
 
-path = save(root, state, components, hooks=hooks)             # <root>/step_<N>/, complete on return
-pending = save_async(root, state, components, hooks=hooks)    # staged; pending.result() completes it
-state = restore("latest", components, root=root, hooks=hooks) # "none" | "latest" | a path
-export_safetensors(model, run_dir / "model.safetensors")
+    path = save(root, state, components, hooks=hooks)           # <root>/step_<N>/, complete on return
+    pending = save_async(root, state, components, hooks=hooks)  # staged; the write goes on in a thread
+    pending.result()                                            # complete (or raises); settle before the next
+    state = restore("latest", components, root=root, hooks=hooks)  # "none" | "latest" | a path
+    export_safetensors(model, run_dir / "model.safetensors")
+
+The checkpoint hook (`fntrain.hooks.checkpoint`) decides when to save; this package does the saving.
 """
 
 from fntrain.checkpoint.export import export_safetensors

@@ -146,16 +146,22 @@ def write_latest(root: str | os.PathLike, path: str | os.PathLike) -> None:
     _write_atomic(Path(root) / LATEST, path.name + "\n")
 
 
-def retain(root: str | os.PathLike, keep_last: int) -> list[Path]:
+def retain(
+    root: str | os.PathLike, keep_last: int, *, protect: str | os.PathLike | None = None
+) -> list[Path]:
     """Delete all but the newest `keep_last` complete checkpoints (0 keeps all); return what was removed.
 
-    Partial directories are left alone here: one may be an asynchronous save still being written.
-    The newest complete checkpoint (the one `latest` names after a save) is never removed.
+    `protect` (the checkpoint just saved, which `latest` names) is never removed, even when checkpoints
+    with higher steps exist (left by an earlier run that went further before this one resumed from an
+    older step). Partial directories are left alone here: one may be an asynchronous save in flight.
     """
     if keep_last <= 0:
         return []
     complete = list_checkpoints(root)
-    doomed = complete[: max(0, len(complete) - keep_last)]
+    kept = set(complete[-keep_last:])
+    if protect is not None:
+        kept.add(Path(protect))
+    doomed = [path for path in complete if path not in kept]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
         log.info("removed old checkpoint %s (keep_last=%d)", path, keep_last)

@@ -45,11 +45,10 @@ from fntrain.hooks.base import load_hook_states
 from fntrain.loop import Hook
 from fntrain.state import TrainState
 
-__all__ = ["restore", "resolve_source", "read_meta", "MissingKeysError", "RESTORE_CHOICES"]
+__all__ = ["restore", "resolve_source", "read_meta", "MissingKeysError"]
 
 log = logging.getLogger("fntrain.checkpoint")
 
-RESTORE_CHOICES = ("none", "latest")
 _SHOWN = 8  # key names listed in a message before "... and N more"
 
 

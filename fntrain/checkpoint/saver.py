@@ -12,6 +12,7 @@ per-rank JSON and meta.json → DCP data → DCP `.metadata` (DCP writes it last
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -71,6 +72,19 @@ def _hooks(hooks: HooksArg) -> list[Hook]:
     return list(hooks() if callable(hooks) else hooks)
 
 
+def _json_hook_states(hooks: list[Hook]) -> dict[str, Any]:
+    """`hook_states`, each checked to be JSON (a TypeError names the hook): loading must run no code."""
+    states = hook_states(hooks)
+    for name, hook_state in states.items():
+        try:
+            json.dumps(hook_state)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"the state_dict() of hook {name!r} must be JSON data (tensors: .tolist()): {error}"
+            ) from None
+    return states
+
+
 def _device_of(components: Components, device: torch.device | str | None) -> torch.device:
     if device is not None:
         return torch.device(device)
@@ -107,7 +121,7 @@ def _prepare(
             "rank": rank,
             "world_size": world,
             "rng": rng_state(_device_of(components, device)),
-            "hooks": hook_states(_hooks(hooks)),
+            "hooks": _json_hook_states(_hooks(hooks)),
         },
     )
     if rank == 0:
@@ -140,7 +154,7 @@ def _finalize(root: str | os.PathLike, path: Path, state: TrainState, keep_last:
         path, {"step": state.global_step, "train_state": state.as_dict(), "completed_at": time.time()}
     )
     write_latest(root, path)
-    retain(root, keep_last)
+    retain(root, keep_last, protect=path)
     log.info("checkpoint saved: %s", path)
 
 

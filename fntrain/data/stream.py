@@ -20,14 +20,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.utils.data
+
 __all__ = ["StreamPosition", "is_stateful", "is_iterable_dataset", "rank_samples", "open_stream"]
 
 
 def is_iterable_dataset(dataset: Any) -> bool:
     """A stream: iterable, and not indexable by position with a length (the map-style protocol)."""
-    import torch.utils.data as tud
-
-    if isinstance(dataset, tud.IterableDataset):
+    if isinstance(dataset, torch.utils.data.IterableDataset):
         return True
     mapped = hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
     return not mapped and hasattr(dataset, "__iter__")

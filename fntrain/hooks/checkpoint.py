@@ -34,6 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from fntrain.checkpoint import PendingSave, make_stager, save, save_async
 from fntrain.components import Components
 from fntrain.config import require_bool, require_float, require_int, require_str
@@ -211,13 +214,12 @@ def checkpoint_hook(
         previous_handlers.clear()
 
     def preempt_requested(state: TrainState) -> bool:
+        if not config.enabled or not config.preempt_signals:
+            return False
         if runtime.world_size <= 1 or runtime.backend is None:
             return preempt_flag.is_set()
         if state.global_step % config.preempt_check_every:
             return False
-        import torch
-        import torch.distributed as dist
-
         device = torch.device("cpu") if runtime.backend == "gloo" else runtime.device
         flag = torch.tensor([1 if preempt_flag.is_set() else 0], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -229,8 +231,6 @@ def checkpoint_hook(
         if state.global_step > 0:
             last_saved = max(last_saved, state.global_step)  # a restored step is not saved again at once
         if config.async_save and runtime.world_size > 1 and runtime.backend is not None and group is None:
-            import torch.distributed as dist
-
             group = dist.new_group(backend="gloo")
         if config.save_on_interrupt and runtime.world_size > 1:
             log.warning(

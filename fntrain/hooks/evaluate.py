@@ -21,7 +21,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import optree
 import torch
 from torch.utils.data import default_collate
 
@@ -33,6 +32,7 @@ from fntrain.loop import Event
 from fntrain.runtime.collectives import exact_dtype, reduce_scalars
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
+from fntrain.step import _to_device, default_forward  # the step's own device transfer
 
 __all__ = ["EvaluateConfig", "evaluate_hook", "make_eval_fn", "eval_index_groups"]
 
@@ -90,14 +90,6 @@ def eval_index_groups(
     return groups
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return batch
-    return optree.tree_map(
-        lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, batch
-    )
-
-
 def make_eval_fn(
     model: torch.nn.Module,
     loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor],
@@ -117,8 +109,6 @@ def make_eval_fn(
     `loss_fn(output, micro_batch)` must return the mean loss over the micro-batch's valid tokens (like
     `causal_lm_loss`); it is weighted by `count_loss_tokens`. Must be called on every rank of `group`.
     """
-    from fntrain.step import default_forward
-
     if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
         raise TypeError(
             f"the validation dataset must be map-style (__getitem__ and __len__), got {type(dataset)!r}"

@@ -209,7 +209,7 @@ def metrics_hook(
     require_int("log_every", log_every, min=0)
     if last_step is not None:
         require_int("last_step", last_step, min=1)
-    every, last = log_every, last_step if log_every > 0 else None
+    every, last = log_every, last_step
     device = runtime.device
     board = board if board is not None else MetricBoard()
 
@@ -242,8 +242,7 @@ def metrics_hook(
 
     def metrics(event: Event, state: TrainState, info: Any) -> None:
         if event is Event.STEP_END:
-            step = state.global_step
-            if every and (step % every == 0 or step == last):
+            if is_logging_step(state.global_step, every, last):
                 emit(state, info)
         elif event is Event.TRAIN_END or event is Event.ABORT:
             writer.stop()

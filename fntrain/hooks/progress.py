@@ -18,8 +18,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-import torch
-
 from fntrain.config import require_bool, require_float, require_int
 from fntrain.hooks.metrics import MetricBoard
 from fntrain.loop import Event, Hook
@@ -128,20 +126,17 @@ def progress_hook(
             if record.get("step") != state.global_step:
                 return
         elif every and state.global_step % every == 0:
-            record = {
-                name: float(value) if isinstance(value, torch.Tensor) else value
-                for name, value in info.metrics.items()
-            }
+            record = info.metrics  # format_postfix reads only the names it shows, with float()
         else:
             return
-        bar.set_postfix_str(format_postfix(record), refresh=False)  # drawn at the next update
+        bar.set_postfix_str(format_postfix(record), refresh=False)
 
     def progress(event: Event, state: TrainState, info: Any) -> None:
         nonlocal bar, redirecting
         if event is Event.STEP_END:
             if bar is not None:
+                refresh(state, info)  # before the update, whose redraw then shows it
                 bar.update(1)
-                refresh(state, info)
         elif event is Event.EPOCH_BEGIN:
             if bar is not None:
                 bar.set_description(f"epoch {state.epoch}", refresh=False)

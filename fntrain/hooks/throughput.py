@@ -39,11 +39,12 @@ import torch
 from fntrain.config import require_bool, require_float
 from fntrain.data.tokens import count_tokens
 from fntrain.hooks.base import StatefulHook, stateful
-from fntrain.hooks.metrics import MetricBoard
+from fntrain.hooks.metrics import MetricBoard, is_logging_step
 from fntrain.loop import Event
 from fntrain.runtime.collectives import exact_dtype, reduce_scalars
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
+from fntrain.step import default_forward
 
 __all__ = [
     "ThroughputConfig",
@@ -207,8 +208,6 @@ def measure_flops_per_token(
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    from fntrain.step import default_forward
-
     tokens = int(count_tokens(example_batch))
     if tokens <= 0:
         raise ValueError(f"the example batch must hold at least one token, got {tokens}")
@@ -257,8 +256,7 @@ def throughput_hook(
         raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
     if not config.enabled:
         return stateful("throughput", _inactive, dict, lambda saved: None)
-    every = log_every
-    last = last_step if every else None
+    every, last = log_every, last_step
     device = runtime.device
     scale = runtime.dp_size  # mean over ranks x dp_size = sum over the data-parallel replicas
     world = runtime.world_size
@@ -275,7 +273,7 @@ def throughput_hook(
     peak: float | None = None
     module: Any = None
 
-    def resolve(state: TrainState) -> None:
+    def resolve() -> None:
         nonlocal fpt, peak, module
         module = _device_module(device)
         if config.flops_per_token is not None:
@@ -347,6 +345,15 @@ def throughput_hook(
         busy, steps, samples, tokens, carry_tokens, carry_samples = 0.0, 0, 0, 0, 0, 0
         token_tensors.clear()
 
+    def train_begin() -> None:
+        nonlocal busy, steps, samples, tokens, carry_tokens, carry_samples
+        resolve()
+        # Counts a previous run on this hook left unreduced are consumed, but not this run's rate.
+        carry_tokens += local_tokens()
+        carry_samples += samples
+        busy, steps, samples, tokens = 0.0, 0, 0, 0
+        token_tensors.clear()
+
     def throughput(event: Event, state: TrainState, info: Any) -> None:
         nonlocal busy, steps, samples, tokens
         if event is Event.STEP_END:
@@ -364,12 +371,10 @@ def throughput_hook(
                     token_tensors.append(folded)
             else:
                 tokens += int(count)
-            step = state.global_step
-            if every and (step % every == 0 or step == last):
-                flush(step)
+            if is_logging_step(state.global_step, every, last):
+                flush(state.global_step)
         elif event is Event.TRAIN_BEGIN:
-            resolve(state)
-            busy, steps = 0.0, 0
+            train_begin()
 
     def state_dict() -> dict[str, Any]:
         # The unreduced counts are this rank's; with one state per rank the resume is exact, with rank 0's

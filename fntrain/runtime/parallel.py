@@ -30,6 +30,8 @@ __all__ = [
     "build_grad_scaler",
     "data_parallel_group",
     "check_supported_sizes",
+    "hsdp_shape",
+    "HSDP_DIMS",
 ]
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 STRATEGIES = ("none", "ddp", "fsdp2")
 MIXED_PRECISIONS = ("fp32", "bf16", "fp16")
 _LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+HSDP_DIMS = ("dp_replicate", "dp_shard")  # the runtime mesh's dims under HSDP, flattened into "dp"
 _UNSUPPORTED = {
     "tp_size": "tensor parallelism",
     "pp_size": "pipeline parallelism",
@@ -73,6 +76,14 @@ class ParallelConfig:
     """Context-parallel degree (only 1 is supported yet)."""
     ep_size: int = 1
     """Expert-parallel degree (only 1 is supported yet)."""
+    replicate: int = 1
+    """fsdp2: HSDP replica groups. R > 1 lays the data-parallel ranks out as a 2-D mesh (R replicas x
+    dp/R shards, e.g. R = nodes): weights are sharded within a replica and gradients all-reduced across
+    replicas. Must divide the data-parallel size."""
+    meta_init: bool = False
+    """Build the model on the meta device, parallelize it, then allocate only each rank's shards and
+    initialize (seeded, identical to an eager build) or load the weights: no rank holds the full model
+    under fsdp2."""
 
     def validate(self, prefix: str = "parallel") -> None:
         require_choice(f"{prefix}.strategy", self.strategy, STRATEGIES)
@@ -85,6 +96,20 @@ class ParallelConfig:
         require_bool(f"{prefix}.find_unused_parameters", self.find_unused_parameters)
         for name in _UNSUPPORTED:
             require_int(f"{prefix}.{name}", getattr(self, name), min=1)
+        require_int(f"{prefix}.replicate", self.replicate, min=1)
+        if self.replicate > 1 and self.strategy != "fsdp2":
+            raise ValueError(
+                f"{prefix}.replicate={self.replicate} needs {prefix}.strategy 'fsdp2' (HSDP), "
+                f"got {self.strategy!r}"
+            )
+        require_bool(f"{prefix}.meta_init", self.meta_init)
+
+
+def hsdp_shape(dp_size: int, replicate: int, prefix: str = "parallel") -> tuple[int, int]:
+    """(replicas, shards) of an HSDP layout of `dp_size` data-parallel ranks; `replicate` must divide it."""
+    if replicate < 1 or dp_size % replicate:
+        raise ValueError(f"{prefix}.replicate ({replicate}) must divide the data-parallel size ({dp_size})")
+    return replicate, dp_size // replicate
 
 
 def check_supported_sizes(sizes: dict[str, int], prefix: str = "parallel") -> None:
@@ -124,19 +149,44 @@ def data_parallel_group(runtime: Runtime) -> Any:
     mesh = runtime.mesh
     if mesh is None:
         return None
-    if mesh.mesh_dim_names and "dp" in mesh.mesh_dim_names:
-        return mesh.get_group("dp")
+    if _has_dims(mesh, "dp"):
+        return mesh.get_group("dp")  # a mesh dim, or HSDP's (dp_replicate, dp_shard) flattened
     return mesh.get_group()
 
 
-def _data_parallel_mesh(runtime: Runtime) -> Any:
+def _has_dims(mesh: Any, *names: str) -> bool:
+    names_in_mesh = set(mesh.mesh_dim_names or ())
+    try:  # dims flattened from others (HSDP's "dp") live on the root mesh
+        names_in_mesh |= set(mesh._get_root_mesh()._flatten_mapping)
+    except AttributeError:
+        pass
+    return all(name in names_in_mesh for name in names)
+
+
+def _data_parallel_mesh(runtime: Runtime, replicate: int = 1) -> Any:
+    """The mesh fully_shard shards over: the data-parallel dim, or under HSDP (`replicate` > 1) the
+    2-D (dp_replicate, dp_shard) mesh."""
     mesh = runtime.mesh
+    if replicate > 1:
+        if mesh is None:  # a process group set up outside setup_runtime: lay out the world here
+            from torch.distributed.device_mesh import init_device_mesh
+
+            return init_device_mesh(
+                runtime.device.type, hsdp_shape(dist.get_world_size(), replicate), mesh_dim_names=HSDP_DIMS
+            )
+        if not _has_dims(mesh, *HSDP_DIMS) or mesh[HSDP_DIMS].size(0) != replicate:
+            raise ValueError(
+                f"parallel.replicate={replicate} but the runtime mesh {mesh.mesh_dim_names} has no "
+                f"{replicate} x dp_shard layout: build the runtime with setup_runtime(config, parallel) "
+                "from the same ParallelConfig"
+            )
+        return mesh[HSDP_DIMS]
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(runtime.device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
-    if mesh.mesh_dim_names and "dp" in mesh.mesh_dim_names and mesh.ndim > 1:
-        return mesh["dp"]
+    if mesh.ndim > 1:
+        return mesh["dp"]  # a dim of the mesh, or HSDP's (dp_replicate, dp_shard) flattened
     return mesh
 
 
@@ -196,7 +246,7 @@ def _apply_fsdp2(
 ) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = _data_parallel_mesh(runtime)
+    mesh = _data_parallel_mesh(runtime, config.replicate)
     if config.mixed_precision == "fp32":
         policy = MixedPrecisionPolicy()
     else:

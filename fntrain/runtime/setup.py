@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from fntrain.config import require_bool, require_choice, require_float, require_int, require_str
 from fntrain.runtime import device as devices
-from fntrain.runtime.parallel import ParallelConfig
+from fntrain.runtime.parallel import HSDP_DIMS, ParallelConfig, hsdp_shape
 from fntrain.runtime.runtime import Runtime
 
 __all__ = [
@@ -207,18 +207,29 @@ def _parallel_sizes(parallel: ParallelConfig | None, world_size: int) -> dict[st
             f"parallel.ep_size ({sizes['ep_size']}) must divide data-parallel x context-parallel size "
             f"({sizes['dp_size']} x {sizes['cp_size']})"
         )
+    hsdp_shape(sizes["dp_size"], getattr(parallel, "replicate", 1) if parallel else 1)  # R must divide dp
     return sizes
 
 
-def _build_mesh(device_type: str, sizes: dict[str, int]) -> Any:
-    """A DeviceMesh over ("pp", "dp", "cp", "tp"), keeping "dp" and every dimension larger than 1."""
+def _build_mesh(device_type: str, sizes: dict[str, int], replicate: int = 1) -> Any:
+    """A DeviceMesh over ("pp", "dp", "cp", "tp"), keeping "dp" and every dimension larger than 1.
+    Under HSDP (parallel.replicate > 1) "dp" is laid out as ("dp_replicate", "dp_shard") and
+    flattened back into "dp", so `mesh["dp"]` is the whole data-parallel group either way."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dims = [(name, sizes[f"{name}_size"]) for name in ("pp", "dp", "cp", "tp")]
-    dims = [(name, size) for name, size in dims if name == "dp" or size > 1]
-    return init_device_mesh(
+    hsdp = replicate > 1
+    data_dims = HSDP_DIMS if hsdp else ("dp",)
+    sizes = dict(sizes)
+    sizes["dp_replicate_size"], sizes["dp_shard_size"] = hsdp_shape(sizes["dp_size"], replicate)
+    names = ("pp", *data_dims, "cp", "tp")
+    dims = [(name, sizes[f"{name}_size"]) for name in names]
+    dims = [(name, size) for name, size in dims if name in data_dims or size > 1]
+    mesh = init_device_mesh(
         device_type, tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims)
     )
+    if hsdp:
+        mesh[data_dims]._flatten("dp")
+    return mesh
 
 
 def _dp_rank(rank: int, sizes: dict[str, int]) -> int:
@@ -282,7 +293,8 @@ def setup_runtime(
             raise RuntimeError(
                 f"the existing process group has {dist.get_world_size()} ranks but WORLD_SIZE is {launch.world_size}"
             )
-        mesh = _build_mesh(device_type, sizes) if distributed else None
+        replicate = parallel.replicate if parallel is not None else 1
+        mesh = _build_mesh(device_type, sizes, replicate) if distributed else None
         dp_rank = mesh.get_local_rank("dp") if mesh is not None else _dp_rank(launch.rank, sizes)
         runtime = Runtime(
             rank=launch.rank,

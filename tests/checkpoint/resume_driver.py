@@ -12,10 +12,11 @@ KILL is `none` or `<point>:<step>`:
   marker:K       while saving step K: DCP's .metadata exists, fntrain's COMPLETE marker not yet
   latest:K       while saving step K: COMPLETE written, the `latest` pointer not yet moved
   export         after training, before model.safetensors is written
+  preempt:K      not a kill: SIGTERM to the last rank at STEP_BEGIN of step K (a preemption notice)
 
 Each recorded line of OUT_DIR/losses.txt is `<global_step> <loss as float.hex()>`, flushed at once so
-that a SIGKILL loses nothing already recorded. Under torchrun the kill takes the whole process group
-(the test starts torchrun in a new session), like a node failure.
+that a SIGKILL loses nothing already recorded. Under torchrun rank 0 kills every rank and torchrun
+(their pids are in OUT_DIR/pids/), like a node failure.
 """
 
 from __future__ import annotations
@@ -28,11 +29,20 @@ from typing import Any
 
 
 def _kill() -> None:
+    """SIGKILL this process; under torchrun first every other rank and torchrun itself (each worker runs
+    in its own session, so a process-group kill would not reach them): a node failure, not one crash."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if os.environ.get("FNTRAIN_TEST_KILL_GROUP") == "1":
-        os.killpg(os.getpgid(0), signal.SIGKILL)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        for pid_file in _PIDS.glob("rank_*"):
+            pid = int(pid_file.read_text())
+            if pid != os.getpid():
+                os.kill(pid, signal.SIGKILL)
+        os.kill(os.getppid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+_PIDS = Path(".")
 
 
 def main(argv: list[str]) -> None:
@@ -48,6 +58,12 @@ def main(argv: list[str]) -> None:
     from fntrain.loop import Event
 
     rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        global _PIDS
+        _PIDS = out_dir / "pids"  # the test empties it before each launch
+        _PIDS.mkdir(exist_ok=True)
+        (_PIDS / f"rank_{rank}").write_text(str(os.getpid()))
     current = {"step": 0}  # the step being run (global_step + 1 at STEP_BEGIN)
     losses = open(out_dir / "losses.txt", "a") if rank == 0 else None
 
@@ -56,6 +72,8 @@ def main(argv: list[str]) -> None:
             current["step"] = state.global_step + 1
             if point == "step_begin" and current["step"] == kill_step and rank == 0:
                 _kill()
+            if point == "preempt" and current["step"] == kill_step and rank == world - 1:
+                signal.raise_signal(signal.SIGTERM)  # one rank only: the ranks must agree on the save
         elif event is Event.STEP_END and losses is not None:
             losses.write(f"{state.global_step} {float(info.metrics['loss']).hex()}\n")
             losses.flush()

@@ -108,6 +108,15 @@ def test_retention_keeps_newest_complete_and_partials(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_8"]  # the newest complete survives
 
 
+def test_retention_never_removes_the_checkpoint_just_saved(tmp_path):
+    """Resumed from step 4 of a run that had gone on to 12: saving step 8 again must not lose it."""
+    for step in (4, 8, 12):
+        make(tmp_path, step)
+    removed = retain(tmp_path, 1, protect=step_dir(tmp_path, 8))
+    assert sorted(p.name for p in removed) == ["step_4"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_8", "step_12"]
+
+
 def test_clean_partial_removes_only_incomplete(tmp_path):
     make(tmp_path, 1)
     make(tmp_path, 2, marker=False)

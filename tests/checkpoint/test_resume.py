@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,23 +65,14 @@ def launch(run_dir: Path, kill: str, args: list[str], corpus: Path, *, ranks: in
     driver += ["--run-dir", str(run_dir)]
     if ranks == 1:
         command = [sys.executable, *driver]
-        extra_env = {}
     else:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={ranks}",
-            *driver,
-        ]
-        extra_env = {
-            "FNTRAIN_TEST_KILL_GROUP": "1"
-        }  # a kill takes torchrun and every rank, like a node failure
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+        command += driver
+        shutil.rmtree(run_dir / "pids", ignore_errors=True)  # the driver's kill reads the ranks' pids there
     return subprocess.Popen(
         command,
         cwd=ROOT,
-        env={**env(), **extra_env},
+        env=env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -150,7 +142,10 @@ def test_sigkill_inside_a_step_resumes_bit_for_bit(tmp_path, corpus):
     assert_latest_is_complete(tmp_path / "run")
     # Step 6 (an epoch end) is the latest unless its background write was still running at the kill.
     restored = read_meta(find_latest(tmp_path / "run" / "checkpoints"))["train_state"]
-    assert restored in ({"epoch": 0, "global_step": 6, "cursor": 6}, {"epoch": 0, "global_step": 4, "cursor": 4})
+    assert restored in (
+        {"epoch": 0, "global_step": 6, "cursor": 6},
+        {"epoch": 0, "global_step": 4, "cursor": 4},
+    )
     finish(launch(tmp_path / "run", "none", args, corpus), killed=False)
     assert_same_run(tmp_path / "reference", tmp_path / "run")
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
@@ -185,9 +180,11 @@ def test_kill_matrix(tmp_path, corpus, reference_run, case, mode):
     assert_same_run(reference_run, tmp_path)
 
 
-def fsdp_args(steps: int = STEPS, restore: str = "latest", strategy: str = "fsdp2") -> list[str]:
+def fsdp_args(
+    steps: int = STEPS, restore: str = "latest", strategy: str = "fsdp2", dropout: float = 0.1
+) -> list[str]:
     return [
-        *MODEL,
+        *MODEL[:-1], str(dropout),
         "--train.global-batch-size", "8", "--train.micro-batch-size", "2", "--train.train-iters", str(steps),
         "--log-every", "0",
         "--checkpoint.save-every", "4", "--checkpoint.save-epochs", "1", "--checkpoint.restore-from", restore,
@@ -196,10 +193,13 @@ def fsdp_args(steps: int = STEPS, restore: str = "latest", strategy: str = "fsdp
 
 
 @pytest.mark.slow
-def test_fsdp2_two_ranks_kill_and_resume(tmp_path, corpus):
-    finish(launch(tmp_path / "reference", "none", fsdp_args(), corpus, ranks=2), killed=False)
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_two_ranks_kill_and_resume(tmp_path, corpus, strategy):
+    finish(
+        launch(tmp_path / "reference", "none", fsdp_args(strategy=strategy), corpus, ranks=2), killed=False
+    )
     run_dir = tmp_path / "run"
-    args = [*fsdp_args(), *WORKERS, "--checkpoint.async-save"]
+    args = [*fsdp_args(strategy=strategy), *WORKERS, "--checkpoint.async-save"]
     kill_and_resume(run_dir, ["optimizer:5", "marker:8"], args, corpus, ranks=2)
     assert_same_run(tmp_path / "reference", run_dir)
     step = find_latest(run_dir / "checkpoints")
@@ -213,22 +213,40 @@ def test_fsdp2_two_ranks_kill_and_resume(tmp_path, corpus):
 @pytest.mark.slow
 def test_resharding_two_ranks_to_one(tmp_path, corpus):
     """Saved by 2 FSDP2 ranks at step 8, restored by 1 process: the same weights; training on from there
-    matches the 2-rank run to float tolerance (the reduction order differs)."""
+    matches the 2-rank run to float tolerance (the reduction order differs; dropout off, since the ranks'
+    dropout streams cannot match one process's)."""
     two = tmp_path / "two"
-    finish(launch(two, "none", fsdp_args(8), corpus, ranks=2), killed=False)
+    finish(launch(two, "none", fsdp_args(8, dropout=0.0), corpus, ranks=2), killed=False)
     checkpoint = two / "checkpoints" / "step_8"
     assert read_meta(checkpoint)["world_size"] == 2
 
     one = tmp_path / "one"
-    finish(launch(one, "none", fsdp_args(8, str(checkpoint), "none"), corpus), killed=False)
+    finish(launch(one, "none", fsdp_args(8, str(checkpoint), "none", 0.0), corpus), killed=False)
     want, got = weights(two), weights(one)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert (one / "losses.txt").read_text() == ""  # restored at its last step: nothing re-run, not re-saved
     assert not (one / "checkpoints").exists()
 
     on = tmp_path / "on"
-    finish(launch(on, "none", fsdp_args(STEPS, str(checkpoint), "none"), corpus), killed=False)
-    finish(launch(two, "none", fsdp_args(STEPS), corpus, ranks=2), killed=False)  # 2 ranks go on from 8 too
+    finish(launch(on, "none", fsdp_args(STEPS, str(checkpoint), "none", 0.0), corpus), killed=False)
+    # The 2-rank run goes on from step 8 too.
+    finish(launch(two, "none", fsdp_args(STEPS, dropout=0.0), corpus, ranks=2), killed=False)
     want, got = weights(two), weights(on)
     assert all(torch.allclose(want[k], got[k], rtol=1e-4, atol=1e-5) for k in want)
     assert min(step for step, _ in losses(on)) == 9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_preemption_signal_saves_stops_and_resumes(tmp_path, corpus, ranks):
+    """SIGTERM to one rank at step 5: every rank agrees (every 2 steps) to save step 6 and stop cleanly
+    (exit 0); the resumed run matches the uninterrupted one."""
+    args = [*fsdp_args(strategy="fsdp2" if ranks == 2 else "none"), "--checkpoint.preempt-check-every", "2"]
+    finish(launch(tmp_path / "reference", "none", args, corpus, ranks=ranks), killed=False)
+    run_dir = tmp_path / "run"
+    finish(launch(run_dir, "preempt:5", args, corpus, ranks=ranks), killed=False)
+    expected_stop = 5 if ranks == 1 else 6  # one process checks every step
+    assert max(step for step, _ in losses(run_dir)) == expected_stop
+    assert read_meta(find_latest(run_dir / "checkpoints"))["train_state"]["global_step"] == expected_stop
+    finish(launch(run_dir, "none", args, corpus, ranks=ranks), killed=False)
+    assert_same_run(tmp_path / "reference", run_dir)

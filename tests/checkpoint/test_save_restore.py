@@ -228,7 +228,7 @@ def test_hook_state_round_trip_and_missing_hook_warns(tmp_path, caplog):
 
 def test_hook_state_must_be_json(tmp_path):
     bad = stateful("bad", lambda *a: None, lambda: {"t": object()}, lambda s: None)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="hook 'bad' must be JSON"):
         save(tmp_path, TrainState(0, 1, 1), toy.components(), hooks=[bad])
 
 

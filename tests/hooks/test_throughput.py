@@ -83,8 +83,12 @@ def test_flops_measured_from_a_factory_on_meta_keeps_tied_weights():
 
     ids = torch.zeros(2, 5, dtype=torch.long)
     batch = {"input_ids": ids, "labels": ids}
-    from_module = measure_flops_per_token(Tied(), batch)
+    model = Tied()
+    rng = torch.get_rng_state()
+    from_module = measure_flops_per_token(model, batch)
     from_factory = measure_flops_per_token(Tied, batch)
+    # measured at TRAIN_BEGIN, after a checkpoint restored the RNG: drawing from it would break exact resume
+    assert torch.equal(rng, torch.get_rng_state())
     assert from_module == from_factory > 0
     # labels[..., 1:] makes 2 x 4 tokens; the head's matmul over 10 positions: forward 2*6*10 each,
     # backward its weight grad and its input grad (the embedding needs it) 2*6*10 each; the embedding's

@@ -1,0 +1,440 @@
+"""Memory-mapped token shards: a corpus tokenized once, read in place, resumed exactly [S11].
+
+On disk a shard directory holds:
+
+    index.json          {"format": "fntrain-token-shards", "version": 1, "dtype": "<u2", "eos_id": ...,
+                         "vocab_size": ..., "tokenizer": ..., "documents": D, "document_index": ...,
+                         "shards": [{"path": "shard_00000.bin", "tokens": N}, ...]}
+    shard_00000.bin     raw little-endian token ids (or shard_00000.npy, a 1-D .npy array)
+    documents.bin       optional: int64 start offset of every document in the concatenated stream
+
+The shards concatenate, in index order, into one token stream (a document may continue from one shard
+into the next). `index.json` is written last, so a directory without it is an unfinished tokenization.
+
+`TokenShards` maps the files read-only and never copies a shard into memory: a read copies out just the
+tokens asked for. Touched pages of a file mapping count in the process's RSS until they are unmapped, so
+after every `release_bytes` read it tells the kernel it no longer needs them (`MADV_DONTNEED`: the pages
+stay in the page cache, the mapping re-faults them on the next read); memory stays flat however much of
+the corpus an epoch walks through.
+
+`TokenWindows` is the map-style dataset the pipeline reads: sample i is the `context` tokens starting at
+`i * stride`. Its order, sharding over ranks and O(1) resume come from the sampler and the cursor alone,
+so resuming at any step (across shard boundaries included) reads exactly the windows an uninterrupted
+run would, and none of the skipped ones.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "INDEX_NAME",
+    "FORMAT",
+    "VERSION",
+    "ShardInfo",
+    "ShardIndex",
+    "read_index",
+    "write_index",
+    "token_dtype",
+    "TokenShards",
+    "open_shards",
+    "TokenWindows",
+    "TokenDocuments",
+]
+
+INDEX_NAME = "index.json"
+FORMAT = "fntrain-token-shards"
+VERSION = 1
+DEFAULT_RELEASE_BYTES = 64 << 20
+_SHARD_SUFFIXES = (".bin", ".npy")
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)  # absent on some platforms: pages are then never released
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard file (its path relative to the shard directory) and how many tokens it holds."""
+
+    path: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """The parsed `index.json` of a shard directory."""
+
+    directory: Path
+    dtype: str
+    shards: tuple[ShardInfo, ...]
+    eos_id: int | None = None
+    vocab_size: int | None = None
+    tokenizer: str | None = None
+    documents: int | None = None
+    document_index: str | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(shard.tokens for shard in self.shards)
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Offset of each shard's first token in the concatenated stream (int64), plus the total."""
+        return np.concatenate([[0], np.cumsum([s.tokens for s in self.shards], dtype=np.int64)]).astype(
+            np.int64
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "dtype": self.dtype,
+            "eos_id": self.eos_id,
+            "vocab_size": self.vocab_size,
+            "tokenizer": self.tokenizer,
+            "total_tokens": self.total_tokens,
+            "documents": self.documents,
+            "document_index": self.document_index,
+            "shards": [{"path": s.path, "tokens": s.tokens} for s in self.shards],
+        }
+
+
+def token_dtype(vocab_size: int | None) -> np.dtype:
+    """The smallest unsigned little-endian dtype that holds ids below `vocab_size` (uint32 when unknown)."""
+    if vocab_size is not None and vocab_size <= 1 << 16:
+        return np.dtype("<u2")
+    return np.dtype("<u4")
+
+
+def write_index(index: ShardIndex) -> Path:
+    """Write `index.json` atomically (a temporary file renamed over it): the directory's completion mark."""
+    path = index.directory / INDEX_NAME
+    temporary = path.with_name(f".{INDEX_NAME}.tmp")
+    temporary.write_text(json.dumps(index.to_json(), indent=1) + "\n")
+    os.replace(temporary, path)
+    return path
+
+
+def read_index(directory: str | os.PathLike[str]) -> ShardIndex:
+    """Parse and check a shard directory's `index.json`: format, dtype, and every shard file's size."""
+    directory = Path(directory).expanduser()
+    path = directory / INDEX_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no token shards at {str(directory)!r}: {INDEX_NAME} is missing (not written by `fntrain "
+            "tokenize`, or the tokenization did not finish)"
+        )
+    raw = json.loads(path.read_text())
+    if not isinstance(raw, Mapping) or raw.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a token-shard index (format must be {FORMAT!r})")
+    if raw.get("version") != VERSION:
+        raise ValueError(f"{path}: unsupported token-shard index version {raw.get('version')!r}")
+    dtype = np.dtype(raw["dtype"])
+    if dtype.kind not in "iu":
+        raise ValueError(f"{path}: dtype must be an integer type, got {raw['dtype']!r}")
+    shards = tuple(ShardInfo(str(s["path"]), int(s["tokens"])) for s in raw["shards"])
+    index = ShardIndex(
+        directory=directory,
+        dtype=dtype.str,
+        shards=shards,
+        eos_id=raw.get("eos_id"),
+        vocab_size=raw.get("vocab_size"),
+        tokenizer=raw.get("tokenizer"),
+        documents=raw.get("documents"),
+        document_index=raw.get("document_index"),
+    )
+    for shard in shards:
+        _check_shard_file(directory / shard.path, shard, dtype)
+    if index.document_index is not None:
+        doc_path = directory / index.document_index
+        expected = 8 * (index.documents or 0)
+        if not doc_path.is_file() or doc_path.stat().st_size != expected:
+            raise ValueError(f"{doc_path} must hold {index.documents} int64 document offsets")
+    return index
+
+
+def _check_shard_file(path: Path, shard: ShardInfo, dtype: np.dtype) -> None:
+    if path.suffix not in _SHARD_SUFFIXES:
+        raise ValueError(f"shard {str(path)!r} must be a .bin or .npy file")
+    if not path.is_file():
+        raise FileNotFoundError(f"shard {str(path)!r} listed in {INDEX_NAME} does not exist")
+    if path.suffix == ".npy":
+        _, shape, file_dtype = _npy_layout(path)
+        if shape != (shard.tokens,) or file_dtype != dtype:
+            raise ValueError(
+                f"shard {str(path)!r} holds an array of shape {shape} and dtype {file_dtype}; {INDEX_NAME} "
+                f"says ({shard.tokens},) {dtype}"
+            )
+    elif path.stat().st_size != shard.tokens * dtype.itemsize:
+        raise ValueError(
+            f"shard {str(path)!r} has {path.stat().st_size} bytes; {INDEX_NAME} says {shard.tokens} tokens "
+            f"of {dtype.itemsize} bytes"
+        )
+
+
+def _npy_layout(path: Path) -> tuple[int, tuple[int, ...], np.dtype]:
+    """(data offset, shape, dtype) of a C-ordered .npy file, from its header alone."""
+    with open(path, "rb") as file:
+        major, _ = np.lib.format.read_magic(file)
+        read_header = (
+            np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        )
+        shape, fortran_order, dtype = read_header(file)
+        if fortran_order and len(shape) > 1:
+            raise ValueError(f"{path}: a token shard must be a C-ordered 1-D array")
+        return file.tell(), tuple(shape), np.dtype(dtype)
+
+
+class _Mapped:
+    """One shard file mapped read-only: its tokens as a zero-copy numpy view of the mapping."""
+
+    __slots__ = ("file", "mapping", "tokens", "data_offset", "itemsize")
+
+    def __init__(self, path: Path, dtype: np.dtype, tokens: int):
+        self.data_offset = _npy_layout(path)[0] if path.suffix == ".npy" else 0
+        self.itemsize = dtype.itemsize
+        self.file = open(path, "rb")  # noqa: SIM115 - owned by this object, closed in close()
+        if tokens == 0:
+            self.mapping = None
+            self.tokens = np.empty(0, dtype=dtype)
+            return
+        self.mapping = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_READ)
+        self.tokens = np.frombuffer(self.mapping, dtype=dtype, count=tokens, offset=self.data_offset)
+
+    def release(self) -> None:
+        """Unmap the pages read so far from this process (they stay in the page cache)."""
+        if self.mapping is not None and _DONTNEED is not None and hasattr(self.mapping, "madvise"):
+            self.mapping.madvise(_DONTNEED)
+
+    def close(self) -> None:
+        self.tokens = None
+        if self.mapping is not None:
+            try:
+                self.mapping.close()
+            except BufferError:  # a caller still holds a view: the mapping goes when it is collected
+                pass
+            self.mapping = None
+        self.file.close()
+
+
+class TokenShards:
+    """Read access to a shard directory's concatenated token stream, without loading it.
+
+    Owns the file mappings, which it opens lazily in the process that reads (so a dataset holding it can
+    be sent to DataLoader workers: pickling drops the mappings and each worker maps the files itself) and
+    ends with `close()`. `read(start, stop)` returns a fresh array (the dtype of the shards) holding
+    tokens [start, stop) of the stream, however many shards they span.
+
+    release_bytes: after this many bytes read, the pages read so far are unmapped from the process
+    (`MADV_DONTNEED`), which keeps its RSS flat; None never releases them.
+    """
+
+    def __init__(self, index: ShardIndex, *, release_bytes: int | None = DEFAULT_RELEASE_BYTES):
+        if release_bytes is not None and (type(release_bytes) is not int or release_bytes < 1):
+            raise ValueError(f"release_bytes must be a positive int or None, got {release_bytes!r}")
+        self.index = index
+        self.dtype = np.dtype(index.dtype)
+        self.release_bytes = release_bytes
+        self._starts = index.starts
+        self._maps: dict[int, _Mapped] = {}
+        self._documents: np.ndarray | None = None
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._unreleased = 0
+        self.tokens_read = 0
+        """Tokens copied out by `read` in this process (a statistic; resume tests read it)."""
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.index.eos_id
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.index.vocab_size
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the concatenated stream, copied out of the mappings."""
+        total = len(self)
+        if not 0 <= start <= stop <= total:
+            raise IndexError(f"token range [{start}, {stop}) is outside the shards' [0, {total})")
+        out = np.empty(stop - start, dtype=self.dtype)
+        shard = int(np.searchsorted(self._starts, start, side="right")) - 1
+        position = start
+        while position < stop:
+            shard_start, shard_stop = int(self._starts[shard]), int(self._starts[shard + 1])
+            end = min(stop, shard_stop)
+            if end > position:
+                tokens = self._mapped(shard).tokens
+                out[position - start : end - start] = tokens[position - shard_start : end - shard_start]
+                position = end
+            shard += 1
+        self._account(stop - start)
+        return out
+
+    def document_offsets(self) -> np.ndarray:
+        """Start offset of every document in the stream (int64, one per document), mapped read-only.
+
+        Needs the document index `fntrain tokenize` writes (`documents.bin`)."""
+        if self._documents is None:
+            if self.index.document_index is None:
+                raise ValueError(f"the shards at {str(self.index.directory)!r} have no document index")
+            path = self.index.directory / self.index.document_index
+            count = self.index.documents or 0
+            # One int64 per document: mapped, never read whole (a corpus may hold billions of documents).
+            self._documents = (
+                np.memmap(path, dtype="<i8", mode="r", shape=(count,)) if count else np.empty(0, "<i8")
+            )
+        return self._documents
+
+    def document_range(self, document: int) -> tuple[int, int]:
+        """(start, stop) of document `document` in the stream."""
+        starts = self.document_offsets()
+        if not 0 <= document < len(starts):
+            raise IndexError(f"document {document} is outside [0, {len(starts)})")
+        stop = int(starts[document + 1]) if document + 1 < len(starts) else len(self)
+        return int(starts[document]), stop
+
+    def release(self) -> None:
+        """Unmap every page read so far from this process (see the class docstring)."""
+        with self._lock:
+            for mapped in self._maps.values():
+                mapped.release()
+            self._unreleased = 0
+
+    def close(self) -> None:
+        """Unmap and close every shard file; a later read maps them again."""
+        with self._lock:
+            for mapped in self._maps.values():
+                mapped.close()
+            self._maps.clear()
+            self._documents = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_maps={}, _documents=None, _lock=None, _unreleased=0)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenShards({str(self.index.directory)!r}, shards={len(self.index.shards)}, "
+            f"tokens={len(self)}, dtype={self.dtype})"
+        )
+
+    # ------------------------------------------------------------------------- internals
+
+    def _mapped(self, shard: int) -> _Mapped:
+        mapped = self._maps.get(shard)
+        if mapped is None or self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    # A forked worker inherits the parent's mappings; it maps the files again so that
+                    # releasing its pages never depends on the parent's objects.
+                    self._maps, self._pid, self._unreleased = {}, os.getpid(), 0
+                mapped = self._maps.get(shard)
+                if mapped is None:
+                    info = self.index.shards[shard]
+                    mapped = _Mapped(self.index.directory / info.path, self.dtype, info.tokens)
+                    self._maps[shard] = mapped
+        return mapped
+
+    def _account(self, tokens: int) -> None:
+        self.tokens_read += tokens
+        if self.release_bytes is None:
+            return
+        self._unreleased += tokens * self.dtype.itemsize
+        if self._unreleased >= self.release_bytes:
+            self.release()
+
+
+def open_shards(
+    directory: str | os.PathLike[str], *, release_bytes: int | None = DEFAULT_RELEASE_BYTES
+) -> TokenShards:
+    """`TokenShards` over the directory `fntrain tokenize` wrote (checked, nothing mapped yet)."""
+    return TokenShards(read_index(directory), release_bytes=release_bytes)
+
+
+def _as_shards(shards: TokenShards | str | os.PathLike[str]) -> TokenShards:
+    return shards if isinstance(shards, TokenShards) else open_shards(shards)
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Fixed-length sequences over token shards: sample i is tokens [i * stride, i * stride + context).
+
+    Each sample is {"input_ids": int64 tensor [context], "labels": the same tensor} (the loss shifts the
+    labels). stride defaults to `context` (disjoint windows; the first token of each window is then no
+    target); `context - 1` makes every token after the first a target exactly once. A window may span
+    shards. Windows that would run past the end are not samples.
+    """
+
+    def __init__(
+        self, shards: TokenShards | str | os.PathLike[str], context: int, *, stride: int | None = None
+    ):
+        from fntrain.config import require_int
+
+        require_int("context", context, min=1)
+        stride = context if stride is None else stride
+        require_int("stride", stride, min=1)
+        self.shards = _as_shards(shards)
+        self.context = context
+        self.stride = stride
+        total = len(self.shards)
+        if total < context:
+            raise ValueError(
+                f"the shards at {str(self.shards.index.directory)!r} hold {total} tokens, fewer than one "
+                f"context of {context}"
+            )
+        self._length = (total - context) // stride + 1
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if index < 0:
+            index += self._length
+        if not 0 <= index < self._length:
+            raise IndexError(f"window {index} is outside [0, {self._length})")
+        start = index * self.stride
+        tokens = torch.from_numpy(self.shards.read(start, start + self.context).astype(np.int64))
+        return {"input_ids": tokens, "labels": tokens}
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+        return [self[i] for i in indices]
+
+
+class TokenDocuments(torch.utils.data.Dataset):
+    """The documents of token shards, one per sample: int64 token tensors (each ends with its EOS).
+
+    `lengths()` reads only the document index, so `packing.PackedDocuments` can plan a packing without
+    reading a token."""
+
+    def __init__(self, shards: TokenShards | str | os.PathLike[str]):
+        self.shards = _as_shards(shards)
+        self.shards.document_offsets()  # fails now when the shards have no document index
+
+    def __len__(self) -> int:
+        return len(self.shards.document_offsets())
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        start, stop = self.shards.document_range(index)
+        return torch.from_numpy(self.shards.read(start, stop).astype(np.int64))
+
+    def lengths(self) -> np.ndarray:
+        """Tokens in each document (int64)."""
+        starts = np.asarray(self.shards.document_offsets(), dtype=np.int64)
+        return np.diff(np.append(starts, len(self.shards)))

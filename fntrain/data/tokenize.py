@@ -1,0 +1,403 @@
+"""Text and JSONL to memory-mapped token shards (`fntrain tokenize`), read back by `data.shards`.
+
+Each document is tokenized without special tokens and followed by the tokenizer's EOS id, and the
+documents are concatenated, in input order, into shards of `shard_tokens` tokens (the last one shorter;
+a document may continue into the next shard). The output is a pure function of the inputs, their order,
+the tokenizer and the settings: no timestamps, no dictionary-order effects, byte-identical on a rerun.
+
+A tokenizer is anything that turns text into ids: `byte_tokenizer()` (UTF-8 bytes, EOS 256),
+`hf_tokenizer(path_or_object)` (a local Hugging Face tokenizer; never downloads), or any callable
+`text -> ids` wrapped by `as_tokenizer(fn, eos_id=...)`.
+
+Inputs: `.jsonl` (one JSON object per line; its `text_key` field is a document), `.txt` (the whole file,
+each line, or each blank-line separated paragraph is a document: `split`), either optionally gzipped;
+a directory stands for its matching files, recursively, in sorted order.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from fntrain.config import require_bool, require_choice, require_int, require_str
+from fntrain.data.shards import INDEX_NAME, ShardIndex, ShardInfo, read_index, token_dtype, write_index
+
+__all__ = [
+    "Tokenizer",
+    "byte_tokenizer",
+    "hf_tokenizer",
+    "as_tokenizer",
+    "input_files",
+    "read_documents",
+    "tokenize_documents",
+    "tokenize_files",
+    "tokenize_command",
+    "DEFAULT_SHARD_TOKENS",
+]
+
+DEFAULT_SHARD_TOKENS = 100_000_000
+"""Tokens per shard by default: 200 MB of uint16, a size file systems and object stores handle well."""
+DOCUMENT_INDEX = "documents.bin"
+FORMATS = ("bin", "npy")
+SPLITS = ("file", "line", "paragraph")
+_TEXT_SUFFIXES = (".txt", ".jsonl")
+_OWN_FILE = re.compile(r"^(shard_\d+\.(bin|npy)|documents\.bin|index\.json|\.index\.json\.tmp)$")
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """A text -> ids function, its EOS id, and what the shard index records about it.
+
+    encode_batch, when given, tokenizes a list of texts at once (Hugging Face fast tokenizers do that
+    in parallel); it must give the same ids as `encode` on each text.
+    """
+
+    encode: Callable[[str], Sequence[int]]
+    eos_id: int
+    vocab_size: int | None = None
+    name: str = "custom"
+    encode_batch: Callable[[list[str]], Sequence[Sequence[int]]] | None = None
+
+
+def byte_tokenizer(eos_id: int = 256) -> Tokenizer:
+    """UTF-8 bytes as ids 0..255; EOS defaults to 256 (vocabulary 257). eos_id 0 keeps a 256-id vocabulary
+    (NUL rarely occurs in text) for byte models such as recipes/tiny_gpt.py."""
+    require_int("eos_id", eos_id, min=0)
+
+    def encode(text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    return Tokenizer(encode, eos_id, vocab_size=max(256, eos_id + 1), name="bytes")
+
+
+def hf_tokenizer(source: Any, *, eos_id: int | None = None) -> Tokenizer:
+    """A Hugging Face tokenizer: a local directory (loaded with `local_files_only`) or a tokenizer object.
+
+    Texts are encoded without special tokens (EOS is appended by the shard writer); eos_id defaults to
+    the tokenizer's `eos_token_id`."""
+    if isinstance(source, (str, os.PathLike)):
+        from transformers import AutoTokenizer
+
+        path = Path(source).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"tokenizer {str(source)!r} is not a local directory (nothing is downloaded)"
+            )
+        source = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    tokenizer = source
+    eos = tokenizer.eos_token_id if eos_id is None else eos_id
+    if eos is None:
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no EOS token; pass eos_id"
+        )
+
+    def encode(text: str) -> Sequence[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode_batch(texts: list[str]) -> Sequence[Sequence[int]]:
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    return Tokenizer(
+        encode,
+        int(eos),
+        vocab_size=len(tokenizer),
+        name=str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__),
+        encode_batch=encode_batch,
+    )
+
+
+def as_tokenizer(tokenizer: Any, *, eos_id: int | None = None, vocab_size: int | None = None) -> Tokenizer:
+    """A `Tokenizer` from: a `Tokenizer`; "bytes"; a local Hugging Face tokenizer directory; a Hugging Face
+    tokenizer object; or any callable `text -> ids` (then eos_id is required). eos_id / vocab_size given
+    here override the tokenizer's own."""
+    if isinstance(tokenizer, Tokenizer):
+        built = tokenizer
+    elif isinstance(tokenizer, str) and tokenizer == "bytes":
+        built = byte_tokenizer() if eos_id is None else byte_tokenizer(eos_id)
+    elif isinstance(tokenizer, (str, os.PathLike)) or hasattr(tokenizer, "eos_token_id"):
+        built = hf_tokenizer(tokenizer, eos_id=eos_id)
+    elif callable(tokenizer):
+        if eos_id is None:
+            raise ValueError("a tokenizer given as a plain callable needs eos_id")
+        built = Tokenizer(
+            tokenizer, eos_id, vocab_size=vocab_size, name=getattr(tokenizer, "__name__", "custom")
+        )
+    else:
+        raise TypeError(
+            f"tokenizer must be a Tokenizer, 'bytes', a path, an HF tokenizer or a callable, got {tokenizer!r}"
+        )
+    if eos_id is not None and built.eos_id != eos_id:
+        built = replace(built, eos_id=eos_id)
+    if vocab_size is not None:
+        built = replace(built, vocab_size=vocab_size)
+    require_int("eos_id", built.eos_id, min=0)
+    if built.vocab_size is not None and built.eos_id >= built.vocab_size:
+        raise ValueError(f"eos_id {built.eos_id} is outside the vocabulary of {built.vocab_size} ids")
+    return built
+
+
+# ----------------------------------------------------------------------------- reading documents
+
+
+def _stem_suffix(path: Path) -> str:
+    """The suffix that says the format, under a `.gz`: 'a.jsonl.gz' -> '.jsonl'."""
+    return Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
+
+
+def input_files(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """The files to read, in order: each file as given, each directory's .txt/.jsonl(.gz) files sorted."""
+    files: list[Path] = []
+    for item in inputs:
+        path = Path(item).expanduser()
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and _stem_suffix(p) in _TEXT_SUFFIXES)
+            if not found:
+                raise FileNotFoundError(f"input directory {str(item)!r} holds no .txt or .jsonl files")
+            files.extend(found)
+        elif path.is_file():
+            if _stem_suffix(path) not in _TEXT_SUFFIXES:
+                raise ValueError(f"input {str(item)!r} must be a .txt or .jsonl file (optionally .gz)")
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"input {str(item)!r} does not exist")
+    return files
+
+
+def _open_text(path: Path) -> Any:
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")  # noqa: SIM115 - closed by the caller's `with`
+
+
+def read_documents(
+    inputs: Sequence[str | os.PathLike[str]], *, text_key: str = "text", split: str = "file"
+) -> Iterator[str]:
+    """The documents of `inputs`, in order (see the module docstring). A JSONL line that is not an object
+    with a string `text_key` is a ValueError naming the file and line."""
+    require_choice("split", split, SPLITS)
+    for path in input_files(inputs):
+        with _open_text(path) as file:
+            if _stem_suffix(path) == ".jsonl":
+                for number, line in enumerate(file, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as error:
+                        raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+                    text = record.get(text_key) if isinstance(record, dict) else None
+                    if not isinstance(text, str):
+                        raise ValueError(
+                            f"{path}:{number}: expected an object with a string {text_key!r} field"
+                        )
+                    yield text
+            elif split == "file":
+                yield file.read()
+            elif split == "line":
+                for line in file:
+                    line = line.rstrip("\n")
+                    if line.strip():
+                        yield line
+            else:
+                yield from (p for p in re.split(r"\n\s*\n", file.read()) if p.strip())
+
+
+# ----------------------------------------------------------------------------- writing shards
+
+
+def _prepare_output(output: Path, overwrite: bool) -> None:
+    """Make `output` ready: refuse to clobber shards unless `overwrite`, and then remove only the files a
+    tokenization writes (other files in the directory are left alone)."""
+    if output.exists() and not output.is_dir():
+        raise FileExistsError(f"output {str(output)!r} exists and is not a directory")
+    output.mkdir(parents=True, exist_ok=True)
+    own = [p for p in output.iterdir() if _OWN_FILE.match(p.name)]
+    if own and not overwrite:
+        done = (output / INDEX_NAME).exists()
+        raise FileExistsError(
+            f"output {str(output)!r} already holds {'token shards' if done else 'an unfinished tokenization'}; "
+            "pass overwrite=True (--overwrite) to replace it"
+        )
+    for path in own:
+        path.unlink()
+
+
+def _encoded(documents: Iterable[str], tokenizer: Tokenizer, batch_size: int) -> Iterator[np.ndarray]:
+    """Each document's ids as a 1-D integer array, in order; batched when the tokenizer can."""
+    if tokenizer.encode_batch is None or batch_size <= 1:
+        for text in documents:
+            yield np.asarray(tokenizer.encode(text))
+        return
+    batch: list[str] = []
+    for text in documents:
+        batch.append(text)
+        if len(batch) == batch_size:
+            yield from (np.asarray(ids) for ids in tokenizer.encode_batch(batch))
+            batch = []
+    if batch:
+        yield from (np.asarray(ids) for ids in tokenizer.encode_batch(batch))
+
+
+def tokenize_documents(
+    documents: Iterable[str],
+    output: str | os.PathLike[str],
+    tokenizer: Any = "bytes",
+    *,
+    eos_id: int | None = None,
+    vocab_size: int | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    format: str = "bin",
+    batch_size: int = 1000,
+    overwrite: bool = False,
+) -> ShardIndex:
+    """Tokenize `documents` (texts, in order) into shards under `output`; return the checked index.
+
+    Empty documents (no ids) are skipped. Ids must fit the shard dtype (uint16 for vocabularies up to
+    65536 ids, else uint32) and, when the vocabulary size is known, lie below it. `index.json` is written
+    last: a directory holding it is complete.
+    """
+    tok = as_tokenizer(tokenizer, eos_id=eos_id, vocab_size=vocab_size)
+    require_int("shard_tokens", shard_tokens, min=1)
+    require_choice("format", format, FORMATS)
+    require_int("batch_size", batch_size, min=1)
+    require_bool("overwrite", overwrite)
+    out = Path(output).expanduser()
+    _prepare_output(out, overwrite)
+
+    dtype = token_dtype(tok.vocab_size)
+    limit = (tok.vocab_size or np.iinfo(dtype).max + 1) - 1
+    buffer = np.empty(shard_tokens, dtype=dtype)
+    filled = 0
+    shards: list[ShardInfo] = []
+    starts: list[int] = []
+    position = documents_written = 0
+    eos = np.asarray([tok.eos_id], dtype=dtype)
+
+    def flush() -> None:
+        nonlocal filled
+        name = f"shard_{len(shards):05d}.{format}"
+        if format == "npy":
+            np.save(out / name, buffer[:filled], allow_pickle=False)
+        else:
+            buffer[:filled].tofile(out / name)
+        shards.append(ShardInfo(name, filled))
+        filled = 0
+
+    def append(ids: np.ndarray) -> None:
+        nonlocal filled
+        offset = 0
+        while offset < len(ids):
+            take = min(len(ids) - offset, shard_tokens - filled)
+            buffer[filled : filled + take] = ids[offset : offset + take]
+            filled += take
+            offset += take
+            if filled == shard_tokens:
+                flush()
+
+    with open(out / DOCUMENT_INDEX, "wb") as document_index:
+        for number, ids in enumerate(_encoded(documents, tok, batch_size)):
+            if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+                raise ValueError(f"document {number}: the tokenizer must return a flat list of int ids")
+            if ids.size == 0:
+                continue
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high > limit:
+                raise ValueError(
+                    f"document {number}: token id {low if low < 0 else high} is outside [0, {limit}] "
+                    f"(vocabulary {tok.vocab_size}, dtype {dtype})"
+                )
+            starts.append(position)
+            if len(starts) >= 1 << 16:
+                np.asarray(starts, dtype="<i8").tofile(document_index)
+                starts.clear()
+            append(ids)
+            append(eos)
+            position += len(ids) + 1
+            documents_written += 1
+        np.asarray(starts, dtype="<i8").tofile(document_index)
+    if filled or not shards:
+        flush()
+    index = ShardIndex(
+        directory=out,
+        dtype=dtype.str,
+        shards=tuple(shards),
+        eos_id=tok.eos_id,
+        vocab_size=tok.vocab_size,
+        tokenizer=tok.name,
+        documents=documents_written,
+        document_index=DOCUMENT_INDEX,
+    )
+    write_index(index)
+    return read_index(out)
+
+
+def tokenize_files(
+    inputs: Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    tokenizer: Any = "bytes",
+    *,
+    text_key: str = "text",
+    split: str = "file",
+    **options: Any,
+) -> ShardIndex:
+    """`tokenize_documents` over the documents of text/JSONL files (see `read_documents`). The inputs
+    are checked before anything is written."""
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    if not inputs:
+        raise ValueError("tokenize needs at least one input file or directory")
+    require_str("text_key", text_key, non_empty=True)
+    require_choice("split", split, SPLITS)
+    input_files(inputs)  # fail on a missing or unsupported input before any output exists
+    return tokenize_documents(
+        read_documents(inputs, text_key=text_key, split=split), output, tokenizer, **options
+    )
+
+
+def tokenize_command(
+    inputs: tuple[str, ...],
+    /,
+    output: str,
+    tokenizer: str = "bytes",
+    eos_id: int | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    format: Literal["bin", "npy"] = "bin",
+    text_key: str = "text",
+    split: Literal["file", "line", "paragraph"] = "file",
+    batch_size: int = 1000,
+    overwrite: bool = False,
+) -> ShardIndex:
+    """Tokenize text/JSONL files into memory-mapped token shards (read with fntrain.data.shards).
+
+    Args:
+        inputs: .txt / .jsonl files (optionally .gz) or directories of them, read in the order given.
+        output: Directory for the shards, documents.bin and index.json.
+        tokenizer: "bytes" (UTF-8 bytes) or a local Hugging Face tokenizer directory.
+        eos_id: Id appended after every document (default: the tokenizer's EOS; 256 for bytes).
+        shard_tokens: Tokens per shard file.
+        format: Shard files as raw little-endian .bin or as .npy arrays.
+        text_key: Field of each JSONL object that holds the document's text.
+        split: For .txt inputs: the whole file, each line, or each blank-line separated paragraph is a document.
+        batch_size: Documents per call of a batching (Hugging Face) tokenizer.
+        overwrite: Replace the shards already in output.
+    """
+    return tokenize_files(
+        list(inputs),
+        output,
+        tokenizer,
+        eos_id=eos_id,
+        shard_tokens=shard_tokens,
+        format=format,
+        text_key=text_key,
+        split=split,
+        batch_size=batch_size,
+        overwrite=overwrite,
+    )
