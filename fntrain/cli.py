@@ -7,6 +7,7 @@
                                                         the resolved config, ready to be fed back as --config
     fntrain plot RUN_DIR [options]                      plots of a run's metrics
     fntrain tokenize INPUT... --output DIR [options]    text/JSONL -> memory-mapped token shards
+    fntrain export CKPT --format hf|dcp OUT [options]   a DCP checkpoint -> a Hugging Face directory, or back
     fntrain recipes                                     the recipes that can be named
 
 RECIPE is a name registered in the `fntrain.recipes` entry-point group (the built-ins: tiny_gpt,
@@ -30,7 +31,7 @@ from fntrain.recipes_registry import Recipe, RecipeNotFound, available_recipes, 
 
 __all__ = ["main", "dispatch", "resolve_config", "plan_report"]
 
-COMMANDS = ("run", "plan", "config", "plot", "tokenize", "recipes")
+COMMANDS = ("run", "plan", "config", "plot", "tokenize", "export", "recipes")
 _HELP = ("-h", "--help")
 
 
@@ -210,6 +211,41 @@ def _tokenize(args: list[str]) -> Any:
     return index
 
 
+_EXPORT_CKPT_HELP = (
+    "hf: an fntrain checkpoint (step_<N>/, or a checkpoint root: its latest); dcp: a Hugging Face directory"
+)
+_EXPORT_OUT_HELP = "hf: the Hugging Face directory to write; dcp: the checkpoint root to write"
+
+
+def _export(args: list[str]) -> Any:
+    import tyro
+
+    from fntrain.checkpoint import hf_export
+
+    positional = tyro.conf.Positional
+    command_cls = dataclasses.make_dataclass(
+        "Export",
+        [
+            ("checkpoint", Annotated[str, positional, tyro.conf.arg(metavar="CKPT", help=_EXPORT_CKPT_HELP)]),
+            ("out", Annotated[str, positional, tyro.conf.arg(metavar="OUT", help=_EXPORT_OUT_HELP)]),
+            (
+                "options",
+                Annotated[hf_export.ExportOptions, tyro.conf.arg(name="")],
+                dataclasses.field(default=hf_export.ExportOptions()),
+            ),
+        ],
+        frozen=True,
+    )
+    summary = "\n\n".join((hf_export.__doc__ or "").split("\n\n")[:2])
+    parsed = tyro.cli(command_cls, args=args, prog="fntrain export", description=summary)
+    try:
+        path = hf_export.export_checkpoint(parsed.checkpoint, parsed.out, parsed.options)
+    except (ValueError, OSError, KeyError) as error:  # a bad source, an occupied output: no traceback
+        raise CommandError(str(error)) from error
+    print(path)
+    return path
+
+
 def _recipes(args: list[str]) -> dict[str, str]:
     recipes = available_recipes()
     for name, module in recipes.items():
@@ -223,6 +259,7 @@ _DISPATCH = {
     "config": _config,
     "plot": _plot,
     "tokenize": _tokenize,
+    "export": _export,
     "recipes": _recipes,
 }
 

@@ -55,6 +55,7 @@ from fntrain.runtime.parallel import (
     autocast_dtype,
     build_grad_scaler,
     data_parallel_group,
+    hsdp_shape,
     parallelize,
 )
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime
@@ -612,7 +613,8 @@ def load_model_sharded(config: HFModelConfig, runtime: Runtime, parallel: Parall
     from fntrain.runtime.materialize import build_model
 
     hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
-    dtype = _DTYPES.get(config.dtype) or getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    saved_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    dtype = _DTYPES.get(config.dtype) or saved_dtype  # auto: the checkpoint's, as from_pretrained does
     major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
     kwargs: dict[str, Any] = {"attn_implementation": config.attn_implementation}
     if dtype is not None:
@@ -886,6 +888,7 @@ def plan(config: HFCausalLMConfig, world_size: int = 1) -> dict[str, Any]:
     model_parallel = config.parallel.tp_size * config.parallel.pp_size * config.parallel.cp_size
     if world_size % model_parallel:
         raise ValueError(f"world size {world_size} is not divisible by tp x pp x cp = {model_parallel}")
+    hsdp_shape(world_size // model_parallel, config.parallel.replicate)  # HSDP replicas divide dp
     require_local_dir("model.path", config.model.path, needs=("config.json",))
     dataset, val_dataset = build_datasets(config, build_model_assets(config))
     run_plan = _make_plan(config, len(dataset), world_size // model_parallel)

@@ -39,6 +39,7 @@ from fntrain.runtime.parallel import (
     autocast_dtype,
     build_grad_scaler,
     data_parallel_group,
+    hsdp_shape,
     parallelize,
 )
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime
@@ -551,6 +552,7 @@ def plan(config: TinyGPTConfig, world_size: int = 1) -> dict[str, Any]:
         model_parallel *= int(getattr(parallel, name, 1) or 1)
     if world_size % model_parallel:
         raise ValueError(f"world size {world_size} is not divisible by tp x pp x cp = {model_parallel}")
+    hsdp_shape(world_size // model_parallel, getattr(parallel, "replicate", 1))  # HSDP replicas divide dp
     run_plan = make_run_plan(
         global_batch_size=config.train.global_batch_size,
         micro_batch_size=config.train.micro_batch_size,

@@ -14,26 +14,23 @@ Everything is arithmetic on the index: no per-sample table, so the view costs O(
 whatever the sources' sizes. The pipeline's sampler then orders (and shards) the view per (seed, epoch),
 and its cursor resumes it exactly at any step, like any map-style dataset.
 
-The epoch: a Mixture reads epoch e's slots after `set_epoch(e)`. The pipeline calls `set_epoch` only on
-streams, so train with `epoch_data_fn(spec)` (here), which calls it before each epoch's batches; with
-`data_fn(spec)` every epoch reads epoch 0's slots (still deterministic and resumable, but a downsampled
-source then shows the same subset every epoch).
+The epoch: a Mixture reads epoch e's slots after `set_epoch(e)`, which `pipeline.batches` calls before
+each epoch's batches, so a downsampled source shows a new subset every epoch.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from fntrain.config import require_bool, require_int
-from fntrain.data.pipeline import batches
 from fntrain.data.sampler import epoch_seed
 
-__all__ = ["Mixture", "mixture_counts", "interleave", "permute_index", "epoch_data_fn", "MIX_STREAM"]
+__all__ = ["Mixture", "mixture_counts", "interleave", "permute_index", "MIX_STREAM"]
 
 MIX_STREAM = 1 << 16
 """First stream of `sampler.epoch_seed` used for the per-source permutations (stream MIX_STREAM + s)."""
@@ -195,17 +192,3 @@ class Mixture(torch.utils.data.Dataset):
     def __repr__(self) -> str:
         weights = ", ".join(f"{w:.4g}" for w in self.weights)
         return f"Mixture(sources={len(self.sources)}, weights=({weights}), samples_per_epoch={self.samples_per_epoch})"
-
-
-def epoch_data_fn(spec: Any) -> Callable[[int, int], Iterator[Any]]:
-    """`pipeline.data_fn(spec)` that first calls `spec.dataset.set_epoch(epoch)` (when it has one) for each
-    epoch: the `data` argument of `train` for a `Mixture` (or any map-style dataset whose samples depend
-    on the epoch). Before the iterator starts, so DataLoader workers see the epoch too."""
-
-    def data(epoch: int, cursor: int) -> Iterator[Any]:
-        set_epoch = getattr(spec.dataset, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
-        return batches(spec, epoch, cursor)
-
-    return data

@@ -209,9 +209,15 @@ def micro_batch_sampler(spec: DataSpec, epoch: int, cursor: int) -> MicroBatchSa
 def batches(spec: DataSpec, epoch: int, cursor: int) -> Iterator[list[Any]]:
     """The remaining global batches of `epoch` from `cursor`: each a list of `micro_batches` collated
     micro-batches. Lazy: nothing is read and no thread or process starts before the first `next`;
-    `close()` stops whatever started."""
+    `close()` stops whatever started. The dataset's `set_epoch(epoch)` is called first when it has one."""
     require_int("epoch", epoch, min=0)
     require_int("cursor", cursor, min=0)
+    if not spec.iterable:
+        # A map-style dataset whose samples depend on the epoch (a Mixture) learns it here, before any
+        # worker starts, so workers see it too. Streams get theirs in _stream_steps.
+        set_epoch = getattr(spec.dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
     return _steps(spec, epoch, cursor)
 
 

@@ -412,9 +412,11 @@ def _default_allocator(device_type: str) -> Any:
     if device_type == "cuda":
         return importlib.import_module("torch.cuda.memory")
     if device_type == "npu":
+        from fntrain.runtime.device import import_torch_npu
+
         try:
-            torch_npu = importlib.import_module("torch_npu")  # only ever for an npu device
-        except ImportError as error:
+            torch_npu = import_torch_npu()  # only ever for an npu device
+        except RuntimeError as error:
             raise RuntimeError(
                 f"memory hook: device 'npu' needs torch_npu, which failed to import: {error}"
             ) from error

@@ -372,9 +372,10 @@ class _Backend(NamedTuple):
 def _resolve_backend(device_type: str) -> _Backend:
     """Import the profiler for `device_type`: torch_npu only for npu, and only here (never at import)."""
     if device_type == "npu":
-        npu_profiler = importlib.import_module("torch_npu.profiler")
-        torch_npu = importlib.import_module("torch_npu")
-        return _Backend(npu_profiler, getattr(getattr(torch_npu, "npu", None), "mstx", None))
+        from fntrain.runtime.device import import_npu_module, import_torch_npu
+
+        npu_profiler = import_npu_module("profiler")
+        return _Backend(npu_profiler, getattr(getattr(import_torch_npu(), "npu", None), "mstx", None))
     if device_type in ("cpu", "cuda"):
         return _Backend(importlib.import_module("torch.profiler"))
     raise RuntimeError(f"profiler: no profiler backend for device type {device_type!r}")

@@ -19,6 +19,7 @@ __all__ = [
     "DEVICE_TYPES",
     "DEFAULT_BACKENDS",
     "import_torch_npu",
+    "import_npu_module",
     "npu_installed",
     "resolve_device_type",
     "device_module",
@@ -43,6 +44,12 @@ def import_torch_npu() -> ModuleType:
             "device 'npu' needs torch_npu (Ascend's PyTorch adapter, matching your torch and CANN "
             "versions): pip install torch_npu; see docs/distributed.md"
         ) from error
+
+
+def import_npu_module(name: str) -> ModuleType:
+    """`torch_npu.<name>` (e.g. "profiler"), importing torch_npu first: hooks reach torch_npu only here."""
+    import_torch_npu()
+    return importlib.import_module(f"torch_npu.{name}")
 
 
 def npu_installed() -> bool:

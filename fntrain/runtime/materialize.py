@@ -269,7 +269,8 @@ def build_model(
 
 
 def local_numel(model: nn.Module) -> int:
-    """Elements this rank stores for `model`'s parameters (a DTensor counts its local shard)."""
+    """Elements this rank stores for `model`'s parameters (a DTensor counts its local shard). Count
+    between steps: after a forward, FSDP2's root keeps its parameters gathered until backward."""
     total = 0
     for param in model.parameters():
         local: Any = param.to_local() if _is_dtensor(param) else param  # type: ignore[attr-defined]

@@ -1,9 +1,10 @@
 """`parallelize(model, runtime, strategy)`: none | DDP | FSDP2, plus mixed precision (§5) [S21].
 
 Everything here is torch.distributed's own machinery: `DistributedDataParallel`, FSDP2's
-`fully_shard` over the runtime's DeviceMesh with a `MixedPrecisionPolicy`, composable activation
-checkpointing and per-block `torch.compile`. fntrain adds only the choice and the order:
-activation checkpointing -> compile -> data parallel (what torchtitan does).
+`fully_shard` over the runtime's DeviceMesh (1-D, or 2-D replicate x shard for HSDP) with a
+`MixedPrecisionPolicy`, composable activation checkpointing and per-block `torch.compile`. fntrain
+adds only the choice and the order: activation checkpointing -> compile -> data parallel (what
+torchtitan does).
 """
 
 from __future__ import annotations
@@ -271,7 +272,9 @@ def parallelize(
 ) -> nn.Module:
     """Return `model` ready to train under `strategy` (a name or a full `ParallelConfig`).
 
-    The model must already sit on `runtime.device`. `blocks` are the repeated submodules that get
+    The model must already sit on `runtime.device`, or under fsdp2 have its parameters on the meta
+    device (`fntrain.runtime.materialize.build_model` then materializes only the shards). With
+    `replicate` > 1, fsdp2 shards over the runtime's 2-D (dp_replicate, dp_shard) mesh (HSDP). `blocks` are the repeated submodules that get
     checkpointed, compiled and sharded one by one (default: `transformer_blocks(model)`). Under
     fsdp2 the model is modified in place and returned; under ddp the returned wrapper must be used
     for training (and given to the optimizer builder). tp/pp/cp/ep degrees other than 1, in the

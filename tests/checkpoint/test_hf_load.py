@@ -18,6 +18,7 @@ from torch import nn
 from fntrain.checkpoint.hf_load import hf_checkpoint_keys, hf_weights, load_hf_weights
 from fntrain.runtime.materialize import build_model
 from fntrain.runtime.runtime import Runtime
+from tests.test_hf_recipe import tiny_hf_model  # noqa: F401 - a fixture of the recipe tests
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -131,7 +132,9 @@ def test_two_rank_fsdp2_load_gives_transformers_logits_and_reads_only_local_rows
     from tests.checkpoint.hf_load_worker import INPUT_IDS
 
     out = tmp_path / "result.pt"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
     env.update(PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -156,3 +159,28 @@ def test_two_rank_fsdp2_load_gives_transformers_logits_and_reads_only_local_rows
     embed_rows = {rank: [o[0] for name, o, _ in reads if name == "model.embed_tokens.weight"]
                   for rank, reads in enumerate(loaded["reads"])}  # fmt: skip
     assert embed_rows == {0: [0], 1: [160]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_recipe_meta_init_trains_exactly_like_the_transformers_load(tiny_hf_model, tmp_path, monkeypatch):  # noqa: F811
+    import dataclasses
+    import json
+
+    from fntrain.runtime.parallel import ParallelConfig
+    from recipes import hf_causal_lm as hf
+    from tests.test_hf_recipe import _config
+
+    model_dir, data_path = tiny_hf_model
+    losses = {}
+    for meta_init in (False, True):
+        run_dir = tmp_path / f"meta_{meta_init}"
+        config = dataclasses.replace(
+            _config(model_dir, data_path, run_dir), parallel=ParallelConfig(meta_init=meta_init)
+        )
+        if meta_init:  # the meta path never loads through from_pretrained
+            monkeypatch.setattr(hf, "load_model", lambda *a, **k: pytest.fail("meta_init used load_model"))
+        assert hf.run(config).global_step == 3
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        losses[meta_init] = [r["loss"] for r in records if "loss" in r]
+    assert len(losses[True]) == 3 and losses[True] == losses[False]

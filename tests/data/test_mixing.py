@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fntrain import RunPlan, StopTraining, TrainState, train
-from fntrain.data.mixing import Mixture, epoch_data_fn, interleave, mixture_counts, permute_index
-from fntrain.data.pipeline import build_data, steps_per_epoch
+from fntrain.data.mixing import Mixture, interleave, mixture_counts, permute_index
+from fntrain.data.pipeline import build_data, data_fn, steps_per_epoch
 
 
 class Source(torch.utils.data.Dataset):
@@ -68,7 +68,7 @@ def test_counts_and_the_interleave_follow_the_weights():
 def test_proportions_per_epoch_and_within_tolerance_inside_it():
     dataset = mixture()
     assert dataset.epoch_counts == (300, 180, 120) and dataset.proportions == pytest.approx(WEIGHTS)
-    data = epoch_data_fn(spec_of(dataset))
+    data = data_fn(spec_of(dataset))
     for epoch in range(3):
         steps = read(data, epoch, 0)
         ids = [i for step in steps for i in step]
@@ -79,7 +79,7 @@ def test_proportions_per_epoch_and_within_tolerance_inside_it():
             assert abs(head[source] / 160 - weight) < 0.1
     # Unshuffled, every window of the epoch holds the weights to within a sample.
     in_order = [
-        i // 1000 for step in read(epoch_data_fn(spec_of(mixture(), shuffle=False)), 0, 0) for i in step
+        i // 1000 for step in read(data_fn(spec_of(mixture(), shuffle=False)), 0, 0) for i in step
     ]
     for start in range(0, 600, 40):
         window = Counter(in_order[start : start + 40])
@@ -112,23 +112,23 @@ def test_sources_are_walked_without_repeats_and_upsampled_evenly():
 
 
 def test_deterministic_in_seed_and_epoch():
-    first = read(epoch_data_fn(spec_of(mixture())), 2, 0)
-    assert read(epoch_data_fn(spec_of(mixture())), 2, 0) == first  # a rebuilt mixture: same epoch
-    assert read(epoch_data_fn(spec_of(mixture())), 3, 0) != first  # another epoch
+    first = read(data_fn(spec_of(mixture())), 2, 0)
+    assert read(data_fn(spec_of(mixture())), 2, 0) == first  # a rebuilt mixture: same epoch
+    assert read(data_fn(spec_of(mixture())), 3, 0) != first  # another epoch
     reseeded = build_data(mixture(seed=12), micro_batch_size=4, micro_batches=2, seed=12)
-    assert read(epoch_data_fn(reseeded), 2, 0) != first  # another seed
+    assert read(data_fn(reseeded), 2, 0) != first  # another seed
 
 
 @pytest.mark.parametrize(("dp_rank", "dp_size"), [(0, 1), (1, 2)])
 def test_identical_after_resume_at_every_cursor(dp_rank, dp_size):
     spec = spec_of(mixture(), dp_rank=dp_rank, dp_size=dp_size)
-    data = epoch_data_fn(spec)
+    data = data_fn(spec)
     full = read(data, 1, 0)
     assert len(full) == steps_per_epoch(spec)
     for cursor in [*range(0, len(full), 6), len(full) - 1, len(full)]:
         # A fresh mixture each time, as after a restart: only (epoch, cursor) carries over.
         assert (
-            read(epoch_data_fn(spec_of(mixture(), dp_rank=dp_rank, dp_size=dp_size)), 1, cursor)
+            read(data_fn(spec_of(mixture(), dp_rank=dp_rank, dp_size=dp_size)), 1, cursor)
             == full[cursor:]
         )
 
@@ -148,7 +148,7 @@ def test_train_stopped_and_resumed_sees_the_same_mixture_across_epochs():
             if stop_after is not None and info is not None and state.global_step == stop_after:
                 raise StopTraining
 
-        return train(state, step_fn, [stopper], data=epoch_data_fn(spec), plan=plan), seen
+        return train(state, step_fn, [stopper], data=data_fn(spec), plan=plan), seen
 
     _, uninterrupted = run(TrainState(), None)
     epochs = [

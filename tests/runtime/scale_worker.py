@@ -5,7 +5,8 @@
 CASE meta: a tiny GPT built eagerly then sharded with FSDP2, and the same built on the meta device,
 sharded and seeded-initialized; saves both full state dicts, the RNG states after each build and the
 local parameter counts. CASE hsdp: the same global batches trained with DDP (eager build) and with
-HSDP (fsdp2, replicate 2 x shard 1, meta-device build); saves losses and final weights of each.
+HSDP (fsdp2, replicate 2 x shard 1, meta-device build); saves losses and final weights of each, and
+the HSDP run's checkpoint restored into a fresh DDP model.
 One process group serves every setup_runtime in the launch (each reuses it).
 """
 
@@ -19,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fntrain.checkpoint import restore, save
+from fntrain.components import Components
 from fntrain.optim import OptimizerConfig, build_optimizer
 from fntrain.runtime.materialize import build_model, local_numel, seeded_init
 from fntrain.runtime.parallel import ParallelConfig, data_parallel_group, parallelize
@@ -59,7 +62,7 @@ def _batches(dp_rank: int, dp_size: int) -> list[list[dict[str, torch.Tensor]]]:
     return steps
 
 
-def _train(model: torch.nn.Module, runtime) -> list[float]:
+def _train(model: torch.nn.Module, runtime, keep: dict | None = None) -> list[float]:
     optimizer = build_optimizer(OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1), model).optimizer
     step = make_train_step(
         model, causal_lm_loss, (optimizer,), (), max_grad_norm=1.0, device=runtime.device,
@@ -70,6 +73,8 @@ def _train(model: torch.nn.Module, runtime) -> list[float]:
         metrics = step(state, batch)
         state = state.after_step()
         losses.append(float(metrics["loss"]))
+    if keep is not None:
+        keep["optimizer"] = optimizer
     return losses
 
 
@@ -95,7 +100,7 @@ def meta_case() -> dict:
         }
 
 
-def hsdp_case() -> dict:
+def hsdp_case(out: str) -> dict:
     results = {}
     ddp = ParallelConfig(strategy="ddp")
     with setup_runtime(RuntimeConfig(seed=SEED), ddp) as runtime:
@@ -108,13 +113,22 @@ def hsdp_case() -> dict:
             lambda: TinyGPT(MODEL), runtime, hsdp, fill=seeded_init(SEED, post_init=TinyGPT._init)
         )
         placements = {str(p.placements) for p in model.parameters()}
+        kept: dict = {}
         results["hsdp"] = {
-            "losses": _train(model, runtime),
+            "losses": _train(model, runtime, kept),
             "weights": _weights(model),
             "mesh": (runtime.mesh.mesh_dim_names, tuple(runtime.mesh.shape)),
             "placements": sorted(placements),
             "dp": (runtime.dp_rank, runtime.dp_size),
         }
+        # An HSDP checkpoint (DTensors replicated x sharded) loads into another layout: DDP here.
+        root = Path(out).parent / "hsdp_checkpoints"
+        save(root, TrainState(global_step=STEPS), Components(model, causal_lm_loss, (kept["optimizer"],)))
+    with setup_runtime(RuntimeConfig(seed=SEED), ddp) as runtime:
+        torch.manual_seed(SEED + 1)
+        fresh = parallelize(TinyGPT(MODEL), runtime, ddp)
+        restore("latest", Components(fresh, causal_lm_loss, ()), root=root, weights_only=True)
+        results["restored_into_ddp"] = _weights(fresh)
     return results
 
 
@@ -136,7 +150,7 @@ def launch(case: str, out: Path, timeout: float = 110) -> None:
 def main(case: str, out: str) -> None:
     dist.init_process_group("gloo")
     try:
-        result = {"meta": meta_case, "hsdp": hsdp_case}[case]()
+        result = meta_case() if case == "meta" else hsdp_case(out)
         result["rank"], result["world_size"] = dist.get_rank(), dist.get_world_size()
         if dist.get_rank() == 0:
             torch.save(result, out)

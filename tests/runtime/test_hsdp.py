@@ -72,3 +72,58 @@ def test_two_rank_hsdp_replicate_2_shard_1_matches_ddp(tmp_path):
     assert ddp["weights"].keys() == hsdp["weights"].keys()
     for name, weight in ddp["weights"].items():
         torch.testing.assert_close(hsdp["weights"][name], weight, rtol=1e-5, atol=1e-6)
+        assert torch.equal(result["restored_into_ddp"][name], hsdp["weights"][name]), (
+            name
+        )  # checkpoint interop
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_tiny_gpt_recipe_under_hsdp_with_meta_init_matches_ddp_and_exports(tmp_path):
+    """The whole recipe (hooks, evaluation, checkpoints, the final export) under torchrun."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from fntrain.checkpoint.hf_export import export_hf
+
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
+    env.update(PYTHONPATH=str(root) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    common = [
+        "--train.train-iters", "4", "--checkpoint.save-every", "2", "--model.n-layer", "2", "--model.d-model", "32",
+        "--evaluate.eval-every", "2", "--log-every", "1", "--progress.no-enabled",
+    ]  # fmt: skip
+    runs = {
+        "hsdp": ["--parallel.strategy", "fsdp2", "--parallel.replicate", "2", "--parallel.meta-init"],
+        "ddp": ["--parallel.strategy", "ddp"],
+    }
+    metrics = {}
+    for name, flags in runs.items():
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "-m", "fntrain", "run", "tiny_gpt", "--run-dir", str(tmp_path / name), *common, *flags,
+        ]  # fmt: skip
+        result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110)
+        assert result.returncode == 0, result.stderr[-5000:]
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        metrics[name] = [(r["step"], r.get("loss"), r.get("val_loss")) for r in map(json.loads, lines)]
+    assert len(metrics["hsdp"]) >= 6
+    for (step, loss, val), (ddp_step, ddp_loss, ddp_val) in zip(metrics["hsdp"], metrics["ddp"], strict=True):
+        assert step == ddp_step
+        for ours, theirs in ((loss, ddp_loss), (val, ddp_val)):
+            assert (ours is None) == (theirs is None) and (ours is None or abs(ours - theirs) < 1e-5)
+
+    # The HSDP run's last checkpoint, exported, holds the weights its final export wrote.
+    hf_dir = export_hf(tmp_path / "hsdp" / "checkpoints", tmp_path / "hf")
+    final = load_file(tmp_path / "hsdp" / "model.safetensors")
+    exported = load_file(hf_dir / "model.safetensors")
+    assert exported.keys() == final.keys()
+    for key, tensor in final.items():
+        assert torch.equal(exported[key], tensor), key

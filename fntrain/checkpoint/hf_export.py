@@ -1,0 +1,492 @@
+"""`fntrain export`: an fntrain DCP checkpoint as a Hugging Face directory, and an HF directory back as
+an fntrain DCP checkpoint.
+
+    fntrain export runs/x/checkpoints --format hf hf_out          # the latest checkpoint (or a step_<N>/)
+    fntrain export hf_out --format dcp ckpt_root                  # ckpt_root/step_<N>/ + latest
+    export_checkpoint("runs/x/checkpoints/step_200", "hf_out", ExportOptions(format="hf"))
+
+DCP -> HF writes the model weights (the checkpoint's "model.*" tensors, under their model names) as
+safetensors: one `model.safetensors`, or above `max_shard_size` `model-0000i-of-0000n.safetensors` files
+with a `model.safetensors.index.json` (what `save_pretrained` writes). It works shard by shard: only
+one output file's tensors are ever in memory. Beside them:
+
+- `config.json`: for a checkpoint of a Hugging Face model (its run config names `model.path`, a local
+  directory with a config.json, or `model_dir` is given) that config, with its dtype set to the
+  exported weights' dtype; the model directory's generation config and tokenizer files are copied too,
+  and weights tied in that architecture are written once, as `save_pretrained` does, so
+  `AutoModelForCausalLM.from_pretrained(out)` loads the result. For any other model (tiny_gpt) a
+  config.json of fntrain's own: `{"model_type": "fntrain", "fntrain_model": <the run config's "model"
+  section>, "dtype": ..., "num_parameters": ...}` -- the recipe's own architecture, not a transformers
+  one (rebuild tiny_gpt with `TinyGPT(ModelConfig(**config["fntrain_model"]))` and load the weights with
+  `load_state_dict`; every state-dict key is written, tied weights as separate copies).
+- `fntrain_export.json`: where the weights came from (checkpoint, step, TrainState), the run config and
+  the tied names left out, so the way back restores the same state-dict keys.
+
+HF -> DCP reads the safetensors memory-mapped (nothing is copied into memory up front) and writes a
+complete fntrain checkpoint `<out>/step_<N>/` (DCP data, meta.json, the completion marker) and the
+`latest` pointer; N is `step`, else the exported checkpoint's step, else 0. It holds model weights only:
+restore it with `checkpoint.weights_only` (a full restore warns that optimizer, schedulers and RNG
+start fresh). Tied names the HF directory leaves out (fntrain_export.json, or the transformers
+architecture of its config.json) are written under each name, as fntrain's own checkpoints hold them.
+
+Both directions are offline tools for one process (no torchrun); the output must not exist yet (or be
+empty) unless `overwrite` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import struct
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from fntrain.checkpoint import _dist
+from fntrain.checkpoint.layout import step_dir, step_of, write_json_atomic, write_latest, write_marker
+from fntrain.config import require_bool, require_choice, require_int, require_str
+
+__all__ = [
+    "ExportOptions",
+    "export_checkpoint",
+    "export_hf",
+    "import_hf",
+    "parse_size",
+    "PROVENANCE",
+    "SAFE_WEIGHTS",
+    "SAFE_INDEX",
+]
+
+log = logging.getLogger("fntrain.checkpoint")
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+PROVENANCE = "fntrain_export.json"
+PROVENANCE_FORMAT = 1
+MODEL_PREFIX = "model."
+DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+# What a Hugging Face model directory holds besides weights: copied next to the exported weights.
+_WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack)$|.*\.index\.json$")
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """How `fntrain export` converts."""
+
+    format: Literal["hf", "dcp"] = "hf"
+    """hf: an fntrain DCP checkpoint -> a Hugging Face directory; dcp: a Hugging Face directory -> an
+    fntrain checkpoint root (step_<N>/ + latest)."""
+    max_shard_size: str = "5GB"
+    """hf: the largest safetensors file (5GB, 500MB, 2GiB, or bytes); larger models are split into
+    model-0000i-of-0000n.safetensors files with a model.safetensors.index.json."""
+    dtype: Literal["keep", "float32", "bfloat16", "float16"] = "keep"
+    """Cast floating-point weights to this dtype (keep: as stored)."""
+    model_dir: str | None = None
+    """hf: the Hugging Face model directory whose config.json, generation config and tokenizer files go
+    with the weights (None: the run config's model.path, when it is one)."""
+    step: int | None = None
+    """dcp: the step number of the written checkpoint (None: the exported checkpoint's, else 0)."""
+    overwrite: bool = False
+    """Replace an existing, non-empty output directory."""
+
+    def validate(self, prefix: str = "export") -> None:
+        require_choice(f"{prefix}.format", self.format, ("hf", "dcp"))
+        require_str(f"{prefix}.max_shard_size", self.max_shard_size, non_empty=True)
+        if parse_size(self.max_shard_size, f"{prefix}.max_shard_size") < 1:
+            raise ValueError(f"{prefix}.max_shard_size must be at least 1 byte, got {self.max_shard_size!r}")
+        require_choice(f"{prefix}.dtype", self.dtype, tuple(DTYPES))
+        require_str(f"{prefix}.model_dir", self.model_dir, optional=True)
+        if self.step is not None:
+            require_int(f"{prefix}.step", self.step, min=0)
+        require_bool(f"{prefix}.overwrite", self.overwrite)
+
+
+def parse_size(text: str | int, field: str = "export.max_shard_size") -> int:
+    """Bytes in "5GB" (decimal units, as Hugging Face counts), "2GiB" (binary), "500MB" or "1024"."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"{field} must be a size such as 5GB, 500MB, 2GiB or a byte count, got {text!r}")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "B").upper()])
+
+
+def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, options: ExportOptions) -> Path:
+    """Convert `source` to `out` as `options.format` says; return the written directory."""
+    options.validate("export")
+    if options.format == "hf":
+        return export_hf(
+            source,
+            out,
+            max_shard_size=parse_size(options.max_shard_size),
+            dtype=DTYPES[options.dtype],
+            model_dir=options.model_dir,
+            overwrite=options.overwrite,
+        )
+    return import_hf(source, out, step=options.step, dtype=DTYPES[options.dtype], overwrite=options.overwrite)
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(
+                f"output directory {str(out)!r} is not empty (pass overwrite to replace it)"
+            )
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _set_offline() -> None:
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ.setdefault(name, "1")  # an export never downloads
+
+
+def _tied_aliases(config_dir: Path) -> dict[str, str]:
+    """alias -> kept name for the weights the transformers architecture in `config_dir/config.json`
+    ties (the kept name is the first in `named_parameters` order, the one `save_pretrained` keeps);
+    {} when transformers is missing or does not know the architecture."""
+    try:
+        _set_offline()
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from fntrain.runtime.materialize import build_on_meta
+
+        config = AutoConfig.from_pretrained(str(config_dir), local_files_only=True)
+        model = build_on_meta(lambda: AutoModelForCausalLM.from_config(config))
+    except Exception as error:  # noqa: BLE001 - no tie information is a fine answer
+        log.info("no tied-weight information from %s: %s", config_dir, error)
+        return {}
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+# ----------------------------------------------------------------------------- DCP -> HF
+
+
+def _model_tensors(path: Path) -> dict[str, Any]:
+    """DCP key -> TensorStorageMetadata of the checkpoint's model tensors, in stored order."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from fntrain.checkpoint.safe_reader import read_dcp_metadata
+
+    metadata = read_dcp_metadata(path).state_dict_metadata
+    return {
+        key: entry
+        for key, entry in metadata.items()
+        if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
+    }
+
+
+def _hf_source(run_config: Mapping[str, Any], model_dir: str | None) -> Path | None:
+    """The Hugging Face model directory of the run: `model_dir`, else the run config's model.path."""
+    if model_dir is not None:
+        path = Path(model_dir).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"export.model_dir {model_dir!r} holds no config.json")
+        return path
+    model = run_config.get("model") if isinstance(run_config.get("model"), Mapping) else {}
+    recorded = model.get("path") if isinstance(model, Mapping) else None
+    if not recorded:
+        return None
+    path = Path(str(recorded)).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the checkpoint's run config names model.path {recorded!r}, which holds no config.json from "
+            "here; pass export.model_dir (--model-dir) with the model's directory"
+        )
+    return path
+
+
+def _plan_shards(sizes: Iterable[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Consecutive groups of names of at most `max_bytes` (a larger tensor gets a file of its own)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes:
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards if shards[-1] else []
+
+
+def _load_model_keys(path: Path, entries: Mapping[str, Any], keys: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors of `keys` (DCP keys) read from the checkpoint at `path`, and only those."""
+    import torch.distributed.checkpoint as dcp
+
+    from fntrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
+
+    tensors = {key: torch.empty(entries[key].size, dtype=entries[key].properties.dtype) for key in keys}
+    with _dist.quiet_single_process():
+        dcp.load(
+            tensors,
+            storage_reader=SafeFileSystemReader(path),
+            planner=SafeLoadPlanner(allow_partial_load=True),
+            no_dist=True,
+        )
+    return tensors
+
+
+def _copy_model_files(source: Path, out: Path, tokenizer_dir: Path | None) -> None:
+    for directory in (source, tokenizer_dir):
+        if directory is None or not directory.is_dir():
+            continue
+        for entry in directory.iterdir():
+            if entry.is_file() and not _WEIGHT_FILES.match(entry.name) and not (out / entry.name).exists():
+                shutil.copy2(entry, out / entry.name)
+
+
+def export_hf(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    max_shard_size: int = 5 * 10**9,
+    dtype: torch.dtype | None = None,
+    model_dir: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the model weights of the fntrain checkpoint `checkpoint` (a step_<N>/ directory, or a
+    checkpoint root: its latest) to the Hugging Face directory `out` (see the module docstring)."""
+    from safetensors.torch import save_file
+
+    from fntrain.checkpoint.restorer import read_meta, resolve_source
+
+    path = resolve_source(str(checkpoint))
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint at {str(checkpoint)!r}")
+    meta = read_meta(path)
+    run_config = meta.get("config") or {}
+    entries = _model_tensors(path)
+    if not entries:
+        raise ValueError(f"checkpoint {path} holds no model tensors")
+    source = _hf_source(run_config, model_dir)
+    tied = {}
+    if source is not None:
+        names = {key[len(MODEL_PREFIX) :] for key in entries}
+        tied = {
+            alias: kept for alias, kept in _tied_aliases(source).items() if alias in names and kept in names
+        }
+    keys = [key for key in entries if key[len(MODEL_PREFIX) :] not in tied]
+
+    def nbytes(key: str) -> int:
+        entry = entries[key]
+        target = (
+            dtype
+            if dtype is not None and entry.properties.dtype.is_floating_point
+            else entry.properties.dtype
+        )
+        return entry.size.numel() * torch.empty((), dtype=target).element_size()
+
+    out = Path(out).expanduser()
+    _prepare_out(out, overwrite)
+    shards = _plan_shards(((key, nbytes(key)) for key in keys), max_shard_size)
+    files = (
+        [SAFE_WEIGHTS]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    weight_map: dict[str, str] = {}
+    dtypes: set[torch.dtype] = set()
+    num_parameters = 0
+    for file, shard in zip(files, shards, strict=True):
+        loaded = _load_model_keys(path, entries, shard)  # one file's tensors in memory at a time
+        tensors = {
+            key[len(MODEL_PREFIX) :]: _cast(tensor, dtype).contiguous() for key, tensor in loaded.items()
+        }
+        for name, tensor in tensors.items():
+            weight_map[name] = file
+            num_parameters += tensor.numel()
+            if tensor.is_floating_point():
+                dtypes.add(tensor.dtype)
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        del loaded, tensors
+    if len(files) > 1:
+        total = sum(nbytes(key) for key in keys)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+    weights_dtype = _dtype_name(dtypes.pop()) if len(dtypes) == 1 else None
+    if source is not None:
+        config = json.loads((source / "config.json").read_text())
+        if weights_dtype is not None:
+            config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = (
+                weights_dtype
+            )
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        assets = run_config.get("assets") if isinstance(run_config.get("assets"), Mapping) else {}
+        tokenizer = assets.get("tokenizer_path") if isinstance(assets, Mapping) else None
+        _copy_model_files(source, out, Path(str(tokenizer)).expanduser() if tokenizer else None)
+    else:
+        model_section = run_config.get("model") if isinstance(run_config.get("model"), Mapping) else None
+        config = {
+            "model_type": "fntrain",
+            "fntrain_model": model_section,
+            "dtype": weights_dtype,
+            "num_parameters": num_parameters,
+        }
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    provenance = {
+        "format": PROVENANCE_FORMAT,
+        "source": str(path),
+        "step": meta.get("step"),
+        "train_state": meta.get("train_state"),
+        "run_config": run_config or None,
+        "tied": tied,
+        "exported_at": time.time(),
+    }
+    (out / PROVENANCE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
+    log.info("exported %s to %s (%d file(s), %d tensors)", path, out, len(files), len(weight_map))
+    return out
+
+
+# ----------------------------------------------------------------------------- HF -> DCP
+
+
+def _read_header(file: Path) -> tuple[dict[str, Any], int]:
+    with open(file, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    return header, 8 + length
+
+
+def _mapped_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file as views of a private memory map: pages are read when
+    DCP writes them, never all at once."""
+    header, data_start = _read_header(file)
+    storage = torch.UntypedStorage.from_file(str(file), False, file.stat().st_size)
+    tensors: dict[str, torch.Tensor] = {}
+    unaligned: list[str] = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{file}: tensor {name} has dtype {info['dtype']}, which fntrain does not read")
+        offset = data_start + info["data_offsets"][0]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offset % itemsize:
+            unaligned.append(name)
+            continue
+        tensors[name] = torch.empty(0, dtype=dtype).set_(storage, offset // itemsize, tuple(info["shape"]))
+    if unaligned:  # an old writer's unpadded header: copy these few instead of mapping them
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as handle:
+            for name in unaligned:
+                tensors[name] = handle.get_tensor(name)
+    return tensors
+
+
+def _read_provenance(directory: Path) -> dict[str, Any]:
+    file = directory / PROVENANCE
+    if not file.is_file():
+        return {}
+    provenance = json.loads(file.read_text())
+    if provenance.get("format") != PROVENANCE_FORMAT:
+        raise ValueError(
+            f"{file} has format {provenance.get('format')!r}; this fntrain reads {PROVENANCE_FORMAT}"
+        )
+    return provenance
+
+
+def import_hf(
+    hf_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    step: int | None = None,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the safetensors weights of the Hugging Face directory `hf_dir` as a complete fntrain
+    checkpoint under the checkpoint root `out`; return its step directory (see the module docstring)."""
+    import torch.distributed.checkpoint as dcp
+
+    from fntrain.checkpoint.saver import FORMAT_VERSION
+
+    hf_dir = Path(hf_dir).expanduser()
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        if (hf_dir / ".metadata").is_file() or step_of(hf_dir) is not None:
+            raise ValueError(
+                f"{str(hf_dir)!r} is an fntrain checkpoint: --format dcp reads a Hugging Face directory"
+            )
+        raise FileNotFoundError(f"{str(hf_dir)!r} holds no *.safetensors files")
+    provenance = _read_provenance(hf_dir)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        for name, tensor in _mapped_tensors(file).items():
+            if name in tensors:
+                raise ValueError(f"tensor {name} appears in more than one file of {hf_dir}")
+            tensors[name] = tensor
+    tied = provenance.get("tied") if provenance else None
+    if tied is None and (hf_dir / "config.json").is_file():
+        tied = _tied_aliases(hf_dir)
+    for alias, kept in (tied or {}).items():
+        if alias not in tensors and kept in tensors:
+            tensors[alias] = tensors[kept]  # fntrain checkpoints hold a tied weight under each name
+
+    if step is None:
+        saved = provenance.get("step")
+        step = saved if isinstance(saved, int) and saved >= 0 else 0
+    out = Path(out).expanduser()
+    _prepare_out(out, overwrite)
+    path = step_dir(out, step)
+    path.mkdir()
+    state = {MODEL_PREFIX + name: _cast(tensor, dtype) for name, tensor in tensors.items()}
+    train_state = provenance.get("train_state") or {"epoch": 0, "global_step": step, "cursor": 0}
+    write_json_atomic(
+        path / "meta.json",
+        {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "train_state": train_state,
+            "world_size": 1,
+            "values": [],
+            "config": provenance.get("run_config"),
+            "torch_version": torch.__version__,
+            "num_threads": torch.get_num_threads(),
+            "saved_at": time.time(),
+            "imported_from": str(hf_dir),
+        },
+    )
+    with _dist.quiet_single_process():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=True)
+    write_marker(path, {"step": step, "train_state": train_state, "completed_at": time.time()})
+    write_latest(out, path)
+    log.info("imported %s as %s (%d tensors)", hf_dir, path, len(state))
+    return path
