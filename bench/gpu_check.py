@@ -229,8 +229,19 @@ def memory_snapshot(report: Report) -> None:
         report.add(name, "history events left after the runs", str(left), "0", left == 0)
 
 
+def checkpoint_async(report: Report) -> None:
+    """Sync DCP save vs torch.save and async-save blocking vs sync on the GPU (pinned-memory staging)."""
+    if not _need_cuda(report, "checkpoint_async"):
+        return
+    from bench.checkpoint import run as run_checkpoint
+
+    for row in run_checkpoint(quick=False, device="cuda"):
+        report.add("checkpoint_async", row.measure, f"{row.fntrain} vs {row.baseline} ({row.difference})",
+                   row.goal, row.met)  # fmt: skip
+
+
 SECTIONS: list[Callable[[Report], None]] = [
-    environment, matmul_peak, train_throughput, host_syncs, memory_snapshot,
+    environment, matmul_peak, train_throughput, host_syncs, checkpoint_async, memory_snapshot,
 ]  # fmt: skip
 
 

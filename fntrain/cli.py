@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
@@ -108,7 +107,11 @@ def _run(args: list[str]) -> Any:
     name, rest = _split_recipe("run", args)
     recipe = load_recipe(name)
     config = resolve_config(recipe, rest, prog=f"fntrain run {name}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from fntrain.logs import setup_console_logging
+
+    setup_console_logging()  # [rank r] prefixes; other ranks: warnings and errors only
+    # A run stopped by a preemption signal raises fntrain.preemption.Preempted, a SystemExit: the
+    # process exits with checkpoint.preempt_exit_code (143 by default).
     return recipe.run(config)
 
 

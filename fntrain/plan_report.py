@@ -115,10 +115,18 @@ def _checkpoint_section(config: Any, plan: RunPlan) -> dict:
     save_epochs = int(getattr(config, "save_epochs", 0) or 0)
     save_at_end = bool(getattr(config, "save_at_end", getattr(config, "save_last", True)))
     enabled = bool(getattr(config, "enabled", getattr(config, "enable", True)))
+    minutes = float(getattr(config, "save_every_minutes", 0) or 0)
     steps = checkpoint_steps(plan, save_every=save_every, save_epochs=save_epochs, save_at_end=save_at_end)
-    section: dict[str, Any] = {"enabled": enabled and bool(steps), "steps": steps if enabled else []}
+    if minutes > 0 and save_at_end and plan.train_iters not in steps:
+        steps.append(plan.train_iters)  # time-based saves also end with a final one
+    section: dict[str, Any] = {
+        "enabled": enabled and bool(steps or minutes > 0),
+        "steps": steps if enabled else [],
+    }
     for name in (
         "save_every",
+        "save_every_minutes",
+        "time_based_temporary",
         "save_epochs",
         "keep_last",
         "async_save",
@@ -224,6 +232,9 @@ def format_run_plan(report: Mapping[str, Any]) -> str:
         if checkpoint["enabled"]:
             steps = checkpoint["steps"]
             text = f"steps {_steps(steps)} ({len(steps)} saves)"
+            if checkpoint.get("save_every_minutes"):
+                text += f", and every {checkpoint['save_every_minutes']:g} min"
+                text += " (temporary)" if checkpoint.get("time_based_temporary") else ""
             if checkpoint.get("keep_last"):
                 text += f", keep last {checkpoint['keep_last']}"
             if checkpoint.get("dir"):

@@ -24,6 +24,7 @@ schedule -> hooks -> train -> save.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -40,7 +41,7 @@ from fntrain.components import Components
 from fntrain.config import require_bool, require_choice, require_float, require_int, require_str
 from fntrain.data.pipeline import DataSpec, build_data, data_fn
 from fntrain.data.tokens import IGNORE_INDEX, count_batch
-from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook, checkpoint_root
+from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook, checkpoint_root, make_preemption
 from fntrain.hooks.evaluate import EvaluateConfig, evaluate_hook, make_eval_fn
 from fntrain.hooks.gc import GCConfig, gc_hook
 from fntrain.hooks.memory import MemoryConfig, memory_hook
@@ -48,7 +49,11 @@ from fntrain.hooks.metrics import MetricBoard, MetricsConfig, metrics_hook, metr
 from fntrain.hooks.profiler import ProfilerConfig, profiler_hook
 from fntrain.hooks.progress import ProgressConfig, progress_hook
 from fntrain.hooks.throughput import ThroughputConfig, dense_transformer_flops_per_token, throughput_hook
+from fntrain.hooks.watchdog import WatchdogConfig, watchdog_hook
+from fntrain.logs import rank_logs
 from fntrain.optim import OptimizerConfig, ScheduleConfig, build_lr_schedule, build_optimizer
+from fntrain.preemption import Preemption
+from fntrain.run_metadata import record_start, write_run_metadata
 from fntrain.runtime import Runtime
 from fntrain.runtime.parallel import (
     ParallelConfig,
@@ -180,6 +185,9 @@ class HFCausalLMConfig:
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(export=False))
     """Resumable DCP checkpoints (under <run_dir>/checkpoints); the fine-tuned model itself always goes
     to output_dir in save_pretrained layout."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Hang watchdog: a silence far longer than recent steps dumps every rank's stacks to <run_dir>/stacks
+    and aborts (exit status watchdog.exit_code)."""
 
     def validate(self) -> None:
         """Value rules, each error naming the dotted field; runs before any model or device work."""
@@ -222,6 +230,7 @@ class HFCausalLMConfig:
             "gc",
             "profiler",
             "checkpoint",
+            "watchdog",
         ):
             getattr(self, name).validate(name)
         if self.evaluate.enabled and not (self.data.val_path or self.data.val_fraction > 0):
@@ -714,9 +723,13 @@ def output_dir(config: HFCausalLMConfig) -> Path:
     return Path(_under_run_dir(config, config.output_dir, "hf_model")).expanduser()
 
 
-def build_hooks(built: Built, *, memory: Any = None, profiler: Any = None) -> list[Any]:
+def build_hooks(
+    built: Built, *, memory: Any = None, profiler: Any = None, preemption: Preemption | None = None
+) -> list[Any]:
     """The hook list in dispatch order [S27]: memory, throughput, metrics, progress, evaluate, gc,
-    profiler, checkpoint. `memory` / `profiler` are the hooks `run` built before the model."""
+    profiler, checkpoint, then the hang watchdog (stateless; last, so its silence covers every other
+    hook's work). `memory` / `profiler` are the hooks `run` built before the model; `preemption` the
+    checkpoint hook's signal handlers (`make_preemption`)."""
     config, runtime, plan = built.config, built.runtime, built.plan
     last = plan.train_iters
     board = MetricBoard()
@@ -752,8 +765,10 @@ def build_hooks(built: Built, *, memory: Any = None, profiler: Any = None) -> li
             directory=checkpoint_root(config.checkpoint, built.run_dir),
             hooks=lambda: hooks,  # every stateful hook's state goes into each checkpoint
             run_config=_config_dict(config),
+            preemption=preemption,
         )
     )
+    hooks.append(watchdog_hook(config.watchdog, runtime, built.run_dir))
     return hooks
 
 
@@ -764,7 +779,7 @@ def _config_dict(config: HFCausalLMConfig) -> dict[str, Any]:
 
 
 def restore_checkpoint(built: Built, hooks: list[Any]) -> TrainState:
-    """Restore checkpoint.restore_from (none | latest | a path) into the components and hooks [S36]."""
+    """Restore checkpoint.restore_from (none | auto | latest | a path) into the components and hooks [S36]."""
     from fntrain.checkpoint import restore
 
     checkpoint = built.config.checkpoint
@@ -831,15 +846,22 @@ def build(config: HFCausalLMConfig, runtime: Runtime) -> Built:
 
 def run(config: HFCausalLMConfig, state: TrainState | None = None) -> TrainState:
     """Validate, build, restore (checkpoint.restore_from, unless `state` is given), train, save the
-    fine-tuned model to `output_dir`; return the final state."""
+    fine-tuned model to `output_dir`; return the final state. Logs go to <run_dir>/logs/rank_<r>.log
+    too, and <run_dir>/run_metadata.json records the launch. A run stopped by a preemption signal
+    raises `fntrain.preemption.Preempted` (a SystemExit with checkpoint.preempt_exit_code) after its
+    clean teardown, without saving the model to `output_dir`."""
     from fntrain.config_file import write_config
 
     config.validate()
     set_offline()
     runtime_config = dataclasses.replace(config.runtime, seed=config.seed)
-    with setup_runtime(runtime_config, config.parallel) as runtime:
+    preemption = make_preemption(config.checkpoint)
+    with setup_runtime(runtime_config, config.parallel) as runtime, contextlib.ExitStack() as logs:
         memory = memory_hook(_memory_config(config), runtime)
         profiler = profiler_hook(_profiler_config(config), runtime)
+        # Files only once the settings checked before any model work have passed [S9].
+        logs.enter_context(rank_logs(config.run_dir, runtime.rank))
+        write_run_metadata(config.run_dir, runtime)
         built = build(config, runtime)
         if runtime.is_main:
             write_config(config, built.run_dir)
@@ -857,9 +879,10 @@ def run(config: HFCausalLMConfig, state: TrainState | None = None) -> TrainState
             autocast_dtype=autocast_dtype(config.parallel),
             grad_scaler=components.grad_scaler,
         )
-        hooks = build_hooks(built, memory=memory, profiler=profiler)
+        hooks = build_hooks(built, memory=memory, profiler=profiler, preemption=preemption)
         if state is None:
             state = restore_checkpoint(built, hooks)
+        record_start(built.run_dir, runtime, state)
         final = train(
             state,
             step_fn,
@@ -868,14 +891,16 @@ def run(config: HFCausalLMConfig, state: TrainState | None = None) -> TrainState
             plan=built.plan,
             count_batch=count_batch,
         )
-        save_hf_model(components.model, built.assets, output_dir(config), runtime)
-        if config.checkpoint.export:
+        if preemption.stopped_at is None:
+            save_hf_model(components.model, built.assets, output_dir(config), runtime)
+        if config.checkpoint.export and preemption.stopped_at is None:
             from fntrain.checkpoint import export_safetensors
 
             export_safetensors(
                 components.model, built.run_dir / "model.safetensors", metadata=final.as_dict()
             )
-        return final
+    preemption.raise_if_stopped(final)
+    return final
 
 
 def plan(config: HFCausalLMConfig, world_size: int = 1) -> dict[str, Any]:
@@ -917,8 +942,9 @@ def plan(config: HFCausalLMConfig, world_size: int = 1) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> TrainState:
     """`python -m recipes.hf_causal_lm [--config FILE] [overrides]`."""
     from fntrain.config_file import parse_config_cli
+    from fntrain.logs import setup_console_logging
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_console_logging()  # [rank r] prefixes; other ranks: warnings and errors only
     return run(parse_config_cli(HFCausalLMConfig, argv, description=__doc__))
 
 

@@ -9,6 +9,7 @@ data -> plan -> optimizer -> schedule -> hooks -> train.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -24,7 +25,7 @@ from fntrain import RunPlan, TrainState, make_run_plan, train
 from fntrain.components import Components
 from fntrain.data.pipeline import DataSpec, build_data, data_fn
 from fntrain.data.tokens import count_batch
-from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook, checkpoint_root
+from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook, checkpoint_root, make_preemption
 from fntrain.hooks.evaluate import EvaluateConfig, evaluate_hook, make_eval_fn
 from fntrain.hooks.gc import GCConfig, gc_hook
 from fntrain.hooks.memory import MemoryConfig, memory_hook
@@ -32,7 +33,11 @@ from fntrain.hooks.metrics import MetricBoard, MetricsConfig, metrics_hook, metr
 from fntrain.hooks.profiler import ProfilerConfig, profiler_hook
 from fntrain.hooks.progress import ProgressConfig, progress_hook
 from fntrain.hooks.throughput import ThroughputConfig, measure_flops_per_token, throughput_hook
+from fntrain.hooks.watchdog import WatchdogConfig, watchdog_hook
+from fntrain.logs import rank_logs
 from fntrain.optim import OptimizerConfig, ScheduleConfig, build_lr_schedule, build_optimizer
+from fntrain.preemption import Preemption
+from fntrain.run_metadata import record_start, write_run_metadata
 from fntrain.runtime import Runtime
 from fntrain.runtime.parallel import (
     ParallelConfig,
@@ -143,6 +148,9 @@ class TinyGPTConfig:
     """Validation loss and perplexity on the held-out tail of the corpus."""
     gc: GCConfig = field(default_factory=GCConfig)
     """Python gc and device-cache cadence."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Hang watchdog: a silence far longer than recent steps dumps every rank's stacks to <run_dir>/stacks
+    and aborts (exit status watchdog.exit_code)."""
 
     def validate(self) -> None:
         """Value rules, each error naming the dotted field; runs before any model or device work."""
@@ -176,6 +184,7 @@ class TinyGPTConfig:
         self.progress.validate("progress")
         self.evaluate.validate("evaluate")
         self.gc.validate("gc")
+        self.watchdog.validate("watchdog")
 
 
 # ----------------------------------------------------------------------------- model (nanoGPT-style)
@@ -352,14 +361,18 @@ def _profiler_config(config: TinyGPTConfig) -> ProfilerConfig:
     return dataclasses.replace(profiler, output_path=output_path)
 
 
-def build_hooks(built: Built, *, memory: Any = None, profiler: Any = None) -> list[Any]:
+def build_hooks(
+    built: Built, *, memory: Any = None, profiler: Any = None, preemption: Preemption | None = None
+) -> list[Any]:
     """The hook list in dispatch order [S27]: memory, throughput, metrics, progress, evaluate, gc,
-    profiler, checkpoint. `memory` / `profiler` are the hooks from `build_memory_hook` /
-    `build_profiler_hook` when already built."""
+    profiler, checkpoint, then the hang watchdog (stateless; last, so its silence covers every other
+    hook's work). `memory` / `profiler` are the hooks from `build_memory_hook` / `build_profiler_hook`
+    when already built; `preemption` the checkpoint hook's signal handlers (`make_preemption`)."""
     hooks: list[Any] = [memory if memory is not None else build_memory_hook(built.config, built.runtime)]
     hooks.extend(build_observability_hooks(built))
     hooks.append(profiler if profiler is not None else build_profiler_hook(built.config, built.runtime))
-    hooks.append(build_checkpoint_hook(built, hooks))  # keep last: it saves what every other hook reached
+    hooks.append(build_checkpoint_hook(built, hooks, preemption))  # it saves what every other hook reached
+    hooks.append(watchdog_hook(built.config.watchdog, built.runtime, built.run_dir))
     return hooks
 
 
@@ -408,7 +421,7 @@ def build_observability_hooks(built: Built) -> list[Any]:
     return hooks
 
 
-def build_checkpoint_hook(built: Built, hooks: list[Any]) -> Any:
+def build_checkpoint_hook(built: Built, hooks: list[Any], preemption: Preemption | None = None) -> Any:
     """The checkpoint hook [S36]; each checkpoint holds the state of every stateful hook in `hooks`
     (the list it is appended to, itself included) and the resolved config."""
     from fntrain.config_file import config_to_dict
@@ -421,11 +434,12 @@ def build_checkpoint_hook(built: Built, hooks: list[Any]) -> Any:
         directory=checkpoint_root(checkpoint, built.run_dir),
         hooks=lambda: hooks,
         run_config=config_to_dict(built.config),
+        preemption=preemption,
     )
 
 
 def restore_checkpoint(built: Built, hooks: list[Any]) -> TrainState:
-    """Restore checkpoint.restore_from (none | latest | a path) into the components and hooks [S36];
+    """Restore checkpoint.restore_from (none | auto | latest | a path) into the components and hooks [S36];
     return the TrainState to train from."""
     from fntrain.checkpoint import restore
 
@@ -496,12 +510,19 @@ def write_resolved_config(config: TinyGPTConfig, run_dir: Path) -> None:
 
 def run(config: TinyGPTConfig, state: TrainState | None = None) -> TrainState:
     """Validate, build, restore (checkpoint.restore_from, unless `state` is given), train, export the
-    weights; return the final `TrainState`."""
+    weights; return the final `TrainState`. Logs go to <run_dir>/logs/rank_<r>.log too, and
+    <run_dir>/run_metadata.json records the launch. A run stopped by a preemption signal raises
+    `fntrain.preemption.Preempted` (a SystemExit with checkpoint.preempt_exit_code) after its clean
+    teardown, without exporting."""
     config.validate()
     runtime_config = dataclasses.replace(config.runtime, seed=config.seed)
-    with setup_runtime(runtime_config, config.parallel) as runtime:
+    preemption = make_preemption(config.checkpoint)
+    with setup_runtime(runtime_config, config.parallel) as runtime, contextlib.ExitStack() as logs:
         memory = build_memory_hook(config, runtime)
         profiler = build_profiler_hook(config, runtime)
+        # Files only once the settings checked before any model work have passed [S9].
+        logs.enter_context(rank_logs(config.run_dir, runtime.rank))
+        write_run_metadata(config.run_dir, runtime)
         built = build(config, runtime)
         if runtime.is_main:
             write_resolved_config(config, built.run_dir)
@@ -519,9 +540,10 @@ def run(config: TinyGPTConfig, state: TrainState | None = None) -> TrainState:
             autocast_dtype=autocast_dtype(config.parallel),
             grad_scaler=components.grad_scaler,
         )
-        hooks = build_hooks(built, memory=memory, profiler=profiler)
+        hooks = build_hooks(built, memory=memory, profiler=profiler, preemption=preemption)
         if state is None:
             state = restore_checkpoint(built, hooks)
+        record_start(built.run_dir, runtime, state)
         final = train(
             state,
             step_fn,
@@ -530,12 +552,13 @@ def run(config: TinyGPTConfig, state: TrainState | None = None) -> TrainState:
             plan=built.plan,
             count_batch=count_batch,
         )
-        if config.checkpoint.export:
+        if config.checkpoint.export and preemption.stopped_at is None:
             from fntrain.checkpoint import export_safetensors
 
             # A collective under FSDP2 (every rank gathers), written by rank 0.
             export_safetensors(components.model, built.run_dir / "model.safetensors", metadata=final.as_dict())
-        return final
+    preemption.raise_if_stopped(final)
+    return final
 
 
 def plan(config: TinyGPTConfig, world_size: int = 1) -> dict[str, Any]:
@@ -582,8 +605,9 @@ Config = TinyGPTConfig  # the name the `fntrain` command looks for
 def main(argv: list[str] | None = None) -> TrainState:
     """`python -m recipes.tiny_gpt [--config FILE] [overrides]`."""
     from fntrain.config_file import parse_config_cli
+    from fntrain.logs import setup_console_logging
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_console_logging()  # [rank r] prefixes; other ranks: warnings and errors only
     config = parse_config_cli(TinyGPTConfig, argv, description=__doc__)
     return run(config)
 

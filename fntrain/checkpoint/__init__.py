@@ -3,7 +3,7 @@
     path = save(root, state, components, hooks=hooks)           # <root>/step_<N>/, complete on return
     pending = save_async(root, state, components, hooks=hooks)  # staged; the write goes on in a thread
     pending.result()                                            # complete (or raises); settle before the next
-    state = restore("latest", components, root=root, hooks=hooks)  # "none" | "latest" | a path
+    state = restore("latest", components, root=root, hooks=hooks)  # "none" | "auto" | "latest" | a path
     export_safetensors(model, run_dir / "model.safetensors")
 
 The checkpoint hook (`fntrain.hooks.checkpoint`) decides when to save; this package does the saving.
@@ -14,7 +14,9 @@ from fntrain.checkpoint.layout import (
     clean_partial,
     find_latest,
     is_complete,
+    is_temporary,
     list_checkpoints,
+    remove_superseded_temporary,
     retain,
     step_dir,
 )
@@ -34,6 +36,8 @@ __all__ = [
     "find_latest",
     "list_checkpoints",
     "is_complete",
+    "is_temporary",
+    "remove_superseded_temporary",
     "step_dir",
     "retain",
     "clean_partial",

@@ -10,7 +10,8 @@ A checkpoint root holds one `step_<N>/` directory per save and a `latest` pointe
     <root>/latest                    the name of the newest complete checkpoint (write + os.replace)
 
 A directory is complete only when both `.metadata` and `COMPLETE` exist; anything else is a partial
-left by a crash: ignored when resolving "latest" and removed by `clean_partial`.
+left by a crash: ignored when resolving "latest" and removed by `clean_partial`. A `COMPLETE` marker
+with `"temporary": true` marks a checkpoint to delete once a later one is complete.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ __all__ = [
     "write_json_atomic",
     "write_marker",
     "write_latest",
+    "is_temporary",
+    "remove_superseded_temporary",
     "retain",
     "clean_partial",
 ]
@@ -144,6 +147,33 @@ def write_latest(root: str | os.PathLike, path: str | os.PathLike) -> None:
     if not is_complete(path):
         raise RuntimeError(f"refusing to point {LATEST!r} at {path}: it is not a complete checkpoint")
     _write_atomic(Path(root) / LATEST, path.name + "\n")
+
+
+def is_temporary(path: str | os.PathLike) -> bool:
+    """True when `path`'s completion marker says the checkpoint is temporary."""
+    try:
+        payload = json.loads((Path(path) / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(payload, dict) and payload.get("temporary") is True
+
+
+def remove_superseded_temporary(root: str | os.PathLike, newest: str | os.PathLike) -> list[Path]:
+    """Delete the complete temporary checkpoints under `root` with a step below `newest`'s (the
+    checkpoint just completed, never removed itself); return what was removed."""
+    newest = Path(newest)
+    newest_step = step_of(newest)
+    if newest_step is None or not is_complete(newest):
+        return []
+    doomed = [
+        path
+        for path in list_checkpoints(root)
+        if path != newest and (step_of(path) or 0) < newest_step and is_temporary(path)
+    ]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("removed temporary checkpoint %s (superseded by %s)", path, newest.name)
+    return doomed
 
 
 def retain(

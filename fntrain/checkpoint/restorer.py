@@ -1,8 +1,10 @@
 """`restore`: put a checkpoint back into live components and hooks, and return the `TrainState` [S36].
 
-`source` is "none", "latest" (needs `root`) or a path. "latest" resolves to the `latest` pointer if it
-names a complete checkpoint, else the highest complete `step_<N>`, else a fresh start with a warning; a
-path that does not exist is a `FileNotFoundError`. Partial checkpoints under `root` are removed first.
+`source` is "none", "auto" or "latest" (both need `root`), or a path. "latest" resolves to the
+`latest` pointer if it names a complete checkpoint, else the highest complete `step_<N>`, else a fresh
+start with a warning; "auto" is the same without the warning (a job restarted by torchrun resumes by
+itself, and its first launch starts fresh quietly); a path that does not exist is a
+`FileNotFoundError`. Partial checkpoints under `root` are removed first.
 
 Model and optimizer are loaded with DCP into the tensors `get_state_dict` gives for the live objects, so
 the sharding of this run decides what each rank reads (a checkpoint saved at one world size loads at
@@ -79,12 +81,14 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
 def _resolve_on_rank0(source: str | os.PathLike, root: Path | None) -> Path | None:
     if root is not None:
         clean_partial(root)
-    if str(source) == "latest":
+    if str(source) in ("latest", "auto"):
         if root is None:
-            raise ValueError('restore "latest" needs the checkpoint root directory (root=...)')
+            raise ValueError(f'restore "{source}" needs the checkpoint root directory (root=...)')
         found = find_latest(root)
-        if found is None:
+        if found is None and str(source) == "latest":
             warnings.warn(f"no complete checkpoint under {root}; starting fresh", stacklevel=4)
+        elif found is None:
+            log.info("restore auto: no complete checkpoint under %s; starting fresh", root)
         return found
     path = Path(source).expanduser()
     if not path.exists():
@@ -151,7 +155,8 @@ def restore(
     device: torch.device | str | None = None,
     process_group: Any = None,
 ) -> TrainState:
-    """Restore `source` ("none" | "latest" | a path) into `components` and `hooks`; return its TrainState.
+    """Restore `source` ("none" | "auto" | "latest" | a path) into `components` and `hooks`; return its
+    TrainState.
 
     weights_only: load the model weights alone and return a fresh `TrainState()` (optimizer, schedulers,
     RNG and hook states keep their fresh values). Every rank must call this (it is a collective).

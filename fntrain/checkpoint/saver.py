@@ -8,6 +8,9 @@ DCP; everything else is JSON. Nothing is pickled by fntrain.
 Order, so that a crash at any point leaves either a complete checkpoint or one that is ignored:
 per-rank JSON and meta.json → DCP data → DCP `.metadata` (DCP writes it last) → `COMPLETE` marker →
 `latest` pointer → retention. Only rank 0 writes the marker, the pointer and deletes old checkpoints.
+
+A checkpoint saved with `temporary=True` (time-based saves, optionally) says so in meta.json and in its
+`COMPLETE` marker; completing any later checkpoint deletes the temporary ones with a lower step.
 """
 
 from __future__ import annotations
@@ -30,7 +33,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
 from fntrain.checkpoint import _dist
-from fntrain.checkpoint.layout import retain, step_dir, write_json_atomic, write_latest, write_marker
+from fntrain.checkpoint.layout import (
+    remove_superseded_temporary,
+    retain,
+    step_dir,
+    write_json_atomic,
+    write_latest,
+    write_marker,
+)
 from fntrain.checkpoint.rng import rng_state
 from fntrain.checkpoint.tree import split
 from fntrain.components import Components
@@ -101,6 +111,7 @@ def _prepare(
     config: Mapping[str, Any] | None,
     device: torch.device | str | None,
     process_group: Any,
+    temporary: bool = False,
 ) -> tuple[Path, dict[str, torch.Tensor]]:
     """Make the step directory, write the JSON parts, return (directory, tensors for DCP)."""
     path = step_dir(root, state.global_step)
@@ -137,6 +148,7 @@ def _prepare(
                 "torch_version": torch.__version__,
                 "num_threads": torch.get_num_threads(),
                 "saved_at": time.time(),
+                "temporary": temporary,
             },
         )
     return path, tensors
@@ -146,14 +158,24 @@ def _writer(path: Path, thread_count: int) -> dcp.FileSystemWriter:
     return dcp.FileSystemWriter(path, sync_files=True, thread_count=thread_count)
 
 
-def _finalize(root: str | os.PathLike, path: Path, state: TrainState, keep_last: int) -> None:
-    """Rank 0: completion marker (only once DCP's metadata exists), then `latest`, then retention."""
+def _finalize(
+    root: str | os.PathLike, path: Path, state: TrainState, keep_last: int, temporary: bool = False
+) -> None:
+    """Rank 0: completion marker (only once DCP's metadata exists), then `latest`, then the temporary
+    checkpoints it supersedes, then retention."""
     if _dist.rank() != 0:
         return
     write_marker(
-        path, {"step": state.global_step, "train_state": state.as_dict(), "completed_at": time.time()}
+        path,
+        {
+            "step": state.global_step,
+            "train_state": state.as_dict(),
+            "completed_at": time.time(),
+            "temporary": temporary,
+        },
     )
     write_latest(root, path)
+    remove_superseded_temporary(root, path)
     retain(root, keep_last, protect=path)
     log.info("checkpoint saved: %s", path)
 
@@ -169,14 +191,16 @@ def save(
     device: torch.device | str | None = None,
     process_group: Any = None,
     thread_count: int = 1,
+    temporary: bool = False,
 ) -> Path:
     """Save `<root>/step_<global_step>/` and return it, complete, on every rank (a collective).
 
     `hooks` (a list, or a callable returning it) contributes the `state_dict()` of each stateful hook;
     `config` is the resolved run config (JSON-able); `keep_last` > 0 deletes older complete checkpoints.
-    Saving before the first optimizer step initialises the optimizers' state (see `app_state`).
+    `temporary`: deleted once a later checkpoint is complete. Saving before the first optimizer step
+    initialises the optimizers' state (see `app_state`).
     """
-    path, tensors = _prepare(root, state, components, hooks, config, device, process_group)
+    path, tensors = _prepare(root, state, components, hooks, config, device, process_group, temporary)
     with _dist.quiet_single_process():
         dcp.save(
             tensors,
@@ -184,7 +208,7 @@ def save(
             process_group=process_group,
             no_dist=not _dist.initialized(),
         )
-    _finalize(root, path, state, keep_last)
+    _finalize(root, path, state, keep_last, temporary)
     _dist.barrier(process_group)  # every rank returns only once the checkpoint is marked complete
     return path
 
@@ -199,8 +223,17 @@ class PendingSave:
     and never raises.
     """
 
-    def __init__(self, root: Path, path: Path, state: TrainState, keep_last: int, future: Future):
+    def __init__(
+        self,
+        root: Path,
+        path: Path,
+        state: TrainState,
+        keep_last: int,
+        future: Future,
+        temporary: bool = False,
+    ):
         self.root, self.path, self.state, self.keep_last = root, path, state, keep_last
+        self.temporary = temporary
         self._finished = threading.Event()
         self._error: BaseException | None = None
         future.add_done_callback(self._complete)
@@ -210,7 +243,7 @@ class PendingSave:
         try:
             failure = future.exception()
             if failure is None:
-                _finalize(self.root, self.path, self.state, self.keep_last)
+                _finalize(self.root, self.path, self.state, self.keep_last, self.temporary)
             else:
                 error = RuntimeError(
                     f"asynchronous checkpoint save of step {self.state.global_step} to {self.path} failed"
@@ -285,6 +318,7 @@ def save_async(
     process_group: Any = None,
     thread_count: int = 1,
     stager: Any = None,
+    temporary: bool = False,
 ) -> PendingSave:
     """Like `save`, but returns once the state is staged (copied off the live tensors); DCP writes in a
     background thread. Settle the returned `PendingSave` before the next save.
@@ -293,7 +327,7 @@ def save_async(
     With a process group, pass a dedicated group (e.g. a gloo group from `dist.new_group`) so the
     background collectives never interleave with training collectives (it must include a CPU backend).
     """
-    path, tensors = _prepare(root, state, components, hooks, config, device, process_group)
+    path, tensors = _prepare(root, state, components, hooks, config, device, process_group, temporary)
     if not _dist.initialized():
         # The write runs in DCP's thread, outside any `catch_warnings` here; the single-process intent
         # is explicit (no_dist), so its warning about assuming it is noise.
@@ -307,4 +341,4 @@ def save_async(
             async_stager=stager,
         )
     future = getattr(response, "upload_completion", response)  # AsyncSaveResponse (async staging) or Future
-    return PendingSave(Path(root), path, state, keep_last, future)
+    return PendingSave(Path(root), path, state, keep_last, future, temporary)

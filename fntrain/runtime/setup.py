@@ -187,7 +187,52 @@ def _init_process_group(backend: str, timeout_s: float, device: torch.device) ->
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device  # eager NCCL communicator init bound to this rank's GPU
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = _attempt_store(timeout)
+    if store is not None:
+        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+
+
+def _attempt_store(timeout: datetime.timedelta, env: Mapping[str, str] | None = None) -> Any:
+    """On one node under torchrun's shared agent store, a client of that store whose keys are scoped by
+    the restart count; else None (the env:// rendezvous as usual).
+
+    torchrun (torch >= 2.4) keeps one TCPStore for all attempts of a job and no longer scopes the
+    workers' keys by attempt, so a restarted worker can read its dead predecessors' addresses and fail
+    to form the process group (pytorch/pytorch#135712). With a single agent, TORCHELASTIC_RESTART_COUNT
+    is the same for every worker and scopes them safely; across nodes the agents count restarts
+    independently, so there the store is left alone (see RESTART_HINT).
+    """
+    env = os.environ if env is None else env
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    world, local_world = env.get("WORLD_SIZE"), env.get("LOCAL_WORLD_SIZE")
+    if not world or world != local_world:
+        return None
+    store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(world), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"fntrain/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+RESTART_HINT = (
+    "this process was restarted by torchrun, which shares one rendezvous store between attempts and "
+    "keeps the previous attempt's keys (pytorch/pytorch#135712); across several nodes, run torchrun "
+    "with --rdzv-backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
+)
+
+
+def _note_restart_hint(error: BaseException, env: Mapping[str, str] | None = None) -> None:
+    """Add `RESTART_HINT` to a failed process-group init of a restarted worker that uses the agent's
+    store (the exception keeps its type)."""
+    env = os.environ if env is None else env
+    restarted = env.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+    several_nodes = env.get("WORLD_SIZE") != env.get("LOCAL_WORLD_SIZE")
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if restarted and agent_store and several_nodes and hasattr(error, "add_note"):
+        error.add_note(RESTART_HINT)
+        log.error("process-group init failed after a restart: %s", RESTART_HINT)
 
 
 def _parallel_sizes(parallel: ParallelConfig | None, world_size: int) -> dict[str, int]:
@@ -286,7 +331,11 @@ def setup_runtime(
         devices.set_device(device)
         already = dist.is_available() and dist.is_initialized()
         if launch.launched and not already:
-            _init_process_group(backend, config.timeout_s, device)
+            try:
+                _init_process_group(backend, config.timeout_s, device)
+            except Exception as error:
+                _note_restart_hint(error)
+                raise
             owns_group = True
         distributed = dist.is_available() and dist.is_initialized()
         if distributed and dist.get_world_size() != launch.world_size:

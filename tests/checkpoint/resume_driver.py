@@ -82,7 +82,8 @@ def main(argv: list[str]) -> None:
 
     def build_hooks(built: Any, **kwargs: Any) -> list[Any]:
         hooks = original_build_hooks(built, **kwargs)
-        hooks.insert(len(hooks) - 1, recorder)  # the checkpoint hook stays last
+        checkpoint = next(i for i, hook in enumerate(hooks) if getattr(hook, "name", None) == "checkpoint")
+        hooks.insert(checkpoint, recorder)  # before the checkpoint hook (then only the watchdog)
         if point == "optimizer":
             optimizer = built.components.optimizers[0]
             step = optimizer.step

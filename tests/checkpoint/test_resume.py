@@ -239,12 +239,18 @@ def test_resharding_two_ranks_to_one(tmp_path, corpus):
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_preemption_signal_saves_stops_and_resumes(tmp_path, corpus, ranks):
-    """SIGTERM to one rank at step 5: every rank agrees (every 2 steps) to save step 6 and stop cleanly
-    (exit 0); the resumed run matches the uninterrupted one."""
+    """SIGTERM to one rank at step 5: every rank agrees (every 2 steps) to save step 6 and stop cleanly,
+    exiting with the documented status 143 (torchrun then reports the workers' 143); the resumed run
+    matches the uninterrupted one."""
     args = [*fsdp_args(strategy="fsdp2" if ranks == 2 else "none"), "--checkpoint.preempt-check-every", "2"]
     finish(launch(tmp_path / "reference", "none", args, corpus, ranks=ranks), killed=False)
     run_dir = tmp_path / "run"
-    finish(launch(run_dir, "preempt:5", args, corpus, ranks=ranks), killed=False)
+    preempted = launch(run_dir, "preempt:5", args, corpus, ranks=ranks)
+    output, _ = preempted.communicate(timeout=240)
+    if ranks == 1:
+        assert preempted.returncode == 143, output[-3000:]
+    else:
+        assert preempted.returncode != 0 and output.count("exitcode  : 143") == 2, output[-3000:]
     expected_stop = 5 if ranks == 1 else 6  # one process checks every step
     assert max(step for step, _ in losses(run_dir)) == expected_stop
     assert read_meta(find_latest(run_dir / "checkpoints"))["train_state"]["global_step"] == expected_stop
