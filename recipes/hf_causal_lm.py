@@ -41,15 +41,24 @@ from fntrain.components import Components
 from fntrain.config import require_bool, require_choice, require_float, require_int, require_str
 from fntrain.data.pipeline import DataSpec, build_data, data_fn
 from fntrain.data.tokens import IGNORE_INDEX, count_batch
-from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook, checkpoint_root, make_preemption
-from fntrain.hooks.evaluate import EvaluateConfig, evaluate_hook, make_eval_fn
-from fntrain.hooks.gc import GCConfig, gc_hook
-from fntrain.hooks.memory import MemoryConfig, memory_hook
-from fntrain.hooks.metrics import MetricBoard, MetricsConfig, metrics_hook, metrics_log
-from fntrain.hooks.profiler import ProfilerConfig, profiler_hook
-from fntrain.hooks.progress import ProgressConfig, progress_hook
-from fntrain.hooks.throughput import ThroughputConfig, dense_transformer_flops_per_token, throughput_hook
-from fntrain.hooks.watchdog import WatchdogConfig, watchdog_hook
+from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_root, make_preemption
+from fntrain.hooks.evaluate import EvaluateConfig
+from fntrain.hooks.gc import GCConfig
+from fntrain.hooks.memory import MemoryConfig
+from fntrain.hooks.metrics import MetricsConfig
+from fntrain.hooks.profiler import ProfilerConfig
+from fntrain.hooks.progress import ProgressConfig
+from fntrain.hooks.standard import (
+    EarlyHooks,
+    early_hooks,
+    memory_config,
+    profiler_config,
+    restore_run,
+    standard_hooks,
+    under_run_dir,
+)
+from fntrain.hooks.throughput import ThroughputConfig, dense_transformer_flops_per_token
+from fntrain.hooks.watchdog import WatchdogConfig
 from fntrain.logs import rank_logs
 from fntrain.optim import OptimizerConfig, ScheduleConfig, build_lr_schedule, build_optimizer
 from fntrain.preemption import Preemption
@@ -700,96 +709,33 @@ def _flops_per_token(model: torch.nn.Module, context: int) -> float | None:
     return dense_transformer_flops_per_token(params, layers, width, context)
 
 
-def _under_run_dir(config: HFCausalLMConfig, path: str | None, default: str) -> str:
-    run_dir = os.path.expanduser(config.run_dir)
-    if not path:
-        return os.path.join(run_dir, default) if default else run_dir
-    path = os.path.expanduser(path)
-    return path if os.path.isabs(path) else os.path.join(run_dir, path)
-
-
-def _memory_config(config: HFCausalLMConfig) -> MemoryConfig:
-    return dataclasses.replace(config.memory, save_path=_under_run_dir(config, config.memory.save_path, ""))
-
-
-def _profiler_config(config: HFCausalLMConfig) -> ProfilerConfig:
-    return dataclasses.replace(
-        config.profiler, output_path=_under_run_dir(config, config.profiler.output_path, "")
-    )
-
-
 def output_dir(config: HFCausalLMConfig) -> Path:
     """Where the fine-tuned model goes: `output_dir`, else <run_dir>/hf_model."""
-    return Path(_under_run_dir(config, config.output_dir, "hf_model")).expanduser()
+    return Path(under_run_dir(config.run_dir, config.output_dir, "hf_model"))
 
 
-def build_hooks(
-    built: Built, *, memory: Any = None, profiler: Any = None, preemption: Preemption | None = None
-) -> list[Any]:
-    """The hook list in dispatch order [S27]: memory, throughput, metrics, progress, evaluate, gc,
-    profiler, checkpoint, then the hang watchdog (stateless; last, so its silence covers every other
-    hook's work). `memory` / `profiler` are the hooks `run` built before the model; `preemption` the
-    checkpoint hook's signal handlers (`make_preemption`)."""
-    config, runtime, plan = built.config, built.runtime, built.plan
-    last = plan.train_iters
-    board = MetricBoard()
-    writer = metrics_log(config.metrics, runtime, built.run_dir)
-    hooks: list[Any] = [memory if memory is not None else memory_hook(_memory_config(config), runtime)]
-    hooks.append(throughput_hook(config.throughput, runtime, log_every=config.log_every, board=board,
-                                 last_step=last, flops_per_token=built.flops_per_token))  # fmt: skip
-    hooks.append(
-        metrics_hook(runtime, log_every=config.log_every, writer=writer, board=board, last_step=last)
-    )
-    hooks.append(progress_hook(config.progress, runtime, total=last, board=board, log_every=config.log_every))
-    if config.evaluate.enabled:
-        components = built.components
-        eval_fn = make_eval_fn(
-            components.model,
-            components.loss_fn,
-            built.val_dataset,
-            micro_batch_size=config.evaluate.micro_batch_size or config.train.micro_batch_size,
-            runtime=runtime,
-            collate_fn=built.data.collate_fn,
-            max_batches=config.evaluate.max_batches,
-            autocast_dtype=autocast_dtype(config.parallel),
-            group=data_parallel_group(runtime),
-        )
-        hooks.append(evaluate_hook(config.evaluate, eval_fn, runtime, writer=writer, last_step=last))
-    hooks.append(gc_hook(config.gc, runtime))
-    hooks.append(profiler if profiler is not None else profiler_hook(_profiler_config(config), runtime))
-    hooks.append(
-        checkpoint_hook(
-            config.checkpoint,
-            built.components,
-            runtime,
-            directory=checkpoint_root(config.checkpoint, built.run_dir),
-            hooks=lambda: hooks,  # every stateful hook's state goes into each checkpoint
-            run_config=_config_dict(config),
-            preemption=preemption,
-        )
-    )
-    hooks.append(watchdog_hook(config.watchdog, runtime, built.run_dir))
-    return hooks
-
-
-def _config_dict(config: HFCausalLMConfig) -> dict[str, Any]:
+def build_hooks(built: Built, *, early: EarlyHooks | None = None, preemption: Preemption | None = None) -> list[Any]:
+    """The standard hook list [S27] (memory, throughput, metrics, progress, evaluate, gc, profiler,
+    checkpoint, then the hang watchdog). `early` holds the memory and profiler hooks `run` built before
+    the model; `preemption` the checkpoint hook's signal handlers (`make_preemption`)."""
     from fntrain.config_file import config_to_dict
 
-    return config_to_dict(config)
-
-
-def restore_checkpoint(built: Built, hooks: list[Any]) -> TrainState:
-    """Restore checkpoint.restore_from (none | auto | latest | a path) into the components and hooks [S36]."""
-    from fntrain.checkpoint import restore
-
-    checkpoint = built.config.checkpoint
-    return restore(
-        checkpoint.restore_from,
+    config, runtime = built.config, built.runtime
+    return standard_hooks(
+        config,
+        runtime,
+        built.plan,
         built.components,
-        root=checkpoint_root(checkpoint, built.run_dir),
-        hooks=hooks,
-        weights_only=checkpoint.weights_only,
-        device=built.runtime.device,
+        run_dir=built.run_dir,
+        early=early,
+        val_dataset=built.val_dataset,
+        eval_micro_batch_size=config.train.micro_batch_size,
+        collate_fn=built.data.collate_fn,
+        autocast_dtype=autocast_dtype(config.parallel),
+        dp_group=data_parallel_group(runtime),
+        flops_per_token=built.flops_per_token,
+        run_config=config_to_dict(config),
+        preemption=preemption,
     )
 
 
@@ -857,8 +803,7 @@ def run(config: HFCausalLMConfig, state: TrainState | None = None) -> TrainState
     runtime_config = dataclasses.replace(config.runtime, seed=config.seed)
     preemption = make_preemption(config.checkpoint)
     with setup_runtime(runtime_config, config.parallel) as runtime, contextlib.ExitStack() as logs:
-        memory = memory_hook(_memory_config(config), runtime)
-        profiler = profiler_hook(_profiler_config(config), runtime)
+        early = early_hooks(config, runtime)  # before the model: bad settings fail first [S9]
         # Files only once the settings checked before any model work have passed [S9].
         logs.enter_context(rank_logs(config.run_dir, runtime.rank))
         write_run_metadata(config.run_dir, runtime)
@@ -879,9 +824,9 @@ def run(config: HFCausalLMConfig, state: TrainState | None = None) -> TrainState
             autocast_dtype=autocast_dtype(config.parallel),
             grad_scaler=components.grad_scaler,
         )
-        hooks = build_hooks(built, memory=memory, profiler=profiler, preemption=preemption)
+        hooks = build_hooks(built, early=early, preemption=preemption)
         if state is None:
-            state = restore_checkpoint(built, hooks)
+            state = restore_run(config, components, runtime, built.run_dir, hooks)
         record_start(built.run_dir, runtime, state)
         final = train(
             state,
@@ -923,8 +868,8 @@ def plan(config: HFCausalLMConfig, world_size: int = 1) -> dict[str, Any]:
         pp_size=config.parallel.pp_size,
         device_type=config.runtime.device,
         dataset_len=len(dataset),
-        profiler=_profiler_config(config),
-        memory=_memory_config(config),
+        profiler=profiler_config(config),
+        memory=memory_config(config),
         checkpoint=dataclasses.replace(
             config.checkpoint, dir=str(checkpoint_root(config.checkpoint, config.run_dir))
         ),

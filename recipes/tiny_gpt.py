@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -25,15 +24,23 @@ from fntrain import RunPlan, TrainState, make_run_plan, train
 from fntrain.components import Components
 from fntrain.data.pipeline import DataSpec, build_data, data_fn
 from fntrain.data.tokens import count_batch
-from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook, checkpoint_root, make_preemption
-from fntrain.hooks.evaluate import EvaluateConfig, evaluate_hook, make_eval_fn
-from fntrain.hooks.gc import GCConfig, gc_hook
-from fntrain.hooks.memory import MemoryConfig, memory_hook
-from fntrain.hooks.metrics import MetricBoard, MetricsConfig, metrics_hook, metrics_log
-from fntrain.hooks.profiler import ProfilerConfig, profiler_hook
-from fntrain.hooks.progress import ProgressConfig, progress_hook
-from fntrain.hooks.throughput import ThroughputConfig, measure_flops_per_token, throughput_hook
-from fntrain.hooks.watchdog import WatchdogConfig, watchdog_hook
+from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_root, make_preemption
+from fntrain.hooks.evaluate import EvaluateConfig
+from fntrain.hooks.gc import GCConfig
+from fntrain.hooks.memory import MemoryConfig
+from fntrain.hooks.metrics import MetricsConfig
+from fntrain.hooks.profiler import ProfilerConfig
+from fntrain.hooks.progress import ProgressConfig
+from fntrain.hooks.standard import (
+    EarlyHooks,
+    early_hooks,
+    memory_config,
+    profiler_config,
+    restore_run,
+    standard_hooks,
+)
+from fntrain.hooks.throughput import ThroughputConfig, measure_flops_per_token
+from fntrain.hooks.watchdog import WatchdogConfig
 from fntrain.logs import rank_logs
 from fntrain.optim import OptimizerConfig, ScheduleConfig, build_lr_schedule, build_optimizer
 from fntrain.preemption import Preemption
@@ -327,130 +334,34 @@ class Built:
     run_dir: Path
 
 
-def build_memory_hook(config: TinyGPTConfig, runtime: Runtime) -> Any:
-    """The memory hook [S35], a relative save_path resolved under run_dir. `run` builds it before the
-    model, so a device without allocator history fails before any model work [S9]."""
-    return memory_hook(_memory_config(config), runtime)
+def build_hooks(built: Built, *, early: EarlyHooks | None = None, preemption: Preemption | None = None) -> list[Any]:
+    """The standard hook list [S27] (memory, throughput, metrics, progress, evaluate, gc, profiler,
+    checkpoint, then the hang watchdog). `early` holds the memory and profiler hooks `run` built before
+    the model; `preemption` the checkpoint hook's signal handlers (`make_preemption`)."""
+    from fntrain.config_file import config_to_dict
 
-
-def _memory_config(config: TinyGPTConfig) -> MemoryConfig:
-    """config.memory with a relative save_path resolved under run_dir."""
-    memory = config.memory
-    save_path = os.path.expanduser(memory.save_path)
-    if not os.path.isabs(save_path):
-        run_dir = os.path.expanduser(config.run_dir)
-        memory = dataclasses.replace(memory, save_path=os.path.join(run_dir, save_path))
-    return memory
-
-
-def build_profiler_hook(config: TinyGPTConfig, runtime: Runtime) -> Any:
-    """The profiler hook [S34]. `run` builds it before the model so that a bad profiler setting fails
-    before any model or device work."""
-    return profiler_hook(_profiler_config(config), runtime)
-
-
-def _profiler_config(config: TinyGPTConfig) -> ProfilerConfig:
-    """config.profiler with output_path resolved: None is run_dir, a relative path is under run_dir."""
-    profiler = config.profiler
-    run_dir = os.path.expanduser(config.run_dir)
-    if not profiler.output_path:
-        return dataclasses.replace(profiler, output_path=run_dir)
-    output_path = os.path.expanduser(profiler.output_path)
-    if not os.path.isabs(output_path):
-        output_path = os.path.join(run_dir, output_path)
-    return dataclasses.replace(profiler, output_path=output_path)
-
-
-def build_hooks(
-    built: Built, *, memory: Any = None, profiler: Any = None, preemption: Preemption | None = None
-) -> list[Any]:
-    """The hook list in dispatch order [S27]: memory, throughput, metrics, progress, evaluate, gc,
-    profiler, checkpoint, then the hang watchdog (stateless; last, so its silence covers every other
-    hook's work). `memory` / `profiler` are the hooks from `build_memory_hook` / `build_profiler_hook`
-    when already built; `preemption` the checkpoint hook's signal handlers (`make_preemption`)."""
-    hooks: list[Any] = [memory if memory is not None else build_memory_hook(built.config, built.runtime)]
-    hooks.extend(build_observability_hooks(built))
-    hooks.append(profiler if profiler is not None else build_profiler_hook(built.config, built.runtime))
-    hooks.append(build_checkpoint_hook(built, hooks, preemption))  # it saves what every other hook reached
-    hooks.append(watchdog_hook(built.config.watchdog, built.runtime, built.run_dir))
-    return hooks
-
-
-def build_observability_hooks(built: Built) -> list[Any]:
-    """Throughput, metrics, progress, evaluate and gc hooks, in that order [S27]; the first three share
-    the `log_every` cadence and a `MetricBoard`, evaluation writes through the same metrics log."""
-    config, runtime, plan = built.config, built.runtime, built.plan
-    board = MetricBoard()
-    writer = metrics_log(config.metrics, runtime, built.run_dir)
+    config, runtime = built.config, built.runtime
     micro_batch = {
         "input_ids": torch.zeros(config.train.micro_batch_size, config.model.context, dtype=torch.long),
         "labels": torch.zeros(config.train.micro_batch_size, config.model.context, dtype=torch.long),
     }
-    hooks = [
-        throughput_hook(
-            config.throughput,
-            runtime,
-            log_every=config.log_every,
-            board=board,
-            last_step=plan.train_iters,
-            # FLOPs of the unwrapped model, counted at TRAIN_BEGIN on a meta copy: no memory, no device work
-            flops_per_token=lambda: measure_flops_per_token(
-                lambda: TinyGPT(config.model), micro_batch, loss_fn=causal_lm_loss
-            ),
-        ),
-        metrics_hook(
-            runtime, log_every=config.log_every, writer=writer, board=board, last_step=plan.train_iters
-        ),
-        progress_hook(config.progress, runtime, total=plan.train_iters, board=board),
-    ]
-    if config.evaluate.enabled and len(built.val_dataset) > 0:
-        eval_fn = make_eval_fn(
-            built.components.model,
-            built.components.loss_fn,
-            built.val_dataset,
-            micro_batch_size=config.evaluate.micro_batch_size or config.train.micro_batch_size,
-            runtime=runtime,
-            max_batches=config.evaluate.max_batches,
-            autocast_dtype=autocast_dtype(config.parallel),
-            group=data_parallel_group(runtime),
-        )
-        hooks.append(
-            evaluate_hook(config.evaluate, eval_fn, runtime, writer=writer, last_step=plan.train_iters)
-        )
-    hooks.append(gc_hook(config.gc, runtime))
-    return hooks
-
-
-def build_checkpoint_hook(built: Built, hooks: list[Any], preemption: Preemption | None = None) -> Any:
-    """The checkpoint hook [S36]; each checkpoint holds the state of every stateful hook in `hooks`
-    (the list it is appended to, itself included) and the resolved config."""
-    from fntrain.config_file import config_to_dict
-
-    checkpoint = built.config.checkpoint
-    return checkpoint_hook(
-        checkpoint,
+    return standard_hooks(
+        config,
+        runtime,
+        built.plan,
         built.components,
-        built.runtime,
-        directory=checkpoint_root(checkpoint, built.run_dir),
-        hooks=lambda: hooks,
-        run_config=config_to_dict(built.config),
+        run_dir=built.run_dir,
+        early=early,
+        val_dataset=built.val_dataset,
+        eval_micro_batch_size=config.train.micro_batch_size,
+        autocast_dtype=autocast_dtype(config.parallel),
+        dp_group=data_parallel_group(runtime),
+        # FLOPs of the unwrapped model, counted at TRAIN_BEGIN on a meta copy: no memory, no device work
+        flops_per_token=lambda: measure_flops_per_token(
+            lambda: TinyGPT(config.model), micro_batch, loss_fn=causal_lm_loss
+        ),
+        run_config=config_to_dict(config),
         preemption=preemption,
-    )
-
-
-def restore_checkpoint(built: Built, hooks: list[Any]) -> TrainState:
-    """Restore checkpoint.restore_from (none | auto | latest | a path) into the components and hooks [S36];
-    return the TrainState to train from."""
-    from fntrain.checkpoint import restore
-
-    checkpoint = built.config.checkpoint
-    return restore(
-        checkpoint.restore_from,
-        built.components,
-        root=checkpoint_root(checkpoint, built.run_dir),
-        hooks=hooks,
-        weights_only=checkpoint.weights_only,
-        device=built.runtime.device,
     )
 
 
@@ -518,8 +429,7 @@ def run(config: TinyGPTConfig, state: TrainState | None = None) -> TrainState:
     runtime_config = dataclasses.replace(config.runtime, seed=config.seed)
     preemption = make_preemption(config.checkpoint)
     with setup_runtime(runtime_config, config.parallel) as runtime, contextlib.ExitStack() as logs:
-        memory = build_memory_hook(config, runtime)
-        profiler = build_profiler_hook(config, runtime)
+        early = early_hooks(config, runtime)  # before the model: bad settings fail first [S9]
         # Files only once the settings checked before any model work have passed [S9].
         logs.enter_context(rank_logs(config.run_dir, runtime.rank))
         write_run_metadata(config.run_dir, runtime)
@@ -540,9 +450,9 @@ def run(config: TinyGPTConfig, state: TrainState | None = None) -> TrainState:
             autocast_dtype=autocast_dtype(config.parallel),
             grad_scaler=components.grad_scaler,
         )
-        hooks = build_hooks(built, memory=memory, profiler=profiler, preemption=preemption)
+        hooks = build_hooks(built, early=early, preemption=preemption)
         if state is None:
-            state = restore_checkpoint(built, hooks)
+            state = restore_run(config, components, runtime, built.run_dir, hooks)
         record_start(built.run_dir, runtime, state)
         final = train(
             state,
@@ -592,8 +502,8 @@ def plan(config: TinyGPTConfig, world_size: int = 1) -> dict[str, Any]:
         pp_size=int(getattr(parallel, "pp_size", 1) or 1),
         device_type=config.runtime.device,
         dataset_len=train_len,
-        profiler=_profiler_config(config),
-        memory=_memory_config(config) if memory is not None else None,
+        profiler=profiler_config(config),
+        memory=memory_config(config) if memory is not None else None,
         checkpoint=dataclasses.replace(config.checkpoint, dir=str(checkpoint_root(config.checkpoint, config.run_dir))),
         extra={"val_samples": val_len, "run_dir": config.run_dir},
     )

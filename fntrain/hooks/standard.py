@@ -20,15 +20,25 @@ from fntrain.components import Components
 from fntrain.hooks.checkpoint import checkpoint_hook, checkpoint_root
 from fntrain.hooks.evaluate import evaluate_hook, make_eval_fn
 from fntrain.hooks.gc import gc_hook
-from fntrain.hooks.memory import memory_hook
+from fntrain.hooks.memory import MemoryConfig, memory_hook
 from fntrain.hooks.metrics import MetricBoard, metrics_hook, metrics_log
-from fntrain.hooks.profiler import profiler_hook
+from fntrain.hooks.profiler import ProfilerConfig, profiler_hook
 from fntrain.hooks.progress import progress_hook
 from fntrain.hooks.throughput import throughput_hook
+from fntrain.hooks.watchdog import watchdog_hook
+from fntrain.preemption import Preemption
 from fntrain.runtime import Runtime
 from fntrain.state import RunPlan, TrainState
 
-__all__ = ["EarlyHooks", "under_run_dir", "early_hooks", "standard_hooks", "restore_run"]
+__all__ = [
+    "EarlyHooks",
+    "under_run_dir",
+    "memory_config",
+    "profiler_config",
+    "early_hooks",
+    "standard_hooks",
+    "restore_run",
+]
 
 
 def under_run_dir(run_dir: str | os.PathLike, path: str | None, default: str = "") -> str:
@@ -50,13 +60,21 @@ class EarlyHooks:
     profiler: Any
 
 
-def early_hooks(config: Any, runtime: Runtime) -> EarlyHooks:
-    """Build the memory hook (save_path under run_dir) and the profiler hook (output_path under run_dir)."""
-    memory = dataclasses.replace(config.memory, save_path=under_run_dir(config.run_dir, config.memory.save_path))
-    profiler = dataclasses.replace(
+def memory_config(config: Any) -> MemoryConfig:
+    """`config.memory` with its save_path resolved under `config.run_dir`."""
+    return dataclasses.replace(config.memory, save_path=under_run_dir(config.run_dir, config.memory.save_path))
+
+
+def profiler_config(config: Any) -> ProfilerConfig:
+    """`config.profiler` with its output_path resolved under `config.run_dir` (None: the run dir)."""
+    return dataclasses.replace(
         config.profiler, output_path=under_run_dir(config.run_dir, config.profiler.output_path)
     )
-    return EarlyHooks(memory_hook(memory, runtime), profiler_hook(profiler, runtime))
+
+
+def early_hooks(config: Any, runtime: Runtime) -> EarlyHooks:
+    """Build the memory and profiler hooks from the recipe config, paths resolved under run_dir."""
+    return EarlyHooks(memory_hook(memory_config(config), runtime), profiler_hook(profiler_config(config), runtime))
 
 
 def standard_hooks(
@@ -74,11 +92,14 @@ def standard_hooks(
     dp_group: Any = None,
     flops_per_token: Any = None,
     run_config: dict[str, Any] | None = None,
+    preemption: Preemption | None = None,
     extra: Sequence[Any] = (),
 ) -> list[Any]:
-    """The hook list in [S27] order. Throughput, metrics and progress share `log_every` and one
-    `MetricBoard`; evaluation writes through the same metrics log; the checkpoint hook, last, saves the
-    state of every stateful hook in the returned list (itself included) and `run_config`."""
+    """The hook list in [S27] order, then the hang watchdog. Throughput, metrics and progress share
+    `log_every` and one `MetricBoard`; evaluation writes through the same metrics log; the checkpoint hook
+    saves the state of every stateful hook in the returned list (itself included) and `run_config`, and
+    handles `preemption`'s signals; the watchdog goes last so that its silence covers every other hook's
+    work (saves, evaluation). `extra` hooks go just before the checkpoint hook."""
     early = early or early_hooks(config, runtime)
     last = plan.train_iters
     board = MetricBoard()
@@ -116,8 +137,10 @@ def standard_hooks(
             directory=checkpoint_root(config.checkpoint, run_dir),
             hooks=lambda: hooks,  # every stateful hook's state goes into each checkpoint
             run_config=run_config,
+            preemption=preemption,
         )
     )
+    hooks.append(watchdog_hook(config.watchdog, runtime, run_dir))
     return hooks
 
 

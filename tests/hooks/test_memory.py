@@ -684,7 +684,9 @@ def test_recipe_puts_the_memory_hook_first_with_save_path_under_run_dir(tmp_path
         hook_lists.append(list(hooks))
         return train(state, step_fn, hooks, **kw)
 
-    monkeypatch.setattr(tiny_gpt, "memory_hook", spy)
+    import fntrain.hooks.standard as standard
+
+    monkeypatch.setattr(standard, "memory_hook", spy)
     monkeypatch.setattr(tiny_gpt, "train", spy_train)
     with pytest.raises(ValueError, match="memory.end_step"):
         tiny_gpt.run(
@@ -696,5 +698,5 @@ def test_recipe_puts_the_memory_hook_first_with_save_path_under_run_dir(tmp_path
     assert hook_lists[0][0] is built_hooks[0]  # first in the list: its STEP_BEGIN precedes the others [S20]
     assert os.path.abspath(config.save_path) == str(tmp_path / "run" / "memory_snapshot")
     absolute = MemoryConfig(save_path=str(tmp_path / "elsewhere"), mem_info=True)
-    tiny_gpt.build_memory_hook(_tiny_config(tmp_path, absolute)[1], Runtime())
+    standard.early_hooks(_tiny_config(tmp_path, absolute)[1], Runtime())
     assert seen[-1].save_path == str(tmp_path / "elsewhere")
