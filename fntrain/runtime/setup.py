@@ -189,9 +189,16 @@ def _init_process_group(backend: str, timeout_s: float, device: torch.device) ->
         kwargs["device_id"] = device  # eager NCCL communicator init bound to this rank's GPU
     timeout = datetime.timedelta(seconds=timeout_s)
     store = _attempt_store(timeout)
+    _ATTEMPT_STORE[:] = [store] if store is not None else []
     if store is not None:
         kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+
+
+# The store client `_init_process_group` made, released right after the process group is destroyed:
+# left to interpreter shutdown, its destruction can abort the process ("terminate called without an
+# active exception") after an otherwise clean run.
+_ATTEMPT_STORE: list[Any] = []
 
 
 def _attempt_store(timeout: datetime.timedelta, env: Mapping[str, str] | None = None) -> Any:
@@ -294,6 +301,7 @@ def teardown_runtime(runtime: Runtime, *, clean: bool = True, owns_group: bool =
     finally:
         if owns_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        _ATTEMPT_STORE.clear()
 
 
 @contextlib.contextmanager
