@@ -3,16 +3,20 @@
 Rows: per-step overhead of `train()` with no hooks (goal <= 10 us), of `make_train_step` against a
 hand-written step, of the default hooks (progress, metrics every 10 steps, throughput; goal <= 30 us, the
 baseline logging on the same steps), and of idle profiler / memory hooks configured outside their windows.
+When `lightning` is installed (the `bench` extra), the tiny MLP also runs under Lightning Fabric and the
+Lightning Trainer, each against the plain hand-written loop, as a reference point.
 Run: `python -m bench.loop_overhead [--quick]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import os
 import tempfile
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +28,7 @@ from fntrain.step import make_train_step
 
 torch.set_num_threads(1)
 LOG_EVERY = 10
+LR = 1e-4
 
 
 def _mlp_workload(batch_size: int = 32, width: int = 128) -> tuple[torch.nn.Module, list, Callable]:
@@ -63,7 +68,7 @@ def _forward_ids(model: torch.nn.Module, micro_batch: dict) -> Any:
 
 
 def _variants(model, batches, loss_fn, forward, steps: int, hooks_factories: dict[str, Callable[[], list]]):
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     step_fn = make_train_step(model, loss_fn, optimizer, forward=forward, loss_weighting="mean")
     epoch_len = len(batches)
     plan = RunPlan(train_iters=steps, steps_per_epoch=epoch_len, epochs=-(-steps // epoch_len))
@@ -130,6 +135,68 @@ def _variants(model, batches, loss_fn, forward, steps: int, hooks_factories: dic
     return variants
 
 
+def _lightning_variants(model, batches, loss_fn, forward, steps: int, run_dir: str) -> dict[str, Callable]:
+    """Lightning Fabric and the Lightning Trainer running the hand-written step; empty without `lightning`.
+
+    Each gets its own deep copy of `model` and its own SGD optimizer (same learning rate) so the variants
+    do not share parameters or optimizer state. The Trainer is built inside each run, as a user would build
+    it per fit; its set-up is amortised over the long runs of the full mode.
+    """
+    try:
+        import lightning
+    except ImportError:
+        return {}
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Advice aimed at real training jobs (loader workers, logging interval), not at a timing loop.
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=r".*number of training batches.*logging interval.*")
+    # torch's pytree deprecation, raised from inside Lightning's own code.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+
+    fabric = lightning.Fabric(accelerator="cpu", devices=1)
+    fabric_model = copy.deepcopy(model)
+    fabric_model, fabric_optimizer = fabric.setup(fabric_model, torch.optim.SGD(fabric_model.parameters(), lr=LR))
+
+    def fabric_loop() -> int:
+        done = 0
+        while done < steps:
+            for batch in batches[: steps - done]:
+                micro_batch = batch[0]
+                loss = loss_fn(forward(fabric_model, micro_batch), micro_batch)
+                fabric.backward(loss)
+                fabric_optimizer.step()
+                fabric_optimizer.zero_grad(set_to_none=True)
+                done += 1
+        return steps
+
+    class StepModule(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = copy.deepcopy(model)
+
+        def training_step(self, batch, batch_idx):
+            micro_batch = batch[0]
+            return loss_fn(forward(self.net, micro_batch), micro_batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    module = StepModule()
+    # batch_size=None: each item of `batches` is already one collated batch, as the other variants see it.
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
+
+    def trainer_fit() -> int:
+        trainer = lightning.Trainer(
+            accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=run_dir,
+        )  # fmt: skip
+        trainer.fit(module, train_dataloaders=loader)
+        return steps
+
+    return {"Lightning Fabric": fabric_loop, "Lightning Trainer": trainer_fit}
+
+
 def _default_hooks(steps: int, run_dir: str) -> Callable[[], list]:
     """Progress bar, metrics every 10 steps (log line + metrics.jsonl) and throughput, as recipes use them."""
     from fntrain.hooks.metrics import MetricBoard, MetricsConfig, metrics_hook, metrics_log
@@ -174,6 +241,66 @@ def _idle_window_hooks() -> dict[str, Callable[[], list]]:
     return factories
 
 
+def _isolated_rows(quick: bool, run_dir: str) -> list[Row]:
+    """The loop's and the default hooks' own per-step cost, with a trivial step (a ready metrics dict
+    holding a 0-d tensor): what remains when the step's own time and its run-to-run variation are gone."""
+    steps, repeats = (2000, 3) if quick else (20000, 11)
+    metrics = {"loss": torch.tensor(1.0), "grad_norm": 0.0, "lr": LR}
+    batches = [[{"x": torch.zeros(1)}]] * steps
+    plan = RunPlan(train_iters=steps, steps_per_epoch=steps, epochs=1)
+    state0 = TrainState()
+    log_file = open(os.devnull, "w")  # noqa: SIM115 - the baseline's metrics file, kept for the run
+    plain_log = logging.getLogger("bench.plain")
+
+    def step_fn(state: TrainState, batch: Any) -> dict:
+        return metrics
+
+    def plain_loop() -> int:
+        for batch in batches:
+            step_fn(state0, batch)
+        return steps
+
+    def plain_loop_logging() -> int:
+        for done, batch in enumerate(batches, start=1):
+            out = step_fn(state0, batch)
+            if done % LOG_EVERY == 0:
+                loss = float(out["loss"])
+                plain_log.info("step=%d loss=%.9g", done, loss)
+                log_file.write(json.dumps({"step": done, "loss": loss}) + "\n")
+        return steps
+
+    default_hooks = _default_hooks(steps, run_dir)
+
+    def with_hooks(factory: Callable[[], list]) -> Callable[[], int]:
+        def run_train() -> int:
+            train(state0, step_fn, factory(), data=lambda epoch, cursor: iter(batches[cursor:]), plan=plan)
+            return steps
+
+        return run_train
+
+    timing = interleave(
+        {
+            "plain loop": plain_loop,
+            "plain loop, logging every 10": plain_loop_logging,
+            "train(), no hooks": with_hooks(lambda: []),
+            "train(), default hooks": with_hooks(default_hooks),
+        },
+        repeats=repeats,
+        aa="plain loop",
+    )
+    return [
+        overhead_row(
+            "P1 loop alone (trivial step): train(), no hooks vs plain loop", timing, "train(), no hooks",
+            "plain loop", goal_us=10, note="the loop's own Python per step, free of the step's variation.",
+        ),
+        overhead_row(
+            "P1 hooks alone (trivial step): train(), default hooks vs plain loop logging on the same steps",
+            timing, "train(), default hooks", "plain loop, logging every 10", goal_us=30,
+            note="the default hooks' own per-step cost, logging steps included, free of the step's variation.",
+        ),
+    ]  # fmt: skip
+
+
 def run(quick: bool = False) -> list[Row]:
     # Long runs amortise per-run set-up (a progress bar, a metrics file, a profiler import at TRAIN_BEGIN):
     # the goals are per-step costs.
@@ -187,6 +314,10 @@ def run(quick: bool = False) -> list[Row]:
         hooks = _idle_window_hooks() if label == "tiny MLP" else {}
         hooks["default hooks"] = _default_hooks(n_steps, run_dir)
         variants = _variants(model, batches, loss_fn, forward, n_steps, hooks)
+        lightning_variants = (
+            _lightning_variants(model, batches, loss_fn, forward, n_steps, run_dir) if label == "tiny MLP" else {}
+        )
+        variants.update(lightning_variants)
         timing = interleave(variants, repeats=repeats, aa="plain loop")
         rows.append(
             overhead_row(
@@ -219,6 +350,20 @@ def run(quick: bool = False) -> list[Row]:
                     goal_us=5, note="a hook outside its window costs a call and an integer comparison.",
                 )
             )  # fmt: skip
+        notes = {
+            "Lightning Fabric": "Fabric's module/optimizer wrappers and backward dispatch around the same step, "
+            "a reference point for a thin launcher.",
+            "Lightning Trainer": "the Trainer's loop, hooks, batch transfer, optimizer closure and per-epoch "
+            "loader reset around the same step (automatic optimization), a reference point for a full trainer.",
+        }
+        for name in lightning_variants:
+            rows.append(
+                overhead_row(
+                    f"P1 {label}: {name} vs plain loop (hand-written step)", timing, name,
+                    "plain loop, hand-written step", goal_us=None, note=notes[name],
+                )
+            )  # fmt: skip
+    rows.extend(_isolated_rows(quick, run_dir))
     return rows
 
 

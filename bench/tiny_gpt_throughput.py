@@ -42,7 +42,9 @@ def run(quick: bool = False) -> list[Row]:
     with tempfile.TemporaryDirectory() as tmp:
         config = _config(tmp)
         # The plain script does not evaluate: neither does the measured recipe.
-        config = dataclasses.replace(config, evaluate=dataclasses.replace(config.evaluate, enabled=False))
+        config = dataclasses.replace(
+            config, evaluate=dataclasses.replace(config.evaluate, eval_every=0, eval_epochs=0, at_end=False)
+        )
         runtime = Runtime()
         built = recipe.build(config, runtime)
         comp = built.components

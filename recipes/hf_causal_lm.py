@@ -205,6 +205,10 @@ class HFCausalLMConfig:
         require_int("seed", self.seed, min=0)
         require_int("log_every", self.log_every, min=0)
         self.runtime.validate("runtime")
+        if self.runtime.seed not in (RuntimeConfig().seed, self.seed):
+            raise ValueError(
+                f"runtime.seed ({self.runtime.seed}) is set from seed ({self.seed}) by this recipe: use --seed"
+            )
         self.parallel.validate("parallel")
         require_str("model.path", self.model.path)
         if not self.model.path:
@@ -809,7 +813,7 @@ def run(config: HFCausalLMConfig, state: TrainState | None = None) -> TrainState
         write_run_metadata(config.run_dir, runtime)
         built = build(config, runtime)
         if runtime.is_main:
-            write_config(config, built.run_dir)
+            write_config(dataclasses.replace(config, runtime=runtime_config), built.run_dir)
         components = built.components
         step_fn = make_train_step(
             components.model,

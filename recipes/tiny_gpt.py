@@ -167,6 +167,10 @@ class TinyGPTConfig:
         require_int("seed", self.seed, min=0)
         require_int("log_every", self.log_every, min=0)
         self.runtime.validate("runtime")
+        if self.runtime.seed not in (RuntimeConfig().seed, self.seed):
+            raise ValueError(
+                f"runtime.seed ({self.runtime.seed}) is set from seed ({self.seed}) by this recipe: use --seed"
+            )
         self.parallel.validate("parallel")
         for name in ("context", "n_layer", "n_head", "d_model"):
             require_int(f"model.{name}", getattr(self.model, name), min=1)
@@ -435,7 +439,7 @@ def run(config: TinyGPTConfig, state: TrainState | None = None) -> TrainState:
         write_run_metadata(config.run_dir, runtime)
         built = build(config, runtime)
         if runtime.is_main:
-            write_resolved_config(config, built.run_dir)
+            write_resolved_config(dataclasses.replace(config, runtime=runtime_config), built.run_dir)
         components = built.components
         step_fn = make_train_step(
             components.model,
