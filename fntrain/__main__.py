@@ -1,7 +1,6 @@
 """`python -m fntrain ...` is the `fntrain` command (handy under torchrun: torchrun ... -m fntrain run ...)."""
 
-import sys
-
 from fntrain.cli import main
+from fntrain.runtime.process import run_main
 
-sys.exit(main())
+run_main(main)

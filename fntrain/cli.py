@@ -302,4 +302,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fntrain.runtime.process import run_main
+
+    run_main(main)

@@ -898,4 +898,6 @@ def main(argv: list[str] | None = None) -> TrainState:
 
 
 if __name__ == "__main__":
-    main()
+    from fntrain.runtime.process import run_main
+
+    run_main(main)

@@ -88,4 +88,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from fntrain.runtime.process import run_main
+
+    run_main(lambda: main(sys.argv[1:]))

@@ -140,8 +140,10 @@ class Watchdog:
         stacks_dir: str | os.PathLike,
         clock: Callable[[], float] = time.monotonic,
         abort: Callable[[int], Any] = hard_exit,
+        world_size: int = 1,
     ) -> None:
         self.config, self.rank, self.clock, self._abort = config, rank, clock, abort
+        self.world_size = world_size
         self.stacks_dir = Path(stacks_dir)
         self.stack_file = self.stacks_dir / f"rank_{rank}.txt"
         self._periods: deque[float] = deque(maxlen=config.window)
@@ -222,6 +224,7 @@ class Watchdog:
 
     def _fire(self, reason: str) -> None:
         self.fired = True
+        first_to_report = False
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         try:
             self.stacks_dir.mkdir(parents=True, exist_ok=True)
@@ -237,6 +240,7 @@ class Watchdog:
                 tmp = marker.with_name(f".{HANG_MARKER}.{self.rank}.tmp")
                 tmp.write_text(json.dumps({"rank": self.rank, "reason": reason, "time": time.time()}))
                 os.replace(tmp, marker)
+                first_to_report = True
         except OSError as error:
             log.error("watchdog could not write the stack dump to %s: %r", self.stack_file, error)
 
@@ -252,6 +256,10 @@ class Watchdog:
         reporter = threading.Thread(target=report, name=f"{THREAD_NAME}-report", daemon=True)
         reporter.start()
         reporter.join(5.0)
+        if first_to_report and self.world_size > 1:
+            # This rank's exit breaks its peers' collectives, and a peer whose collective fails aborts
+            # (its watchdog stops) before it dumps: give them a few polls to see the marker and dump.
+            time.sleep(min(10.0, 3 * self.config.poll_s + 0.5))
         self._abort(self.config.exit_code)
 
     def _run(self) -> None:
@@ -311,7 +319,10 @@ def watchdog_hook(
                 watchdog.step_done(state.global_step)
         elif event is Event.TRAIN_BEGIN:
             stop()
-            watchdog = Watchdog(config, rank=runtime.rank, stacks_dir=stacks_dir, clock=clock, abort=abort)
+            watchdog = Watchdog(
+                config, rank=runtime.rank, stacks_dir=stacks_dir, clock=clock, abort=abort,
+                world_size=runtime.world_size,
+            )  # fmt: skip
             watchdog.beat("train begin", state.global_step)
             watchdog.start()
         elif event in (Event.EPOCH_BEGIN, Event.EPOCH_END):

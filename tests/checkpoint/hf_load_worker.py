@@ -60,4 +60,6 @@ def main(model_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    from fntrain.runtime.process import run_main
+
+    run_main(lambda: main(*sys.argv[1:3]))

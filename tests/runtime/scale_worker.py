@@ -160,4 +160,6 @@ def main(case: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    from fntrain.runtime.process import run_main
+
+    run_main(lambda: main(*sys.argv[1:3]))
