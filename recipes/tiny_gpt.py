@@ -52,10 +52,11 @@ from fntrain.runtime.parallel import (
     build_grad_scaler,
     data_parallel_group,
     hsdp_shape,
+    parallel_train_step,
     parallelize,
 )
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime
-from fntrain.step import causal_lm_loss, make_train_step
+from fntrain.step import causal_lm_loss
 
 CORPUS = Path(__file__).parent / "data" / "shakespeare.txt"
 log = logging.getLogger("recipes.tiny_gpt")
@@ -441,18 +442,12 @@ def run(config: TinyGPTConfig, state: TrainState | None = None) -> TrainState:
         if runtime.is_main:
             write_resolved_config(dataclasses.replace(config, runtime=runtime_config), built.run_dir)
         components = built.components
-        step_fn = make_train_step(
-            components.model,
-            components.loss_fn,
-            components.optimizers,
-            components.schedulers,
+        step_fn = parallel_train_step(
+            components,
+            runtime,
+            config.parallel,
             max_grad_norm=config.train.max_grad_norm,
             loss_weighting=config.train.loss_weighting,
-            device=runtime.device,
-            dp_size=runtime.dp_size,
-            dp_group=data_parallel_group(runtime),
-            autocast_dtype=autocast_dtype(config.parallel),
-            grad_scaler=components.grad_scaler,
         )
         hooks = build_hooks(built, early=early, preemption=preemption)
         if state is None:

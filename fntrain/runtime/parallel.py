@@ -308,3 +308,25 @@ def parallelize(
     if config.strategy == "fsdp2":
         return _apply_fsdp2(model, runtime, config, blocks)
     return model
+
+
+def parallel_train_step(
+    components: Any, runtime: Runtime, config: ParallelConfig, *, max_grad_norm: float, loss_weighting: str
+) -> Any:
+    """`make_train_step` over `components`, wired to this runtime: its device, data-parallel size and
+    group, the autocast dtype `config` implies and the components' grad scaler."""
+    from fntrain.step import make_train_step  # the step sits above the runtime (DESIGN layers)
+
+    return make_train_step(
+        components.model,
+        components.loss_fn,
+        components.optimizers,
+        components.schedulers,
+        max_grad_norm=max_grad_norm,
+        loss_weighting=loss_weighting,
+        device=runtime.device,
+        dp_size=runtime.dp_size,
+        dp_group=data_parallel_group(runtime),
+        autocast_dtype=autocast_dtype(config),
+        grad_scaler=components.grad_scaler,
+    )
