@@ -157,3 +157,18 @@ def append_results(title: str, rows: Sequence[Row], *, notes: Sequence[str] = ()
     parts += [f"- {note}" for note in notes]
     with path.open("a") as handle:
         handle.write("\n".join(parts) + "\n")
+
+
+def bench_main(run: Callable[[bool], Sequence[Row]], title: str, description: str | None) -> None:
+    """The command line of one benchmark module: `--quick` (few repeats) and `--record` (append to
+    bench/RESULTS.md); prints the table."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="few steps and repeats (CI: checks the harness)")
+    parser.add_argument("--record", action="store_true", help="append the table to bench/RESULTS.md")
+    args = parser.parse_args()
+    rows = run(args.quick)
+    print(format_table(rows))
+    if args.record:
+        append_results(title, rows)

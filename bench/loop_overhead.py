@@ -10,7 +10,6 @@ Run: `python -m bench.loop_overhead [--quick]`.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import logging
@@ -22,7 +21,7 @@ from typing import Any
 
 import torch
 
-from bench.harness import Row, append_results, format_table, interleave, overhead_row
+from bench.harness import Row, bench_main, interleave, overhead_row
 from fntrain import RunPlan, TrainState, train
 from fntrain.step import make_train_step
 
@@ -367,16 +366,5 @@ def run(quick: bool = False) -> list[Row]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="few steps and repeats (CI: checks the harness)")
-    parser.add_argument("--record", action="store_true", help="append the table to bench/RESULTS.md")
-    args = parser.parse_args()
-    rows = run(args.quick)
-    print(format_table(rows))
-    if args.record:
-        append_results("Loop overhead", rows)
-
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, "Loop overhead", __doc__)

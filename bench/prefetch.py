@@ -9,12 +9,11 @@ measured in the same run. Run: `python -m bench.prefetch [--quick]`.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
-from bench.harness import Row, append_results, format_table, interleave, ratio_row
+from bench.harness import Row, bench_main, interleave, ratio_row
 from fntrain import RunPlan, TrainState, train
 from fntrain.data.pipeline import batches, build_data, data_fn
 
@@ -107,16 +106,5 @@ def run(quick: bool = False) -> list[Row]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="few steps and repeats (CI: checks the harness)")
-    parser.add_argument("--record", action="store_true", help="append the table to bench/RESULTS.md")
-    args = parser.parse_args()
-    rows = run(args.quick)
-    print(format_table(rows))
-    if args.record:
-        append_results("Prefetch", rows)
-
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, "Prefetch", __doc__)

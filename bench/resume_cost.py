@@ -9,14 +9,13 @@ Run: `python -m bench.resume_cost [--quick]`.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import time
 
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from bench.harness import Row, append_results, format_table, interleave, ratio_row
+from bench.harness import Row, bench_main, interleave, ratio_row
 from fntrain.data.pipeline import batches, build_data
 from fntrain.data.sampler import epoch_generator
 
@@ -99,16 +98,5 @@ def run(quick: bool = False) -> list[Row]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="a smaller cursor and few repeats (CI)")
-    parser.add_argument("--record", action="store_true", help="append the table to bench/RESULTS.md")
-    args = parser.parse_args()
-    rows = run(args.quick)
-    print(format_table(rows))
-    if args.record:
-        append_results("Resume cost", rows)
-
-
 if __name__ == "__main__":
-    main()
+    bench_main(run, "Resume cost", __doc__)
