@@ -22,10 +22,10 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import optree
 import torch
 import torch.distributed as dist
 
+from fntrain.data.device import to_device
 from fntrain.data.tokens import IGNORE_INDEX, count_loss_tokens, loss_targets
 from fntrain.state import TrainState
 
@@ -78,14 +78,6 @@ def current_lr(optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence
     if schedulers:
         return max(max(s.get_last_lr()) for s in schedulers)
     return max(group["lr"] for opt in optimizers for group in opt.param_groups)
-
-
-def _to_device(micro_batch: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return micro_batch
-    return optree.tree_map(
-        lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, micro_batch
-    )
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -253,7 +245,8 @@ def make_train_step(
         count = len(micro_batches)
         if count == 0:
             raise ValueError(f"step {state.global_step + 1}: the batch holds no micro-batches")
-        micro_batches = [_to_device(mb, device) for mb in micro_batches]
+        if not on_cpu:  # data on the host is already where a CPU step needs it: no tree walk per step
+            micro_batches = [to_device(mb, device) for mb in micro_batches]
         if token_weighted:
             weights, total_tokens = token_weights(micro_batches)
 

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import default_collate
 
 from fntrain.config import require_bool, require_int
+from fntrain.data.device import to_device
 from fntrain.data.tokens import IGNORE_INDEX, count_loss_tokens
 from fntrain.hooks.base import StatefulHook, stateful
 from fntrain.hooks.metrics import RESERVED, MetricsLog, format_record
@@ -32,7 +33,7 @@ from fntrain.loop import Event
 from fntrain.runtime.collectives import exact_dtype, reduce_scalars
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
-from fntrain.step import _to_device, default_forward  # the step's own device transfer
+from fntrain.step import default_forward
 
 __all__ = ["EvaluateConfig", "evaluate_hook", "make_eval_fn", "eval_index_groups"]
 
@@ -127,7 +128,7 @@ def make_eval_fn(
                 loss_sum = torch.zeros((), dtype=dtype, device=device)
                 token_sum = torch.zeros((), dtype=dtype, device=device)
                 for indices, counted in groups:
-                    micro_batch = _to_device(collate([dataset[i] for i in indices]), device)
+                    micro_batch = to_device(collate([dataset[i] for i in indices]), device)
                     if autocast_dtype is not None:
                         with torch.autocast(device.type, dtype=autocast_dtype):
                             output = forward(model, micro_batch)
