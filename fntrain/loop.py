@@ -12,11 +12,11 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from fntrain.state import RunPlan, TrainState
 
-__all__ = ["Event", "Hook", "StepInfo", "StopTraining", "train"]
+__all__ = ["Event", "Hook", "StepInfo", "StopTraining", "TrainResult", "train", "run_training"]
 
 log = logging.getLogger("fntrain.loop")
 
@@ -52,8 +52,29 @@ class Hook(Protocol):
     def __call__(self, event: Event, state: TrainState, info: StepInfo | BaseException | None) -> None: ...
 
 
+Outcome = Literal["completed", "stopped", "preempted"]
+
+
 class StopTraining(Exception):
-    """Raised by a hook or a step to end the run cleanly: TRAIN_END is sent and `train` returns."""
+    """Raised by a hook or a step to end the run cleanly: TRAIN_END is sent and `train` returns.
+
+    `outcome` says why the run ended early ("stopped"; the preemption hook says "preempted") and
+    `exit_code` the status a launcher should exit with after its clean teardown (0: success)."""
+
+    def __init__(self, reason: str = "", *, outcome: Outcome = "stopped", exit_code: int = 0):
+        super().__init__(reason)
+        self.reason, self.outcome, self.exit_code = reason, outcome, exit_code
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """How a run ended: the final state, "completed" (train_iters reached), "stopped" or "preempted"
+    (a `StopTraining` from a hook or the step), its reason, and the exit status it asks for."""
+
+    state: TrainState
+    outcome: Outcome = "completed"
+    reason: str = ""
+    exit_code: int = 0
 
 
 StepFn = Callable[[TrainState, Any], Mapping[str, Any]]
@@ -79,14 +100,29 @@ def train(
     count_batch: CountFn | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> TrainState:
-    """Run `step_fn` over `data` from `state` until `plan.train_iters` steps; return the final state.
+    """`run_training` returning only the final `TrainState` (see there for the contract)."""
+    return run_training(state, step_fn, hooks, data=data, plan=plan, count_batch=count_batch, clock=clock).state
+
+
+def run_training(
+    state: TrainState,
+    step_fn: StepFn,
+    hooks: Sequence[Hook] = (),
+    *,
+    data: DataFn,
+    plan: RunPlan,
+    count_batch: CountFn | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> TrainResult:
+    """Run `step_fn` over `data` from `state` until `plan.train_iters` steps; return how it ended.
 
     Events, in order: TRAIN_BEGIN; per epoch EPOCH_BEGIN, then per step STEP_BEGIN (after the batch was
     fetched), the step, the state advances, STEP_END (with a `StepInfo`); EPOCH_END (with the finished
     epoch's state); finally TRAIN_END. Any exception sends ABORT (info = the exception) to every hook,
     closes the data iterator and re-raises the same exception object; TRAIN_END is then not sent.
-    `StopTraining` ends the run cleanly. `data(epoch, cursor)` returns the epoch's remaining global
-    batches; running out early ends the epoch quietly without advancing `global_step` [S13].
+    `StopTraining` ends the run cleanly; the returned `TrainResult` says how the run ended.
+    `data(epoch, cursor)` returns the epoch's remaining global batches; running out early ends the epoch
+    quietly without advancing `global_step` [S13].
     """
     hooks = tuple(hooks)
     iterator: Iterator[Any] | None = None
@@ -136,13 +172,15 @@ def train(
                 # The epoch is finished (all its steps, its data ran out, or a restored cursor at its end).
                 dispatch(Event.EPOCH_END, state)
                 state = state.next_epoch()
-        except StopTraining:
+            ended = TrainResult(state)
+        except StopTraining as stop:
             log.info("StopTraining at global_step %d; ending the run", state.global_step)
+            ended = TrainResult(state, stop.outcome, stop.reason, stop.exit_code)
         if iterator is not None:
             _close(iterator)
             iterator = None
         dispatch(Event.TRAIN_END, state)
-        return state
+        return ended
     except BaseException as error:
         _abort(hooks, state, error, iterator)
         raise

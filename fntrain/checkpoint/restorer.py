@@ -43,7 +43,7 @@ from fntrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from fntrain.checkpoint.saver import FORMAT_VERSION, app_state
 from fntrain.checkpoint.tree import dcp_key, decode_value, leaves, rebuild
 from fntrain.components import Components
-from fntrain.hooks.base import load_hook_states
+from fntrain.stateful import load_hook_states
 from fntrain.loop import Hook
 from fntrain.state import TrainState
 

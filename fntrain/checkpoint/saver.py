@@ -44,7 +44,7 @@ from fntrain.checkpoint.layout import (
 from fntrain.checkpoint.rng import rng_state
 from fntrain.checkpoint.tree import split
 from fntrain.components import Components
-from fntrain.hooks.base import hook_states
+from fntrain.stateful import hook_states
 from fntrain.loop import Hook
 from fntrain.state import TrainState
 

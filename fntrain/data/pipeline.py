@@ -33,6 +33,7 @@ from fntrain.data.prefetch import Prefetcher
 from fntrain.data.sampler import WORKER_STREAM, MicroBatchSampler, epoch_generator, rank_order
 from fntrain.data.stream import StreamPosition, is_iterable_dataset, is_stateful, open_stream
 from fntrain.state import loader_length
+from fntrain.stateful import stateful
 
 __all__ = [
     "DataSpec",
@@ -234,7 +235,6 @@ def position_hook(spec: DataSpec, name: str = "data_position") -> Any:
     """A no-op hook carrying `spec.position` under the hook `state_dict` protocol, so the checkpoint saves
     a stateful stream's position with each rank's hook states and restores it before the resumed run.
     Put it in the hook list of a run that reads a stateful iterable dataset."""
-    from fntrain.hooks.base import stateful  # the protocol lives with the hooks; data needs only this
 
     def ignore(event: Any, state: Any, info: Any) -> None:
         return None

@@ -1,18 +1,17 @@
-"""Small combinators that compose hooks, and the `state_dict` protocol hooks use to survive a resume.
+"""Small combinators that compose hooks: `every`, `on`, `on_ranks`.
 
-A hook is any callable `(event, state, info) -> None`. A hook with state that must survive a resume
-(consumed tokens, the last saved step, ...) is a `StatefulHook`: it carries a stable `name` and the
-`state_dict` / `load_state_dict` pair, which the checkpoint saves and restores by that name.
+The hook-state protocol (`stateful`, `hook_states`, `load_hook_states`) lives in `fntrain.stateful`,
+below the hooks, the data pipeline and the checkpoint code; it is re-exported here for hook authors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from fntrain.loop import Event, Hook
 from fntrain.state import TrainState
+from fntrain.stateful import StatefulHook, hook_states, load_hook_states, stateful
 
 __all__ = [
     "StatefulHook",
@@ -25,29 +24,6 @@ __all__ = [
 ]
 
 _ALWAYS = frozenset({Event.TRAIN_BEGIN, Event.TRAIN_END, Event.ABORT})
-
-
-@dataclass(frozen=True)
-class StatefulHook:
-    """A named hook whose state the checkpoint saves (`state_dict`) and restores (`load_state_dict`)."""
-
-    name: str
-    fn: Callable[[Event, TrainState, Any], None]
-    state_dict: Callable[[], dict[str, Any]]
-    load_state_dict: Callable[[Mapping[str, Any]], None]
-
-    def __call__(self, event: Event, state: TrainState, info: Any) -> None:
-        self.fn(event, state, info)
-
-
-def stateful(
-    name: str,
-    fn: Callable[[Event, TrainState, Any], None],
-    state_dict: Callable[[], dict[str, Any]],
-    load_state_dict: Callable[[Mapping[str, Any]], None],
-) -> StatefulHook:
-    """Wrap a hook function with the resume protocol under a stable `name`."""
-    return StatefulHook(name, fn, state_dict, load_state_dict)
 
 
 def _with_state_of(inner: Hook, outer: Callable[[Event, TrainState, Any], None]) -> Hook:
@@ -99,26 +75,3 @@ def on_ranks(ranks: Collection[int], rank: int, hook: Hook) -> Hook:
         return None
 
     return _with_state_of(hook, skipped)
-
-
-def hook_states(hooks: Iterable[Hook]) -> dict[str, dict[str, Any]]:
-    """The `state_dict()` of every stateful hook, keyed by its name; duplicate names are an error."""
-    states: dict[str, dict[str, Any]] = {}
-    for hook in hooks:
-        if isinstance(hook, StatefulHook):
-            if hook.name in states:
-                raise ValueError(f"two hooks share the state name {hook.name!r}")
-            states[hook.name] = hook.state_dict()
-    return states
-
-
-def load_hook_states(hooks: Iterable[Hook], states: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """Give each stateful hook its saved state; return the names of hooks that had none saved."""
-    missing = []
-    for hook in hooks:
-        if isinstance(hook, StatefulHook):
-            if hook.name in states:
-                hook.load_state_dict(states[hook.name])
-            else:
-                missing.append(hook.name)
-    return missing
