@@ -1,5 +1,5 @@
 """P3 prefetch: with a step of C ms of compute (torch threads = 1) and a dataset that spends L ms per batch
-outside the GIL (sleeping, like file or network I/O), `--data.prefetch` should bring the step time down from
+outside the GIL (sleeping, like file or network I/O), `--loader.prefetch` should bring the step time down from
 L + C to max(L, C): goal <= 1.10 x max(L, C), for L = C = 20 ms and L = 2C.
 
 Each configuration runs `train()` four ways, interleaved: with prefetch, without, compute only (batches

@@ -22,9 +22,10 @@ LOG_EVERY = 10
 
 
 def _config(run_dir: str):
-    from recipes.tiny_gpt import ModelConfig, TinyGPTConfig, TrainConfig
+    from fntrain.job import TrainConfig
+    from recipes.tiny_gpt import Config, ModelConfig
 
-    return TinyGPTConfig(
+    return Config(
         run_dir=run_dir,
         log_every=LOG_EVERY,
         model=ModelConfig(context=64, n_layer=2, n_head=2, d_model=64),
@@ -34,6 +35,7 @@ def _config(run_dir: str):
 
 def run(quick: bool = False) -> list[Row]:
     import recipes.tiny_gpt as recipe
+    from fntrain.job import build_job
     from fntrain.runtime import Runtime
 
     torch.set_num_threads(1)
@@ -46,9 +48,11 @@ def run(quick: bool = False) -> list[Row]:
             config, evaluate=dataclasses.replace(config.evaluate, eval_every=0, eval_epochs=0, at_end=False)
         )
         runtime = Runtime()
-        built = recipe.build(config, runtime)
+        built = build_job(config, recipe.spec, runtime)
         comp = built.components
-        step_fn = make_train_step(comp.model, comp.loss_fn, comp.optimizers, comp.schedulers, max_grad_norm=1.0)
+        step_fn = make_train_step(
+            comp.model, comp.loss_fn, comp.optimizers, comp.schedulers, max_grad_norm=1.0
+        )
         state = {"state": TrainState()}
         sample = built.data.collate_fn([built.data.dataset[0]] * config.train.micro_batch_size)
         flops = measure_flops_per_token(lambda: recipe.TinyGPT(config.model), sample, loss_fn=causal_lm_loss)
@@ -64,7 +68,7 @@ def run(quick: bool = False) -> list[Row]:
             return steps
 
         # The plain script: its own copy of the model, optimizer and schedule, same data order and shapes.
-        plain = recipe.build(config, runtime)
+        plain = build_job(config, recipe.spec, runtime)
         model = plain.components.model
         optimizer, scheduler = plain.components.optimizers[0], plain.components.schedulers[0]
         dataset = plain.data.dataset
@@ -102,7 +106,12 @@ def run(quick: bool = False) -> list[Row]:
     return [
         ratio_row(
             "Tiny-GPT throughput: recipe (train + default hooks) vs plain script",
-            ours, base, unit="tokens/s", goal_ratio=0.95, noise=noise, lower_is_better=False,
+            ours,
+            base,
+            unit="tokens/s",
+            goal_ratio=0.95,
+            noise=noise,
+            lower_is_better=False,
             note="the step dominates; the rest is token counting and weighting, the hooks' logging steps "
             "(one reduction, a device sync, a log line) and each run's set-up (progress bar, files).",
         )  # fmt: skip

@@ -1,6 +1,7 @@
 """The `fntrain` command: run a recipe, print its run plan, plot a run.
 
     fntrain run RECIPE [--config FILE] [overrides]      train (torchrun works too: torchrun ... -m fntrain run ...)
+    fntrain cp RECIPE DEST.py [--force]                 copy a built-in recipe to own and change it
     fntrain plan RECIPE [--world-size N] [--json] [--config FILE] [overrides]
                                                         the resolved run plan, without a model or a device
     fntrain config RECIPE [--format toml|json] [--config FILE] [overrides]
@@ -11,7 +12,9 @@
     fntrain recipes                                     the recipes that can be named
 
 RECIPE is a name registered in the `fntrain.recipes` entry-point group (the built-ins: tiny_gpt,
-hf_causal_lm), a recipe of a source checkout's `recipes/`, or a dotted module path. The options after it
+hf_causal_lm), a recipe of a source checkout's `recipes/`, a dotted module path, or a .py file (such as
+one `fntrain cp` wrote; `python DEST.py` runs it too). Every bad setting is one line naming the flag,
+exit status 2, before any file, model or device work. The options after it
 are the recipe's own, parsed by tyro from its config dataclass (`fntrain run tiny_gpt --help` lists
 them); `--config FILE` (TOML, YAML or JSON) seeds their defaults and flags override the file.
 """
@@ -25,12 +28,13 @@ import sys
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
+from fntrain.config import ConfigError, as_flags
 from fntrain.config_file import CONFIG_HELP, config_to_dict, dump_toml, load_config, split_config_args
 from fntrain.recipes_registry import Recipe, RecipeNotFound, available_recipes, load_recipe
 
-__all__ = ["main", "dispatch", "resolve_config", "plan_report"]
+__all__ = ["main", "dispatch", "resolve_config", "plan_report", "run_recipe", "recipe_main"]
 
-COMMANDS = ("run", "plan", "config", "plot", "tokenize", "export", "recipes")
+COMMANDS = ("run", "plan", "config", "cp", "plot", "tokenize", "export", "recipes")
 _HELP = ("-h", "--help")
 
 
@@ -91,13 +95,62 @@ def _describe(recipe: Recipe) -> str:
     return f"{first}\n\n{CONFIG_HELP}"
 
 
+def _setting_error(error: BaseException, config_cls: type) -> CommandError:
+    """A bad setting as the one line the user sees: the fields it names written as their flags."""
+    from fntrain.job import config_fields
+
+    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return CommandError(as_flags(message, config_fields(config_cls)))
+
+
 def plan_report(recipe: Recipe, config: Any, world_size: int = 1) -> dict[str, Any]:
-    """The recipe's plan for `world_size` ranks (its `plan` function), with the recipe's name."""
-    if recipe.plan is None:
-        raise UsageError(f"recipe {recipe.name} has no plan(config, world_size) function")
-    if type(world_size) is not int or world_size < 1:
-        raise ValueError(f"--world-size must be a positive int, got {world_size!r}")
-    return {"recipe": recipe.name, **recipe.plan(config, world_size=world_size)}
+    """The recipe's plan for `world_size` ranks (`fntrain.job.plan_job`), with the recipe's name."""
+    from fntrain.job import plan_job
+
+    try:
+        return {"recipe": recipe.name, **plan_job(config, recipe.spec, world_size)}
+    except (TypeError, ValueError, OSError) as error:  # settings the job rejects, a missing data file
+        raise _setting_error(error, recipe.config_cls) from None
+
+
+def run_recipe(spec: Any, config: Any) -> Any:
+    """Check `config` (a bad value is a `CommandError` naming the flag, before any work), run it with
+    `fntrain.job.run_job` and return its `TrainResult`. A preempted run raises `SystemExit` with its
+    exit status (checkpoint.preempt_exit_code) after its clean teardown."""
+    from fntrain.job import check_device_settings, check_job, run_job
+    from fntrain.logs import setup_console_logging
+
+    try:
+        check_job(config)
+        check_device_settings(config)
+    except (TypeError, ValueError, RuntimeError, OSError) as error:
+        raise _setting_error(error, type(config)) from None
+    setup_console_logging()  # [rank r] prefixes; other ranks: warnings and errors only
+    try:
+        result = run_job(config, spec)
+    except ConfigError as error:  # found while building (e.g. the data is smaller than one step)
+        raise _setting_error(error, type(config)) from None
+    if result.exit_code:
+        raise SystemExit(result.exit_code)
+    return result
+
+
+def recipe_main(spec: Any, argv: Sequence[str] | None = None) -> None:
+    """`python -m recipes.NAME [--config FILE] [overrides]` and `python my_recipe.py ...`: the same as
+    `fntrain run`, ending the process with the run's exit status."""
+    import os
+
+    from fntrain.runtime.process import run_main
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    module = sys.modules[spec.config.__module__]
+    prog = os.path.basename(getattr(module, "__file__", None) or "recipe")
+    recipe = Recipe(name=prog, module=module, spec=spec, description=(module.__doc__ or "").strip())
+
+    def main() -> Any:
+        return _reporting(prog, lambda: run_recipe(spec, resolve_config(recipe, args, prog=prog)))
+
+    run_main(main)
 
 
 # ----------------------------------------------------------------------------- commands
@@ -107,12 +160,29 @@ def _run(args: list[str]) -> Any:
     name, rest = _split_recipe("run", args)
     recipe = load_recipe(name)
     config = resolve_config(recipe, rest, prog=f"fntrain run {name}")
-    from fntrain.logs import setup_console_logging
+    return run_recipe(recipe.spec, config)
 
-    setup_console_logging()  # [rank r] prefixes; other ranks: warnings and errors only
-    # A run stopped by a preemption signal raises fntrain.preemption.Preempted, a SystemExit: the
-    # process exits with checkpoint.preempt_exit_code (143 by default).
-    return recipe.run(config)
+
+def _cp(args: list[str]) -> str:
+    """Copy a recipe's source file to DEST.py, to own and change; it runs from there unchanged."""
+    import shutil
+    from pathlib import Path
+
+    force = "--force" in args
+    positional = [arg for arg in args if arg != "--force"]
+    if len(positional) != 2 or any(arg.startswith("-") for arg in positional):
+        raise UsageError("fntrain cp needs a RECIPE and a DEST.py")
+    name, dest = positional
+    if not dest.endswith(".py"):
+        raise UsageError(f"DEST must be a .py file, got {dest!r}")
+    source = Path(load_recipe(name).module.__file__ or "")
+    target = Path(dest).expanduser()
+    if target.exists() and not force:
+        raise CommandError(f"{dest} exists; pass --force to overwrite it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, target)
+    print(f"{target}: a copy of {name}; run it with `fntrain run {target}` or `python {target}`")
+    return str(target)
 
 
 def _command_with_options(
@@ -148,10 +218,7 @@ def _plan(args: list[str]) -> dict[str, Any]:
         ],
     )
     parsed = tyro.cli(command_cls, args=rest, prog=f"fntrain plan {name}", description=_describe(recipe))
-    try:
-        report = plan_report(recipe, parsed.recipe_config, parsed.world_size)
-    except (TypeError, ValueError, FileNotFoundError) as error:  # config values the recipe rejects
-        raise CommandError(str(error)) from error
+    report = plan_report(recipe, parsed.recipe_config, parsed.world_size)
     if parsed.json:
         print(json.dumps(report, indent=2, default=str))
     else:
@@ -260,6 +327,7 @@ _DISPATCH = {
     "run": _run,
     "plan": _plan,
     "config": _config,
+    "cp": _cp,
     "plot": _plot,
     "tokenize": _tokenize,
     "export": _export,
@@ -278,6 +346,11 @@ def dispatch(argv: Sequence[str]) -> Any:
         if not args:
             raise SystemExit(2)
         return None
+    if args[0] == "--version":
+        from fntrain import __version__
+
+        print(f"fntrain {__version__}")
+        return __version__
     command, rest = args[0], args[1:]
     if command not in _DISPATCH:
         print(
@@ -285,13 +358,19 @@ def dispatch(argv: Sequence[str]) -> Any:
             file=sys.stderr,
         )
         raise SystemExit(2)
+    return _reporting(f"fntrain {command}", lambda: _DISPATCH[command](rest))
+
+
+def _reporting(label: str, action: Any) -> Any:
+    """`action()`, with usage and setting errors printed as one line after `label` (the usage after a
+    usage error) and `SystemExit(2)`."""
     try:
-        return _DISPATCH[command](rest)
+        return action()
     except UsageError as error:
-        print(f"fntrain {command}: {error}\n\nusage:\n{_usage()}", file=sys.stderr)
+        print(f"{label}: {error}\n\nusage:\n{_usage()}", file=sys.stderr)
         raise SystemExit(2) from None
     except (CommandError, RecipeNotFound) as error:
-        print(f"fntrain {command}: {error}", file=sys.stderr)
+        print(f"{label}: {error}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -7,10 +7,15 @@ pass for `int`) live in each config's `validate` and use these helpers, so every
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import math
+import re
+from collections.abc import Collection, Iterable
 from typing import Any
 
 __all__ = [
+    "ConfigError",
+    "flag_name",
+    "as_flags",
     "require_bool",
     "require_int",
     "require_float",
@@ -18,6 +23,29 @@ __all__ = [
     "require_str",
     "require_int_list",
 ]
+
+
+class ConfigError(ValueError):
+    """A setting that is wrong for this run, found after parsing (e.g. a batch shape that does not divide
+    over the ranks): the command line reports it as one line, exit status 2, like a bad flag."""
+
+
+def flag_name(field: str) -> str:
+    """The command-line flag of a dotted config field: `train.train_iters` -> `--train.train-iters`."""
+    return "--" + field.replace("_", "-")
+
+
+def as_flags(message: str, fields: Iterable[str]) -> str:
+    """`message` with every dotted config field it names written as its flag (`optim.lr` ->
+    `--optim.lr`); a top-level field is rewritten only where the message starts with it."""
+    dotted = sorted((f for f in fields if "." in f), key=len, reverse=True)
+    if dotted:
+        pattern = re.compile(r"(?<![\w.\-/])(" + "|".join(map(re.escape, dotted)) + r")(?![\w\-/]|\.\w)")
+        message = pattern.sub(lambda match: flag_name(match.group(1)), message)
+    first = message.split(" ", 1)[0]
+    if first in fields and "." not in first:
+        message = flag_name(first) + message[len(first) :]
+    return message
 
 
 def require_bool(field: str, value: Any) -> bool:
@@ -40,9 +68,11 @@ def require_int(field: str, value: Any, *, min: int | None = None, max: int | No
 def require_float(
     field: str, value: Any, *, min: float | None = None, max: float | None = None, min_exclusive: bool = False
 ) -> float:
-    """A real number (int or float, bools rejected) within the bounds given."""
+    """A finite real number (int or float; bools, NaN and infinities rejected) within the bounds given."""
     if type(value) not in (int, float):
         raise TypeError(f"{field} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{field} must be a finite number, got {value}")
     if min is not None and (value <= min if min_exclusive else value < min):
         raise ValueError(f"{field} must be {'>' if min_exclusive else '>='} {min}, got {value}")
     if max is not None and value > max:

@@ -101,7 +101,9 @@ def train(
     clock: Callable[[], float] = time.perf_counter,
 ) -> TrainState:
     """`run_training` returning only the final `TrainState` (see there for the contract)."""
-    return run_training(state, step_fn, hooks, data=data, plan=plan, count_batch=count_batch, clock=clock).state
+    return run_training(
+        state, step_fn, hooks, data=data, plan=plan, count_batch=count_batch, clock=clock
+    ).state
 
 
 def run_training(
@@ -143,15 +145,7 @@ def run_training(
                     for _ in range(steps):
                         batch = next(iterator, _EXHAUSTED)
                         if batch is _EXHAUSTED:
-                            log.info(
-                                "epoch %d ran out of data after %d of %d steps; ending the epoch",
-                                state.epoch, state.cursor, plan.steps_per_epoch,
-                            )  # fmt: skip
-                            if state.cursor == started_at == 0:
-                                raise RuntimeError(
-                                    f"data(epoch={state.epoch}, cursor=0) yielded no batch: "
-                                    "an empty epoch would repeat forever"
-                                )
+                            _out_of_data(state, plan, started_at)
                             steps = -1
                             break
                         dispatch(Event.STEP_BEGIN, state)
@@ -162,8 +156,7 @@ def run_training(
                         if count_batch is None:
                             info = StepInfo(metrics, 0, 0, elapsed)
                         else:
-                            tokens, samples = count_batch(batch)
-                            info = StepInfo(metrics, tokens, samples, elapsed)
+                            info = StepInfo(metrics, *count_batch(batch), elapsed)
                         dispatch(Event.STEP_END, state, info)
                     _close(iterator)
                     iterator = None
@@ -184,6 +177,18 @@ def run_training(
     except BaseException as error:
         _abort(hooks, state, error, iterator)
         raise
+
+
+def _out_of_data(state: TrainState, plan: RunPlan, started_at: int) -> None:
+    """The epoch's data ran out before its steps: log it, or raise when the epoch yielded nothing at all."""
+    log.info(
+        "epoch %d ran out of data after %d of %d steps; ending the epoch",
+        state.epoch, state.cursor, plan.steps_per_epoch,
+    )  # fmt: skip
+    if state.cursor == started_at == 0:
+        raise RuntimeError(
+            f"data(epoch={state.epoch}, cursor=0) yielded no batch: an empty epoch would repeat forever"
+        )
 
 
 def _abort(hooks: tuple[Hook, ...], state: TrainState, error: BaseException, iterator: Any) -> None:

@@ -106,7 +106,7 @@ class ScheduleConfig:
     min_lr_ratio: float = 0.1
     """Final lr as a fraction of the peak (linear and cosine)."""
     lr_schedule_iters: int | None = None
-    """Schedule horizon in steps; None = train_iters [S8]."""
+    """Schedule horizon in steps; None = train_iters."""
 
     def validate(self, prefix: str = "schedule") -> None:
         require_choice(f"{prefix}.kind", self.kind, ("constant", "linear", "cosine"))

@@ -1,9 +1,8 @@
 """Preemption notices [S19]: a signal asks the run to save at the next step boundary and stop.
 
-    preemption = Preemption(("SIGTERM", "SIGUSR1"), exit_code=143)
-    hooks = [..., checkpoint_hook(config, components, runtime, directory=root, preemption=preemption)]
-    final = train(state, step_fn, hooks, data=data, plan=plan)   # installs / removes the handlers
-    preemption.raise_if_stopped(final)        # raises Preempted (a SystemExit) after a preemption stop
+    result = run_training(state, step_fn, hooks, data=data, plan=plan)  # hooks include the checkpoint hook
+    if result.outcome == "preempted":   # after the runtime's clean teardown
+        sys.exit(result.exit_code)      # 143 by default, like a process ended by SIGTERM
 
 What happens, in order:
 1. The first signal (any of the configured ones) only sets a flag and logs a warning; the handler
@@ -11,12 +10,14 @@ What happens, in order:
 2. a second signal terminates the process at once, by the kernel (no Python code needs to run, which
    works even while the main thread is blocked in a collective): the shell and torchrun report
    128 + the signal number (143 for SIGTERM).
-3. The checkpoint hook polls the flag at step boundaries (with several ranks: one small all-reduce every
-   `preempt_check_every` steps, so every rank stops at the same step), saves, records the step in
-   `stopped_at` and ends the run cleanly (`StopTraining`: TRAIN_END runs).
-4. The recipe leaves its runtime normally (barrier, process group destroyed) and raises `Preempted`, a
-   `SystemExit` carrying `exit_code`: the process exits with that status (default 143, like a process
-   ended by SIGTERM, so a scheduler sees a terminated job, not a finished one) without a traceback.
+3. The checkpoint hook builds its own `Preemption` and polls the flag at step boundaries through the
+   agreement (`fntrain.hooks.preemption`; with several ranks: one small all-reduce every
+   `preempt_check_every` steps, so every rank stops at the same step), saves, and ends the run cleanly
+   with `StopTraining(outcome="preempted", exit_code=checkpoint.preempt_exit_code)`: TRAIN_END runs and
+   `run_training` returns a `TrainResult` saying so.
+4. The launcher leaves its runtime normally (barrier, process group destroyed) and exits with the
+   result's exit code (`fntrain run` does: default 143, like a process ended by SIGTERM, so a scheduler
+   sees a terminated job, not a finished one) without a traceback.
 
 Handlers exist only between `install()` and `uninstall()`, only in the main thread (Python's rule), and
 are restored to what was there before. Standard library only.
@@ -30,7 +31,13 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["DEFAULT_EXIT_CODE", "DEFAULT_SIGNALS", "Preempted", "Preemption", "signal_numbers"]
+__all__ = [
+    "DEFAULT_EXIT_CODE",
+    "DEFAULT_SIGNALS",
+    "Preemption",
+    "preemption_reason",
+    "signal_numbers",
+]
 
 log = logging.getLogger("fntrain.preemption")
 
@@ -54,28 +61,11 @@ def signal_numbers(names: Iterable[str], field: str = "checkpoint.preempt_signal
     return tuple(numbers)
 
 
-class Preempted(SystemExit):
-    """A run stopped cleanly on a preemption notice, its checkpoint saved. A `SystemExit` whose code is
-    the documented exit status, so an entry point that lets it propagate exits with it (no traceback);
-    `state` is the final `TrainState`, `signal_name` the signal (or "request")."""
-
-    def __init__(self, state: Any, *, signal_name: str | None, exit_code: int = DEFAULT_EXIT_CODE):
-        super().__init__(exit_code)
-        self.state, self.signal_name, self.exit_code = state, signal_name, exit_code
-
-    def __str__(self) -> str:
-        step = getattr(self.state, "global_step", "?")
-        return (
-            f"preempted by {self.signal_name or 'a request'}: stopped after step {step} with a checkpoint; "
-            f"exit status {self.exit_code}"
-        )
-
-
 class Preemption:
     """The preemption signal handlers of this process (a resource: `install()` / `uninstall()`).
 
     `requested` is True once a configured signal arrived (or `request()` was called); `received` names
-    it; `stopped_at` is the step at which the checkpoint hook stopped the run (None: not stopped).
+    it. How the run ended is not kept here: it is the `TrainResult` that `run_training` returns.
     """
 
     def __init__(self, signals: Iterable[str] = DEFAULT_SIGNALS, *, exit_code: int = DEFAULT_EXIT_CODE):
@@ -87,7 +77,6 @@ class Preemption:
         self._flag = threading.Event()
         self._previous: dict[int, Any] = {}
         self.received: str | None = None
-        self.stopped_at: int | None = None
 
     @property
     def requested(self) -> bool:
@@ -126,11 +115,6 @@ class Preemption:
 
     stop = uninstall
 
-    def raise_if_stopped(self, state: Any) -> None:
-        """Raise `Preempted` (exit status `exit_code`) when the run was stopped by a preemption notice."""
-        if self.stopped_at is not None:
-            raise Preempted(state, signal_name=self.received, exit_code=self.exit_code)
-
     def _on_signal(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if self.received is None:
@@ -148,3 +132,8 @@ class Preemption:
             "(a second signal terminates at once)",
             name,
         )
+
+
+def preemption_reason(signal_name: str | None, step: int) -> str:
+    """The `StopTraining` reason of a preemption stop."""
+    return f"preempted by {signal_name or 'a notice on another rank'} at step {step}"

@@ -1,28 +1,23 @@
-"""Finding recipes by name: installed entry points first, then the built-in package, then a checkout.
+"""Finding recipes by name or path: installed entry points, the built-in package, a checkout, a file.
 
-A recipe is a module that exposes
-
-- `Config`: its frozen config dataclass (the CLI is built from it),
-- `run(config)`: validate, build, train,
-- optionally `plan(config, world_size=1) -> dict`: the resolved run plan, computed without building the
-  model or touching a device (what `fntrain plan` prints).
+A recipe is a module that exposes `spec`, a `fntrain.job.RecipeSpec` (its config class and its own
+parts); `fntrain run`, `plan` and `config` run it through `fntrain.job`.
 
 Names resolve in this order: an entry point in the group `fntrain.recipes` (how the wheel ships the
 built-in recipes, under the package `fntrain_recipes` so that no other project's top-level `recipes`
 package can shadow them, and how other projects register theirs); `fntrain_recipes.<name>`;
-`recipes.<name>` from a source checkout; finally a dotted module path (`my_project.recipes.sft`).
+`recipes.<name>` from a source checkout; a dotted module path (`my_project.recipes.sft`); or the path of
+a Python file (`./my_gpt.py`, e.g. one written by `fntrain cp`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.metadata
 import importlib.util
-import inspect
-import typing
-from collections.abc import Callable
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -30,7 +25,7 @@ __all__ = ["ENTRY_POINT_GROUP", "Recipe", "RecipeNotFound", "available_recipes",
 
 ENTRY_POINT_GROUP = "fntrain.recipes"
 _PACKAGES = ("fntrain_recipes", "recipes")  # installed name first; the checkout's `recipes/` second
-_BUILT_IN = ("tiny_gpt", "hf_causal_lm")
+_BUILT_IN = ("tiny_gpt", "hf_causal_lm", "vlm")
 
 
 class RecipeNotFound(LookupError):
@@ -39,14 +34,16 @@ class RecipeNotFound(LookupError):
 
 @dataclass(frozen=True)
 class Recipe:
-    """A loaded recipe module and the parts the `fntrain` command uses."""
+    """A loaded recipe: its name, module and spec (`fntrain.job.RecipeSpec`)."""
 
     name: str
     module: ModuleType
-    config_cls: type
-    run: Callable[[Any], Any]
-    plan: Callable[..., dict[str, Any]] | None
+    spec: Any
     description: str
+
+    @property
+    def config_cls(self) -> type:
+        return self.spec.config
 
     @property
     def source(self) -> str:
@@ -117,35 +114,44 @@ def _import_by_name(name: str) -> ModuleType:
     raise RecipeNotFound(f"no recipe named {name!r} (known recipes: {known}; or give a dotted module path)")
 
 
-def _config_class(module: ModuleType) -> type:
-    config_cls = getattr(module, "Config", None)
-    if config_cls is None:  # fall back to the annotation of run's first parameter
-        run = getattr(module, "run", None)
-        if run is not None:
-            params = list(inspect.signature(run).parameters)
-            hints = typing.get_type_hints(run) if params else {}
-            config_cls = hints.get(params[0]) if params else None
-    if not (isinstance(config_cls, type) and dataclasses.is_dataclass(config_cls)):
-        raise TypeError(
-            f"recipe module {module.__name__} must expose `Config`, its config dataclass "
-            "(or annotate run's first parameter with it)"
+def _import_file(path: Path) -> ModuleType:
+    """The Python file at `path` imported as a module named after it (its directory goes first on
+    sys.path, as for `python path`, so the file's own neighbours import)."""
+    name = f"fntrain_recipe_file_{path.stem}"
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise RecipeNotFound(f"{str(path)!r} is not a Python file")
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module  # dataclasses and pickling look classes up by module name
+    directory = str(path.parent)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    loader_spec.loader.exec_module(module)
+    return module
+
+
+def _recipe_spec(module: ModuleType) -> Any:
+    from fntrain.job import RecipeSpec
+
+    spec = getattr(module, "spec", None)
+    if not isinstance(spec, RecipeSpec):
+        raise RecipeNotFound(
+            f"{module.__name__} is not a recipe: it must define `spec = fntrain.job.RecipeSpec(...)`"
         )
-    return config_cls
+    return spec
 
 
 def load_recipe(name: str) -> Recipe:
-    """Import the recipe `name` and check it has what the command needs."""
-    module = _import_by_name(name)
-    run = getattr(module, "run", None)
-    if not callable(run):
-        raise TypeError(f"recipe module {module.__name__} must define run(config)")
-    plan = getattr(module, "plan", None)
-    doc = (module.__doc__ or "").strip()
+    """Import the recipe `name` (a name, a dotted module path or a .py file) and return its spec."""
+    path = Path(name).expanduser()
+    if name.endswith(".py"):
+        if not path.is_file():
+            raise RecipeNotFound(f"recipe file {name!r} does not exist")
+        module = _import_file(path.resolve())
+        label = str(path)
+    else:
+        module = _import_by_name(name)
+        label = _normalize(name) if "." not in name else module.__name__
     return Recipe(
-        name=_normalize(name) if "." not in name else module.__name__,
-        module=module,
-        config_cls=_config_class(module),
-        run=run,
-        plan=plan if callable(plan) else None,
-        description=doc,
+        name=label, module=module, spec=_recipe_spec(module), description=(module.__doc__ or "").strip()
     )

@@ -194,30 +194,63 @@ def make_train_step(
     if not params:
         raise ValueError("make_train_step: the model has no trainable parameters")
     device = device if device is not None else params[0].device
+    _check_dp_group(dp_size, dp_group)
     on_cpu = device.type == "cpu"
-    token_weighted = loss_weighting == "token"
+    clip = max_grad_norm > 0
+    skip_mode = nonfinite == "skip"
+    # Each phase is a closure over its precomputed settings, built once here: the step itself only calls them.
+    backward = _make_backward(
+        model, loss_fn, forward, device, loss_weighting == "token", autocast_dtype, grad_scaler,
+        dp_size, dp_group, ignore_index,
+    )  # fmt: skip
+    unscale_and_clip = _make_unscale_and_clip(params, optimizers, max_grad_norm, grad_scaler)
+    should_skip = _make_nonfinite_check(params, on_cpu, skip_mode, clip, grad_scaler, dp_size)
+    update = _make_update(optimizers, schedulers, grad_scaler, skip_mode)
+
+    def step_fn(state: TrainState, batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        micro_batches = [batch] if isinstance(batch, Mapping) else list(batch)
+        if not micro_batches:
+            raise ValueError(f"step {state.global_step + 1}: the batch holds no micro-batches")
+        if not on_cpu:  # data on the host is already where a CPU step needs it: no tree walk per step
+            micro_batches = [to_device(mb, device) for mb in micro_batches]
+        reported = backward(state, micro_batches)
+        grad_norm = unscale_and_clip()
+        skip = should_skip(state.global_step + 1, reported, grad_norm)
+        return update(reported, grad_norm, skip)
+
+    return step_fn
+
+
+def _check_dp_group(dp_size: int, dp_group: Any) -> None:
+    """With dp_size > 1, the process group must exist and the data-parallel group hold dp_size ranks."""
     if dp_size > 1:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(f"dp_size={dp_size} needs an initialized process group (see setup_runtime)")
         group_size = dist.get_world_size(dp_group)
         if group_size != dp_size:
             raise ValueError(f"dp_size={dp_size} but the data-parallel group has {group_size} ranks")
-    reduce_tokens = dp_size > 1
-    fsdp = hasattr(model, "set_requires_gradient_sync")
-    ddp = not fsdp and hasattr(model, "no_sync")
-    clip = max_grad_norm > 0
-    # A scaler expects inf gradients now and then (it skips those steps itself), so only the loss is
-    # checked when one is in use; without one, a non-finite clipped norm is a global stop signal.
-    check_grad_norm = clip and grad_scaler is None
-    skip_mode = nonfinite == "skip"
+
+
+def _autocast_context(
+    device_type: str, autocast_dtype: torch.dtype | None
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the forward's autocast context: a no-op context when `autocast_dtype` is None."""
+    if autocast_dtype is None:
+        return contextlib.nullcontext
 
     def autocast() -> contextlib.AbstractContextManager:
-        if autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=autocast_dtype)
+        return torch.autocast(device_type, dtype=autocast_dtype)
+
+    return autocast
+
+
+def _make_token_weights(
+    device: torch.device, dp_size: int, dp_group: Any, ignore_index: int
+) -> Callable[[Sequence[Mapping[str, Any]]], tuple[torch.Tensor, torch.Tensor]]:
+    """`token_weights(micro_batches) -> (per-micro-batch weights, global token count)` for token mode."""
+    reduce_tokens = dp_size > 1
 
     def token_weights(micro_batches: Sequence[Mapping[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-micro-batch weights, global token count) for token mode."""
         counts = [count_loss_tokens(mb, ignore_index) for mb in micro_batches]
         tokens = torch.stack([torch.as_tensor(c, dtype=torch.int64, device=device) for c in counts])
         total = tokens.sum()
@@ -227,29 +260,51 @@ def make_train_step(
         weights = tokens.to(torch.float32) * (dp_size / total.clamp(min=1).to(torch.float32))
         return weights, total
 
-    def check_zero_tokens(state: TrainState, total: torch.Tensor, raw_losses: list[torch.Tensor]) -> None:
-        step = state.global_step + 1
-        if on_cpu:
-            # On CPU a read is free; testing the count first keeps the common case to one read.
-            if int(total) == 0 and any(float(x) != 0 for x in raw_losses):
-                raise ValueError(
-                    f"step {step} has zero loss tokens but a non-zero loss "
-                    f"({[float(x) for x in raw_losses]}): the loss function must return 0 when no token is valid"
-                )
-        else:
-            bad = (total == 0) & (torch.stack(raw_losses).abs().sum() != 0)
-            _device_assert(~bad, f"step {step} has zero loss tokens but a non-zero loss", ValueError)
+    return token_weights
 
-    def step_fn(state: TrainState, batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        micro_batches = [batch] if isinstance(batch, Mapping) else list(batch)
+
+def _check_zero_tokens(
+    state: TrainState, total: torch.Tensor, raw_losses: list[torch.Tensor], on_cpu: bool
+) -> None:
+    """A step with zero valid tokens must have zero loss (token mode): ValueError naming the step."""
+    step = state.global_step + 1
+    if on_cpu:
+        # On CPU a read is free; testing the count first keeps the common case to one read.
+        if int(total) == 0 and any(float(x) != 0 for x in raw_losses):
+            raise ValueError(
+                f"step {step} has zero loss tokens but a non-zero loss "
+                f"({[float(x) for x in raw_losses]}): the loss function must return 0 when no token is valid"
+            )
+    else:
+        bad = (total == 0) & (torch.stack(raw_losses).abs().sum() != 0)
+        _device_assert(~bad, f"step {step} has zero loss tokens but a non-zero loss", ValueError)
+
+
+def _make_backward(
+    model: torch.nn.Module,
+    loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor],
+    forward: Callable[[torch.nn.Module, Mapping[str, Any]], Any],
+    device: torch.device,
+    token_weighted: bool,
+    autocast_dtype: torch.dtype | None,
+    grad_scaler: Any,
+    dp_size: int,
+    dp_group: Any,
+    ignore_index: int,
+) -> Callable[[TrainState, list[Mapping[str, Any]]], torch.Tensor]:
+    """`backward(state, micro_batches) -> reported loss`: forward and backward of every micro-batch,
+    each loss weighted by its token share (token mode) or 1/count (mean mode), gradients synced on the
+    last micro-batch only. The reported loss is the sum of the weighted losses, a device tensor."""
+    fsdp = hasattr(model, "set_requires_gradient_sync")
+    ddp = not fsdp and hasattr(model, "no_sync")
+    on_cpu = device.type == "cpu"
+    autocast = _autocast_context(device.type, autocast_dtype)
+    token_weights = _make_token_weights(device, dp_size, dp_group, ignore_index)
+
+    def backward(state: TrainState, micro_batches: list[Mapping[str, Any]]) -> torch.Tensor:
         count = len(micro_batches)
-        if count == 0:
-            raise ValueError(f"step {state.global_step + 1}: the batch holds no micro-batches")
-        if not on_cpu:  # data on the host is already where a CPU step needs it: no tree walk per step
-            micro_batches = [to_device(mb, device) for mb in micro_batches]
         if token_weighted:
             weights, total_tokens = token_weights(micro_batches)
-
         parts: list[torch.Tensor] = []
         raw_losses: list[torch.Tensor] = []
         with _fsdp_accumulation(model, fsdp and count > 1):
@@ -272,18 +327,44 @@ def make_train_step(
                     raw_losses.append(loss.detach())
         reported = parts[0] if count == 1 else torch.stack(parts).sum()
         if token_weighted:
-            check_zero_tokens(state, total_tokens, raw_losses)
+            _check_zero_tokens(state, total_tokens, raw_losses, on_cpu)
+        return reported
 
+    return backward
+
+
+def _make_unscale_and_clip(
+    params: list[torch.Tensor],
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    max_grad_norm: float,
+    grad_scaler: Any,
+) -> Callable[[], Any]:
+    """`unscale_and_clip() -> grad_norm`: unscale the gradients when a scaler is in use, then clip when
+    max_grad_norm > 0 and return the pre-clip norm; 0.0 when not clipping [S24]."""
+    clip = max_grad_norm > 0
+
+    def unscale_and_clip() -> Any:
         if grad_scaler is not None:
             for optimizer in optimizers:
                 grad_scaler.unscale_(optimizer)
         if clip:
-            grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=None))
-        else:
-            grad_norm = 0.0  # [S24]: reported as 0 when not clipping; a host float costs no device op
+            return _full(torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=None))
+        return 0.0  # a host float costs no device op
 
-        step = state.global_step + 1
-        skip = False
+    return unscale_and_clip
+
+
+def _make_nonfinite_check(
+    params: list[torch.Tensor], on_cpu: bool, skip_mode: bool, clip: bool, grad_scaler: Any, dp_size: int
+) -> Callable[[int, torch.Tensor, Any], bool]:
+    """`should_skip(step, reported, grad_norm) -> bool`: in "raise" mode a non-finite loss (or clipped
+    norm) is a FloatingPointError (on accelerators an async device assert) and the answer is False; in
+    "skip" mode, whether to skip this step's update (a documented host sync)."""
+    # A scaler expects inf gradients now and then (it skips those steps itself), so only the loss is
+    # checked when one is in use; without one, a non-finite clipped norm is a global stop signal.
+    check_grad_norm = clip and grad_scaler is None
+
+    def should_skip(step: int, reported: torch.Tensor, grad_norm: Any) -> bool:
         if on_cpu and not skip_mode:
             # On CPU reading a scalar is free (no device to sync), and cheaper than an isfinite op.
             loss_value = float(reported)
@@ -292,27 +373,39 @@ def make_train_step(
                 raise FloatingPointError(
                     f"non-finite loss at step {step}: loss {loss_value}, grad_norm {float(grad_norm)}"
                 )
-            finite = None
-        else:
-            finite = torch.isfinite(reported)
-            if check_grad_norm:
-                finite = finite & torch.isfinite(grad_norm)
-        if skip_mode:
-            if dp_size == 1:
-                skip = not bool(finite)  # documented host sync
-            elif grad_scaler is None:
-                # The decision must agree on every rank: the synced gradients' norm does, a rank's loss
-                # does not (a non-finite loss anywhere makes the synced gradients non-finite everywhere).
-                norm = (
-                    grad_norm
-                    if clip
-                    else _full(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
-                )
-                skip = not bool(torch.isfinite(norm))  # documented host sync
-            # else: the scaler skips non-finite gradients itself, consistently over ranks
-        elif not on_cpu:
+            return False
+        finite = torch.isfinite(reported)
+        if check_grad_norm:
+            finite = finite & torch.isfinite(grad_norm)
+        if not skip_mode:  # and so not on CPU
             _device_assert(finite, f"non-finite loss or gradient norm at step {step}", FloatingPointError)
+            return False
+        if dp_size == 1:
+            return not bool(finite)  # documented host sync
+        if grad_scaler is None:
+            # The decision must agree on every rank: the synced gradients' norm does, a rank's loss
+            # does not (a non-finite loss anywhere makes the synced gradients non-finite everywhere).
+            norm = (
+                grad_norm
+                if clip
+                else _full(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+            )
+            return not bool(torch.isfinite(norm))  # documented host sync
+        return False  # the scaler skips non-finite gradients itself, consistently over ranks
 
+    return should_skip
+
+
+def _make_update(
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    schedulers: tuple[Any, ...],
+    grad_scaler: Any,
+    skip_mode: bool,
+) -> Callable[[torch.Tensor, Any, bool], dict[str, Any]]:
+    """`update(reported, grad_norm, skip) -> metrics`: step the optimizers (unless `skip`), zero the
+    gradients, step the schedulers (unless `skip`) [S25], and gather the step's metrics."""
+
+    def update(reported: torch.Tensor, grad_norm: Any, skip: bool) -> dict[str, Any]:
         if not skip:
             for optimizer in optimizers:
                 if grad_scaler is not None:
@@ -335,4 +428,4 @@ def make_train_step(
             metrics["skipped"] = float(skip)
         return metrics
 
-    return step_fn
+    return update

@@ -152,7 +152,7 @@ def run_case(runtime, strategy: str, case: str) -> dict:
 def main(argv: list[str]) -> None:
     strategy, out = argv[0], argv[1]
     cases = argv[2].split(",") if len(argv) > 2 else list(CASES)
-    with setup_runtime(RuntimeConfig(device="cpu", seed=0), ParallelConfig(strategy=strategy)) as runtime:
+    with setup_runtime(RuntimeConfig(device="cpu"), ParallelConfig(strategy=strategy), seed=0) as runtime:
         results = {case: run_case(runtime, strategy, case) for case in cases}
         results["world_size"] = runtime.world_size
         results["dp_rank_seen"] = runtime.dp_rank

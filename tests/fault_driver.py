@@ -16,6 +16,7 @@ at once; OUT_DIR/exit_<rank>.txt receives the SystemExit code when the run exits
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -60,12 +61,8 @@ def main(argv: list[str]) -> None:
             losses.write(f"{state.global_step} {float(info.metrics['loss']).hex()}\n")
             losses.flush()
 
-    original_build_hooks = recipe.build_hooks
-
-    def build_hooks(built: Any, **kwargs: Any) -> list[Any]:
-        hooks = original_build_hooks(built, **kwargs)
-        checkpoint = next(i for i, hook in enumerate(hooks) if getattr(hook, "name", None) == "checkpoint")
-        hooks.insert(checkpoint, recorder)  # before the checkpoint hook, which may stop the run
+    def extra_hooks(built: Any) -> list[Any]:
+        """The recorder, run just before the checkpoint hook, which may stop the run."""
         if kind == "stall" and armed:
             optimizer = built.components.optimizers[0]
             step = optimizer.step
@@ -77,11 +74,17 @@ def main(argv: list[str]) -> None:
 
             maybe_stall._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
             optimizer.step = maybe_stall
-        return hooks
+        return [recorder]
 
-    recipe.build_hooks = build_hooks
+    from fntrain.cli import run_recipe
+    from fntrain.config_file import parse_config_cli
+    from fntrain.logs import setup_console_logging
+
+    setup_console_logging()
     try:
-        recipe.main(recipe_args)
+        run_recipe(
+            dataclasses.replace(recipe.spec, hooks=extra_hooks), parse_config_cli(recipe.Config, recipe_args)
+        )
     except SystemExit as exit_:
         (out_dir / f"exit_{rank}.txt").write_text(str(exit_.code))
         raise

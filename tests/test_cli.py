@@ -3,6 +3,7 @@ fed back, `plot`, usage errors, and the packaging that ships the built-in recipe
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import math
@@ -17,8 +18,12 @@ from types import SimpleNamespace
 import pytest
 
 import recipes.tiny_gpt as tiny_gpt
-from fntrain.cli import dispatch, main, resolve_config
+from fntrain.cli import dispatch, main, recipe_main, resolve_config
 from fntrain.config_file import load_config, read_config_file
+from fntrain.hooks.checkpoint import CheckpointConfig
+from fntrain.hooks.memory import MemoryConfig
+from fntrain.hooks.profiler import ProfilerConfig
+from fntrain.job import plan_job
 from fntrain.plan_report import checkpoint_steps, describe_run_plan, format_run_plan
 from fntrain.recipes_registry import RecipeNotFound, available_recipes, load_recipe
 from fntrain.state import loader_length, make_run_plan
@@ -29,8 +34,7 @@ TINY = [  # a tiny GPT that trains two steps in well under a second
     "--train.global-batch-size", "4", "--train.micro-batch-size", "2", "--train.train-iters", "2",
     "--log-every", "0", "--schedule.warmup-iters", "0",
 ]  # fmt: skip
-if hasattr(tiny_gpt.TinyGPTConfig(), "evaluate"):  # keep any end-of-run evaluation to one micro-batch
-    TINY += ["--evaluate.max-batches", "1"]
+TINY += ["--evaluate.max-batches", "1"]  # keep the end-of-run evaluation to one micro-batch
 
 
 # ----------------------------------------------------------------------------- fntrain plan
@@ -43,7 +47,7 @@ def test_plan_for_two_ranks(capsys):
          "--profiler.enabled", "--profiler.start-step", "3", "--profiler.stop-step", "5", "--profiler.rank-ids", "1",
          "--memory.enable", "--memory.start-step", "2", "--memory.end-step", "4", "--memory.dump-ranks", "0", "1"]
     )  # fmt: skip
-    train_len, _ = tiny_gpt.dataset_sizes(tiny_gpt.TinyGPTConfig())
+    train_len, _ = tiny_gpt.dataset_sizes(tiny_gpt.Config())
     steps_per_epoch = loader_length(train_len, 8, 2, True) // 2
     assert report["recipe"] == "tiny_gpt"
     assert (report["world_size"], report["dp_size"], report["micro_batches"]) == (2, 2, 2)
@@ -77,8 +81,9 @@ def test_plan_builds_no_model_reads_no_corpus_touches_no_device(monkeypatch, cap
         raise AssertionError("plan must not build the model, read the corpus or set up the runtime")
 
     module = load_recipe("tiny_gpt").module
-    for name in ("TinyGPT", "build_datasets", "build", "setup_runtime", "run"):
+    for name in ("TinyGPT", "build_datasets", "build_model"):
         monkeypatch.setattr(module, name, forbidden)
+    monkeypatch.setattr("fntrain.runtime.setup.setup_runtime", forbidden)
     monkeypatch.setattr(Path, "read_bytes", forbidden)
     report = dispatch(
         ["plan", "tiny_gpt", "--world-size", "4", "--train.micro-batch-size", "8", "--runtime.device", "npu"]
@@ -89,8 +94,8 @@ def test_plan_builds_no_model_reads_no_corpus_touches_no_device(monkeypatch, cap
 
 def test_plan_notes_normalised_and_impossible_windows():
     plan = make_run_plan(global_batch_size=4, micro_batch_size=2, train_iters=6, dataset_len=100)
-    profiler = tiny_gpt.ProfilerConfig(enabled=True, start_step=5, stop_step=3)
-    memory = tiny_gpt.MemoryConfig(enable=True, start_step=4, end_step=9, dump_ranks=[3])
+    profiler = ProfilerConfig(enabled=True, start_step=5, stop_step=3)
+    memory = MemoryConfig(enable=True, start_step=4, end_step=9, dump_ranks=[3])
     report = describe_run_plan(plan, world_size=2, device_type="cpu", profiler=profiler, memory=memory)
     assert report["profiler"]["steps"] == [1, 6] and report["profiler"]["partial"]  # normalised to 1..10
     assert any("start_step" in note for note in report["profiler"]["notes"])
@@ -116,18 +121,14 @@ def test_checkpoint_steps_in_the_plan():
     assert "1, 2, 3, 4, 5, ..., 98, 99, 100 (100 saves)" in format_run_plan(long)
 
 
-def test_tiny_gpt_plan_uses_its_checkpoint_config_when_it_has_one():
-    config = tiny_gpt.TinyGPTConfig()
-    checkpoint = getattr(config, "checkpoint", None)
-    report = tiny_gpt.plan(config, world_size=1)
-    if checkpoint is None:
-        assert "checkpoint" not in report
-    else:
-        assert "checkpoint" in report and isinstance(report["checkpoint"]["steps"], list)
+def test_tiny_gpt_plan_uses_its_checkpoint_config():
+    config = dataclasses.replace(tiny_gpt.Config(), checkpoint=CheckpointConfig(save_every=100))
+    report = plan_job(config, tiny_gpt.spec, world_size=1)
+    assert report["checkpoint"]["steps"] == [100, 200, 300, 400]
 
 
 def test_dataset_sizes_match_the_built_datasets():
-    for config in (tiny_gpt.TinyGPTConfig(), tiny_gpt.TinyGPTConfig(model=tiny_gpt.ModelConfig(context=100))):
+    for config in (tiny_gpt.Config(), tiny_gpt.Config(model=tiny_gpt.ModelConfig(context=100))):
         train_set, val_set = tiny_gpt.build_datasets(config)
         assert tiny_gpt.dataset_sizes(config) == (len(train_set), len(val_set))
 
@@ -136,7 +137,9 @@ def test_plan_errors_name_the_field(capsys):
     with pytest.raises(SystemExit) as exit_info:
         dispatch(["plan", "tiny_gpt", "--train.global-batch-size", "30", "--train.micro-batch-size", "4"])
     assert exit_info.value.code == 2
-    assert "global_batch_size (30)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--train.global-batch-size (30) must be divisible by --train.micro-batch-size (4)" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 # ----------------------------------------------------------------------------- fntrain run / config
@@ -144,8 +147,8 @@ def test_plan_errors_name_the_field(capsys):
 
 def test_run_writes_a_config_that_feeds_back(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    state = dispatch(["run", "tiny_gpt", "--run-dir", str(run_dir), *TINY])
-    assert state.global_step == 2
+    result = dispatch(["run", "tiny_gpt", "--run-dir", str(run_dir), *TINY])
+    assert (result.state.global_step, result.outcome, result.exit_code) == (2, "completed", 0)
     # The command's module: fntrain_recipes.tiny_gpt when installed (editable too), else recipes.tiny_gpt.
     recipe = load_recipe("tiny_gpt")
     resolved = load_config(recipe.config_cls, run_dir / "config.json")
@@ -166,9 +169,10 @@ def test_run_writes_a_config_that_feeds_back(tmp_path, capsys):
 
 def test_recipe_main_takes_config_files_too(tmp_path):
     (tmp_path / "base.yaml").write_text(f"run_dir: {tmp_path / 'r'}\nmodel:\n  d_model: 32\n")
-    state = tiny_gpt.main(["--config", str(tmp_path / "base.yaml"), *TINY])
-    assert state.global_step == 2
-    assert load_config(tiny_gpt.TinyGPTConfig, tmp_path / "r" / "config.json").model.d_model == 32
+    with pytest.raises(SystemExit) as exit_info:  # python -m recipes.tiny_gpt ends the process
+        recipe_main(tiny_gpt.spec, ["--config", str(tmp_path / "base.yaml"), *TINY])
+    assert exit_info.value.code == 0
+    assert load_config(tiny_gpt.Config, tmp_path / "r" / "config.json").model.d_model == 32
 
 
 def test_bad_config_file_is_an_error_naming_the_field(tmp_path, capsys):
@@ -189,9 +193,9 @@ def test_bad_config_file_is_an_error_naming_the_field(tmp_path, capsys):
 
 def test_recipes_resolve_by_name_dotted_path_and_entry_point(monkeypatch):
     recipe = load_recipe("tiny_gpt")
-    assert recipe.config_cls is recipe.module.TinyGPTConfig and recipe.plan is not None
+    assert recipe.config_cls is recipe.module.Config and recipe.spec is recipe.module.spec
     assert load_recipe("tiny-gpt").module is recipe.module
-    assert load_recipe("recipes.tiny_gpt").config_cls.__name__ == "TinyGPTConfig"
+    assert load_recipe("recipes.tiny_gpt").config_cls.__name__ == "Config"
     assert {"tiny_gpt", "hf_causal_lm"} <= set(available_recipes())
 
     entry = importlib.metadata.EntryPoint(name="mine", value="recipes.tiny_gpt", group="fntrain.recipes")
@@ -200,13 +204,13 @@ def test_recipes_resolve_by_name_dotted_path_and_entry_point(monkeypatch):
     assert available_recipes()["mine"] == "recipes.tiny_gpt"
 
 
-def test_a_module_without_a_config_is_not_a_recipe(monkeypatch):
+def test_a_module_without_a_spec_is_not_a_recipe(monkeypatch):
     package, module = types.ModuleType("fake_pkg"), types.ModuleType("fake_pkg.not_a_recipe")
     package.__path__ = []
     module.run = lambda config: None
     monkeypatch.setitem(sys.modules, "fake_pkg", package)
     monkeypatch.setitem(sys.modules, "fake_pkg.not_a_recipe", module)
-    with pytest.raises(TypeError, match="must expose `Config`"):
+    with pytest.raises(RecipeNotFound, match="must define `spec = fntrain.job.RecipeSpec"):
         load_recipe("fake_pkg.not_a_recipe")
     with pytest.raises(RecipeNotFound, match="known recipes: .*tiny_gpt"):
         load_recipe("no_such_recipe")
@@ -344,3 +348,100 @@ def test_installed_wheel_runs_plan_outside_the_checkout(tmp_path):
     ).stdout
     assert out.startswith("None ") and str(venv) in out  # no top-level `recipes` installed
     assert "train_iters" in fntrain("config", "tiny_gpt", "--format", "toml")
+
+
+# ----------------------------------------------------------------------------- one-line errors, cp
+
+
+BAD_VALUES = [
+    (["--optim.lr", "-1"], "--optim.lr must be > 0.0, got -1.0"),
+    (["--optim.lr", "nan"], "--optim.lr must be a finite number, got nan"),
+    (["--optim.lr", "inf"], "--optim.lr must be a finite number, got inf"),
+    (["--train.train-iters", "-3"], "--train.train-iters must be >= 1, got -3"),
+    (["--checkpoint.save-every", "-1"], "--checkpoint.save-every must be >= 0, got -1"),
+    (["--model.n-head", "3"], "--model.d-model (128) must be divisible by --model.n-head (3)"),
+    (["--train.global-batch-size", "30"], "--train.global-batch-size (30) must be divisible by"),
+    (["--data.path", "no_such.txt"], "--data.path 'no_such.txt' does not exist"),
+    (
+        ["--profiler.enabled", "--profiler.rank-ids", "8"],
+        "--profiler.rank-ids must contain integers in [0, 1)",
+    ),
+    (["--memory.enable"], "cpu"),
+]
+
+
+@pytest.mark.parametrize("args, words", BAD_VALUES)
+def test_every_bad_value_is_one_line_naming_the_flag_before_any_file(tmp_path, capsys, args, words):
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        dispatch(["run", "tiny_gpt", "--run-dir", str(run_dir), *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and words in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and "[S" not in err
+    assert not run_dir.exists()  # no file was written
+
+
+def test_python_dash_m_recipe_gives_the_same_one_line_errors(tmp_path):
+    for args, words in (BAD_VALUES[0], (["--config", str(tmp_path / "missing.toml")], "missing.toml")):
+        result = subprocess.run(
+            [sys.executable, "-m", "recipes.tiny_gpt", "--run-dir", str(tmp_path / "run"), *args],
+            cwd=ROOT, capture_output=True, text=True,
+        )  # fmt: skip
+        assert result.returncode == 2 and words in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_help_shows_no_spec_tags(capsys):
+    import re
+
+    for recipe in ("tiny_gpt", "hf_causal_lm"):
+        with pytest.raises(SystemExit):
+            dispatch(["run", recipe, "--help"])
+        out = capsys.readouterr().out
+        assert "--train.train-iters" in out and not re.search(r"\[S\d+", out), re.findall(r".*\[S\d+.*", out)
+
+
+def test_cp_copies_a_recipe_that_runs_from_its_new_place(tmp_path, capsys):
+    dest = tmp_path / "mine" / "my_gpt.py"
+    assert dispatch(["cp", "tiny_gpt", str(dest)]) == str(dest)
+    assert "fntrain run" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:  # never overwrites without --force
+        dispatch(["cp", "tiny_gpt", str(dest)])
+    assert exit_info.value.code == 2 and "--force" in capsys.readouterr().err
+    report = dispatch(["plan", str(dest), "--world-size", "2", "--json"])
+    assert report["dp_size"] == 2 and report["dataset_len"] > 0  # the corpus is found through the package
+    result = dispatch(["run", str(dest), "--run-dir", str(tmp_path / "a"), *TINY])
+    assert result.state.global_step == 2
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    ran = subprocess.run(
+        [sys.executable, str(dest), "--run-dir", str(tmp_path / "b"), *TINY],
+        cwd=tmp_path, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert (tmp_path / "b" / "model.safetensors").is_file()
+
+
+def test_layers_only_import_downwards():
+    """Nothing below the hooks imports fntrain.hooks, fntrain.cli, fntrain.job or recipes; state.py,
+    loop.py and stateful.py import only the standard library (and each other)."""
+    import ast
+
+    forbidden = ("fntrain.hooks", "fntrain.cli", "fntrain.job", "recipes", "fntrain_recipes")
+    lower = ["state.py", "loop.py", "stateful.py", "config.py", "data", "checkpoint", "runtime", "models"]
+    for entry in lower:
+        for path in (
+            sorted((ROOT / "fntrain" / entry).rglob("*.py"))
+            if entry.find(".") < 0
+            else [ROOT / "fntrain" / entry]
+        ):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                )  # fmt: skip
+                for name in names:
+                    assert not name.startswith(forbidden), f"{path.relative_to(ROOT)} imports {name}"
+                    if path.name in ("state.py", "loop.py", "stateful.py"):
+                        assert not name.startswith(("torch", "numpy", "optree")), (
+                            f"{path.name} imports {name}"
+                        )

@@ -187,14 +187,14 @@ def test_dump_toml_is_valid_toml():
 
 
 def test_tiny_gpt_resolved_config_round_trip(tmp_path):
-    from recipes.tiny_gpt import TinyGPTConfig, write_resolved_config
+    from recipes.tiny_gpt import Config
 
-    config = parse_config_cli(TinyGPTConfig, ["--seed", "7", "--train.train-iters", "None", "--train.train-samples",
+    config = parse_config_cli(Config, ["--seed", "7", "--train.train-iters", "None", "--train.train-samples",
                                               "640", "--optim.betas", "0.8", "0.9"])  # fmt: skip
-    write_resolved_config(config, tmp_path)
-    assert load_config(TinyGPTConfig, tmp_path / "config.json") == config
+    write_config(config, tmp_path)
+    assert load_config(Config, tmp_path / "config.json") == config
     write_config(config, tmp_path, formats=("toml",))
-    assert load_config(TinyGPTConfig, tmp_path / "config.toml") == config
+    assert load_config(Config, tmp_path / "config.toml") == config
 
 
 # ----------------------------------------------------------------------------- the command line

@@ -18,11 +18,19 @@ import torch
 from safetensors.torch import load_file
 
 from fntrain.checkpoint import find_latest, list_checkpoints, read_meta
-from fntrain.hooks.checkpoint import CheckpointConfig, make_preemption
+from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
+from fntrain.job import run_job
 from fntrain.loop import Event
-from fntrain.preemption import DEFAULT_EXIT_CODE, Preempted, Preemption, signal_numbers
+from fntrain.preemption import (
+    DEFAULT_EXIT_CODE,
+    Preemption,
+    preemption_reason,
+    signal_numbers,
+)
+from fntrain.runtime.runtime import Runtime
+from fntrain.state import TrainState
 from recipes import tiny_gpt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,12 +70,11 @@ def test_first_signal_sets_the_flag_and_handlers_are_restored():
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
     preemption.uninstall()
     assert signal.getsignal(signal.SIGUSR1) is before and not preemption.installed
-    preemption.raise_if_stopped("state")  # not stopped by a hook: nothing happens
-    preemption.stopped_at = 7
-    with pytest.raises(Preempted) as caught:
-        preemption.raise_if_stopped(type("S", (), {"global_step": 7})())
-    assert caught.value.code == 99 and isinstance(caught.value, SystemExit)
-    assert "SIGUSR1" in str(caught.value) and "step 7" in str(caught.value)
+
+
+def test_the_reason_names_the_signal():
+    assert preemption_reason("SIGTERM", 4) == "preempted by SIGTERM at step 4"
+    assert preemption_reason(None, 4) == "preempted by a notice on another rank at step 4"
 
 
 def test_second_signal_terminates_at_once():
@@ -108,11 +115,11 @@ def test_handlers_only_in_the_main_thread():
 # ----------------------------------------------------------------------------- the recipe, in process
 
 
-def tiny_config(tmp_path: Path, run: str, **checkpoint: Any) -> tiny_gpt.TinyGPTConfig:
+def tiny_config(tmp_path: Path, run: str, **checkpoint: Any) -> tiny_gpt.Config:
     corpus = tmp_path / "corpus.txt"
     if not corpus.exists():
-        corpus.write_bytes((ROOT / "recipes" / "data" / "shakespeare.txt").read_bytes()[:1700])
-    base = tiny_gpt.TinyGPTConfig()
+        corpus.write_bytes((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:1700])
+    base = tiny_gpt.Config()
     return dataclasses.replace(
         base,
         run_dir=str(tmp_path / run),
@@ -127,10 +134,9 @@ def tiny_config(tmp_path: Path, run: str, **checkpoint: Any) -> tiny_gpt.TinyGPT
     )
 
 
-def record_and_signal(monkeypatch, losses: dict[int, float], signal_at: int | None = None) -> None:
-    """Wrap the recipe's hook list: record each step's loss; at STEP_BEGIN of step `signal_at`, SIGTERM
-    this process (handled by the checkpoint hook's handler: only a flag is set)."""
-    original = tiny_gpt.build_hooks
+def record_and_signal(losses: dict[int, float], signal_at: int | None = None) -> Any:
+    """The recipe's spec with one extra hook: record each step's loss; at STEP_BEGIN of step
+    `signal_at`, SIGTERM this process (handled by the checkpoint hook's handler: only a flag is set)."""
 
     def recorder(event: Event, state: Any, info: Any) -> None:
         if event is Event.STEP_BEGIN and state.global_step + 1 == signal_at:
@@ -138,27 +144,21 @@ def record_and_signal(monkeypatch, losses: dict[int, float], signal_at: int | No
         elif event is Event.STEP_END:
             losses[state.global_step] = float(info.metrics["loss"])
 
-    def build_hooks(built: Any, **kwargs: Any) -> list[Any]:
-        hooks = original(built, **kwargs)
-        hooks.insert(len(hooks) - 2, recorder)  # before the checkpoint hook and the watchdog
-        return hooks
-
-    monkeypatch.setattr(tiny_gpt, "build_hooks", build_hooks)
+    return dataclasses.replace(tiny_gpt.spec, hooks=lambda built: [recorder])  # before the checkpoint hook
 
 
-def test_sigterm_saves_at_the_next_boundary_exits_143_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+def test_sigterm_saves_at_the_next_boundary_exits_143_and_resumes_bit_for_bit(tmp_path):
     sigterm_before = signal.getsignal(signal.SIGTERM)
     expected: dict[int, float] = {}
-    record_and_signal(monkeypatch, expected)
-    tiny_gpt.run(tiny_config(tmp_path, "reference"))
+    run_job(tiny_config(tmp_path, "reference"), record_and_signal(expected))
     assert sorted(expected) == list(range(1, 10))
 
     first: dict[int, float] = {}
-    record_and_signal(monkeypatch, first, signal_at=4)
-    with pytest.raises(Preempted) as caught:
-        tiny_gpt.run(tiny_config(tmp_path, "run", restore_from="auto"))
-    assert caught.value.code == 143 and caught.value.state.global_step == 4
-    assert caught.value.signal_name == "SIGTERM"
+    stopped = run_job(
+        tiny_config(tmp_path, "run", restore_from="auto"), record_and_signal(first, signal_at=4)
+    )
+    assert (stopped.outcome, stopped.exit_code, stopped.state.global_step) == ("preempted", 143, 4)
+    assert "SIGTERM" in stopped.reason
     assert signal.getsignal(signal.SIGTERM) is sigterm_before  # handlers removed again
     root = tmp_path / "run" / "checkpoints"
     assert [p.name for p in list_checkpoints(root)] == ["step_4"]  # the step the signal arrived in
@@ -167,8 +167,7 @@ def test_sigterm_saves_at_the_next_boundary_exits_143_and_resumes_bit_for_bit(tm
     assert sorted(first) == [1, 2, 3, 4]
 
     second: dict[int, float] = {}
-    record_and_signal(monkeypatch, second)
-    final = tiny_gpt.run(tiny_config(tmp_path, "run", restore_from="auto"))
+    final = run_job(tiny_config(tmp_path, "run", restore_from="auto"), record_and_signal(second)).state
     assert final.global_step == 9 and sorted(second) == [5, 6, 7, 8, 9]
     assert {**first, **second} == expected  # bit for bit: floats compared with ==
     want = load_file(tmp_path / "reference" / "model.safetensors")
@@ -176,16 +175,27 @@ def test_sigterm_saves_at_the_next_boundary_exits_143_and_resumes_bit_for_bit(tm
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
-def test_make_preemption_follows_the_config():
-    preemption = make_preemption(CheckpointConfig(preempt_signals=("SIGUSR1",), preempt_exit_code=3))
-    assert preemption.signals == ("SIGUSR1",) and preemption.exit_code == 3
+def test_the_checkpoint_hook_installs_the_configured_signals_itself(tmp_path):
+    from tests.checkpoint import toy
+
+    before = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    config = CheckpointConfig(save_every=100, preempt_signals=("SIGUSR1",), preempt_exit_code=3)
+    hook = checkpoint_hook(config, toy.components(), Runtime(), directory=tmp_path)
+    assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)) == before  # not yet
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    try:
+        assert signal.getsignal(signal.SIGUSR1) is not before[0]  # only the configured signal
+        assert signal.getsignal(signal.SIGTERM) is before[1]
+    finally:
+        hook(Event.TRAIN_END, TrainState(), None)
+    assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)) == before
 
 
 def test_the_process_exits_with_the_documented_status(tmp_path):
     """`python -m recipes.tiny_gpt` (here through tests/fault_driver.py, which calls its main): SIGTERM
     at step 3 -> checkpoint step 3, exit status 143, no traceback."""
     corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes((ROOT / "recipes" / "data" / "shakespeare.txt").read_bytes()[:1700])
+    corpus.write_bytes((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:1700])
     run_dir = tmp_path / "run"
     command = [
         sys.executable, "-m", "tests.fault_driver", str(run_dir), "sigterm:0:3", "--run-dir", str(run_dir),

@@ -158,7 +158,7 @@ def test_console_rank_0_info_other_ranks_warnings(monkeypatch):
 def test_recipe_run_writes_metadata_and_rank_log(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("To be, or not to be, that is the question.\n" * 60)
-    base = tiny_gpt.TinyGPTConfig()
+    base = tiny_gpt.Config()
     config = dataclasses.replace(
         base,
         run_dir=str(tmp_path / "run"),
@@ -170,7 +170,9 @@ def test_recipe_run_writes_metadata_and_rank_log(tmp_path):
         evaluate=EvaluateConfig(eval_every=0, at_end=False),
         progress=ProgressConfig(enabled=False),
     )
-    tiny_gpt.run(config)
+    from fntrain.job import run_job
+
+    run_job(config, tiny_gpt.spec)
     run_dir = tmp_path / "run"
     metadata = read(run_dir)
     assert (run_dir / metadata["config_file"]).is_file()  # the resolved config it refers to

@@ -9,14 +9,15 @@ import math
 
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
+from fntrain.job import run_job
 from fntrain.plot import main as plot_main
 from recipes import tiny_gpt
 
 
-def tiny_config(tmp_path) -> tiny_gpt.TinyGPTConfig:
+def tiny_config(tmp_path) -> tiny_gpt.Config:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("To be, or not to be, that is the question.\n" * 200)  # 8.8 kB
-    base = tiny_gpt.TinyGPTConfig()
+    base = tiny_gpt.Config()
     return dataclasses.replace(
         base,
         run_dir=str(tmp_path / "run"),
@@ -33,7 +34,7 @@ def tiny_config(tmp_path) -> tiny_gpt.TinyGPTConfig:
 
 def test_recipe_run_logs_train_and_validation_metrics_and_plots_them(tmp_path, capsys):
     config = tiny_config(tmp_path)
-    final = tiny_gpt.run(config)
+    final = run_job(config, tiny_gpt.spec).state
     assert final.global_step == 6
 
     run_dir = tmp_path / "run"
@@ -63,7 +64,7 @@ def test_consumed_counts_continue_after_a_checkpoint_resume(tmp_path):
     first = dataclasses.replace(
         config, checkpoint=dataclasses.replace(config.checkpoint, save_every=3), evaluate=EvaluateConfig()
     )
-    tiny_gpt.run(first)
+    run_job(first, tiny_gpt.spec)
     # step 3 is not a logging step: its tokens were still unreduced when the checkpoint was taken
     step_3 = tmp_path / "run" / "checkpoints" / "step_3"
     resumed = dataclasses.replace(
@@ -71,7 +72,7 @@ def test_consumed_counts_continue_after_a_checkpoint_resume(tmp_path):
         checkpoint=dataclasses.replace(config.checkpoint, restore_from=str(step_3)),
         evaluate=EvaluateConfig(),
     )
-    assert tiny_gpt.run(resumed).global_step == 6
+    assert run_job(resumed, tiny_gpt.spec).state.global_step == 6
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     per_step = 4 * (32 - 1)
     assert [(r["step"], r["consumed_tokens"]) for r in records] == [

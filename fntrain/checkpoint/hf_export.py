@@ -50,6 +50,7 @@ from typing import Any, Literal
 import torch
 
 from fntrain.checkpoint import _dist
+from fntrain.checkpoint.hf_load import set_offline
 from fntrain.checkpoint.layout import step_dir, step_of, write_json_atomic, write_latest, write_marker
 from fntrain.config import require_bool, require_choice, require_int, require_str
 
@@ -165,17 +166,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _set_offline() -> None:
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        os.environ.setdefault(name, "1")  # an export never downloads
-
-
 def _tied_aliases(config_dir: Path) -> dict[str, str]:
     """alias -> kept name for the weights the transformers architecture in `config_dir/config.json`
     ties (the kept name is the first in `named_parameters` order, the one `save_pretrained` keeps);
     {} when transformers is missing or does not know the architecture."""
     try:
-        _set_offline()
+        set_offline()  # an export never downloads
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from fntrain.runtime.materialize import build_on_meta
@@ -271,50 +267,32 @@ def _copy_model_files(source: Path, out: Path, tokenizer_dir: Path | None) -> No
                 shutil.copy2(entry, out / entry.name)
 
 
-def export_hf(
-    checkpoint: str | os.PathLike,
-    out: str | os.PathLike,
-    *,
-    max_shard_size: int = 5 * 10**9,
-    dtype: torch.dtype | None = None,
-    model_dir: str | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Write the model weights of the fntrain checkpoint `checkpoint` (a step_<N>/ directory, or a
-    checkpoint root: its latest) to the Hugging Face directory `out` (see the module docstring)."""
+def _tensor_nbytes(entry: Any, dtype: torch.dtype | None) -> int:
+    """Bytes of one checkpoint tensor once exported (floating-point tensors cast to `dtype` if given)."""
+    stored = entry.properties.dtype
+    target = dtype if dtype is not None and stored.is_floating_point else stored
+    return entry.size.numel() * torch.empty((), dtype=target).element_size()
+
+
+def _tied_in_checkpoint(source: Path | None, entries: Mapping[str, Any]) -> dict[str, str]:
+    """alias -> kept name for the tied weights of `source`'s architecture that the checkpoint holds
+    under both names (written once, as `save_pretrained` does); {} for a non-HF model."""
+    if source is None:
+        return {}
+    names = {key[len(MODEL_PREFIX) :] for key in entries}
+    return {alias: kept for alias, kept in _tied_aliases(source).items() if alias in names and kept in names}
+
+
+def _write_weight_files(
+    path: Path, entries: Mapping[str, Any], keys: list[str], out: Path, max_shard_size: int,
+    dtype: torch.dtype | None,
+) -> tuple[int, int, int, str | None]:  # fmt: skip
+    """Write the tensors of `keys` to `out` as one safetensors file, or shards of at most
+    `max_shard_size` bytes plus an index, one file's tensors in memory at a time. Returns (files,
+    tensors, parameters) counts and the weights' dtype name (None when they mix dtypes)."""
     from safetensors.torch import save_file
 
-    from fntrain.checkpoint.restorer import read_meta, resolve_source
-
-    path = resolve_source(str(checkpoint))
-    if path is None:
-        raise FileNotFoundError(f"no checkpoint at {str(checkpoint)!r}")
-    meta = read_meta(path)
-    run_config = meta.get("config") or {}
-    entries = _model_tensors(path)
-    if not entries:
-        raise ValueError(f"checkpoint {path} holds no model tensors")
-    source = _hf_source(run_config, model_dir)
-    tied = {}
-    if source is not None:
-        names = {key[len(MODEL_PREFIX) :] for key in entries}
-        tied = {
-            alias: kept for alias, kept in _tied_aliases(source).items() if alias in names and kept in names
-        }
-    keys = [key for key in entries if key[len(MODEL_PREFIX) :] not in tied]
-
-    def nbytes(key: str) -> int:
-        entry = entries[key]
-        target = (
-            dtype
-            if dtype is not None and entry.properties.dtype.is_floating_point
-            else entry.properties.dtype
-        )
-        return entry.size.numel() * torch.empty((), dtype=target).element_size()
-
-    out = Path(out).expanduser()
-    _prepare_out(out, overwrite)
-    shards = _plan_shards(((key, nbytes(key)) for key in keys), max_shard_size)
+    shards = _plan_shards(((key, _tensor_nbytes(entries[key], dtype)) for key in keys), max_shard_size)
     files = (
         [SAFE_WEIGHTS]
         if len(shards) == 1
@@ -324,7 +302,7 @@ def export_hf(
     dtypes: set[torch.dtype] = set()
     num_parameters = 0
     for file, shard in zip(files, shards, strict=True):
-        loaded = _load_model_keys(path, entries, shard)  # one file's tensors in memory at a time
+        loaded = _load_model_keys(path, entries, shard)
         tensors = {
             key[len(MODEL_PREFIX) :]: _cast(tensor, dtype).contiguous() for key, tensor in loaded.items()
         }
@@ -336,11 +314,22 @@ def export_hf(
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         del loaded, tensors
     if len(files) > 1:
-        total = sum(nbytes(key) for key in keys)
+        total = sum(_tensor_nbytes(entries[key], dtype) for key in keys)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-
     weights_dtype = _dtype_name(dtypes.pop()) if len(dtypes) == 1 else None
+    return len(files), len(weight_map), num_parameters, weights_dtype
+
+
+def _write_config(
+    out: Path,
+    source: Path | None,
+    run_config: Mapping[str, Any],
+    weights_dtype: str | None,
+    num_parameters: int,
+) -> None:
+    """config.json: the HF model's own (dtype set to the weights'), with its generation config and
+    tokenizer files copied; for any other model fntrain's own config (see the module docstring)."""
     if source is not None:
         config = json.loads((source / "config.json").read_text())
         if weights_dtype is not None:
@@ -351,15 +340,48 @@ def export_hf(
         assets = run_config.get("assets") if isinstance(run_config.get("assets"), Mapping) else {}
         tokenizer = assets.get("tokenizer_path") if isinstance(assets, Mapping) else None
         _copy_model_files(source, out, Path(str(tokenizer)).expanduser() if tokenizer else None)
-    else:
-        model_section = run_config.get("model") if isinstance(run_config.get("model"), Mapping) else None
-        config = {
-            "model_type": "fntrain",
-            "fntrain_model": model_section,
-            "dtype": weights_dtype,
-            "num_parameters": num_parameters,
-        }
-        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        return
+    model_section = run_config.get("model") if isinstance(run_config.get("model"), Mapping) else None
+    config = {
+        "model_type": "fntrain",
+        "fntrain_model": model_section,
+        "dtype": weights_dtype,
+        "num_parameters": num_parameters,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def export_hf(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    max_shard_size: int = 5 * 10**9,
+    dtype: torch.dtype | None = None,
+    model_dir: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the model weights of the fntrain checkpoint `checkpoint` (a step_<N>/ directory, or a
+    checkpoint root: its latest) to the Hugging Face directory `out` (see the module docstring)."""
+    from fntrain.checkpoint.restorer import read_meta, resolve_source
+
+    path = resolve_source(str(checkpoint))
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint at {str(checkpoint)!r}")
+    meta = read_meta(path)
+    run_config = meta.get("config") or {}
+    entries = _model_tensors(path)
+    if not entries:
+        raise ValueError(f"checkpoint {path} holds no model tensors")
+    source = _hf_source(run_config, model_dir)
+    tied = _tied_in_checkpoint(source, entries)
+    keys = [key for key in entries if key[len(MODEL_PREFIX) :] not in tied]
+
+    out = Path(out).expanduser()
+    _prepare_out(out, overwrite)
+    files, tensors, num_parameters, weights_dtype = _write_weight_files(
+        path, entries, keys, out, max_shard_size, dtype
+    )
+    _write_config(out, source, run_config, weights_dtype, num_parameters)
     provenance = {
         "format": PROVENANCE_FORMAT,
         "source": str(path),
@@ -370,7 +392,7 @@ def export_hf(
         "exported_at": time.time(),
     }
     (out / PROVENANCE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
-    log.info("exported %s to %s (%d file(s), %d tensors)", path, out, len(files), len(weight_map))
+    log.info("exported %s to %s (%d file(s), %d tensors)", path, out, files, tensors)
     return out
 
 

@@ -10,11 +10,15 @@ Keys follow the model's state-dict names, which for a transformers model are the
 loaded through the name that is stored; a parameter absent from the files is an error naming it;
 buffers absent from the files keep their constructed values (rotary frequencies are not saved).
 Values are cast to each parameter's dtype (a bf16 checkpoint loads into fp32 weights).
+
+`set_offline()` turns on the Hugging Face Hub's offline switches; every fntrain path that reaches for
+transformers (loading, export) calls it first, so nothing ever tries a download.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -22,9 +26,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["load_hf_weights", "hf_weights", "hf_checkpoint_keys"]
+__all__ = ["load_hf_weights", "hf_weights", "hf_checkpoint_keys", "OFFLINE_SWITCHES", "set_offline"]
 
 log = logging.getLogger(__name__)
+
+OFFLINE_SWITCHES = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+"""The environment that keeps huggingface_hub, transformers and datasets from touching the network."""
+
+
+def set_offline() -> None:
+    """Turn on the Hub's offline switches: nothing in this process may try a download. Call it before
+    transformers is imported (it reads some switches once, at import)."""
+    os.environ.update(OFFLINE_SWITCHES)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

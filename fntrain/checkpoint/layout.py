@@ -6,12 +6,20 @@ A checkpoint root holds one `step_<N>/` directory per save and a `latest` pointe
     <root>/step_<N>/*.distcp         DCP's tensor data
     <root>/step_<N>/meta.json        TrainState, the non-tensor leaves of the app state, the config (rank 0)
     <root>/step_<N>/rank_<r>.json    per-rank RNG states and hook states
+    <root>/step_<N>/manifest.json    every file's size and CRC-32 (`fntrain.checkpoint.verify`)
     <root>/step_<N>/COMPLETE         fntrain's completion marker, written only after `.metadata` exists
     <root>/latest                    the name of the newest complete checkpoint (write + os.replace)
 
 A directory is complete only when both `.metadata` and `COMPLETE` exist; anything else is a partial
-left by a crash: ignored when resolving "latest" and removed by `clean_partial`. A `COMPLETE` marker
-with `"temporary": true` marks a checkpoint to delete once a later one is complete.
+left by a crash: ignored when resolving "latest" and moved aside by `clean_partial`
+(`step_25` -> `step_25.incomplete`, never deleted). A checkpoint that fails verification is moved
+aside as `step_<N>.damaged`. Names with a suffix are no checkpoint to any function here: they are never
+resolved, counted or deleted. A `COMPLETE` marker with `"temporary": true` marks a checkpoint to
+delete once a later one is complete.
+
+Deletion (`retain`, `remove_superseded_temporary`) only ever removes checkpoints that verify against
+their manifest; a damaged one is moved aside with a warning, one without a manifest (saved by an older
+fntrain) is left alone and not counted.
 """
 
 from __future__ import annotations
@@ -28,11 +36,14 @@ __all__ = [
     "DCP_METADATA",
     "MARKER",
     "LATEST",
+    "MANIFEST",
     "step_dir",
     "step_of",
     "is_complete",
     "list_checkpoints",
     "find_latest",
+    "candidates",
+    "move_aside",
     "write_json_atomic",
     "write_marker",
     "write_latest",
@@ -47,6 +58,7 @@ log = logging.getLogger("fntrain.checkpoint")
 DCP_METADATA = ".metadata"
 MARKER = "COMPLETE"
 LATEST = "latest"
+MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -98,6 +110,40 @@ def find_latest(root: str | os.PathLike) -> Path | None:
         )
     complete = list_checkpoints(root)
     return complete[-1] if complete else None
+
+
+def candidates(root: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints "latest" may resolve to, in the order to try them (the first that
+    verifies wins): the pointer's checkpoint and those below it, newest first; without a valid pointer
+    every complete checkpoint, newest first. Checkpoints above the pointer belong to a longer attempt
+    this run has since resumed behind; they are not fallen back to."""
+    root = Path(root)
+    complete = list_checkpoints(root)
+    pointer = root / LATEST
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    if named is not None and step_of(named) is not None and is_complete(root / named):
+        top = step_of(named) or 0
+        below = [path for path in complete if (step_of(path) or 0) < top]
+        return [root / named, *reversed(below)]
+    if named is not None:
+        log.warning(
+            "checkpoint pointer %s names %r, which is not a complete checkpoint; ignoring it", pointer, named
+        )
+    return list(reversed(complete))
+
+
+def move_aside(path: str | os.PathLike, suffix: str) -> Path:
+    """Rename `path` to `<path>.<suffix>` (or `<path>.<suffix>.<k>` when taken) and return the new name;
+    what was there is kept whole."""
+    path = Path(path)
+    target = path.with_name(f"{path.name}.{suffix}")
+    count = 0
+    while target.exists():
+        count += 1
+        target = path.with_name(f"{path.name}.{suffix}.{count}")
+    os.rename(path, target)
+    _fsync_dir(path.parent)
+    return target
 
 
 def _fsync_dir(path: Path) -> None:
@@ -158,18 +204,48 @@ def is_temporary(path: str | os.PathLike) -> bool:
     return isinstance(payload, dict) and payload.get("temporary") is True
 
 
+def _deletable(path: Path, why: str) -> bool:
+    """Whether `path` verifies against its manifest, so that it may be deleted. A damaged checkpoint is
+    moved aside (`.damaged`) with a warning; one without a manifest is left alone. Never raises."""
+    from fntrain.checkpoint.verify import verified
+
+    try:
+        status = verified(path)
+    except Exception as error:  # noqa: BLE001 - when in doubt, keep the data
+        log.warning("could not verify checkpoint %s (%r); keeping it", path, error)
+        return False
+    if status is True:
+        return True
+    if status is None:
+        log.info("checkpoint %s has no manifest (saved by an older fntrain): not %s", path, why)
+        return False
+    from fntrain.checkpoint.verify import damage
+
+    problem = damage(path, contents=False) or damage(path)
+    try:
+        moved = move_aside(path, "damaged")
+    except OSError as error:
+        log.warning("checkpoint %s is damaged (%s); not %s, and it could not be moved aside: %r",
+                    path, problem, why, error)  # fmt: skip
+        return False
+    log.warning("checkpoint %s is damaged (%s); not %s, moved aside to %s", path, problem, why, moved.name)
+    return False
+
+
 def remove_superseded_temporary(root: str | os.PathLike, newest: str | os.PathLike) -> list[Path]:
     """Delete the complete temporary checkpoints under `root` with a step below `newest`'s (the
-    checkpoint just completed, never removed itself); return what was removed."""
+    checkpoint just completed, never removed itself); return what was removed. Only checkpoints that
+    verify are deleted (see the module docstring)."""
     newest = Path(newest)
     newest_step = step_of(newest)
     if newest_step is None or not is_complete(newest):
         return []
-    doomed = [
+    superseded = [
         path
         for path in list_checkpoints(root)
         if path != newest and (step_of(path) or 0) < newest_step and is_temporary(path)
     ]
+    doomed = [path for path in superseded if _deletable(path, "deleted")]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
         log.info("removed temporary checkpoint %s (superseded by %s)", path, newest.name)
@@ -179,19 +255,29 @@ def remove_superseded_temporary(root: str | os.PathLike, newest: str | os.PathLi
 def retain(
     root: str | os.PathLike, keep_last: int, *, protect: str | os.PathLike | None = None
 ) -> list[Path]:
-    """Delete all but the newest `keep_last` complete checkpoints (0 keeps all); return what was removed.
+    """Delete all but the newest `keep_last` verified checkpoints (0 keeps all); return what was removed.
 
+    Only checkpoints that verify against their manifest count toward `keep_last`, and only those are
+    deleted: a damaged one is moved aside (`.damaged`), one without a manifest is left alone.
     `protect` (the checkpoint just saved, which `latest` names) is never removed, even when checkpoints
     with higher steps exist (left by an earlier run that went further before this one resumed from an
     older step). Partial directories are left alone here: one may be an asynchronous save in flight.
     """
     if keep_last <= 0:
         return []
-    complete = list_checkpoints(root)
-    kept = set(complete[-keep_last:])
-    if protect is not None:
-        kept.add(Path(protect))
-    doomed = [path for path in complete if path not in kept]
+    protect = Path(protect) if protect is not None else None
+    kept, doomed = 0, []
+    for path in reversed(list_checkpoints(root)):  # newest first
+        if path == protect:
+            kept += 1  # written and verified just now
+            continue
+        if not _deletable(path, "counted toward keep_last"):
+            continue
+        if kept < keep_last:
+            kept += 1
+        else:
+            doomed.append(path)
+    doomed.reverse()
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
         log.info("removed old checkpoint %s (keep_last=%d)", path, keep_last)
@@ -199,18 +285,26 @@ def retain(
 
 
 def clean_partial(root: str | os.PathLike) -> list[Path]:
-    """Remove `step_<N>` directories without a completion marker and stale pointer temp files.
+    """Move `step_<N>` directories without a completion marker aside (`step_<N>.incomplete`, never
+    deleted; an empty one is removed) and remove stale pointer temp files; return the new names.
 
     Call only when no save into `root` is in flight (on restore, before training starts).
     """
     root = Path(root)
-    removed = []
+    moved = []
     for _, path in _step_dirs(root):
-        if not is_complete(path):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-            log.warning("removed partial checkpoint %s (left by an interrupted save)", path)
+        if is_complete(path):
+            continue
+        if not any(path.iterdir()):
+            path.rmdir()  # nothing in it to lose
+            continue
+        target = move_aside(path, "incomplete")
+        moved.append(target)
+        log.warning(
+            "checkpoint %s has no completion marker (left by an interrupted save); moved aside to %s",
+            path, target.name,
+        )  # fmt: skip
     if root.is_dir():
         for stale in root.glob(f".{LATEST}.tmp-*"):
             stale.unlink(missing_ok=True)
-    return removed
+    return moved

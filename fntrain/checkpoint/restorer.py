@@ -43,9 +43,9 @@ from fntrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from fntrain.checkpoint.saver import FORMAT_VERSION, app_state
 from fntrain.checkpoint.tree import dcp_key, decode_value, leaves, rebuild
 from fntrain.components import Components
-from fntrain.stateful import load_hook_states
 from fntrain.loop import Hook
 from fntrain.state import TrainState
+from fntrain.stateful import load_hook_states
 
 __all__ = ["restore", "resolve_source", "read_meta", "MissingKeysError"]
 
@@ -173,13 +173,48 @@ def restore(
 
     live_tensors = {dcp_key(p): leaf for p, leaf in leaves(live) if isinstance(leaf, torch.Tensor)}
     sections = {key: key.split(".", 1)[0] for key in live_tensors}
-
-    def section_saved(section: str) -> bool:
-        return any(key.startswith(section + ".") for key in metadata) or any(
-            p[0] == section for p in saved_values
-        )
-
     missing = {key for key in live_tensors if key not in metadata}
+    _check_live_tensors(path, live_tensors, metadata, missing, sections)
+
+    skip: set[str] = set()
+    if not weights_only:
+        skip = _check_optional_sections(path, live, metadata, saved_values, missing, sections)
+    if "optimizer" in skip:
+        # Starting fresh means no state at all: the zero-lr initialisation would otherwise count as a step.
+        for optimizer, was_stateless in zip(optimizers, stateless, strict=True):
+            if was_stateless:
+                optimizer.state.clear()
+    to_load = {
+        key: leaf for key, leaf in live_tensors.items() if key not in missing and sections[key] not in skip
+    }
+    _load_tensors(path, to_load, process_group)
+    state_tree = _set_live_state(components, optimizers, live, saved_values, skip, weights_only)
+    if weights_only:
+        log.info("restored model weights from %s (weights only; training starts at step 0)", path)
+        return TrainState()
+
+    _load_schedulers_and_scaler(components, state_tree, skip)
+    _restore_rank_state(path, meta, hooks, components, device)
+    state = TrainState(**meta["train_state"])
+    log.info(
+        "restored checkpoint %s (epoch %d, step %d, cursor %d)",
+        path,
+        state.epoch,
+        state.global_step,
+        state.cursor,
+    )
+    return state
+
+
+def _check_live_tensors(
+    path: Path,
+    live_tensors: dict[str, torch.Tensor],
+    metadata: dict[str, Any],
+    missing: set[str],
+    sections: dict[str, str],
+) -> None:
+    """Missing model keys are a MissingKeysError, extra model keys a warning, and a saved tensor whose
+    shape differs from the live one a ValueError."""
     missing_model = {key for key in missing if sections[key] == "model"}
     if missing_model:
         raise MissingKeysError(
@@ -199,26 +234,31 @@ def restore(
                 f"checkpoint {path}: {key} has shape {tuple(entry.size)}, the live state {_global_shape(leaf)}"
             )
 
-    skip: set[str] = set()
-    if not weights_only:
-        skip = _check_optional_sections(path, live, saved_values, missing, sections, section_saved)
-    if "optimizer" in skip:
-        # Starting fresh means no state at all: the zero-lr initialisation would otherwise count as a step.
-        for optimizer, was_stateless in zip(optimizers, stateless, strict=True):
-            if was_stateless:
-                optimizer.state.clear()
-    to_load = {
-        key: leaf for key, leaf in live_tensors.items() if key not in missing and sections[key] not in skip
-    }
-    if to_load:
-        with _dist.quiet_single_process():
-            dcp.load(
-                to_load,
-                storage_reader=SafeFileSystemReader(path),
-                planner=SafeLoadPlanner(),
-                process_group=process_group,
-                no_dist=not _dist.initialized(),
-            )
+
+def _load_tensors(path: Path, to_load: dict[str, torch.Tensor], process_group: Any) -> None:
+    """Read `to_load`'s tensors from the checkpoint with DCP, in place (nothing to do when empty)."""
+    if not to_load:
+        return
+    with _dist.quiet_single_process():
+        dcp.load(
+            to_load,
+            storage_reader=SafeFileSystemReader(path),
+            planner=SafeLoadPlanner(),
+            process_group=process_group,
+            no_dist=not _dist.initialized(),
+        )
+
+
+def _set_live_state(
+    components: Components,
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    live: dict[str, Any],
+    saved_values: dict[tuple[Any, ...], Any],
+    skip: set[str],
+    weights_only: bool,
+) -> dict[str, Any]:
+    """The live state tree with the loaded tensors and the saved non-tensor values, handed back to the
+    model (and the optimizers unless skipped) with `set_state_dict`; returns that tree."""
 
     def merged(tree_path: tuple[Any, ...], leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor) or tree_path not in saved_values:
@@ -235,10 +275,12 @@ def restore(
             model_state_dict=state_tree["model"],
             optim_state_dict=state_tree["optimizer"],
         )
-    if weights_only:
-        log.info("restored model weights from %s (weights only; training starts at step 0)", path)
-        return TrainState()
+    return state_tree
 
+
+def _load_schedulers_and_scaler(components: Components, state_tree: dict[str, Any], skip: set[str]) -> None:
+    """The LR schedulers' and the grad scaler's saved states, unless skipped (the first min of both
+    scheduler lists)."""
     if "schedulers" not in skip:
         for scheduler, scheduler_state in zip(
             components.schedulers, state_tree.get("schedulers", ()), strict=False
@@ -247,30 +289,26 @@ def restore(
     if components.grad_scaler is not None and "grad_scaler" not in skip:
         components.grad_scaler.load_state_dict(state_tree["grad_scaler"])
 
-    _restore_rank_state(path, meta, hooks, components, device)
-    state = TrainState(**meta["train_state"])
-    log.info(
-        "restored checkpoint %s (epoch %d, step %d, cursor %d)",
-        path,
-        state.epoch,
-        state.global_step,
-        state.cursor,
+
+def _section_saved(section: str, metadata: dict[str, Any], saved_values: dict[tuple[Any, ...], Any]) -> bool:
+    """Whether the checkpoint holds any tensor or value of `section` ("optimizer", "schedulers", ...)."""
+    return any(key.startswith(section + ".") for key in metadata) or any(
+        p[0] == section for p in saved_values
     )
-    return state
 
 
 def _check_optional_sections(
     path: Path,
     live: dict[str, Any],
+    metadata: dict[str, Any],
     saved_values: dict[tuple[Any, ...], Any],
     missing: set[str],
     sections: dict[str, str],
-    section_saved: Callable[[str], bool],
 ) -> set[str]:
     """Warn about optimizer / scheduler / scaler state the checkpoint lacks; return sections to skip."""
     skip = set()
     for section in ("optimizer", "schedulers", "grad_scaler"):
-        if section in live and not section_saved(section):
+        if section in live and not _section_saved(section, metadata, saved_values):
             warnings.warn(f"checkpoint {path} has no {section} state; it starts fresh", stacklevel=3)
             skip.add(section)
     if "optimizer" in live and "optimizer" not in skip:

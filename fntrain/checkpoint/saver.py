@@ -6,8 +6,16 @@ stateful hook's `state_dict()` and the RNG states (both per rank), and the resol
 DCP; everything else is JSON. Nothing is pickled by fntrain.
 
 Order, so that a crash at any point leaves either a complete checkpoint or one that is ignored:
-per-rank JSON and meta.json → DCP data → DCP `.metadata` (DCP writes it last) → `COMPLETE` marker →
-`latest` pointer → retention. Only rank 0 writes the marker, the pointer and deletes old checkpoints.
+per-rank JSON and meta.json → DCP data → DCP `.metadata` (DCP writes it last) → `manifest.json` (every
+file's size and CRC-32, read back from the written files; `fntrain.checkpoint.verify`) → `COMPLETE`
+marker → `latest` pointer → retention. Only rank 0 writes the manifest, the marker, the pointer and
+deletes old checkpoints (only ones that verify). An async save does the manifest onwards in DCP's
+thread, once the background write finished.
+
+Threads: each `save_async` runs its write in an executor thread DCP starts; `PendingSave.result()` /
+`stop()` join it once the save finished, and `close_async_saves()` (also called by the `close()` of a
+stager from `make_stager`) joins any that is left, so a run that closes its stager ends with no thread
+the checkpoint started.
 
 A checkpoint saved with `temporary=True` (time-based saves, optionally) says so in meta.json and in its
 `COMPLETE` marker; completing any later checkpoint deletes the temporary ones with a lower step.
@@ -34,6 +42,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 
 from fntrain.checkpoint import _dist
 from fntrain.checkpoint.layout import (
+    is_complete,
+    move_aside,
     remove_superseded_temporary,
     retain,
     step_dir,
@@ -43,12 +53,21 @@ from fntrain.checkpoint.layout import (
 )
 from fntrain.checkpoint.rng import rng_state
 from fntrain.checkpoint.tree import split
+from fntrain.checkpoint.verify import write_manifest
 from fntrain.components import Components
-from fntrain.stateful import hook_states
 from fntrain.loop import Hook
 from fntrain.state import TrainState
+from fntrain.stateful import hook_states
 
-__all__ = ["FORMAT_VERSION", "app_state", "save", "save_async", "make_stager", "PendingSave"]
+__all__ = [
+    "FORMAT_VERSION",
+    "app_state",
+    "save",
+    "save_async",
+    "make_stager",
+    "PendingSave",
+    "close_async_saves",
+]
 
 log = logging.getLogger("fntrain.checkpoint")
 
@@ -118,10 +137,16 @@ def _prepare(
     rank, world = _dist.rank(), _dist.world_size()
     if rank == 0:
         # A directory for this step can only be a leftover (a crashed save, or a run resumed from an
-        # earlier checkpoint that passes this step again): it is replaced, never merged into.
-        if path.exists():
+        # earlier checkpoint that passes this step again), never merged into: a complete one is
+        # replaced (this run supersedes it), anything else is moved aside, never deleted.
+        if path.exists() and is_complete(path):
             log.info("replacing existing checkpoint directory %s", path)
             shutil.rmtree(path)
+        elif path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+        elif path.exists():
+            moved = move_aside(path, "incomplete")
+            log.warning("moved the incomplete checkpoint directory %s aside to %s", path, moved.name)
         path.mkdir(parents=True)
     _dist.barrier(process_group)
 
@@ -161,10 +186,11 @@ def _writer(path: Path, thread_count: int) -> dcp.FileSystemWriter:
 def _finalize(
     root: str | os.PathLike, path: Path, state: TrainState, keep_last: int, temporary: bool = False
 ) -> None:
-    """Rank 0: completion marker (only once DCP's metadata exists), then `latest`, then the temporary
-    checkpoints it supersedes, then retention."""
+    """Rank 0: the manifest (checksums of the written files), the completion marker (only once DCP's
+    metadata exists), then `latest`, then the temporary checkpoints it supersedes, then retention."""
     if _dist.rank() != 0:
         return
+    write_manifest(path)
     write_marker(
         path,
         {

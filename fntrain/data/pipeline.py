@@ -118,42 +118,22 @@ def build_data(
     """
     require_int("data.micro_batch_size", micro_batch_size, min=1)
     require_int("data.micro_batches", micro_batches, min=1)
-    require_bool("data.shuffle", shuffle)
+    require_bool("loader.shuffle", shuffle)
     require_int("data.seed", seed, min=0)
     require_bool("data.drop_last", drop_last)
     require_int("data.dp_size", dp_size, min=1)
     require_int("data.dp_rank", dp_rank, min=0, max=dp_size - 1)
-    require_int("data.num_workers", num_workers, min=0)
-    require_bool("data.pin_memory", pin_memory)
-    require_bool("data.prefetch", prefetch)
-    require_int("data.prefetch_depth", prefetch_depth, min=1)
+    require_int("loader.num_workers", num_workers, min=0)
+    require_bool("loader.pin_memory", pin_memory)
+    require_bool("loader.prefetch", prefetch)
+    require_int("loader.prefetch_depth", prefetch_depth, min=1)
     if multiprocessing_context is not None:
         require_choice("data.multiprocessing_context", multiprocessing_context, MULTIPROCESSING_CONTEXTS)
     if collate_fn is not None and not callable(collate_fn):
         raise TypeError(f"data.collate_fn must be callable, got {collate_fn!r}")
     if worker_init_fn is not None and not callable(worker_init_fn):
         raise TypeError(f"data.worker_init_fn must be callable, got {worker_init_fn!r}")
-    if is_iterable_dataset(dataset):
-        if num_workers > 0:
-            # Each worker would read its own copy of the stream: the order would then depend on the worker
-            # count and the stream's position could not be saved. A stream is read in-process (use
-            # prefetch=True to overlap its I/O with compute).
-            raise ValueError(
-                f"data.num_workers must be 0 for an iterable dataset ({type(dataset).__name__}), got "
-                f"{num_workers}; use data.prefetch to read the stream in the background"
-            )
-        if shuffle:
-            warnings.warn(
-                f"data.shuffle has no effect on the iterable dataset {type(dataset).__name__}: a stream keeps "
-                "its own order (its set_epoch(epoch) is called each epoch when it has one)",
-                UserWarning,
-                stacklevel=2,
-            )
-    elif not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-        raise TypeError(
-            "data.dataset must be a map-style dataset (__getitem__ and __len__) or an iterable one, "
-            f"got {type(dataset).__name__}"
-        )
+    _check_dataset(dataset, num_workers, shuffle)
     return DataSpec(
         dataset=dataset,
         collate_fn=collate_fn or default_collate,
@@ -171,6 +151,32 @@ def build_data(
         multiprocessing_context=multiprocessing_context,
         worker_init_fn=worker_init_fn,
     )
+
+
+def _check_dataset(dataset: Any, num_workers: int, shuffle: bool) -> None:
+    """A dataset must be map-style or iterable; a stream is read in-process and keeps its own order
+    (a TypeError / ValueError naming the setting, a warning for `shuffle`)."""
+    if is_iterable_dataset(dataset):
+        if num_workers > 0:
+            # Each worker would read its own copy of the stream: the order would then depend on the worker
+            # count and the stream's position could not be saved. A stream is read in-process (use
+            # prefetch=True to overlap its I/O with compute).
+            raise ValueError(
+                f"loader.num_workers must be 0 for an iterable dataset ({type(dataset).__name__}), got "
+                f"{num_workers}; use loader.prefetch to read the stream in the background"
+            )
+        if shuffle:
+            warnings.warn(
+                f"loader.shuffle has no effect on the iterable dataset {type(dataset).__name__}: a stream keeps "
+                "its own order (its set_epoch(epoch) is called each epoch when it has one)",
+                UserWarning,
+                stacklevel=3,
+            )
+    elif not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise TypeError(
+            "data.dataset must be a map-style dataset (__getitem__ and __len__) or an iterable one, "
+            f"got {type(dataset).__name__}"
+        )
 
 
 def dataset_length(spec: DataSpec) -> int | None:

@@ -21,7 +21,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -246,6 +246,84 @@ def _encoded(documents: Iterable[str], tokenizer: Tokenizer, batch_size: int) ->
         yield from (np.asarray(ids) for ids in tokenizer.encode_batch(batch))
 
 
+@dataclass
+class _ShardWriter:
+    """The shard being filled (`buffer[:filled]`) and the shards written so far, under `output`."""
+
+    output: Path
+    format: str
+    buffer: np.ndarray
+    filled: int = 0
+    written: list[ShardInfo] = field(default_factory=list)
+
+
+def _flush_shard(shards: _ShardWriter) -> None:
+    """Write the filled part of the buffer as the next shard file and start an empty one."""
+    name = f"shard_{len(shards.written):05d}.{shards.format}"
+    if shards.format == "npy":
+        np.save(shards.output / name, shards.buffer[: shards.filled], allow_pickle=False)
+    else:
+        shards.buffer[: shards.filled].tofile(shards.output / name)
+    shards.written.append(ShardInfo(name, shards.filled))
+    shards.filled = 0
+
+
+def _append_ids(shards: _ShardWriter, ids: np.ndarray) -> None:
+    """Copy `ids` into the shards, flushing each one as it fills up (a document may span shards)."""
+    buffer = shards.buffer
+    shard_tokens = len(buffer)
+    offset = 0
+    while offset < len(ids):
+        filled = shards.filled
+        take = min(len(ids) - offset, shard_tokens - filled)
+        buffer[filled : filled + take] = ids[offset : offset + take]
+        shards.filled = filled = filled + take
+        offset += take
+        if filled == shard_tokens:
+            _flush_shard(shards)
+
+
+def _check_ids(number: int, ids: np.ndarray, limit: int, tokenizer: Tokenizer, dtype: np.dtype) -> None:
+    """Document `number`'s ids must be a flat integer array within [0, limit] (ValueError naming it)."""
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise ValueError(f"document {number}: the tokenizer must return a flat list of int ids")
+    if ids.size == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high > limit:
+        raise ValueError(
+            f"document {number}: token id {low if low < 0 else high} is outside [0, {limit}] "
+            f"(vocabulary {tokenizer.vocab_size}, dtype {dtype})"
+        )
+
+
+def _write_documents(
+    documents: Iterable[str], tokenizer: Tokenizer, batch_size: int, shards: _ShardWriter, index_path: Path
+) -> int:
+    """Append each non-empty document's ids and EOS to `shards`, and its start offset (int64 little-endian)
+    to the document index at `index_path`; return the number of documents written."""
+    dtype = shards.buffer.dtype
+    limit = (tokenizer.vocab_size or np.iinfo(dtype).max + 1) - 1
+    eos = np.asarray([tokenizer.eos_id], dtype=dtype)
+    starts: list[int] = []
+    position = documents_written = 0
+    with open(index_path, "wb") as document_index:
+        for number, ids in enumerate(_encoded(documents, tokenizer, batch_size)):
+            _check_ids(number, ids, limit, tokenizer, dtype)
+            if ids.size == 0:
+                continue
+            starts.append(position)
+            if len(starts) >= 1 << 16:
+                np.asarray(starts, dtype="<i8").tofile(document_index)
+                starts.clear()
+            _append_ids(shards, ids)
+            _append_ids(shards, eos)
+            position += len(ids) + 1
+            documents_written += 1
+        np.asarray(starts, dtype="<i8").tofile(document_index)
+    return documents_written
+
+
 def tokenize_documents(
     documents: Iterable[str],
     output: str | os.PathLike[str],
@@ -273,62 +351,14 @@ def tokenize_documents(
     _prepare_output(out, overwrite)
 
     dtype = token_dtype(tok.vocab_size)
-    limit = (tok.vocab_size or np.iinfo(dtype).max + 1) - 1
-    buffer = np.empty(shard_tokens, dtype=dtype)
-    filled = 0
-    shards: list[ShardInfo] = []
-    starts: list[int] = []
-    position = documents_written = 0
-    eos = np.asarray([tok.eos_id], dtype=dtype)
-
-    def flush() -> None:
-        nonlocal filled
-        name = f"shard_{len(shards):05d}.{format}"
-        if format == "npy":
-            np.save(out / name, buffer[:filled], allow_pickle=False)
-        else:
-            buffer[:filled].tofile(out / name)
-        shards.append(ShardInfo(name, filled))
-        filled = 0
-
-    def append(ids: np.ndarray) -> None:
-        nonlocal filled
-        offset = 0
-        while offset < len(ids):
-            take = min(len(ids) - offset, shard_tokens - filled)
-            buffer[filled : filled + take] = ids[offset : offset + take]
-            filled += take
-            offset += take
-            if filled == shard_tokens:
-                flush()
-
-    with open(out / DOCUMENT_INDEX, "wb") as document_index:
-        for number, ids in enumerate(_encoded(documents, tok, batch_size)):
-            if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-                raise ValueError(f"document {number}: the tokenizer must return a flat list of int ids")
-            if ids.size == 0:
-                continue
-            low, high = int(ids.min()), int(ids.max())
-            if low < 0 or high > limit:
-                raise ValueError(
-                    f"document {number}: token id {low if low < 0 else high} is outside [0, {limit}] "
-                    f"(vocabulary {tok.vocab_size}, dtype {dtype})"
-                )
-            starts.append(position)
-            if len(starts) >= 1 << 16:
-                np.asarray(starts, dtype="<i8").tofile(document_index)
-                starts.clear()
-            append(ids)
-            append(eos)
-            position += len(ids) + 1
-            documents_written += 1
-        np.asarray(starts, dtype="<i8").tofile(document_index)
-    if filled or not shards:
-        flush()
+    shards = _ShardWriter(out, format, np.empty(shard_tokens, dtype=dtype))
+    documents_written = _write_documents(documents, tok, batch_size, shards, out / DOCUMENT_INDEX)
+    if shards.filled or not shards.written:
+        _flush_shard(shards)
     index = ShardIndex(
         directory=out,
         dtype=dtype.str,
-        shards=tuple(shards),
+        shards=tuple(shards.written),
         eos_id=tok.eos_id,
         vocab_size=tok.vocab_size,
         tokenizer=tok.name,

@@ -15,21 +15,18 @@ cadence set the hook saves nothing (save_on_interrupt aside) and installs no han
 - save_on_interrupt: on KeyboardInterrupt, save at ABORT only when the interrupt came between steps
   (the hook saw STEP_BEGIN without STEP_END and the state did not advance: a half-applied update, no
   save). Single-process runs only: ranks interrupted at different points could not agree on a save.
-- preempt_signals (SIGTERM, SIGUSR1 by default; `fntrain.preemption`): the signal only sets a flag; at
-  the next step boundary the run saves and stops cleanly (`StopTraining`: TRAIN_END runs) and the
-  `Preemption` object records the step, so the recipe can exit with `preempt_exit_code` (143) after
-  its clean teardown. A second signal terminates the process at once. Handlers live from TRAIN_BEGIN
-  to TRAIN_END / ABORT, and only in the main thread.
-- save_every_minutes: also save when that much time passed since the last save (or the start). Rank
-  0's clock decides (`clock`, injectable); with `time_based_temporary` such a checkpoint is marked
-  temporary and deleted once a newer checkpoint is complete.
-- Agreement: one process checks both at every step. With several ranks both are decided together every
-  `preempt_check_every` steps by one all-reduce (MAX) of two small integers on a CPU (gloo) group, so
-  no device sync is involved: [preemption flag of this rank, time due (rank 0 only; others send 0)].
-  A notice that reached any rank stops every rank, and the time decision is rank 0's alone (the
-  reduction broadcasts it), so ranks whose clocks disagree still save at the same step.
+- preempt_signals and save_every_minutes: whether to stop, and whether a timed save is due, is the
+  agreement's decision (`fntrain.hooks.preemption`: signal flags, rank 0's clock, one small CPU
+  all-reduce every `preempt_check_every` steps), which this hook builds and asks at every STEP_END.
+  On a preemption it saves the step synchronously and raises
+  `StopTraining("preempted by SIGTERM at step N", outcome="preempted", exit_code=preempt_exit_code)`:
+  TRAIN_END runs, `run_training` returns that outcome and exit code (143 by default), and the launcher
+  exits with it after its clean teardown (`fntrain run` does). Handlers live from
+  TRAIN_BEGIN to TRAIN_END / ABORT, and only in the main thread. With `time_based_temporary` a timed
+  checkpoint is marked temporary and deleted once a newer checkpoint is complete.
 
-The hook's own state ("checkpoint": the last saved step) is saved with the checkpoint.
+What the hook remembers between events is one record (`_CheckpointMemory`); its state ("checkpoint":
+the last saved step) is saved with the checkpoint.
 """
 
 from __future__ import annotations
@@ -41,19 +38,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from fntrain.checkpoint import PendingSave, make_stager, save, save_async
 from fntrain.components import Components
 from fntrain.config import require_bool, require_float, require_int, require_str
 from fntrain.hooks.base import StatefulHook, stateful
+from fntrain.hooks.preemption import Agreement, group_timeout, make_agreement
 from fntrain.loop import Event, Hook, StopTraining
-from fntrain.preemption import DEFAULT_EXIT_CODE, Preemption, signal_numbers
+from fntrain.preemption import DEFAULT_EXIT_CODE, Preemption, preemption_reason, signal_numbers
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
 
-__all__ = ["CheckpointConfig", "checkpoint_hook", "checkpoint_root", "make_preemption"]
+__all__ = ["CheckpointConfig", "checkpoint_hook", "checkpoint_root"]
 
 log = logging.getLogger("fntrain.hooks.checkpoint")
 
@@ -62,7 +59,7 @@ HooksArg = Iterable[Hook] | Callable[[], Iterable[Hook]]
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """When to save and restore checkpoints [S36]."""
+    """When to save and restore checkpoints."""
 
     dir: str | None = None
     """Checkpoint root (None: <run_dir>/checkpoints)."""
@@ -126,20 +123,30 @@ def checkpoint_root(config: CheckpointConfig, run_dir: str | Path) -> Path:
     return Path(config.dir).expanduser() if config.dir else Path(run_dir).expanduser() / "checkpoints"
 
 
-def make_preemption(config: CheckpointConfig) -> Preemption:
-    """The `Preemption` for `config` (its signals and exit code); installs nothing until the hook's
-    TRAIN_BEGIN. A recipe keeps it to learn whether the run was preempted (`raise_if_stopped`)."""
-    return Preemption(config.preempt_signals, exit_code=config.preempt_exit_code)
+@dataclass(frozen=True)
+class _Setup:
+    """What the hook was built with (never changes)."""
+
+    config: CheckpointConfig
+    components: Components
+    runtime: Runtime
+    root: Path
+    hooks: HooksArg
+    run_config: Mapping[str, Any] | None
+    agreement: Agreement
+    distributed: bool
 
 
-def _group_timeout() -> Any:
-    """The default process group's collective timeout (runtime.timeout_s), for the groups this hook
-    creates (`new_group` would otherwise use torch's 30-minute default); None when unknown."""
-    try:
-        group = dist.distributed_c10d._get_default_group()
-        return group._get_backend(torch.device("cpu")).options._timeout
-    except Exception:  # noqa: BLE001 - private API, best effort
-        return None
+@dataclass(slots=True)
+class _CheckpointMemory:
+    """What the hook remembers between events."""
+
+    last_saved: int = -1  # global_step of the newest checkpoint this run wrote or was restored from
+    pending: PendingSave | None = None  # the async save in flight
+    group: Any = None  # dedicated gloo group for multi-rank async saves
+    stager: Any = None  # reused across async saves (its pinned staging buffers are cached)
+    started: bool = False  # TRAIN_BEGIN ran and neither TRAIN_END nor ABORT followed
+    step_begun_at: int | None = None  # global_step at STEP_BEGIN until the matching STEP_END
 
 
 def checkpoint_hook(
@@ -156,215 +163,199 @@ def checkpoint_hook(
     """The checkpoint hook (state name "checkpoint"); `hooks` (a list or a callable returning it) are the
     hooks whose `state_dict()` each checkpoint holds; `run_config` is the resolved config saved with it.
 
-    `preemption`: the signal handlers to use (`make_preemption(config)`; the caller keeps it to learn
-    whether the run was preempted); None makes a private one. `clock` (seconds, monotonic) times
-    `save_every_minutes`; only rank 0's matters.
+    The hook builds its own preemption handlers from `config.preempt_signals`; `preemption` replaces
+    them (tests call its `request()`). `clock` (seconds, monotonic) times `save_every_minutes`; only
+    rank 0's matters. A preemption stop is a `StopTraining` with outcome "preempted".
     """
     config.validate()
-    root = Path(directory)
-    preemption = preemption if preemption is not None else make_preemption(config)
-    last_saved = -1  # global_step of the newest checkpoint this run wrote or was restored from
-    pending: PendingSave | None = None
-    group: Any = None  # dedicated gloo group for multi-rank async saves
-    control_group: Any = None  # CPU group for the preemption / time agreement (None: the default group)
-    control_device = torch.device("cpu")
-    stager: Any = None  # reused across async saves (its pinned staging buffers are cached)
-    started = False
-    step_begun_at: int | None = None  # global_step at STEP_BEGIN until the matching STEP_END
-    last_save_time = 0.0  # clock() at the last save (or at TRAIN_BEGIN), for save_every_minutes
-    watch_preemption = config.enabled and bool(config.preempt_signals)
-    watch_time = config.save_every_minutes > 0
-    interval_s = config.save_every_minutes * 60.0
-    distributed = runtime.world_size > 1 and runtime.backend is not None
-
-    def settle() -> None:
-        """Finish the save in flight (raises if it failed)."""
-        nonlocal pending
-        if pending is not None:
-            waiting, pending = pending, None
-            t0 = time.perf_counter()
-            waiting.result()
-            log.debug(
-                "async checkpoint %s settled after waiting %.3f s", waiting.path, time.perf_counter() - t0
-            )
-
-    def poll() -> None:
-        if pending is not None and pending.done():
-            settle()
-
-    def save_now(state: TrainState, *, background: bool, temporary: bool = False) -> None:
-        nonlocal last_saved, pending, stager, last_save_time
-        if state.global_step == last_saved or state.global_step == 0:
-            return
-        settle()
-        last_saved = state.global_step  # before hook states are captured, so the checkpoint says so
-        last_save_time = clock()
-        kwargs = dict(
-            hooks=hooks, config=run_config, keep_last=config.keep_last, device=runtime.device,
-            temporary=temporary,
-        )  # fmt: skip
-        kind = " (temporary)" if temporary else ""
-        t0 = time.perf_counter()
-        if background:
-            if stager is None:
-                stager = make_stager(runtime.device)
-            pending = save_async(
-                root,
-                state,
-                components,
-                process_group=group,
-                thread_count=config.thread_count,
-                stager=stager,
-                **kwargs,
-            )
-            log.info(
-                "checkpoint step %d%s staged in %.3f s (writing in the background)",
-                state.global_step,
-                kind,
-                time.perf_counter() - t0,
-            )
-        else:
-            save(root, state, components, thread_count=config.thread_count, **kwargs)
-            log.info(
-                "checkpoint step %d%s saved in %.3f s", state.global_step, kind, time.perf_counter() - t0
-            )
-
-    def close_stager() -> None:
-        nonlocal stager
-        if stager is not None:
-            stager, closing = None, stager
-            try:
-                closing.close()
-            except Exception as error:  # noqa: BLE001 - releasing buffers must not hide anything
-                log.warning("closing the checkpoint stager failed: %r", error)
-
-    def make_control_group() -> None:
-        """A CPU-capable group for the agreement, so that deciding never syncs the device."""
-        nonlocal control_group, control_device
-        backend = str(runtime.backend)
-        if backend == "gloo" or "cpu:gloo" in backend:
-            return  # the default group reduces CPU tensors already
-        try:
-            control_group = dist.new_group(backend="gloo", timeout=_group_timeout())
-        except Exception as error:  # noqa: BLE001 - no gloo: fall back to the device (a sync per check)
-            log.warning("no gloo group for checkpoint decisions (%r); using the device group", error)
-            control_device = runtime.device
-
-    def decide(state: TrainState) -> tuple[bool, bool]:
-        """(preempt, time-based save due), the same on every rank (see the module docstring)."""
-        if not (watch_preemption or watch_time):
-            return False, False
-        if distributed and state.global_step % config.preempt_check_every:
-            return False, False
-        preempt = watch_preemption and preemption.requested
-        due = watch_time and runtime.rank == 0 and clock() - last_save_time >= interval_s
-        if not distributed:
-            return preempt, due
-        flags = torch.tensor([int(preempt), int(due)], dtype=torch.int32, device=control_device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=control_group)
-        agreed = flags.tolist()  # CPU tensor: no device sync (unless the device fallback is in use)
-        return bool(agreed[0]), bool(agreed[1])
-
-    def begin(state: TrainState) -> None:
-        nonlocal started, group, last_saved, step_begun_at, last_save_time
-        started, step_begun_at = True, None
-        last_save_time = clock()
-        if state.global_step > 0:
-            last_saved = max(last_saved, state.global_step)  # a restored step is not saved again at once
-        if config.async_save and distributed and group is None:
-            group = dist.new_group(backend="gloo", timeout=_group_timeout())
-        if distributed and (watch_preemption or watch_time) and control_group is None:
-            make_control_group()
-        if config.save_on_interrupt and runtime.world_size > 1:
-            log.warning(
-                "checkpoint.save_on_interrupt is ignored with %d ranks; use a preemption signal",
-                runtime.world_size,
-            )
-        if watch_preemption:
-            preemption.install()
-
-    def abort(state: TrainState, error: BaseException) -> None:
-        nonlocal pending, step_begun_at
-        try:
-            if pending is not None:
-                waiting, pending = pending, None
-                waiting.stop(timeout=config.abort_wait_s)
-            between_steps = step_begun_at is None or state.global_step > step_begun_at
-            if (
-                config.save_on_interrupt
-                and isinstance(error, KeyboardInterrupt)
-                and runtime.world_size <= 1
-                and between_steps
-                and state.global_step not in (0, last_saved)
-            ):
-                log.warning("interrupted between steps: saving step %d before exiting", state.global_step)
-                save_now(state, background=False)
-            elif config.save_on_interrupt and isinstance(error, KeyboardInterrupt) and not between_steps:
-                log.warning(
-                    "interrupted inside step %d: not saving a half-applied update", state.global_step + 1
-                )
-        except Exception as save_error:  # noqa: BLE001 - the original error must win
-            log.error("checkpoint on abort failed: %r", save_error)
-        finally:
-            preemption.uninstall()
-            close_stager()
-            step_begun_at = None
-
-    def step_end(state: TrainState) -> None:
-        nonlocal last_save_time
-        poll()
-        if config.save_every and state.global_step % config.save_every == 0:
-            save_now(state, background=config.async_save)
-        preempt, due = decide(state)
-        if preempt:
-            log.warning(
-                "preemption (%s): saving step %d and stopping (exit status %d)",
-                preemption.received, state.global_step, preemption.exit_code,
-            )  # fmt: skip
-            save_now(state, background=False)
-            settle()  # an async save of this very step (save_every) must be complete before the exit
-            preemption.stopped_at = state.global_step
-            raise StopTraining(f"preempted at step {state.global_step}")
-        if due:
-            if state.global_step == last_saved:  # already saved (a restored step): the timer restarts
-                last_save_time = clock()
-            else:
-                log.info("%g minutes since the last checkpoint: saving", config.save_every_minutes)
-                save_now(state, background=config.async_save, temporary=config.time_based_temporary)
+    agreement = make_agreement(
+        runtime,
+        signals=config.preempt_signals if config.enabled else (),
+        check_every=config.preempt_check_every,
+        save_every_minutes=config.save_every_minutes,
+        preemption=preemption,
+        clock=clock,
+    )
+    setup = _Setup(
+        config, components, runtime, Path(directory), hooks, run_config, agreement,
+        distributed=runtime.world_size > 1 and runtime.backend is not None,
+    )  # fmt: skip
+    memory = _CheckpointMemory()
 
     def hook(event: Event, state: TrainState, info: Any) -> None:
-        nonlocal step_begun_at, started
         if event is Event.TRAIN_BEGIN:
-            begin(state)
-        elif not started:
+            _begin(setup, memory, state)
+        elif not memory.started:
             return  # ABORT (or anything) before TRAIN_BEGIN ran: nothing to do
         elif event is Event.STEP_BEGIN:
-            step_begun_at = state.global_step
-            poll()
+            memory.step_begun_at = state.global_step
+            _poll(memory)
         elif event is Event.STEP_END:
-            step_begun_at = None
-            step_end(state)
+            memory.step_begun_at = None
+            _step_end(setup, memory, state)
         elif event is Event.EPOCH_END:
             if config.save_epochs and (state.epoch + 1) % config.save_epochs == 0:
-                save_now(state, background=config.async_save)
+                _save_now(setup, memory, state, background=config.async_save)
         elif event is Event.TRAIN_END:
-            try:
-                settle()
-                if config.save_at_end and config.enabled:
-                    save_now(state, background=False)
-            finally:
-                started = False
-                preemption.uninstall()
-                close_stager()
+            _train_end(setup, memory, state)
         elif event is Event.ABORT:
-            started = False
-            abort(state, info)
+            memory.started = False
+            _abort(setup, memory, state, info)
 
     def state_dict() -> dict[str, Any]:
-        return {"last_saved_step": last_saved}
+        return {"last_saved_step": memory.last_saved}
 
     def load_state_dict(saved: Mapping[str, Any]) -> None:
-        nonlocal last_saved
-        last_saved = int(saved.get("last_saved_step", -1))
+        memory.last_saved = int(saved.get("last_saved_step", -1))
 
     return stateful("checkpoint", hook, state_dict, load_state_dict)
+
+
+def _settle(memory: _CheckpointMemory) -> None:
+    """Finish the save in flight (raises if it failed)."""
+    if memory.pending is not None:
+        waiting, memory.pending = memory.pending, None
+        t0 = time.perf_counter()
+        waiting.result()
+        log.debug("async checkpoint %s settled after waiting %.3f s", waiting.path, time.perf_counter() - t0)
+
+
+def _poll(memory: _CheckpointMemory) -> None:
+    """Settle the save in flight if it is done: a failed background save surfaces at this boundary."""
+    if memory.pending is not None and memory.pending.done():
+        _settle(memory)
+
+
+def _save_now(
+    setup: _Setup, memory: _CheckpointMemory, state: TrainState, *, background: bool, temporary: bool = False
+) -> None:
+    """Save `state` (in the background when `background`) unless it is step 0 or already saved."""
+    if state.global_step == memory.last_saved or state.global_step == 0:
+        return
+    _settle(memory)
+    memory.last_saved = state.global_step  # before hook states are captured, so the checkpoint says so
+    setup.agreement.restart_timer()  # any save restarts save_every_minutes
+    config, runtime = setup.config, setup.runtime
+    kwargs = dict(
+        hooks=setup.hooks, config=setup.run_config, keep_last=config.keep_last, device=runtime.device,
+        temporary=temporary,
+    )  # fmt: skip
+    kind = " (temporary)" if temporary else ""
+    t0 = time.perf_counter()
+    if background:
+        if memory.stager is None:
+            memory.stager = make_stager(runtime.device)
+        memory.pending = save_async(
+            setup.root,
+            state,
+            setup.components,
+            process_group=memory.group,
+            thread_count=config.thread_count,
+            stager=memory.stager,
+            **kwargs,
+        )
+        log.info(
+            "checkpoint step %d%s staged in %.3f s (writing in the background)",
+            state.global_step, kind, time.perf_counter() - t0,
+        )  # fmt: skip
+    else:
+        save(setup.root, state, setup.components, thread_count=config.thread_count, **kwargs)
+        log.info("checkpoint step %d%s saved in %.3f s", state.global_step, kind, time.perf_counter() - t0)
+
+
+def _close_stager(memory: _CheckpointMemory) -> None:
+    if memory.stager is not None:
+        closing, memory.stager = memory.stager, None
+        try:
+            closing.close()
+        except Exception as error:  # noqa: BLE001 - releasing buffers must not hide anything
+            log.warning("closing the checkpoint stager failed: %r", error)
+
+
+def _begin(setup: _Setup, memory: _CheckpointMemory, state: TrainState) -> None:
+    config, runtime = setup.config, setup.runtime
+    memory.started, memory.step_begun_at = True, None
+    if state.global_step > 0:
+        memory.last_saved = max(memory.last_saved, state.global_step)  # a restored step is not saved again
+    if config.async_save and setup.distributed and memory.group is None:
+        memory.group = dist.new_group(backend="gloo", timeout=group_timeout())
+    if config.save_on_interrupt and runtime.world_size > 1:
+        log.warning(
+            "checkpoint.save_on_interrupt is ignored with %d ranks; use a preemption signal",
+            runtime.world_size,
+        )
+    setup.agreement.begin()  # starts the timer, installs the handlers
+
+
+def _step_end(setup: _Setup, memory: _CheckpointMemory, state: TrainState) -> None:
+    config = setup.config
+    _poll(memory)
+    if config.save_every and state.global_step % config.save_every == 0:
+        _save_now(setup, memory, state, background=config.async_save)
+    decision = setup.agreement.decide(state)
+    if decision.preempt:
+        _stop_for_preemption(setup, memory, state)
+    if decision.save_due:
+        if state.global_step == memory.last_saved:  # already saved (a restored step): the timer restarts
+            setup.agreement.restart_timer()
+        else:
+            log.info("%g minutes since the last checkpoint: saving", config.save_every_minutes)
+            _save_now(
+                setup, memory, state, background=config.async_save, temporary=config.time_based_temporary
+            )
+
+
+def _stop_for_preemption(setup: _Setup, memory: _CheckpointMemory, state: TrainState) -> None:
+    """Save `state` synchronously and end the run with the "preempted" outcome."""
+    exit_code = setup.config.preempt_exit_code
+    received = setup.agreement.preemption.received
+    log.warning(
+        "preemption (%s): saving step %d and stopping (exit status %d)",
+        received,
+        state.global_step,
+        exit_code,
+    )
+    _save_now(setup, memory, state, background=False)
+    _settle(memory)  # an async save of this very step (save_every) must be complete before the exit
+    raise StopTraining(
+        preemption_reason(received, state.global_step), outcome="preempted", exit_code=exit_code
+    )
+
+
+def _train_end(setup: _Setup, memory: _CheckpointMemory, state: TrainState) -> None:
+    config = setup.config
+    try:
+        _settle(memory)
+        if config.save_at_end and config.enabled:
+            _save_now(setup, memory, state, background=False)
+    finally:
+        memory.started = False
+        setup.agreement.end()
+        _close_stager(memory)
+
+
+def _abort(setup: _Setup, memory: _CheckpointMemory, state: TrainState, error: BaseException) -> None:
+    """Wait (bounded) for a save in flight; save a Ctrl-C between steps when asked; never raise."""
+    config = setup.config
+    interrupted = config.save_on_interrupt and isinstance(error, KeyboardInterrupt)
+    try:
+        if memory.pending is not None:
+            waiting, memory.pending = memory.pending, None
+            waiting.stop(timeout=config.abort_wait_s)
+        between_steps = memory.step_begun_at is None or state.global_step > memory.step_begun_at
+        if (
+            interrupted
+            and setup.runtime.world_size <= 1
+            and between_steps
+            and state.global_step not in (0, memory.last_saved)
+        ):
+            log.warning("interrupted between steps: saving step %d before exiting", state.global_step)
+            _save_now(setup, memory, state, background=False)
+        elif interrupted and not between_steps:
+            log.warning("interrupted inside step %d: not saving a half-applied update", state.global_step + 1)
+    except Exception as save_error:  # noqa: BLE001 - the original error must win
+        log.error("checkpoint on abort failed: %r", save_error)
+    finally:
+        setup.agreement.end()
+        _close_stager(memory)
+        memory.step_begun_at = None

@@ -157,6 +157,13 @@ def make_eval_fn(
     return eval_fn
 
 
+@dataclass(slots=True)
+class _EvaluateMemory:
+    """What the evaluation hook remembers between events."""
+
+    evaluated: int = -1  # the global step of the last evaluation
+
+
 def evaluate_hook(
     config: EvaluateConfig,
     eval_fn: Callable[[], Mapping[str, float]],
@@ -175,13 +182,12 @@ def evaluate_hook(
         raise ValueError("evaluate.at_end needs the run's last step (last_step=plan.train_iters)")
     every, epochs = config.eval_every, config.eval_epochs
     end = last_step if config.at_end else None
-    evaluated = -1  # the global step of the last evaluation
+    memory = _EvaluateMemory()
 
     def evaluate(state: TrainState) -> None:
-        nonlocal evaluated
-        if state.global_step == evaluated:
+        if state.global_step == memory.evaluated:
             return
-        evaluated = state.global_step
+        memory.evaluated = state.global_step
         started = time.perf_counter()
         metrics = dict(eval_fn())
         for name in RESERVED:
@@ -204,10 +210,9 @@ def evaluate_hook(
                 evaluate(state)
 
     def state_dict() -> dict[str, Any]:
-        return {"last_step": evaluated}
+        return {"last_step": memory.evaluated}
 
     def load_state_dict(saved: Mapping[str, Any]) -> None:
-        nonlocal evaluated
-        evaluated = int(saved.get("last_step", -1))
+        memory.evaluated = int(saved.get("last_step", -1))
 
     return stateful("evaluate", hook, state_dict, load_state_dict)

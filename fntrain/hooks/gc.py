@@ -53,6 +53,21 @@ def _empty_cache_fn(device: torch.device) -> Any:
     return torch.get_device_module(device).empty_cache
 
 
+@dataclass(slots=True)
+class _GCMemory:
+    """What the GC hook remembers between events."""
+
+    empty_cache: Any = None  # the device module's empty_cache, looked up at TRAIN_BEGIN
+    disabled_by_us: bool = False  # this hook turned automatic gc off (and so turns it back on)
+
+
+def _restore(memory: _GCMemory) -> None:
+    """Turn automatic gc back on, only if this hook turned it off."""
+    if memory.disabled_by_us:
+        memory.disabled_by_us = False
+        gc.enable()
+
+
 def gc_hook(config: GCConfig, runtime: Runtime) -> Hook:
     """The GC hook for `runtime` (every rank: the point is that ranks collect on the same steps)."""
     config.validate()
@@ -64,30 +79,22 @@ def gc_hook(config: GCConfig, runtime: Runtime) -> Hook:
     cache_every = config.empty_cache_every if runtime.device.type != "cpu" else 0
     if config.empty_cache_every and not cache_every:
         log.info("gc.empty_cache_every is ignored on cpu (no caching allocator)")
-    empty_cache: Any = None
-    disabled_by_us = False
-
-    def restore() -> None:
-        nonlocal disabled_by_us
-        if disabled_by_us:
-            disabled_by_us = False
-            gc.enable()
+    memory = _GCMemory()
 
     def hook(event: Event, state: TrainState, info: Any) -> None:
-        nonlocal empty_cache, disabled_by_us
         if event is Event.STEP_END:
             step = state.global_step
             if collect_every and step % collect_every == 0:
                 gc.collect(generation)
             if cache_every and step % cache_every == 0:
-                empty_cache()
+                memory.empty_cache()
         elif event is Event.TRAIN_BEGIN:
             if cache_every:
-                empty_cache = _empty_cache_fn(runtime.device)
+                memory.empty_cache = _empty_cache_fn(runtime.device)
             if config.disable_automatic and gc.isenabled():
                 gc.disable()
-                disabled_by_us = True
+                memory.disabled_by_us = True
         elif event is Event.TRAIN_END or event is Event.ABORT:
-            restore()
+            _restore(memory)
 
     return hook

@@ -12,11 +12,15 @@ end_step): recording starts at start_step and at end_step the snapshot is writte
 While history records, an out-of-memory failure writes `snapshot_oom_<rank>.pickle` (dump ranks only):
 from the allocator's OOM observer at the moment of the failure where the backend has one, else at ABORT
 when the exception is an out-of-memory error. That is the one file ABORT may write; otherwise ABORT stops
-history without writing, creates no directory and never raises [S9] [S18].
+history without writing, creates no directory and never raises [S9] [S18]. A stop that failed at
+TRAIN_END (its error propagates, so ABORT follows) may have left history on: ABORT retries it and logs a
+second failure instead of raising.
 
 `mem_info` (independent of `enable`) logs the peak reserved/allocated device memory at every control
 point and at TRAIN_END, then resets the peaks; on CPU it logs the process's peak RSS, which the OS
-cannot reset (so it is the peak since the process started).
+cannot reset (so it is the peak since the process started). After each epoch (EPOCH_END) it also logs
+"VRAM usage after epoch N: allocated X GiB, reserved Y GiB, peak Z GiB" (peak: the epoch's peak
+allocated memory), or on CPU the process's peak RSS.
 
 The allocator is one seam, a module-like object with torch.cuda.memory's private API
 (`_record_memory_history`, `_snapshot`, `max_memory_reserved`, ...); `memory_hook(..., allocator=fake)`
@@ -34,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from fntrain.config import require_bool, require_choice, require_int, require_int_list, require_str
 from fntrain.loop import Event, Hook
@@ -46,14 +50,21 @@ __all__ = ["MemoryConfig", "memory_hook", "is_out_of_memory"]
 log = logging.getLogger("fntrain.hooks.memory")
 
 _MiB = float(1 << 20)
+_GiB = float(1 << 30)
 _HISTORY_API = ("_record_memory_history",)
 _SNAPSHOT_API = ("_snapshot", "_dump_snapshot")  # either; `_snapshot` preferred (see _write_snapshot)
-_STATS_API = ("max_memory_reserved", "max_memory_allocated", "reset_peak_memory_stats")
+_STATS_API = (
+    "max_memory_reserved",
+    "max_memory_allocated",
+    "reset_peak_memory_stats",
+    "memory_allocated",
+    "memory_reserved",
+)
 
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """Allocator-history recording and peak-memory logging [S35]."""
+    """Allocator-history recording and peak-memory logging."""
 
     enable: bool = False
     """Record the device allocator's history over [start_step, end_step), write snapshots (cuda/npu only)."""
@@ -70,7 +81,8 @@ class MemoryConfig:
     max_entries: int | None = None
     """Most alloc/free events kept (a ring buffer; several KB each); None = unbounded."""
     mem_info: bool = False
-    """Log peak reserved/allocated memory at every control point, then reset the peaks (CPU: peak RSS)."""
+    """Log peak reserved/allocated memory at every control point, then reset the peaks, and the memory in
+    use after each epoch (CPU: peak RSS)."""
 
     def validate(self, prefix: str = "memory") -> None:
         """Raise `TypeError` / `ValueError` naming the dotted field; touches no device."""
@@ -148,40 +160,43 @@ def memory_hook(config: MemoryConfig, runtime: Runtime, *, allocator: Any = None
         )
     report = _peak_reporter(allocator, device, runtime) if config.mem_info else None
 
-    point = 0
-    started = False
+    remembered = _MemoryHookMemory()
 
     def memory(event: Event, state: TrainState, info: Any) -> None:
-        nonlocal point, started
         if event is Event.STEP_BEGIN:
-            if started:
-                point += 1
+            if remembered.started:
+                remembered.point += 1
                 if window is not None:
-                    window.at(point)
+                    window.at(remembered.point)
                 if report is not None:
-                    report(str(point), state)
+                    report.at_point(str(remembered.point), state)
+        elif event is Event.EPOCH_END:
+            # Once per epoch stepped in this run (a restored epoch's replayed EPOCH_END logs nothing).
+            if remembered.started and report is not None and remembered.point > remembered.epoch_point:
+                remembered.epoch_point = remembered.point
+                report.after_epoch(state)
         elif event is Event.TRAIN_BEGIN:
             # A new session: whatever a previous one left recording is discarded unwritten.
-            point, started = 0, True
+            remembered.point, remembered.epoch_point, remembered.started = 0, 0, True
             if window is not None:
                 window.begin()
                 window.at(0)
             if report is not None:
-                report("0", state)
+                report.at_point("0", state)
         elif event is Event.TRAIN_END:
-            if started:
-                started = False
+            if remembered.started:
+                remembered.started = False
                 try:
                     if report is not None:
-                        report("end", state)
+                        report.at_point("end", state)
                 finally:
                     if window is not None:
                         window.stop()
         elif event is Event.ABORT:
-            if started:
-                started = False
-                if window is not None:
-                    window.abort(info if isinstance(info, BaseException) else None)
+            began, remembered.started = remembered.started, False
+            # After TRAIN_END's stop failed the session is over but history may still be on: retry.
+            if window is not None and (began or window.stop_pending):
+                window.abort(info if isinstance(info, BaseException) else None)
 
     return memory
 
@@ -219,8 +234,14 @@ class _HistoryWindow:
         self._slot: _OomSlot | None = None
         self._lock = threading.RLock()  # the OOM observer may fire on any allocating thread
         self._recording = False
+        self._stop_pending = False  # a stop failed: history may still be on (ABORT retries it)
         self._finished = True
         self._oom_written = False
+
+    @property
+    def stop_pending(self) -> bool:
+        """Whether stopping the history failed and history may still be on."""
+        return self._stop_pending
 
     def begin(self) -> None:
         """Start a session: discard stale history (this hook's or anyone's) without writing it."""
@@ -228,6 +249,7 @@ class _HistoryWindow:
             self._detach_oom()
             self._recording, self._finished, self._oom_written = False, False, False
             self._allocator._record_memory_history(enabled=None)  # disabling also clears the history
+            self._stop_pending = False
 
     def at(self, point: int) -> None:
         """Control point `point`: start recording at start_step; write and stop at end_step."""
@@ -247,12 +269,17 @@ class _HistoryWindow:
             self._finished = True
 
     def abort(self, error: BaseException | None) -> None:
-        """Failure: stop history without writing the window (an OOM snapshot excepted); never raises."""
+        """Failure: stop history without writing the window (an OOM snapshot excepted); never raises.
+
+        A stop that failed before (at TRAIN_END) is retried here; a failure again is logged.
+        """
         with self._lock:
             self._finished = True
-            if not self._recording:
+            if self._stop_pending and not self._recording:
+                log.warning("memory history: retrying the stop that failed before, at ABORT")
+            elif not self._recording:
                 return
-            if self._writes and not self._oom_written and is_out_of_memory(error):
+            if self._recording and self._writes and not self._oom_written and is_out_of_memory(error):
                 try:
                     self._write_oom("ABORT")
                 except BaseException as write_error:  # noqa: BLE001 - ABORT must not raise
@@ -270,6 +297,7 @@ class _HistoryWindow:
             try:
                 self._allocator._record_memory_history(enabled=None)
             except BaseException as error:  # noqa: BLE001
+                self._stop_pending = True  # ABORT retries it
                 log.error("stopping the memory history after a failed start raised: %r", error)
             raise
         self._recording = True
@@ -288,17 +316,23 @@ class _HistoryWindow:
         self._disable()
 
     def _disable(self, *, quiet: bool = False) -> None:
-        """Stop recording (which discards the history) and release the OOM observer."""
-        if not self._recording:
+        """Stop recording (which discards the history) and release the OOM observer.
+
+        A failed stop leaves `stop_pending` set (history may still be on) for ABORT to retry.
+        """
+        if not (self._recording or self._stop_pending):
             return
         self._recording = False
         self._detach_oom()
         try:
             self._allocator._record_memory_history(enabled=None)
         except BaseException as error:
+            self._stop_pending = True
             if not quiet:
                 raise
             log.error("stopping the memory history raised: %r", error)
+        else:
+            self._stop_pending = False
 
     def _write_snapshot(self, filename: str) -> str:
         """Pickle the allocator snapshot into save_path atomically (no half-written file is left).
@@ -441,9 +475,35 @@ def _require_api(
         )
 
 
-def _peak_reporter(allocator: Any, device: Any, runtime: Runtime) -> Callable[[str, TrainState], None]:
-    """A function that logs this rank's peak memory at a control point and resets the device peaks."""
+@dataclass(slots=True)
+class _MemoryHookMemory:
+    """What the memory hook remembers between events."""
+
+    point: int = 0  # the control point: 0 at TRAIN_BEGIN, then one per step
+    epoch_point: int = 0  # the control point at the last epoch line (mem_info)
+    started: bool = False  # TRAIN_BEGIN ran and neither TRAIN_END nor ABORT followed
+
+
+@dataclass(slots=True)
+class _ReporterMemory:
+    """What the mem_info reporter remembers between control points."""
+
+    noted: bool = False  # the one-time note about peak RSS was logged (host)
+    epoch_peak: int = 0  # the highest peak allocated read at a control point this epoch (device)
+
+
+class _PeakReporter(NamedTuple):
+    """mem_info's two lines: at a control point (peaks, then reset) and after an epoch."""
+
+    at_point: Callable[[str, TrainState], None]
+    after_epoch: Callable[[TrainState], None]
+
+
+def _peak_reporter(allocator: Any, device: Any, runtime: Runtime) -> _PeakReporter:
+    """Functions that log this rank's peak memory at a control point (resetting the device peaks) and its
+    memory use after an epoch."""
     ranks = f"rank={runtime.rank} local_rank={runtime.local_rank} dp_rank={runtime.dp_rank}"
+    reporter = _ReporterMemory()
 
     if allocator is not None:
 
@@ -455,31 +515,53 @@ def _peak_reporter(allocator: Any, device: Any, runtime: Runtime) -> Callable[[s
                 point, state.global_step, ranks, reserved / _MiB, allocated / _MiB,
             )  # fmt: skip
             allocator.reset_peak_memory_stats(device)
+            if allocated > reporter.epoch_peak:
+                reporter.epoch_peak = allocated
 
-        return report_device
+        def report_device_epoch(state: TrainState) -> None:
+            # The peaks are reset at every control point: the epoch's peak is the highest one read.
+            peak = max(reporter.epoch_peak, allocator.max_memory_allocated(device))
+            reporter.epoch_peak = 0
+            log.info(
+                "VRAM usage after epoch %d: allocated %.2f GiB, reserved %.2f GiB, peak %.2f GiB (%s)",
+                state.epoch, allocator.memory_allocated(device) / _GiB,
+                allocator.memory_reserved(device) / _GiB, peak / _GiB, ranks,
+            )  # fmt: skip
+
+        return _PeakReporter(report_device, report_device_epoch)
 
     peak_rss = _peak_rss_reader()
-    noted = False
 
-    def report_host(point: str, state: TrainState) -> None:
-        nonlocal noted
+    def read_rss() -> int | None:
         rss = None if peak_rss is None else peak_rss()
         if rss is None:
-            if not noted:
+            if not reporter.noted:
                 log.warning("memory.mem_info: no device allocator and no peak RSS on this platform")
-                noted = True
-            return
-        if not noted:
+                reporter.noted = True
+        elif not reporter.noted:
             log.info(
                 "memory.mem_info on %s reports the process's peak RSS, which cannot be reset", runtime.device
             )
-            noted = True
-        log.info(
-            "memory step=%s global_step=%d %s peak_rss_mib=%.1f",
-            point, state.global_step, ranks, rss / _MiB,
-        )  # fmt: skip
+            reporter.noted = True
+        return rss
 
-    return report_host
+    def report_host(point: str, state: TrainState) -> None:
+        rss = read_rss()
+        if rss is not None:
+            log.info(
+                "memory step=%s global_step=%d %s peak_rss_mib=%.1f",
+                point, state.global_step, ranks, rss / _MiB,
+            )  # fmt: skip
+
+    def report_host_epoch(state: TrainState) -> None:
+        rss = read_rss()
+        if rss is not None:
+            log.info(
+                "memory after epoch %d: %s peak_rss_mib=%.1f (the process's peak RSS)",
+                state.epoch, ranks, rss / _MiB,
+            )  # fmt: skip
+
+    return _PeakReporter(report_host, report_host_epoch)
 
 
 def _peak_rss_reader() -> Callable[[], int] | None:

@@ -15,9 +15,14 @@ experimental config (level, data simplification, mstx, text export). The paralle
 per window as the `distributed_args` metadata (cluster analysis tools read it).
 
 Outside the window a step costs the hook two integer comparisons: the profiler object is created and
-started when the window opens (at TRAIN_BEGIN with `start_on_init`), and its schedule position is set to
-the step before the window so that its `skip_first` counts steps of this run without stepping the
-profiler through every earlier step.
+started when the window opens, and its schedule position is set to the step before the window so that its
+`skip_first` counts steps of this run without stepping the profiler through every earlier step. With
+`start_on_init` the session opens at TRAIN_BEGIN and records from there: its first profiler step
+(`ProfilerStep#1`) begins at TRAIN_BEGIN, so it holds the init phase (what the hooks after the profiler
+do at TRAIN_BEGIN, e.g. the restore, and the first batch fetch) followed by step 1.
+
+On npu with `mstx`, each profiled step is an mstx range "step <N>" started on the current NPU stream, so
+it shows on the device timeline as well as the host's.
 
 The backend is one seam, `_resolve_backend(device_type)`, called at TRAIN_BEGIN on profiled ranks only:
 it imports `torch.profiler` (cpu, cuda) or `torch_npu.profiler` (npu) and nothing else; tests replace it
@@ -63,7 +68,7 @@ _BOOL_FIELDS = (
 
 @dataclass(frozen=True)
 class ProfilerConfig:
-    """When, where and what to profile [S34]. Steps are steps of this run, 1-based and inclusive."""
+    """When, where and what to profile. Steps are steps of this run, 1-based and inclusive."""
 
     enabled: bool = False
     """Profile a window of steps (off: the hook does nothing and imports no profiler)."""
@@ -72,8 +77,9 @@ class ProfilerConfig:
     stop_step: int = 10
     """Last step of this run to record; the trace is written after it (< 1 becomes 10)."""
     start_on_init: bool = False
-    """Create and start the profiler session at TRAIN_BEGIN instead of at the first window step
-    (needs start_step 1; otherwise turned off with a warning)."""
+    """Start recording at TRAIN_BEGIN, so the trace also holds the init phase (the work of later hooks
+    at TRAIN_BEGIN and the first batch fetch, inside ProfilerStep#1); needs start_step 1, otherwise it
+    is turned off with a warning."""
     memory: bool = True
     """Record tensor allocations (profile_memory)."""
     rank_ids: list[int] | None = None
@@ -202,171 +208,225 @@ def _inactive(event: Event, state: TrainState, info: Any) -> None:
 # ----------------------------------------------------------------------------- the hook
 
 
-def _make_profiler_hook(config: ProfilerConfig, runtime: Runtime) -> Hook:
-    device_type = _device_type(runtime.device)
-    start, stop = config.start_step, config.stop_step
-    trace_dir = os.path.join(
-        os.path.abspath(os.path.expanduser(config.output_path or "./output")),
-        "profile",
-        f"rank_{runtime.rank}",
-    )
-    worker_name = f"rank_{runtime.rank}"
-    distributed_args = json.dumps(_distributed_args(runtime))
+@dataclass(frozen=True)
+class _Setup:
+    """What the hook was built with (never changes)."""
+
+    config: ProfilerConfig
+    runtime: Runtime
+    device_type: str
+    start: int  # first and last step of the window (steps of this run, 1-based, inclusive)
+    stop: int
+    trace_dir: str
+    worker_name: str
+    distributed_args: str  # JSON
+
+
+@dataclass(slots=True)
+class _ProfilerMemory:
+    """What the hook remembers between events."""
 
     backend: _Backend | None = None
     session: Any = None  # the profile object while a session is open
-    began = False  # TRAIN_BEGIN ran and the session of this run has not ended
-    done = 0  # steps of this run completed
-    exporting = False  # whether a trace that becomes ready is written (False while aborting)
-    metadata_recorded = False
+    began: bool = False  # TRAIN_BEGIN ran and the session of this run has not ended
+    done: int = 0  # steps of this run completed
+    exporting: bool = False  # whether a trace that becomes ready is written (False while aborting)
+    init_step_open: bool = False  # start_on_init: ProfilerStep#1 began at TRAIN_BEGIN, step 1 is inside it
+    metadata_recorded: bool = False
     open_range: Any = None  # the mstx range id of the step in progress
 
-    def on_trace_ready(prof: Any, write: Callable[[Any], None]) -> None:
-        if not exporting:
-            return
-        try:
-            write(prof)
-        except Exception as error:  # noqa: BLE001 - a lost trace must not end the training run
-            log.error("profiler: writing the trace to %s failed: %r", trace_dir, error)
-        else:
-            log.info("profiler: trace of steps %d..%d written to %s", start, min(done, stop), trace_dir)
 
-    def open_session() -> None:
-        nonlocal session, exporting
-        assert backend is not None
-        profiler = backend.profiler
-        write = profiler.tensorboard_trace_handler(trace_dir, worker_name=worker_name)
-        activities = [profiler.ProfilerActivity.CPU]
-        if device_type == "cuda":
-            activities.append(profiler.ProfilerActivity.CUDA)
-        elif device_type == "npu":
-            activities.append(profiler.ProfilerActivity.NPU)
-        with warnings.catch_warnings():
-            # The window is exact by design (skip_first = start, active = stop - start + 1): no warmup.
-            warnings.filterwarnings("ignore", message=".*warmup.*")
-            schedule = profiler.schedule(
-                wait=0, warmup=0, active=stop - start + 1, repeat=1, skip_first=start
-            )
-        kwargs: dict[str, Any] = dict(
-            activities=activities,
-            schedule=schedule,
-            on_trace_ready=lambda prof: on_trace_ready(prof, write),
-            record_shapes=config.record_shapes,
-            profile_memory=config.memory,
-            with_stack=config.with_stack,
-        )
-        if device_type == "npu":
-            kwargs["experimental_config"] = _npu_experimental_config(profiler, config)
-        prof = profiler.profile(**kwargs)
-        # The schedule counts profiler steps; the session opens just before step `start` of this run (or
-        # at TRAIN_BEGIN, step 0, with start_on_init), so its position is set to the step before: the next
-        # `step()` is step `start`, recorded and marked ProfilerStep#<start>, and no profiler call is made
-        # on the steps before the window. torch.profiler.profile and torch_npu's both keep it in `step_num`.
-        prof.step_num = start - 1
-        session, exporting = prof, True
-        log.info(
-            "profiler: rank %d records steps %d..%d of this run into %s", runtime.rank, start, stop, trace_dir
-        )
-        prof.start()
-
-    def record_metadata() -> None:
-        nonlocal metadata_recorded
-        metadata_recorded = True
-        try:
-            session.add_metadata_json("distributed_args", distributed_args)
-        except Exception as error:  # noqa: BLE001 - metadata is a nicety, never a reason to fail
-            log.warning("profiler: could not record the distributed_args metadata: %r", error)
-
-    def end_range() -> None:
-        nonlocal open_range
-        if open_range is not None:
-            range_id, open_range = open_range, None
-            assert backend is not None and backend.mstx is not None
-            backend.mstx.range_end(range_id)
-
-    def finish(export: bool) -> None:
-        """End the session once: write the window (or its recorded part) when `export`, else nothing."""
-        nonlocal session, began, exporting
-        began = False
-        prof, session = session, None
-        if prof is None:
-            return
-        exporting = export
-        try:
-            end_range()
-        finally:
-            try:
-                if export and done >= stop:
-                    # The window's last step completed: close the cycle as the schedule does (this writes
-                    # the trace), so the stop below finds nothing left to do.
-                    prof.step()
-                prof.stop()
-            finally:
-                exporting = False
-
-    def step_begin(state: TrainState) -> None:
-        nonlocal open_range
-        if not began:
-            return
-        if session is None:
-            open_session()
-        session.step()
-        if not metadata_recorded:
-            record_metadata()
-        if config.mstx:
-            assert backend is not None and backend.mstx is not None
-            open_range = backend.mstx.range_start(f"step {state.global_step + 1}", None)
-
-    def step_end() -> None:
-        if session is None:
-            return
-        end_range()
-        if done == stop:
-            finish(export=True)
-
-    def train_begin() -> None:
-        nonlocal backend, began, done, metadata_recorded, open_range
-        if session is not None:  # a previous run on this hook neither ended nor aborted
-            finish(export=False)
-        done, metadata_recorded, open_range = 0, False, None
-        backend = _resolve_backend(device_type)
-        began = True
-        if config.start_on_init:
-            open_session()
-
-    def abort(error: Any) -> None:
-        try:
-            finish(export=False)
-        except Exception as stop_error:  # noqa: BLE001 - ABORT must not hide the original error
-            log.error("profiler: stopping the session after %r raised %r", error, stop_error)
+def _make_profiler_hook(config: ProfilerConfig, runtime: Runtime) -> Hook:
+    setup = _Setup(
+        config,
+        runtime,
+        device_type=_device_type(runtime.device),
+        start=config.start_step,
+        stop=config.stop_step,
+        trace_dir=os.path.join(
+            os.path.abspath(os.path.expanduser(config.output_path or "./output")),
+            "profile",
+            f"rank_{runtime.rank}",
+        ),
+        worker_name=f"rank_{runtime.rank}",
+        distributed_args=json.dumps(_distributed_args(runtime)),
+    )
+    memory = _ProfilerMemory()
+    start, stop = setup.start, setup.stop
 
     def profiler(event: Event, state: TrainState, info: Any) -> None:
-        nonlocal done
         if event is Event.STEP_BEGIN:
-            if start <= done + 1 <= stop:
-                step_begin(state)
+            if start <= memory.done + 1 <= stop:
+                _step_begin(setup, memory, state)
         elif event is Event.STEP_END:
-            done += 1
-            if start <= done <= stop:
-                step_end()
+            memory.done += 1
+            if start <= memory.done <= stop:
+                _step_end(setup, memory)
         elif event is Event.TRAIN_BEGIN:
-            train_begin()
+            _train_begin(setup, memory)
         elif event is Event.TRAIN_END:
-            finish(export=True)
+            _finish(setup, memory, export=True)
         elif event is Event.ABORT:
-            abort(info)
+            _abort(setup, memory, info)
 
     return profiler
+
+
+def _on_trace_ready(setup: _Setup, memory: _ProfilerMemory, prof: Any, write: Callable[[Any], None]) -> None:
+    if not memory.exporting:
+        return
+    try:
+        write(prof)
+    except Exception as error:  # noqa: BLE001 - a lost trace must not end the training run
+        log.error("profiler: writing the trace to %s failed: %r", setup.trace_dir, error)
+        return
+    if setup.config.start_on_init and memory.done == 0:
+        log.info("profiler: trace of the init phase written to %s", setup.trace_dir)
+    else:
+        log.info(
+            "profiler: trace of %ssteps %d..%d written to %s",
+            "the init phase and " if setup.config.start_on_init else "",
+            setup.start, min(memory.done, setup.stop), setup.trace_dir,
+        )  # fmt: skip
+
+
+def _open_session(setup: _Setup, memory: _ProfilerMemory, *, init: bool = False) -> None:
+    assert memory.backend is not None
+    config, device_type, start, stop = setup.config, setup.device_type, setup.start, setup.stop
+    profiler = memory.backend.profiler
+    write = profiler.tensorboard_trace_handler(setup.trace_dir, worker_name=setup.worker_name)
+    activities = [profiler.ProfilerActivity.CPU]
+    if device_type == "cuda":
+        activities.append(profiler.ProfilerActivity.CUDA)
+    elif device_type == "npu":
+        activities.append(profiler.ProfilerActivity.NPU)
+    with warnings.catch_warnings():
+        # The window is exact by design (skip_first = start, active = stop - start + 1): no warmup.
+        warnings.filterwarnings("ignore", message=".*warmup.*")
+        schedule = profiler.schedule(wait=0, warmup=0, active=stop - start + 1, repeat=1, skip_first=start)
+    kwargs: dict[str, Any] = dict(
+        activities=activities,
+        schedule=schedule,
+        on_trace_ready=lambda prof: _on_trace_ready(setup, memory, prof, write),
+        record_shapes=config.record_shapes,
+        profile_memory=config.memory,
+        with_stack=config.with_stack,
+    )
+    if device_type == "npu":
+        kwargs["experimental_config"] = _npu_experimental_config(profiler, config)
+    prof = profiler.profile(**kwargs)
+    # The schedule counts profiler steps; the session opens just before step `start` of this run (or
+    # at TRAIN_BEGIN with start_on_init), so its position is set to the step before: the next `step()`
+    # is step `start`, recorded and marked ProfilerStep#<start>, and no profiler call is made on the
+    # steps before the window. torch.profiler.profile and torch_npu's both keep it in `step_num`.
+    prof.step_num = start - 1
+    memory.session, memory.exporting = prof, True
+    log.info(
+        "profiler: rank %d records %ssteps %d..%d of this run into %s",
+        setup.runtime.rank, "from TRAIN_BEGIN through " if init else "", start, stop, setup.trace_dir,
+    )  # fmt: skip
+    prof.start()
+    if init:
+        # start_on_init (start is 1): step into ProfilerStep#1 now, so that recording begins at
+        # TRAIN_BEGIN and the init phase lands in the trace; step 1's STEP_BEGIN then does not step.
+        memory.init_step_open = True
+        prof.step()
+
+
+def _record_metadata(setup: _Setup, memory: _ProfilerMemory) -> None:
+    memory.metadata_recorded = True
+    try:
+        memory.session.add_metadata_json("distributed_args", setup.distributed_args)
+    except Exception as error:  # noqa: BLE001 - metadata is a nicety, never a reason to fail
+        log.warning("profiler: could not record the distributed_args metadata: %r", error)
+
+
+def _end_range(memory: _ProfilerMemory) -> None:
+    if memory.open_range is not None:
+        range_id, memory.open_range = memory.open_range, None
+        assert memory.backend is not None and memory.backend.mstx is not None
+        memory.backend.mstx.range_end(range_id)
+
+
+def _finish(setup: _Setup, memory: _ProfilerMemory, *, export: bool) -> None:
+    """End the session once: write the window (or its recorded part) when `export`, else nothing."""
+    memory.began = False
+    prof, memory.session = memory.session, None
+    if prof is None:
+        return
+    memory.exporting = export
+    try:
+        _end_range(memory)
+    finally:
+        try:
+            if export and memory.done >= setup.stop:
+                # The window's last step completed: close the cycle as the schedule does (this writes
+                # the trace), so the stop below finds nothing left to do.
+                prof.step()
+            prof.stop()
+        finally:
+            memory.exporting = False
+
+
+def _step_begin(setup: _Setup, memory: _ProfilerMemory, state: TrainState) -> None:
+    if not memory.began:
+        return
+    if memory.session is None:
+        _open_session(setup, memory)
+    if memory.init_step_open:
+        memory.init_step_open = False  # ProfilerStep#1 is already open since TRAIN_BEGIN
+    else:
+        memory.session.step()
+    if not memory.metadata_recorded:
+        _record_metadata(setup, memory)
+    if setup.config.mstx:
+        backend = memory.backend
+        assert backend is not None and backend.mstx is not None
+        # On the current NPU stream the range is also marked on the device timeline (None: host only).
+        stream = None if backend.current_stream is None else backend.current_stream()
+        memory.open_range = backend.mstx.range_start(f"step {state.global_step + 1}", stream)
+
+
+def _step_end(setup: _Setup, memory: _ProfilerMemory) -> None:
+    if memory.session is None:
+        return
+    _end_range(memory)
+    if memory.done == setup.stop:
+        _finish(setup, memory, export=True)
+
+
+def _train_begin(setup: _Setup, memory: _ProfilerMemory) -> None:
+    if memory.session is not None:  # a previous run on this hook neither ended nor aborted
+        _finish(setup, memory, export=False)
+    memory.done, memory.metadata_recorded, memory.open_range = 0, False, None
+    memory.init_step_open = False
+    memory.backend = _resolve_backend(setup.device_type)
+    if setup.config.mstx and memory.backend.current_stream is None:
+        log.warning(
+            "profiler: this torch_npu has no npu.current_stream; mstx ranges are marked on the host only"
+        )
+    memory.began = True
+    if setup.config.start_on_init:
+        _open_session(setup, memory, init=True)
+
+
+def _abort(setup: _Setup, memory: _ProfilerMemory, error: Any) -> None:
+    try:
+        _finish(setup, memory, export=False)
+    except Exception as stop_error:  # noqa: BLE001 - ABORT must not hide the original error
+        log.error("profiler: stopping the session after %r raised %r", error, stop_error)
 
 
 # ----------------------------------------------------------------------------- backends
 
 
 class _Backend(NamedTuple):
-    """The profiler module (torch.profiler or torch_npu.profiler) and, on npu, torch_npu.npu.mstx."""
+    """The profiler module (torch.profiler or torch_npu.profiler) and, on npu, torch_npu.npu.mstx and
+    torch_npu.npu.current_stream (the stream mstx ranges are marked on)."""
 
     profiler: Any
     mstx: Any = None
+    current_stream: Callable[[], Any] | None = None
 
 
 def _resolve_backend(device_type: str) -> _Backend:
@@ -375,7 +435,8 @@ def _resolve_backend(device_type: str) -> _Backend:
         from fntrain.runtime.device import import_npu_module, import_torch_npu
 
         npu_profiler = import_npu_module("profiler")
-        return _Backend(npu_profiler, getattr(getattr(import_torch_npu(), "npu", None), "mstx", None))
+        npu = getattr(import_torch_npu(), "npu", None)
+        return _Backend(npu_profiler, getattr(npu, "mstx", None), getattr(npu, "current_stream", None))
     if device_type in ("cpu", "cuda"):
         return _Backend(importlib.import_module("torch.profiler"))
     raise RuntimeError(f"profiler: no profiler backend for device type {device_type!r}")

@@ -104,48 +104,22 @@ def progress_hook(
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         redirect = logging_redirect_tqdm
-
-    bar: Any = None
-    redirecting: Any = None
-    every = log_every
-
-    def close() -> None:
-        nonlocal bar, redirecting
-        opened, bar = bar, None
-        context, redirecting = redirecting, None
-        try:
-            if opened is not None:
-                opened.close()
-        finally:
-            if context is not None:
-                context.__exit__(None, None, None)
-
-    def refresh(state: TrainState, info: Any) -> None:
-        if board is not None:
-            record = board.last
-            if record.get("step") != state.global_step:
-                return
-        elif every and state.global_step % every == 0:
-            record = info.metrics  # format_postfix reads only the names it shows, with float()
-        else:
-            return
-        bar.set_postfix_str(format_postfix(record), refresh=False)
+    memory = _ProgressMemory()
 
     def progress(event: Event, state: TrainState, info: Any) -> None:
-        nonlocal bar, redirecting
         if event is Event.STEP_END:
-            if bar is not None:
-                refresh(state, info)  # before the update, whose redraw then shows it
-                bar.update(1)
+            if memory.bar is not None:
+                _refresh(memory.bar, board, log_every, state, info)  # before the update, which redraws
+                memory.bar.update(1)
         elif event is Event.EPOCH_BEGIN:
-            if bar is not None:
-                bar.set_description(f"epoch {state.epoch}", refresh=False)
+            if memory.bar is not None:
+                memory.bar.set_description(f"epoch {state.epoch}", refresh=False)
         elif event is Event.TRAIN_BEGIN:
-            close()  # a previous run on this hook that neither ended nor aborted
+            _close(memory)  # a previous run on this hook that neither ended nor aborted
             if redirect is not None:
-                redirecting = redirect()
-                redirecting.__enter__()
-            bar = tqdm(
+                memory.redirecting = redirect()
+                memory.redirecting.__enter__()
+            memory.bar = tqdm(
                 total=total,
                 initial=state.global_step,
                 desc=f"epoch {state.epoch}",
@@ -156,6 +130,51 @@ def progress_hook(
                 dynamic_ncols=True,
             )
         elif event is Event.TRAIN_END or event is Event.ABORT:
-            close()
+            _close(memory)
 
     return progress
+
+
+@dataclass(slots=True)
+class _ProgressMemory:
+    """What the progress hook remembers between events."""
+
+    bar: Any = None  # the tqdm bar from TRAIN_BEGIN until TRAIN_END / ABORT
+    redirecting: Any = None  # the entered logging_redirect_tqdm context, if any
+
+
+def _close(memory: _ProgressMemory) -> None:
+    """Close the bar and leave the logging redirection, once."""
+    opened, memory.bar = memory.bar, None
+    context, memory.redirecting = memory.redirecting, None
+    try:
+        if opened is not None:
+            opened.close()
+            _stop_monitor(type(opened))
+    finally:
+        if context is not None:
+            context.__exit__(None, None, None)
+
+
+def _stop_monitor(bar_cls: Any) -> None:
+    """End tqdm's monitor thread once no bar is open: tqdm starts it with the first bar and leaves it
+    running, and a run must end with no thread it started."""
+    monitor = getattr(bar_cls, "monitor", None)
+    if monitor is not None and not getattr(bar_cls, "_instances", None):
+        with bar_cls.get_lock():
+            bar_cls.monitor = None
+        monitor.exit()
+
+
+def _refresh(bar: Any, board: MetricBoard | None, every: int, state: TrainState, info: Any) -> None:
+    """Set the postfix from the board's record of this step, or from the step's own metrics on every
+    `every`-th step when there is no board; otherwise leave it."""
+    if board is not None:
+        record = board.last
+        if record.get("step") != state.global_step:
+            return
+    elif every and state.global_step % every == 0:
+        record = info.metrics  # format_postfix reads only the names it shows, with float()
+    else:
+        return
+    bar.set_postfix_str(format_postfix(record), refresh=False)

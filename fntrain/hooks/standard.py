@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,6 @@ from fntrain.hooks.profiler import ProfilerConfig, profiler_hook
 from fntrain.hooks.progress import progress_hook
 from fntrain.hooks.throughput import throughput_hook
 from fntrain.hooks.watchdog import watchdog_hook
-from fntrain.preemption import Preemption
 from fntrain.runtime import Runtime
 from fntrain.state import RunPlan, TrainState
 
@@ -62,7 +61,9 @@ class EarlyHooks:
 
 def memory_config(config: Any) -> MemoryConfig:
     """`config.memory` with its save_path resolved under `config.run_dir`."""
-    return dataclasses.replace(config.memory, save_path=under_run_dir(config.run_dir, config.memory.save_path))
+    return dataclasses.replace(
+        config.memory, save_path=under_run_dir(config.run_dir, config.memory.save_path)
+    )
 
 
 def profiler_config(config: Any) -> ProfilerConfig:
@@ -74,7 +75,9 @@ def profiler_config(config: Any) -> ProfilerConfig:
 
 def early_hooks(config: Any, runtime: Runtime) -> EarlyHooks:
     """Build the memory and profiler hooks from the recipe config, paths resolved under run_dir."""
-    return EarlyHooks(memory_hook(memory_config(config), runtime), profiler_hook(profiler_config(config), runtime))
+    return EarlyHooks(
+        memory_hook(memory_config(config), runtime), profiler_hook(profiler_config(config), runtime)
+    )
 
 
 def standard_hooks(
@@ -92,14 +95,18 @@ def standard_hooks(
     dp_group: Any = None,
     flops_per_token: Any = None,
     run_config: dict[str, Any] | None = None,
-    preemption: Preemption | None = None,
+    forward: Callable[[Any, Any], Any] | None = None,
+    extra_eval: Callable[[], Mapping[str, float]] | None = None,
     extra: Sequence[Any] = (),
 ) -> list[Any]:
     """The hook list in [S27] order, then the hang watchdog. Throughput, metrics and progress share
     `log_every` and one `MetricBoard`; evaluation writes through the same metrics log; the checkpoint hook
     saves the state of every stateful hook in the returned list (itself included) and `run_config`, and
-    handles `preemption`'s signals; the watchdog goes last so that its silence covers every other hook's
-    work (saves, evaluation). `extra` hooks go just before the checkpoint hook."""
+    handles the preemption signals itself (a preemption ends the run with outcome "preempted"); the
+    watchdog goes last so that its silence covers every other hook's work (saves, evaluation). `forward`
+    (model, micro-batch) -> output is the recipe's forward, used by evaluation too (None: the default);
+    `extra_eval()` adds metrics to each evaluation (called on every rank). `extra` hooks go just before
+    the checkpoint hook."""
     early = early or early_hooks(config, runtime)
     last = plan.train_iters
     board = MetricBoard()
@@ -121,10 +128,13 @@ def standard_hooks(
             micro_batch_size=config.evaluate.micro_batch_size or eval_micro_batch_size,
             runtime=runtime,
             collate_fn=collate_fn,
+            forward=forward,
             max_batches=config.evaluate.max_batches,
             autocast_dtype=autocast_dtype,
             group=dp_group,
         )
+        if extra_eval is not None:
+            eval_fn = _merged(eval_fn, extra_eval)
         hooks.append(evaluate_hook(config.evaluate, eval_fn, runtime, writer=writer, last_step=last))
     hooks.append(gc_hook(config.gc, runtime))
     hooks.append(early.profiler)
@@ -137,14 +147,27 @@ def standard_hooks(
             directory=checkpoint_root(config.checkpoint, run_dir),
             hooks=lambda: hooks,  # every stateful hook's state goes into each checkpoint
             run_config=run_config,
-            preemption=preemption,
         )
     )
     hooks.append(watchdog_hook(config.watchdog, runtime, run_dir))
     return hooks
 
 
-def restore_run(config: Any, components: Components, runtime: Runtime, run_dir: Path, hooks: list[Any]) -> TrainState:
+def _merged(*eval_fns: Callable[[], Mapping[str, float]]) -> Callable[[], dict[str, float]]:
+    """One evaluation function returning the metrics of all of `eval_fns`, called in order."""
+
+    def evaluate() -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for eval_fn in eval_fns:
+            metrics.update(eval_fn())
+        return metrics
+
+    return evaluate
+
+
+def restore_run(
+    config: Any, components: Components, runtime: Runtime, run_dir: Path, hooks: list[Any]
+) -> TrainState:
     """Restore `config.checkpoint.restore_from` (none | latest | a path) into the components and the
     hooks' states [S36]; return the TrainState to train from."""
     from fntrain.checkpoint import restore

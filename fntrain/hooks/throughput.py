@@ -30,7 +30,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import optree
@@ -235,6 +235,39 @@ def _inactive(event: Event, state: TrainState, info: Any) -> None:
     """The throughput hook when disabled: nothing happens."""
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """What the meter was built with (never changes)."""
+
+    config: ThroughputConfig
+    device: torch.device
+    every: int
+    last: int | None
+    board: MetricBoard
+    flops_per_token: float | Callable[[], float] | None
+    scale: int  # mean over ranks x dp_size = sum over the data-parallel replicas
+    world: int
+    reduce_dtype: torch.dtype
+
+
+@dataclass(slots=True)
+class _ThroughputMemory:
+    """What the meter remembers between events."""
+
+    busy: float = 0.0  # host seconds inside steps since the last logging step (this rank)
+    steps: int = 0
+    samples: int = 0
+    tokens: int = 0  # integer token counts since the last logging step
+    token_tensors: list[Any] = field(default_factory=list)  # tensor token counts, summed when reduced
+    carry_tokens: int = 0  # restored counts of steps a checkpoint had not yet reduced
+    carry_samples: int = 0
+    consumed_tokens: int = 0  # all ranks, whole run (identical on every rank)
+    consumed_samples: int = 0
+    fpt: float | None = None  # training FLOPs per token
+    peak: float | None = None  # peak FLOP/s of one device
+    module: Any = None  # torch.cuda / torch.npu ..., None on cpu
+
+
 def throughput_hook(
     config: ThroughputConfig,
     runtime: Runtime,
@@ -256,113 +289,21 @@ def throughput_hook(
         raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
     if not config.enabled:
         return stateful("throughput", _inactive, dict, lambda saved: None)
-    every, last = log_every, last_step
-    device = runtime.device
-    scale = runtime.dp_size  # mean over ranks x dp_size = sum over the data-parallel replicas
-    world = runtime.world_size
-    reduce_dtype = exact_dtype(device)
-
-    busy = 0.0  # host seconds inside steps since the last logging step (this rank)
-    steps = 0
-    samples = 0
-    tokens = 0  # integer token counts since the last logging step
-    token_tensors: list[Any] = []  # tensor token counts since the last logging step, summed when reduced
-    carry_tokens = carry_samples = 0  # restored counts of steps a checkpoint had not yet reduced
-    consumed_tokens = consumed_samples = 0  # all ranks, whole run (identical on every rank)
-    fpt: float | None = None
-    peak: float | None = None
-    module: Any = None
-
-    def resolve() -> None:
-        nonlocal fpt, peak, module
-        module = _device_module(device)
-        if config.flops_per_token is not None:
-            fpt = float(config.flops_per_token)
-        elif callable(flops_per_token):
-            fpt = None
-            if config.measure_flops:
-                started = time.perf_counter()
-                try:
-                    fpt = float(flops_per_token())
-                except Exception as error:  # noqa: BLE001 - TFLOP/s are a nicety, never a failed run
-                    log.warning("throughput: measuring FLOPs per token failed (%r); no TFLOP/s or MFU", error)
-                else:
-                    log.info(
-                        "throughput: %.4g training FLOPs per token (measured in %.2fs)",
-                        fpt, time.perf_counter() - started,
-                    )  # fmt: skip
-        else:
-            fpt = float(flops_per_token) if flops_per_token is not None else None
-        if config.peak_tflops is not None:
-            peak = float(config.peak_tflops) * 1e12
-        else:
-            peak = device_peak_flops(device)
-
-    def local_tokens() -> int:
-        """This rank's tokens since the last logging step (reads the device: logging steps only)."""
-        if token_tensors:
-            return tokens + int(torch.stack(token_tensors).sum())
-        return tokens
-
-    def flush(step: int) -> None:
-        nonlocal busy, steps, samples, tokens, carry_tokens, carry_samples, consumed_tokens, consumed_samples
-        if module is not None:
-            started = time.perf_counter()
-            module.synchronize()  # the steps' queued device work belongs to their time
-            busy += time.perf_counter() - started
-        values: dict[str, Any] = {
-            "tokens": local_tokens(),
-            "samples": samples,
-            "carry_tokens": carry_tokens,
-            "carry_samples": carry_samples,
-            "step_time_s": busy / steps if steps else 0.0,
-        }
-        ops = {"step_time_s": "max"}
-        with_memory = config.memory and module is not None
-        if with_memory:
-            values["peak_mem_gib"] = module.max_memory_allocated(device) / _GIB
-            ops["peak_mem_gib"] = "max"
-        reduced = reduce_scalars(values, ops, device=device, dtype=reduce_dtype)
-        interval_tokens = round(reduced["tokens"] * scale)
-        interval_samples = round(reduced["samples"] * scale)
-        consumed_tokens += interval_tokens + round(reduced["carry_tokens"] * scale)
-        consumed_samples += interval_samples + round(reduced["carry_samples"] * scale)
-        step_time = reduced["step_time_s"]
-        elapsed = step_time * steps
-        board.post(step, "step_time_s", step_time)
-        board.post(step, "consumed_tokens", consumed_tokens)
-        board.post(step, "consumed_samples", consumed_samples)
-        if elapsed > 0:
-            board.post(step, "tokens_per_s", interval_tokens / elapsed)
-            board.post(step, "samples_per_s", interval_samples / elapsed)
-            if fpt is not None:
-                flops_per_device = fpt * interval_tokens / elapsed / world
-                board.post(step, "tflops", flops_per_device / 1e12)
-                if peak is not None:
-                    board.post(step, "mfu", flops_per_device / peak)
-        if with_memory:
-            board.post(step, "peak_mem_gib", reduced["peak_mem_gib"])
-        busy, steps, samples, tokens, carry_tokens, carry_samples = 0.0, 0, 0, 0, 0, 0
-        token_tensors.clear()
-
-    def train_begin() -> None:
-        nonlocal busy, steps, samples, tokens, carry_tokens, carry_samples
-        resolve()
-        # Counts a previous run on this hook left unreduced are consumed, but not this run's rate.
-        carry_tokens += local_tokens()
-        carry_samples += samples
-        busy, steps, samples, tokens = 0.0, 0, 0, 0
-        token_tensors.clear()
+    setup = _Setup(
+        config, runtime.device, log_every, last_step, board, flops_per_token,
+        scale=runtime.dp_size, world=runtime.world_size, reduce_dtype=exact_dtype(runtime.device),
+    )  # fmt: skip
+    memory = _ThroughputMemory()
+    every, last, token_tensors = log_every, last_step, memory.token_tensors
 
     def throughput(event: Event, state: TrainState, info: Any) -> None:
-        nonlocal busy, steps, samples, tokens
         if event is Event.STEP_END:
-            busy += info.step_time_s
-            steps += 1
-            samples += info.samples
+            memory.busy += info.step_time_s
+            memory.steps += 1
+            memory.samples += info.samples
             count = info.tokens
             if count.__class__ is int:
-                tokens += count
+                memory.tokens += count
             elif isinstance(count, torch.Tensor):
                 token_tensors.append(count)
                 if len(token_tensors) >= _FOLD_AT:  # a device op, no sync: only when nothing logs for long
@@ -370,32 +311,132 @@ def throughput_hook(
                     token_tensors.clear()
                     token_tensors.append(folded)
             else:
-                tokens += int(count)
+                memory.tokens += int(count)
             if is_logging_step(state.global_step, every, last):
-                flush(state.global_step)
+                _flush(setup, memory, state.global_step)
         elif event is Event.TRAIN_BEGIN:
-            train_begin()
+            _train_begin(setup, memory)
 
-    def state_dict() -> dict[str, Any]:
-        # The unreduced counts are this rank's; with one state per rank the resume is exact, with rank 0's
-        # state on every rank the next logging step scales rank 0's share (exact for equal shares).
-        return {
-            "consumed_tokens": consumed_tokens,
-            "consumed_samples": consumed_samples,
-            "pending_tokens": local_tokens() + carry_tokens,
-            "pending_samples": samples + carry_samples,
-        }
+    return stateful(
+        "throughput", throughput, lambda: _state_dict(memory), lambda saved: _load_state_dict(memory, saved)
+    )
 
-    def load_state_dict(saved: Mapping[str, Any]) -> None:
-        nonlocal consumed_tokens, consumed_samples, carry_tokens, carry_samples, samples, tokens
-        missing = [key for key in ("consumed_tokens", "consumed_samples") if key not in saved]
-        if missing:
-            raise ValueError(f"throughput state is missing {missing}, got keys {sorted(saved)}")
-        consumed_tokens = int(saved["consumed_tokens"])
-        consumed_samples = int(saved["consumed_samples"])
-        carry_tokens = int(saved.get("pending_tokens", 0))
-        carry_samples = int(saved.get("pending_samples", 0))
-        samples = tokens = 0
-        token_tensors.clear()
 
-    return stateful("throughput", throughput, state_dict, load_state_dict)
+def _resolve(setup: _Setup, memory: _ThroughputMemory) -> None:
+    """FLOPs per token (measured now when it is a callable) and the device's peak FLOP/s."""
+    config, flops_per_token = setup.config, setup.flops_per_token
+    memory.module = _device_module(setup.device)
+    if config.flops_per_token is not None:
+        memory.fpt = float(config.flops_per_token)
+    elif callable(flops_per_token):
+        memory.fpt = None
+        if config.measure_flops:
+            started = time.perf_counter()
+            try:
+                memory.fpt = float(flops_per_token())
+            except Exception as error:  # noqa: BLE001 - TFLOP/s are a nicety, never a failed run
+                log.warning("throughput: measuring FLOPs per token failed (%r); no TFLOP/s or MFU", error)
+            else:
+                log.info(
+                    "throughput: %.4g training FLOPs per token (measured in %.2fs)",
+                    memory.fpt, time.perf_counter() - started,
+                )  # fmt: skip
+    else:
+        memory.fpt = float(flops_per_token) if flops_per_token is not None else None
+    if config.peak_tflops is not None:
+        memory.peak = float(config.peak_tflops) * 1e12
+    else:
+        memory.peak = device_peak_flops(setup.device)
+
+
+def _local_tokens(memory: _ThroughputMemory) -> int:
+    """This rank's tokens since the last logging step (reads the device: logging steps only)."""
+    if memory.token_tensors:
+        return memory.tokens + int(torch.stack(memory.token_tensors).sum())
+    return memory.tokens
+
+
+def _reset_interval(memory: _ThroughputMemory) -> None:
+    memory.busy, memory.steps, memory.samples, memory.tokens = 0.0, 0, 0, 0
+    memory.token_tensors.clear()
+
+
+def _flush(setup: _Setup, memory: _ThroughputMemory, step: int) -> None:
+    """Reduce the interval over the ranks (one collective, after a device sync) and post its figures."""
+    module, device = memory.module, setup.device
+    if module is not None:
+        started = time.perf_counter()
+        module.synchronize()  # the steps' queued device work belongs to their time
+        memory.busy += time.perf_counter() - started
+    steps = memory.steps
+    values: dict[str, Any] = {
+        "tokens": _local_tokens(memory),
+        "samples": memory.samples,
+        "carry_tokens": memory.carry_tokens,
+        "carry_samples": memory.carry_samples,
+        "step_time_s": memory.busy / steps if steps else 0.0,
+    }
+    ops = {"step_time_s": "max"}
+    with_memory = setup.config.memory and module is not None
+    if with_memory:
+        values["peak_mem_gib"] = module.max_memory_allocated(device) / _GIB
+        ops["peak_mem_gib"] = "max"
+    reduced = reduce_scalars(values, ops, device=device, dtype=setup.reduce_dtype)
+    _post(setup, memory, step, reduced, steps)
+    if with_memory:
+        setup.board.post(step, "peak_mem_gib", reduced["peak_mem_gib"])
+    _reset_interval(memory)
+    memory.carry_tokens = memory.carry_samples = 0
+
+
+def _post(setup: _Setup, memory: _ThroughputMemory, step: int, reduced: dict[str, Any], steps: int) -> None:
+    """Add the reduced interval to the consumed counts and post the rates."""
+    board, scale = setup.board, setup.scale
+    interval_tokens = round(reduced["tokens"] * scale)
+    interval_samples = round(reduced["samples"] * scale)
+    memory.consumed_tokens += interval_tokens + round(reduced["carry_tokens"] * scale)
+    memory.consumed_samples += interval_samples + round(reduced["carry_samples"] * scale)
+    step_time = reduced["step_time_s"]
+    elapsed = step_time * steps
+    board.post(step, "step_time_s", step_time)
+    board.post(step, "consumed_tokens", memory.consumed_tokens)
+    board.post(step, "consumed_samples", memory.consumed_samples)
+    if elapsed > 0:
+        board.post(step, "tokens_per_s", interval_tokens / elapsed)
+        board.post(step, "samples_per_s", interval_samples / elapsed)
+        if memory.fpt is not None:
+            flops_per_device = memory.fpt * interval_tokens / elapsed / setup.world
+            board.post(step, "tflops", flops_per_device / 1e12)
+            if memory.peak is not None:
+                board.post(step, "mfu", flops_per_device / memory.peak)
+
+
+def _train_begin(setup: _Setup, memory: _ThroughputMemory) -> None:
+    _resolve(setup, memory)
+    # Counts a previous run on this hook left unreduced are consumed, but not this run's rate.
+    memory.carry_tokens += _local_tokens(memory)
+    memory.carry_samples += memory.samples
+    _reset_interval(memory)
+
+
+def _state_dict(memory: _ThroughputMemory) -> dict[str, Any]:
+    # The unreduced counts are this rank's; with one state per rank the resume is exact, with rank 0's
+    # state on every rank the next logging step scales rank 0's share (exact for equal shares).
+    return {
+        "consumed_tokens": memory.consumed_tokens,
+        "consumed_samples": memory.consumed_samples,
+        "pending_tokens": _local_tokens(memory) + memory.carry_tokens,
+        "pending_samples": memory.samples + memory.carry_samples,
+    }
+
+
+def _load_state_dict(memory: _ThroughputMemory, saved: Mapping[str, Any]) -> None:
+    missing = [key for key in ("consumed_tokens", "consumed_samples") if key not in saved]
+    if missing:
+        raise ValueError(f"throughput state is missing {missing}, got keys {sorted(saved)}")
+    memory.consumed_tokens = int(saved["consumed_tokens"])
+    memory.consumed_samples = int(saved["consumed_samples"])
+    memory.carry_tokens = int(saved.get("pending_tokens", 0))
+    memory.carry_samples = int(saved.get("pending_samples", 0))
+    memory.samples = memory.tokens = 0
+    memory.token_tensors.clear()

@@ -287,6 +287,21 @@ class Watchdog:
         return not thread.is_alive()
 
 
+@dataclass(slots=True)
+class _WatchdogMemory:
+    """What the watchdog hook remembers between events."""
+
+    watchdog: Watchdog | None = None  # the running watchdog from TRAIN_BEGIN until TRAIN_END / ABORT
+
+
+def _stop(memory: _WatchdogMemory) -> None:
+    """Stop and forget the running watchdog, if any."""
+    if memory.watchdog is not None:
+        running, memory.watchdog = memory.watchdog, None
+        if not running.stop():
+            log.warning("the watchdog thread did not stop within 5 s")
+
+
 def watchdog_hook(
     config: WatchdogConfig,
     runtime: Runtime,
@@ -298,19 +313,12 @@ def watchdog_hook(
     """The watchdog hook (put it last in the hook list). Disabled: a no-op that starts nothing."""
     config.validate()
     stacks_dir = Path(run_dir).expanduser() / "stacks"
-    watchdog: Watchdog | None = None
-
-    def stop() -> None:
-        nonlocal watchdog
-        if watchdog is not None:
-            running, watchdog = watchdog, None
-            if not running.stop():
-                log.warning("the watchdog thread did not stop within 5 s")
+    memory = _WatchdogMemory()
 
     def hook(event: Event, state: TrainState, info: Any) -> None:
-        nonlocal watchdog
         if not config.enabled:
             return
+        watchdog = memory.watchdog
         if event is Event.STEP_BEGIN:
             if watchdog is not None:
                 watchdog.beat("step", state.global_step + 1)
@@ -318,8 +326,8 @@ def watchdog_hook(
             if watchdog is not None:
                 watchdog.step_done(state.global_step)
         elif event is Event.TRAIN_BEGIN:
-            stop()
-            watchdog = Watchdog(
+            _stop(memory)
+            memory.watchdog = watchdog = Watchdog(
                 config, rank=runtime.rank, stacks_dir=stacks_dir, clock=clock, abort=abort,
                 world_size=runtime.world_size,
             )  # fmt: skip
@@ -329,6 +337,6 @@ def watchdog_hook(
             if watchdog is not None:
                 watchdog.beat(event.value.replace("_", " "), state.global_step)
         elif event in (Event.TRAIN_END, Event.ABORT):
-            stop()
+            _stop(memory)
 
     return hook

@@ -44,6 +44,7 @@ __all__ = [
     "init_weights",
     "seeded_init",
     "build_model",
+    "build_seeded_model",
     "is_meta",
     "local_numel",
 ]
@@ -276,3 +277,21 @@ def local_numel(model: nn.Module) -> int:
         local: Any = param.to_local() if _is_dtensor(param) else param  # type: ignore[attr-defined]
         total += local.numel()
     return total
+
+
+def build_seeded_model(
+    factory: Callable[[], nn.Module],
+    runtime: Runtime,
+    parallel: str | ParallelConfig,
+    *,
+    seed: int,
+    post_init: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
+    """`factory()` initialised from `seed` and parallelized, on `runtime.device`: built eagerly after
+    `torch.manual_seed(seed)`, or with `parallel.meta_init` on the meta device and filled by
+    `seeded_init(seed, post_init=post_init)` to the same weights (only local shards under fsdp2)."""
+    config = _as_config(parallel)
+    if config.meta_init:
+        return build_model(factory, runtime, config, fill=seeded_init(seed, post_init=post_init))
+    torch.manual_seed(seed)
+    return parallelize(factory().to(runtime.device), runtime, config)

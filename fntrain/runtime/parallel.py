@@ -10,7 +10,7 @@ torchtitan does).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -311,11 +311,18 @@ def parallelize(
 
 
 def parallel_train_step(
-    components: Any, runtime: Runtime, config: ParallelConfig, *, max_grad_norm: float, loss_weighting: str
+    components: Any,
+    runtime: Runtime,
+    config: ParallelConfig,
+    *,
+    max_grad_norm: float,
+    loss_weighting: str,
+    forward: Callable[[nn.Module, Any], Any] | None = None,
 ) -> Any:
     """`make_train_step` over `components`, wired to this runtime: its device, data-parallel size and
-    group, the autocast dtype `config` implies and the components' grad scaler."""
-    from fntrain.step import make_train_step  # the step sits above the runtime (DESIGN layers)
+    group, the autocast dtype `config` implies and the components' grad scaler. `forward(model,
+    micro_batch)` replaces the default `model(**micro_batch)` (e.g. to pass images)."""
+    from fntrain.step import default_forward, make_train_step  # the step sits above the runtime
 
     return make_train_step(
         components.model,
@@ -329,4 +336,5 @@ def parallel_train_step(
         dp_group=data_parallel_group(runtime),
         autocast_dtype=autocast_dtype(config),
         grad_scaler=components.grad_scaler,
+        forward=forward or default_forward,
     )

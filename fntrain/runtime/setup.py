@@ -53,10 +53,8 @@ class RuntimeConfig:
 
     device: Literal["cpu", "cuda", "npu", "auto"] = "cpu"
     """cpu, cuda, npu or auto (the best available: cuda, else npu when torch_npu is installed, else cpu)."""
-    seed: int = 42
-    """Seed for python, numpy and torch (42 when not configured) [S2]."""
     deterministic: bool = False
-    """Full determinism: deterministic algorithms, cuBLAS workspace config, cuDNN deterministic and no benchmark, deterministic HCCL reductions on npu [S3]."""
+    """Full determinism: deterministic algorithms, cuBLAS workspace config, cuDNN deterministic and no benchmark, deterministic HCCL reductions on npu."""
     backend: str = "auto"
     """Process-group backend: auto (nccl on cuda, hccl on npu, gloo on cpu), gloo, nccl, hccl, or a per-device mapping such as 'cuda:nccl,cpu:gloo'."""
     timeout_s: float = 1800.0
@@ -66,7 +64,6 @@ class RuntimeConfig:
 
     def validate(self, prefix: str = "runtime") -> None:
         require_choice(f"{prefix}.device", self.device, ("cpu", "cuda", "npu", "auto"))
-        require_int(f"{prefix}.seed", self.seed, min=0)
         require_bool(f"{prefix}.deterministic", self.deterministic)
         require_str(f"{prefix}.backend", self.backend, non_empty=True)
         if ":" not in self.backend:
@@ -309,9 +306,11 @@ def setup_runtime(
     config: RuntimeConfig,
     parallel: ParallelConfig | None = None,
     *,
+    seed: int = 42,
     env: Mapping[str, str] | None = None,
 ) -> Iterator[Runtime]:
     """Set up this process (see the module docstring) and yield its `Runtime`; tear down on exit.
+    Python, numpy and torch are seeded with `seed` (42 when none is configured [S2]).
 
     Under torchrun (RANK/WORLD_SIZE set) a process group is initialised, even for one rank, and a
     DeviceMesh built; a plain `python` run gets no group (`runtime.distributed` is False). A process
@@ -319,6 +318,7 @@ def setup_runtime(
     (recorded as `parallel_mode`) and the tp/pp/cp/ep degrees, which set dp_size = world / (tp*pp*cp).
     """
     config.validate("runtime")
+    require_int("seed", seed, min=0)
     if parallel is not None:
         parallel.validate("parallel")
     launch = read_launch_env(env)
@@ -330,51 +330,12 @@ def setup_runtime(
     flags = _global_flags()
     precision_flags: dict[str, bool] = {}
     owns_group = False
-    runtime = Runtime(device=device, seed=config.seed)
+    runtime = Runtime(device=device, seed=seed)
     try:
-        if config.deterministic and device_type == "npu":
-            os.environ.setdefault("HCCL_DETERMINISTIC", "true")  # read when HCCL initialises
-        seed_everything(config.seed, config.deterministic)
-        precision_flags = devices.set_precision_flags(device_type, config.tf32)
+        precision_flags = _set_process_flags(config, device_type, seed)
         devices.set_device(device)
-        already = dist.is_available() and dist.is_initialized()
-        if launch.launched and not already:
-            try:
-                _init_process_group(backend, config.timeout_s, device)
-            except Exception as error:
-                _note_restart_hint(error)
-                raise
-            owns_group = True
-        distributed = dist.is_available() and dist.is_initialized()
-        if distributed and dist.get_world_size() != launch.world_size:
-            raise RuntimeError(
-                f"the existing process group has {dist.get_world_size()} ranks but WORLD_SIZE is {launch.world_size}"
-            )
-        replicate = parallel.replicate if parallel is not None else 1
-        mesh = _build_mesh(device_type, sizes, replicate) if distributed else None
-        dp_rank = mesh.get_local_rank("dp") if mesh is not None else _dp_rank(launch.rank, sizes)
-        runtime = Runtime(
-            rank=launch.rank,
-            local_rank=launch.local_rank,
-            world_size=launch.world_size,
-            device=device,
-            dp_size=sizes["dp_size"],
-            tp_size=sizes["tp_size"],
-            pp_size=sizes["pp_size"],
-            cp_size=sizes["cp_size"],
-            ep_size=sizes["ep_size"],
-            dp_rank=dp_rank,
-            backend=(dist.get_backend() if not owns_group else backend) if distributed else None,
-            mesh=mesh,
-            seed=config.seed,
-            parallel_mode=parallel.strategy if parallel is not None else "none",
-        )
-        if runtime.is_main:
-            log.info(
-                "runtime: world %d, device %s, backend %s, dp %d (rank %d), seed %d%s",
-                runtime.world_size, device, runtime.backend, runtime.dp_size, runtime.dp_rank,
-                runtime.seed, ", deterministic" if config.deterministic else "",
-            )  # fmt: skip
+        owns_group = _join_process_group(launch, backend, config.timeout_s, device)
+        runtime = _make_runtime(config, parallel, launch, sizes, device, backend, owns_group, seed)
     except BaseException:
         _teardown_after_error(runtime, owns_group, flags, device_type, precision_flags)
         raise
@@ -389,6 +350,74 @@ def setup_runtime(
     finally:
         _restore_global_flags(flags)
         devices.restore_precision_flags(device_type, precision_flags)
+
+
+def _set_process_flags(config: RuntimeConfig, device_type: str, seed: int) -> dict[str, bool]:
+    """Determinism and seeds [S2] [S3], then the precision flags; returns the precision flags' previous
+    values (for `devices.restore_precision_flags`)."""
+    if config.deterministic and device_type == "npu":
+        os.environ.setdefault("HCCL_DETERMINISTIC", "true")  # read when HCCL initialises
+    seed_everything(seed, config.deterministic)
+    return devices.set_precision_flags(device_type, config.tf32)
+
+
+def _join_process_group(launch: LaunchEnv, backend: str, timeout_s: float, device: torch.device) -> bool:
+    """Initialise the process group of a launched process unless one exists; True when this call made it
+    (then this runtime owns it and destroys it at exit)."""
+    already = dist.is_available() and dist.is_initialized()
+    if not launch.launched or already:
+        return False
+    try:
+        _init_process_group(backend, timeout_s, device)
+    except Exception as error:
+        _note_restart_hint(error)
+        raise
+    return True
+
+
+def _make_runtime(
+    config: RuntimeConfig,
+    parallel: ParallelConfig | None,
+    launch: LaunchEnv,
+    sizes: dict[str, int],
+    device: torch.device,
+    backend: str,
+    owns_group: bool,
+    seed: int,
+) -> Runtime:
+    """The `Runtime` record, with the DeviceMesh when a process group exists (whose size must be
+    WORLD_SIZE); logged on the main rank."""
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed and dist.get_world_size() != launch.world_size:
+        raise RuntimeError(
+            f"the existing process group has {dist.get_world_size()} ranks but WORLD_SIZE is {launch.world_size}"
+        )
+    replicate = parallel.replicate if parallel is not None else 1
+    mesh = _build_mesh(device.type, sizes, replicate) if distributed else None
+    dp_rank = mesh.get_local_rank("dp") if mesh is not None else _dp_rank(launch.rank, sizes)
+    runtime = Runtime(
+        rank=launch.rank,
+        local_rank=launch.local_rank,
+        world_size=launch.world_size,
+        device=device,
+        dp_size=sizes["dp_size"],
+        tp_size=sizes["tp_size"],
+        pp_size=sizes["pp_size"],
+        cp_size=sizes["cp_size"],
+        ep_size=sizes["ep_size"],
+        dp_rank=dp_rank,
+        backend=(dist.get_backend() if not owns_group else backend) if distributed else None,
+        mesh=mesh,
+        seed=seed,
+        parallel_mode=parallel.strategy if parallel is not None else "none",
+    )
+    if runtime.is_main:
+        log.info(
+            "runtime: world %d, device %s, backend %s, dp %d (rank %d), seed %d%s",
+            runtime.world_size, device, runtime.backend, runtime.dp_size, runtime.dp_rank,
+            runtime.seed, ", deterministic" if config.deterministic else "",
+        )  # fmt: skip
+    return runtime
 
 
 def _teardown_after_error(

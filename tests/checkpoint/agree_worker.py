@@ -4,7 +4,8 @@ each rank has its own fake clock (rank 1's always says a save is due; rank 0's s
 
     RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m tests.checkpoint.agree_worker ROOT OUT
 
-Writes OUT (JSON): the step at which this rank's hook stopped the run and the steps it saved.
+Writes OUT (JSON): the step at which this rank's hook stopped the run, the `StopTraining`'s outcome and
+exit code, and the steps it saved.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from fntrain import StepInfo, StopTraining, TrainState
-from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook, make_preemption
+from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook
 from fntrain.loop import Event
+from fntrain.preemption import Preemption
 from fntrain.runtime.runtime import Runtime
 from tests.checkpoint import toy
 
@@ -33,7 +35,7 @@ def main(root: str, out: str) -> None:
         config = CheckpointConfig(
             save_every_minutes=1.0, preempt_check_every=2, save_at_end=False, preempt_signals=("SIGUSR1",)
         )
-        preemption = make_preemption(config)
+        preemption = Preemption(config.preempt_signals)  # injected: rank 1 calls its request()
         parts = toy.components()
         hooks: list = []
         hooks.append(
@@ -48,7 +50,7 @@ def main(root: str, out: str) -> None:
             )
         )
         hook = hooks[0]
-        state, stopped = TrainState(), None
+        state, stopped, outcome, exit_code = TrainState(), None, None, None
         hook(Event.TRAIN_BEGIN, state, None)
         try:
             for _ in range(12):
@@ -58,12 +60,12 @@ def main(root: str, out: str) -> None:
                 if rank == 1 and state.global_step == 7:
                     preemption.request("test")
                 hook(Event.STEP_END, state, StepInfo({}))
-        except StopTraining:
-            stopped = state.global_step
+        except StopTraining as stop:
+            stopped, outcome, exit_code = state.global_step, stop.outcome, stop.exit_code
         hook(Event.TRAIN_END, state, None)
         saved = sorted(int(p.name.split("_")[1]) for p in Path(root).glob("step_*"))
         Path(out).write_text(
-            json.dumps({"stopped": stopped, "saved": saved, "stopped_at": preemption.stopped_at})
+            json.dumps({"stopped": stopped, "saved": saved, "outcome": outcome, "exit_code": exit_code})
         )
     finally:
         dist.destroy_process_group()

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+from fntrain.models.hf import HFModelConfig, load_causal_lm
 from fntrain.runtime.materialize import local_numel
 from fntrain.runtime.parallel import ParallelConfig
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime
-from recipes import hf_causal_lm as hf
 
 INPUT_IDS = torch.tensor([[1, 5, 9, 30, 77, 2, 100, 4], [3, 3, 8, 250, 17, 61, 12, 90]])
 
@@ -36,7 +36,7 @@ def main(model_dir: str, out: str) -> None:
     try:
         parallel = ParallelConfig(strategy="fsdp2", meta_init=True)
         with setup_runtime(RuntimeConfig(), parallel) as runtime:
-            model = hf.load_model_sharded(hf.HFModelConfig(path=model_dir), runtime, parallel)
+            model = load_causal_lm(HFModelConfig(path=model_dir), runtime, parallel)
             model.eval()
             counts = local_numel(model), sum(p.numel() for p in model.parameters())  # before the root gathers
             with torch.no_grad():

@@ -21,6 +21,7 @@ that a SIGKILL loses nothing already recorded. Under torchrun rank 0 kills every
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -78,12 +79,8 @@ def main(argv: list[str]) -> None:
             losses.write(f"{state.global_step} {float(info.metrics['loss']).hex()}\n")
             losses.flush()
 
-    original_build_hooks = recipe.build_hooks
-
-    def build_hooks(built: Any, **kwargs: Any) -> list[Any]:
-        hooks = original_build_hooks(built, **kwargs)
-        checkpoint = next(i for i, hook in enumerate(hooks) if getattr(hook, "name", None) == "checkpoint")
-        hooks.insert(checkpoint, recorder)  # before the checkpoint hook (then only the watchdog)
+    def extra_hooks(built: Any) -> list[Any]:
+        """The recorder, run just before the checkpoint hook (then only the watchdog)."""
         if point == "optimizer":
             optimizer = built.components.optimizers[0]
             step = optimizer.step
@@ -96,9 +93,9 @@ def main(argv: list[str]) -> None:
 
             killing_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined] # the scheduler's wrapper is inside
             optimizer.step = killing_step
-        return hooks
+        return [recorder]
 
-    recipe.build_hooks = build_hooks
+    spec = dataclasses.replace(recipe.spec, hooks=extra_hooks)
 
     def at_step_dir(path: Any) -> bool:
         return Path(path).name == f"step_{kill_step}" and rank == 0
@@ -135,8 +132,11 @@ def main(argv: list[str]) -> None:
 
         checkpoint_package.export_safetensors = killing_export
 
-    config = parse_config_cli(recipe.TinyGPTConfig, recipe_args)
-    recipe.run(config)
+    from fntrain.job import run_job
+
+    result = run_job(parse_config_cli(recipe.Config, recipe_args), spec)
+    if result.exit_code:
+        raise SystemExit(result.exit_code)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from fntrain.checkpoint.safe_reader import read_dcp_metadata
 from fntrain.components import Components
 from fntrain.config_file import config_to_dict
 from fntrain.state import TrainState
-from recipes.tiny_gpt import ModelConfig, TinyGPT, TinyGPTConfig
+from recipes.tiny_gpt import Config, ModelConfig, TinyGPT
 
 MODEL = ModelConfig(context=16, n_layer=2, n_head=2, d_model=32)
 STATE = TrainState(epoch=1, global_step=7, cursor=2)
@@ -46,7 +46,7 @@ def tiny_components(seed: int = 0) -> Components:
 def checkpoint(tmp_path) -> tuple[Path, Components]:
     components = tiny_components()
     root = tmp_path / "checkpoints"
-    save(root, STATE, components, config=config_to_dict(TinyGPTConfig(model=MODEL)))
+    save(root, STATE, components, config=config_to_dict(Config(model=MODEL)))
     return root, components
 
 
@@ -137,7 +137,7 @@ def test_outputs_are_never_overwritten_silently_and_sources_are_checked(checkpoi
         import_hf(root / "step_7", tmp_path / "x")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         export_hf(tmp_path / "nowhere", tmp_path / "y")
-    config = config_to_dict(TinyGPTConfig(model=MODEL))
+    config = config_to_dict(Config(model=MODEL))
     config["model"] = {"path": str(tmp_path / "gone")}  # an HF run whose model directory moved
     save(tmp_path / "hfrun", STATE, tiny_components(), config=config)
     with pytest.raises(FileNotFoundError, match="model_dir"):
@@ -179,6 +179,7 @@ def test_fntrain_export_command(checkpoint, tmp_path, capsys):
 def test_hf_model_checkpoint_exports_to_a_from_pretrained_directory_and_back(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+    from fntrain.models.hf import HFModelConfig
     from recipes import hf_causal_lm as hf
 
     config = LlamaConfig(
@@ -195,7 +196,7 @@ def test_hf_model_checkpoint_exports_to_a_from_pretrained_directory_and_back(tmp
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.1)
-    run_config = config_to_dict(hf.HFCausalLMConfig(model=hf.HFModelConfig(path=str(model_dir))))
+    run_config = config_to_dict(hf.Config(model=HFModelConfig(path=str(model_dir))))
     components = Components(model=model, loss_fn=lambda out, batch: out, optimizers=())
     save(tmp_path / "ckpt", STATE, components, config=run_config)
 

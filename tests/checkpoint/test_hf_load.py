@@ -167,6 +167,8 @@ def test_recipe_meta_init_trains_exactly_like_the_transformers_load(tiny_hf_mode
     import dataclasses
     import json
 
+    import fntrain.models.hf as hf_models
+    from fntrain.job import run_job
     from fntrain.runtime.parallel import ParallelConfig
     from recipes import hf_causal_lm as hf
     from tests.test_hf_recipe import _config
@@ -179,8 +181,10 @@ def test_recipe_meta_init_trains_exactly_like_the_transformers_load(tiny_hf_mode
             _config(model_dir, data_path, run_dir), parallel=ParallelConfig(meta_init=meta_init)
         )
         if meta_init:  # the meta path never loads through from_pretrained
-            monkeypatch.setattr(hf, "load_model", lambda *a, **k: pytest.fail("meta_init used load_model"))
-        assert hf.run(config).global_step == 3
+            monkeypatch.setattr(
+                hf_models, "load_pretrained", lambda *a, **k: pytest.fail("meta_init used load_pretrained")
+            )
+        assert run_job(config, hf.spec).state.global_step == 3
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         losses[meta_init] = [r["loss"] for r in records if "loss" in r]
     assert len(losses[True]) == 3 and losses[True] == losses[False]

@@ -121,7 +121,7 @@ def losses(run_dir: Path) -> list[tuple[int, str]]:
 @pytest.mark.slow
 def test_torchrun_restart_after_a_crash_on_rank_1_matches_an_uninterrupted_run(tmp_path):
     corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes((ROOT / "recipes" / "data" / "shakespeare.txt").read_bytes()[:1700])
+    corpus.write_bytes((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:1700])
     reference = torchrun(tmp_path / "reference", "none", corpus, restarts=0)
     assert reference.returncode == 0, reference.stderr[-4000:]
     run_dir = tmp_path / "run"

@@ -38,7 +38,7 @@ COMMON = [
     "--checkpoint.save-every", "4", "--checkpoint.save-epochs", "1", "--checkpoint.keep-last", "2",
     "--checkpoint.restore-from", "latest",
 ]  # fmt: skip
-WORKERS = ["--data.num-workers", "2", "--data.prefetch"]
+WORKERS = ["--loader.num-workers", "2", "--loader.prefetch"]
 
 
 def env() -> dict[str, str]:
@@ -53,7 +53,7 @@ def env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """A corpus small enough for 6 steps per epoch, so 12 steps cross an epoch boundary."""
-    text = (ROOT / "recipes" / "data" / "shakespeare.txt").read_bytes()[:1700]
+    text = (ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:1700]
     path = tmp_path_factory.mktemp("corpus") / "small.txt"
     path.write_bytes(text)
     return path

@@ -147,4 +147,5 @@ def test_two_ranks_follow_rank_0s_clock_and_any_ranks_preemption(tmp_path):
         assert process.returncode == 0, err[-3000:]
     for rank in (0, 1):
         result = json.loads((tmp_path / f"{rank}.json").read_text())
-        assert result == {"stopped": 8, "saved": [6, 8], "stopped_at": 8}, (rank, result)
+        expected = {"stopped": 8, "saved": [6, 8], "outcome": "preempted", "exit_code": 143}
+        assert result == expected, (rank, result)

@@ -364,19 +364,19 @@ def _eventually(predicate, timeout=5.0):
 
 
 def test_build_data_validates_each_field_by_name():
-    with pytest.raises(ValueError, match="data.num_workers must be 0 for an iterable dataset"):
+    with pytest.raises(ValueError, match="loader.num_workers must be 0 for an iterable dataset"):
         spec_of(Stream(4), num_workers=2)
-    with pytest.warns(UserWarning, match="data.shuffle has no effect"):
+    with pytest.warns(UserWarning, match="loader.shuffle has no effect"):
         spec_of(Stream(4), shuffle=True)
     with pytest.raises(TypeError, match="data.dataset must be a map-style dataset"):
         spec_of(object())
     with pytest.raises(ValueError, match="data.dp_rank must be <= 1, got 2"):
         spec_of(dp_rank=2, dp_size=2)
-    with pytest.raises(TypeError, match="data.prefetch must be a bool, got 1"):
+    with pytest.raises(TypeError, match="loader.prefetch must be a bool, got 1"):
         spec_of(prefetch=1)
-    with pytest.raises(ValueError, match="data.prefetch_depth must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="loader.prefetch_depth must be >= 1, got 0"):
         spec_of(prefetch_depth=0)
-    with pytest.raises(ValueError, match="data.num_workers must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="loader.num_workers must be >= 0, got -1"):
         spec_of(num_workers=-1)
     with pytest.raises(ValueError, match="data.multiprocessing_context must be one of"):
         spec_of(multiprocessing_context="threads")

@@ -15,7 +15,8 @@ from fntrain.checkpoint import find_latest, list_checkpoints, read_meta, restore
 from fntrain.checkpoint.layout import LATEST
 from fntrain.hooks.base import hook_states, load_hook_states
 from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook, checkpoint_root
-from fntrain.loop import Event
+from fntrain.loop import Event, run_training
+from fntrain.preemption import Preemption
 from fntrain.runtime.runtime import Runtime
 from tests.checkpoint import toy
 
@@ -204,8 +205,9 @@ def test_preemption_signal_saves_at_the_step_boundary_and_stops(tmp_path):
     hook(Event.STEP_BEGIN, state, None)
     signal.raise_signal(signal.SIGUSR1)  # arrives mid-step: only a flag is set
     assert saved(tmp_path) == []
-    with pytest.raises(StopTraining, match="preempted at step 3"):
+    with pytest.raises(StopTraining, match="preempted by SIGUSR1 at step 3") as caught:
         hook(Event.STEP_END, state.after_step(), INFO)
+    assert caught.value.outcome == "preempted" and caught.value.exit_code == 143
     assert saved(tmp_path) == [3]
     hook(Event.TRAIN_END, state.after_step(), None)
     assert saved(tmp_path) == [3]  # not saved twice
@@ -234,6 +236,69 @@ def test_preemption_through_train_ends_cleanly(tmp_path):
     plan = RunPlan(train_iters=6, steps_per_epoch=6, epochs=1)
     final = train(TrainState(), step_fn, hooks, data=lambda epoch, cursor: iter(data[cursor:]), plan=plan)
     assert final.global_step == 3 and saved(tmp_path) == [3]
+
+
+def test_preemption_is_the_outcome_of_run_training(tmp_path):
+    """A requested preemption ends `run_training` with outcome "preempted", the configured exit code and
+    a checkpoint of the step; nothing has to be read from a preemption object afterwards."""
+    parts = toy.components()
+    data = toy.batches(6)
+    preemption = Preemption(("SIGUSR1",))
+    hooks: list = []
+    hooks.append(
+        checkpoint_hook(
+            CheckpointConfig(save_every=100, preempt_signals=("SIGUSR1",), preempt_exit_code=99),
+            parts,
+            Runtime(),
+            directory=tmp_path,
+            hooks=lambda: hooks,
+            preemption=preemption,
+        )
+    )
+
+    def step_fn(state, batch):
+        if state.global_step == 1:
+            preemption.request()  # during step 2: the run stops after it
+        return {"loss": toy.step(parts, batch)}
+
+    plan = RunPlan(train_iters=6, steps_per_epoch=6, epochs=1)
+    result = run_training(
+        TrainState(), step_fn, hooks, data=lambda epoch, cursor: iter(data[cursor:]), plan=plan
+    )
+    assert result.outcome == "preempted" and result.exit_code == 99
+    assert result.reason == "preempted by request at step 2" and result.state.global_step == 2
+    assert saved(tmp_path) == [2]
+    assert read_meta(find_latest(tmp_path))["train_state"]["global_step"] == 2
+
+
+def test_preemption_signal_through_run_training_exits_143(tmp_path):
+    """The hook's own handlers (no injected preemption): a real SIGUSR1 gives outcome "preempted", exit
+    code 143 by default; a run that is not preempted is "completed" with exit code 0."""
+    parts = toy.components()
+    data = toy.batches(4)
+    previous = signal.getsignal(signal.SIGUSR1)
+
+    def run(signal_at):
+        hooks: list = []
+        config = CheckpointConfig(save_every=100, preempt_signals=("SIGUSR1",), save_at_end=False)
+        hooks.append(checkpoint_hook(config, parts, Runtime(), directory=tmp_path, hooks=lambda: hooks))
+
+        def step_fn(state, batch):
+            if state.global_step + 1 == signal_at:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return {"loss": toy.step(parts, batch)}
+
+        plan = RunPlan(train_iters=4, steps_per_epoch=4, epochs=1)
+        return run_training(
+            TrainState(), step_fn, hooks, data=lambda e, cursor: iter(data[cursor:]), plan=plan
+        )
+
+    result = run(signal_at=3)
+    assert (result.outcome, result.exit_code, result.state.global_step) == ("preempted", 143, 3)
+    assert result.reason == "preempted by SIGUSR1 at step 3" and saved(tmp_path) == [3]
+    assert signal.getsignal(signal.SIGUSR1) is previous
+    result = run(signal_at=None)
+    assert (result.outcome, result.exit_code, result.state.global_step) == ("completed", 0, 4)
 
 
 def test_train_loop_integration_resumes_exactly(tmp_path):

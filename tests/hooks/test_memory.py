@@ -28,14 +28,19 @@ class FakeAllocator:
     def __init__(self, *, fail: tuple[str, ...] = ()) -> None:
         self.calls: list[tuple] = []
         self.fail = set(fail)
+        self.stop_failures = 0  # the next this-many stops fail (besides "stop" in fail)
         self.recording = False
         self.history: list[str] = []
+        self.allocated = 1 << 30  # memory in use now, and the peaks since the last reset
+        self.reserved = 2 << 30
+        self.peak_allocated = 2 << 20
 
     def _record_memory_history(self, enabled="all", **kwargs):
         self.calls.append(("record", enabled, kwargs))
         if enabled is not None and "start" in self.fail:
             raise RuntimeError(f"record({enabled!r}) failed")
-        if enabled is None and "stop" in self.fail:
+        if enabled is None and ("stop" in self.fail or self.stop_failures):
+            self.stop_failures = max(0, self.stop_failures - 1)
             raise RuntimeError("stop failed")
         self.recording = enabled is not None
         if enabled is None:
@@ -53,10 +58,18 @@ class FakeAllocator:
 
     def max_memory_allocated(self, device):
         self.calls.append(("max_allocated", device))
-        return 2 << 20
+        return self.peak_allocated
 
     def reset_peak_memory_stats(self, device):
         self.calls.append(("reset_peaks", device))
+
+    def memory_allocated(self, device):
+        self.calls.append(("allocated", device))
+        return self.allocated
+
+    def memory_reserved(self, device):
+        self.calls.append(("reserved", device))
+        return self.reserved
 
     def names(self) -> list[str]:
         """The calls as short names: start, stop, snapshot, ..."""
@@ -357,6 +370,53 @@ def test_abort_never_raises_even_when_stopping_fails(tmp_path, caplog):
     assert not (tmp_path / "snap").exists()
 
 
+def test_a_failed_stop_at_train_end_is_retried_at_abort(tmp_path, caplog):
+    fake = FakeAllocator()
+    hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
+    run_events(hook, 2, end=False)
+    fake.stop_failures = 1
+    with pytest.raises(RuntimeError, match="stop failed") as caught:
+        hook(Event.TRAIN_END, TrainState(0, 2, 2), None)  # writes the partial window, then the stop fails
+    assert fake.names() == ["stop", "start", "snapshot", "stop"] and fake.recording  # history stays on
+    with caplog.at_level(logging.WARNING, logger="fntrain.hooks.memory"):
+        hook(Event.ABORT, TrainState(0, 2, 2), caught.value)  # what the loop does next: retry the stop
+    assert fake.names() == ["stop", "start", "snapshot", "stop", "stop"] and not fake.recording
+    assert "retrying the stop" in caplog.text
+    assert len(snapshots(tmp_path / "snap")) == 1  # ABORT wrote nothing more
+    hook(Event.ABORT, TrainState(0, 2, 2), caught.value)  # stopped now: a further ABORT is a no-op
+    assert fake.names().count("stop") == 3
+
+
+def test_a_stop_failing_again_at_abort_is_logged_not_raised(tmp_path, caplog):
+    fake = FakeAllocator()
+    hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
+    run_events(hook, 1, end=False)
+    fake.fail.add("stop")
+    with pytest.raises(RuntimeError, match="stop failed") as caught:
+        hook(Event.TRAIN_END, TrainState(0, 1, 1), None)
+    with caplog.at_level(logging.ERROR, logger="fntrain.hooks.memory"):
+        hook(Event.ABORT, TrainState(0, 1, 1), caught.value)  # never raises
+    assert fake.names()[-2:] == ["stop", "stop"] and fake.recording
+    assert any("stopping the memory history raised" in r.getMessage() for r in caplog.records)
+    fake.fail.discard("stop")
+    hook(Event.TRAIN_BEGIN, TrainState(), None)  # a new session discards the stale history first
+    assert not fake.recording
+
+
+def test_in_the_loop_a_failed_stop_at_train_end_is_retried_by_the_abort(tmp_path):
+    fake = FakeAllocator()
+    hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
+
+    def step_fn(state, batch):
+        if state.global_step == 1:
+            fake.stop_failures = 1  # the stop at TRAIN_END fails once
+        return {}
+
+    with pytest.raises(RuntimeError, match="stop failed"):
+        train(TrainState(), step_fn, [hook], data=lambda e, c: iter(range(c, 2)), plan=RunPlan(2, 2, 1))
+    assert fake.names() == ["stop", "start", "snapshot", "stop", "stop"] and not fake.recording
+
+
 def test_abort_before_train_begin_is_a_no_op(tmp_path):
     fake = FakeAllocator()
     hook = memory_hook(config(tmp_path, start_step=0), Runtime(device=CUDA), allocator=fake)
@@ -564,6 +624,45 @@ def test_mem_info_on_cpu_reports_peak_rss(caplog):
     assert float(rss[0].split("peak_rss_mib=")[1]) > 1.0
 
 
+def test_mem_info_logs_device_memory_after_each_epoch(caplog):
+    fake = FakeAllocator()
+    hook = memory_hook(MemoryConfig(mem_info=True), Runtime(device=CUDA), allocator=fake)
+    peaks = {1: 5 << 30, 2: 3 << 29, 3: 1 << 30, 4: 3 << 30}  # peak allocated during each step
+
+    def step_fn(state, batch):
+        fake.peak_allocated = peaks[state.global_step + 1]
+        return {}
+
+    with caplog.at_level(logging.INFO, logger="fntrain.hooks.memory"):
+        train(TrainState(), step_fn, [hook], data=lambda e, c: iter(range(c, 2)), plan=RunPlan(4, 2, 2))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("VRAM usage")]
+    # the peak of the epoch, though the per-step peaks are reset at every control point
+    assert [line.split(" (")[0] for line in lines] == [
+        "VRAM usage after epoch 0: allocated 1.00 GiB, reserved 2.00 GiB, peak 5.00 GiB",
+        "VRAM usage after epoch 1: allocated 1.00 GiB, reserved 2.00 GiB, peak 3.00 GiB",
+    ]
+    assert "rank=0" in lines[0]
+
+
+def test_mem_info_epoch_line_not_repeated_for_a_restored_finished_epoch(caplog):
+    hook = memory_hook(MemoryConfig(mem_info=True), Runtime(device=CUDA), allocator=FakeAllocator())
+    with caplog.at_level(logging.INFO, logger="fntrain.hooks.memory"):
+        hook(Event.TRAIN_BEGIN, TrainState(0, 2, 2), None)
+        hook(Event.EPOCH_END, TrainState(0, 2, 2), None)  # replayed: the checkpoint ended the epoch
+    assert "VRAM usage" not in caplog.text
+
+
+def test_mem_info_on_cpu_logs_peak_rss_after_each_epoch(caplog):
+    hook = memory_hook(MemoryConfig(mem_info=True), Runtime())
+    with caplog.at_level(logging.INFO, logger="fntrain.hooks.memory"):
+        train(
+            TrainState(), lambda s, b: {}, [hook], data=lambda e, c: iter(range(c, 1)), plan=RunPlan(2, 1, 2)
+        )
+    lines = [r.getMessage() for r in caplog.records if "after epoch" in r.getMessage()]
+    assert [line.split(":")[0] for line in lines] == ["memory after epoch 0", "memory after epoch 1"]
+    assert all(float(line.split("peak_rss_mib=")[1].split()[0]) > 1.0 for line in lines)
+
+
 def test_mem_info_and_history_together(tmp_path):
     fake = FakeAllocator()
     hook = memory_hook(
@@ -661,14 +760,17 @@ def _tiny_config(tmp_path, memory: MemoryConfig):
     train_config = dataclasses.replace(
         tiny_gpt.TrainConfig(), train_iters=2, global_batch_size=4, micro_batch_size=2
     )
-    return tiny_gpt, tiny_gpt.TinyGPTConfig(run_dir=str(tmp_path / "run"), train=train_config, memory=memory)
+    return tiny_gpt, tiny_gpt.Config(run_dir=str(tmp_path / "run"), train=train_config, memory=memory)
 
 
 def test_recipe_enable_on_cpu_fails_before_the_model_is_built(tmp_path, monkeypatch):
+    import fntrain.job as job
+    from fntrain.config import ConfigError
+
     tiny_gpt, cfg = _tiny_config(tmp_path, MemoryConfig(enable=True))
-    monkeypatch.setattr(tiny_gpt, "build", lambda *a, **k: pytest.fail("the model was built"))
-    with pytest.raises(RuntimeError, match="cpu"):
-        tiny_gpt.run(cfg)
+    monkeypatch.setattr(job, "build_job", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(ConfigError, match="cpu"):
+        job.run_job(cfg, tiny_gpt.spec)
 
 
 def test_recipe_puts_the_memory_hook_first_with_save_path_under_run_dir(tmp_path, monkeypatch):
@@ -680,22 +782,28 @@ def test_recipe_puts_the_memory_hook_first_with_save_path_under_run_dir(tmp_path
         built_hooks.append(memory_hook(config, runtime, **kw))
         return built_hooks[-1]
 
+    import fntrain.hooks.standard as standard
+    import fntrain.loop as loop
+    from fntrain.job import run_job
+
+    real_run_training = loop.run_training
+
     def spy_train(state, step_fn, hooks, **kw):
         hook_lists.append(list(hooks))
-        return train(state, step_fn, hooks, **kw)
-
-    import fntrain.hooks.standard as standard
+        return real_run_training(state, step_fn, hooks, **kw)
 
     monkeypatch.setattr(standard, "memory_hook", spy)
-    monkeypatch.setattr(tiny_gpt, "train", spy_train)
+    monkeypatch.setattr(loop, "run_training", spy_train)
     with pytest.raises(ValueError, match="memory.end_step"):
-        tiny_gpt.run(
-            _tiny_config(tmp_path, MemoryConfig(start_step=3, end_step=1))[1]
+        run_job(
+            _tiny_config(tmp_path, MemoryConfig(start_step=3, end_step=1))[1], tiny_gpt.spec
         )  # the config's validate
-    final = tiny_gpt.run(cfg)  # mem_info works on CPU (peak RSS)
+    final = run_job(cfg, tiny_gpt.spec).state  # mem_info works on CPU (peak RSS)
     assert final.global_step == 2
-    [config] = seen
-    assert hook_lists[0][0] is built_hooks[0]  # first in the list: its STEP_BEGIN precedes the others [S20]
+    # built once to check the settings before any work, once more for the run itself
+    assert len(seen) == 2 and seen[0] == seen[1]
+    config = seen[-1]
+    assert hook_lists[0][0] is built_hooks[-1]  # first in the list: its STEP_BEGIN precedes the others [S20]
     assert os.path.abspath(config.save_path) == str(tmp_path / "run" / "memory_snapshot")
     absolute = MemoryConfig(save_path=str(tmp_path / "elsewhere"), mem_info=True)
     standard.early_hooks(_tiny_config(tmp_path, absolute)[1], Runtime())

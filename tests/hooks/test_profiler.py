@@ -145,11 +145,13 @@ class OldFakeExperimentalConfig:
 class FakeMstx:
     def __init__(self):
         self.log: list[tuple] = []
+        self.streams: list = []  # the stream each range was started on
         self._next = 0
 
     def range_start(self, message: str, stream=None) -> int:
         self._next += 1
         self.log.append(("start", message, self._next))
+        self.streams.append(stream)
         return self._next
 
     def range_end(self, range_id: int) -> None:
@@ -180,7 +182,8 @@ def fake_npu(monkeypatch):
     npu_profiler.ExportType = types.SimpleNamespace(Text="text", Db="db")
     torch_npu = types.ModuleType("torch_npu")
     torch_npu.profiler = npu_profiler
-    torch_npu.npu = types.SimpleNamespace(mstx=FakeMstx())
+    stream = types.SimpleNamespace(name="npu stream 0")  # what torch_npu.npu.current_stream() returns
+    torch_npu.npu = types.SimpleNamespace(mstx=FakeMstx(), current_stream=lambda: stream, stream=stream)
     monkeypatch.setitem(sys.modules, "torch_npu", torch_npu)
     monkeypatch.setitem(sys.modules, "torch_npu.profiler", npu_profiler)
     return torch_npu
@@ -432,7 +435,9 @@ def test_start_on_init(fake):
     # started at TRAIN_BEGIN, before any step
     assert fake.schedules == [dict(wait=0, warmup=0, active=3, repeat=1, skip_first=1)]
     (prof,) = fake.instances
-    assert prof.calls == [("start", 0)]
+    # started at TRAIN_BEGIN and stepped into ProfilerStep#1 at once: recording from TRAIN_BEGIN
+    assert prof.calls == [("start", 0), ("step", 0)]
+    assert fake.log == [("start_trace", 1)] and prof.step_labels == [1]
     state = TrainState()
     for _ in range(3):
         hook(Event.STEP_BEGIN, state, None)
@@ -440,7 +445,9 @@ def test_start_on_init(fake):
         hook(Event.STEP_END, state, StepInfo({}))
     hook(Event.TRAIN_END, state, None)
     assert [c for c, _ in prof.calls].count("start") == 1
-    assert prof.step_labels == [1, 2, 3]
+    # step 1 runs inside ProfilerStep#1 (opened at TRAIN_BEGIN): steps 1..3 are labelled 1..3
+    assert prof.calls == [("start", 0), ("step", 0), ("step", 1), ("step", 2), ("step", 3), ("stop", 4)]
+    assert prof.step_labels == [1, 2, 3] and fake.exports[0][1] == [1, 2, 3]
     assert len(prof.metadata) == 1  # recorded once
     key, value = prof.metadata[0]
     assert key == "distributed_args"
@@ -456,11 +463,20 @@ def test_start_on_init(fake):
     }
 
 
-def test_start_on_init_with_no_step_run_stops_cleanly(fake):
+def test_start_on_init_with_no_step_run_writes_the_init_phase_and_stops(fake):
     hook = profiler_hook(enabled(start_on_init=True, stop_step=3), cpu())
     run_events(hook, 0)
     (prof,) = fake.instances
-    assert prof.calls == [("start", 0), ("stop", 0)] and fake.exports == []
+    assert prof.calls == [("start", 0), ("step", 0), ("stop", 1)]
+    assert fake.exports == [(fake.handlers[0][0], [1])]  # the partial window: the init phase
+
+
+def test_start_on_init_aborted_during_init_writes_nothing(fake):
+    hook = profiler_hook(enabled(start_on_init=True, stop_step=3), cpu())
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    hook(Event.ABORT, TrainState(), RuntimeError("restore failed"))
+    (prof,) = fake.instances
+    assert prof.calls == [("start", 0), ("step", 0), ("stop", 1)] and fake.exports == []
 
 
 def test_train_end_mid_window_writes_the_partial_window(fake):
@@ -583,6 +599,23 @@ def test_npu_backend_experimental_config_metadata_and_mstx(fake_npu, tmp_path):
     assert (args["world_size"], args["parallel_mode"]) == (8, "fsdp2")
     # steps 2 and 3 of this run produce global steps 12 and 13; each range is opened and closed
     assert fake_npu.npu.mstx.log == [("start", "step 12", 1), ("end", 1), ("start", "step 13", 2), ("end", 2)]
+    # on the current NPU stream, so the ranges show on the device timeline too
+    assert fake_npu.npu.mstx.streams == [fake_npu.npu.stream, fake_npu.npu.stream]
+
+
+def test_npu_mstx_ranges_use_the_current_stream_of_each_step(fake_npu):
+    streams = iter(["stream A", "stream B"])
+    fake_npu.npu.current_stream = lambda: next(streams)
+    run_events(profiler_hook(enabled(start_step=1, stop_step=2, mstx=True), npu()), 2)
+    assert fake_npu.npu.mstx.streams == ["stream A", "stream B"]
+
+
+def test_npu_without_current_stream_marks_host_ranges_with_a_warning(fake_npu, caplog):
+    del fake_npu.npu.current_stream
+    with caplog.at_level(logging.WARNING, logger="fntrain.hooks.profiler"):
+        run_events(profiler_hook(enabled(start_step=1, stop_step=1, mstx=True), npu()), 1)
+    assert fake_npu.npu.mstx.streams == [None]
+    assert "mstx ranges are marked on the host only" in caplog.text
 
 
 def test_npu_abort_closes_the_open_mstx_range(fake_npu):
@@ -648,6 +681,56 @@ def test_real_cpu_run_writes_a_trace_of_the_window(tmp_path):
     assert trace["distributed_args"]["world_size"] == 1
 
 
+def _trace_names(trace_file: str) -> set[str]:
+    with open(trace_file) as f:
+        return {e.get("name", "") for e in json.load(f)["traceEvents"]}
+
+
+def _run_with_init_work(tmp_path, *, start_on_init: bool) -> set[str]:
+    """A real CPU run: the profiler, then a hook doing "init_work" at TRAIN_BEGIN; data marks its fetches."""
+    output = tmp_path / ("on" if start_on_init else "off")
+    profiler = profiler_hook(
+        enabled(start_on_init=start_on_init, start_step=1, stop_step=2, output_path=str(output)), cpu()
+    )
+
+    def init_hook(event, state, info):
+        if event is Event.TRAIN_BEGIN:
+            with torch.profiler.record_function("init_work"):
+                torch.ones(8).sum()
+
+    batches = [(torch.randn(16, 8), torch.randn(16, 4)) for _ in range(3)]
+
+    def data(epoch, cursor):
+        for index in range(cursor, len(batches)):
+            with torch.profiler.record_function(f"fetch_{index + 1}"):
+                batch = tuple(t.clone() for t in batches[index])
+            yield batch
+
+    model = torch.nn.Linear(8, 4)
+
+    def step_fn(state, batch):
+        return {"loss": torch.nn.functional.mse_loss(model(batch[0]), batch[1]).detach()}
+
+    train(TrainState(), step_fn, [profiler, init_hook], data=data, plan=RunPlan(3, 3, 1))
+    (trace_file,) = _trace_files(output)
+    return _trace_names(trace_file)
+
+
+def test_real_cpu_start_on_init_records_the_init_phase(tmp_path):
+    names = _run_with_init_work(tmp_path, start_on_init=True)
+    # the work of a later TRAIN_BEGIN hook and the first batch fetch are in the trace
+    assert {"init_work", "fetch_1", "fetch_2"} <= names
+    assert {n for n in names if n.startswith("ProfilerStep#")} == {"ProfilerStep#1", "ProfilerStep#2"}
+    assert "fetch_3" not in names  # fetched after the window (steps 1..2)
+
+
+def test_real_cpu_without_start_on_init_the_init_phase_is_absent(tmp_path):
+    names = _run_with_init_work(tmp_path, start_on_init=False)
+    assert "init_work" not in names and "fetch_1" not in names
+    assert "fetch_2" in names  # fetched inside the window, between steps 1 and 2
+    assert {n for n in names if n.startswith("ProfilerStep#")} == {"ProfilerStep#1", "ProfilerStep#2"}
+
+
 def test_real_cpu_run_aborted_mid_window_writes_nothing(tmp_path):
     hook = profiler_hook(enabled(start_step=2, stop_step=4, output_path=str(tmp_path)), cpu())
     with pytest.raises(RuntimeError, match="step failed"):
@@ -660,17 +743,17 @@ def test_real_cpu_run_aborted_mid_window_writes_nothing(tmp_path):
 
 
 def test_tiny_gpt_recipe_profiles_a_window_into_its_run_dir(tmp_path):
-    from recipes import tiny_gpt
+    from fntrain.cli import dispatch
 
     run_dir = tmp_path / "run"
-    final = tiny_gpt.main(
+    final = dispatch(
         [
-            "--run-dir", str(run_dir), "--train.train-iters", "3", "--train.global-batch-size", "4",
+            "run", "tiny_gpt", "--run-dir", str(run_dir), "--train.train-iters", "3", "--train.global-batch-size", "4",
             "--train.micro-batch-size", "4", "--model.n-layer", "1", "--model.d-model", "32",
             "--model.context", "32", "--profiler.enabled", "--profiler.start-step", "2",
             "--profiler.stop-step", "3",
         ]
-    )  # fmt: skip
+    ).state  # fmt: skip
     assert final.global_step == 3
     (trace_file,) = _trace_files(run_dir)  # output_path None: the run directory
     with open(trace_file) as f:
@@ -683,12 +766,14 @@ def test_tiny_gpt_recipe_profiles_a_window_into_its_run_dir(tmp_path):
 def test_tiny_gpt_recipe_rejects_a_bad_profiler_setting_before_building(tmp_path):
     import dataclasses as dc
 
+    from fntrain.config import ConfigError
+    from fntrain.job import run_job
     from recipes import tiny_gpt
 
-    config = tiny_gpt.TinyGPTConfig(run_dir=str(tmp_path / "run"))
+    config = tiny_gpt.Config(run_dir=str(tmp_path / "run"))
     bad = dc.replace(config, profiler=ProfilerConfig(enabled=True, rank_ids=[1]))  # world size 1
-    with pytest.raises(ValueError, match=r"profiler\.rank_ids must contain integers in \[0, 1\)"):
-        tiny_gpt.run(bad)
+    with pytest.raises(ConfigError, match=r"profiler\.rank_ids must contain integers in \[0, 1\)"):
+        run_job(bad, tiny_gpt.spec)
     assert not (tmp_path / "run").exists()  # nothing was built or written
     with pytest.raises(TypeError, match=r"profiler\.start_step"):
         dc.replace(config, profiler=ProfilerConfig(start_step="2")).validate()

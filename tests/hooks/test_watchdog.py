@@ -195,7 +195,7 @@ def test_two_ranks_one_stalled_both_dump_stacks_and_exit(tmp_path):
     Both watchdogs fire after ~3 s of silence, each rank writes its stacks, and the workers exit with
     the watchdog's status (124), long before the collective timeout (300 s) or the stall's end."""
     corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes((ROOT / "recipes" / "data" / "shakespeare.txt").read_bytes()[:1700])
+    corpus.write_bytes((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:1700])
     run_dir = tmp_path / "run"
     port = free_port()
     command = [

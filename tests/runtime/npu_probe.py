@@ -24,7 +24,7 @@ def main() -> None:
         parallelize(torch.nn.Linear(2, 2), runtime, ParallelConfig())
     report["imported_by_cpu_runtime"] = "torch_npu" in sys.modules
 
-    with setup_runtime(RuntimeConfig(device="npu", seed=5, tf32=True)) as runtime:
+    with setup_runtime(RuntimeConfig(device="npu", tf32=True), seed=5) as runtime:
         report["imported_by_npu_runtime"] = "torch_npu" in sys.modules
         report["device"] = str(runtime.device)
         report["backend_single_process"] = runtime.backend

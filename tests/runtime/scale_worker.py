@@ -80,7 +80,7 @@ def _train(model: torch.nn.Module, runtime, keep: dict | None = None) -> list[fl
 
 def meta_case() -> dict:
     fsdp = ParallelConfig(strategy="fsdp2")
-    with setup_runtime(RuntimeConfig(seed=SEED), fsdp) as runtime:
+    with setup_runtime(RuntimeConfig(), fsdp, seed=SEED) as runtime:
         torch.manual_seed(SEED)
         eager = parallelize(TinyGPT(MODEL), runtime, fsdp)
         eager_rng = torch.get_rng_state()
@@ -103,12 +103,12 @@ def meta_case() -> dict:
 def hsdp_case(out: str) -> dict:
     results = {}
     ddp = ParallelConfig(strategy="ddp")
-    with setup_runtime(RuntimeConfig(seed=SEED), ddp) as runtime:
+    with setup_runtime(RuntimeConfig(), ddp, seed=SEED) as runtime:
         torch.manual_seed(SEED)
         model = parallelize(TinyGPT(MODEL), runtime, ddp)
         results["ddp"] = {"losses": _train(model, runtime), "weights": _weights(model)}
     hsdp = ParallelConfig(strategy="fsdp2", replicate=2, meta_init=True)
-    with setup_runtime(RuntimeConfig(seed=SEED), hsdp) as runtime:
+    with setup_runtime(RuntimeConfig(), hsdp, seed=SEED) as runtime:
         model = build_model(
             lambda: TinyGPT(MODEL), runtime, hsdp, fill=seeded_init(SEED, post_init=TinyGPT._init)
         )
@@ -124,7 +124,7 @@ def hsdp_case(out: str) -> dict:
         # An HSDP checkpoint (DTensors replicated x sharded) loads into another layout: DDP here.
         root = Path(out).parent / "hsdp_checkpoints"
         save(root, TrainState(global_step=STEPS), Components(model, causal_lm_loss, (kept["optimizer"],)))
-    with setup_runtime(RuntimeConfig(seed=SEED), ddp) as runtime:
+    with setup_runtime(RuntimeConfig(), ddp, seed=SEED) as runtime:
         torch.manual_seed(SEED + 1)
         fresh = parallelize(TinyGPT(MODEL), runtime, ddp)
         restore("latest", Components(fresh, causal_lm_loss, ()), root=root, weights_only=True)

@@ -160,12 +160,12 @@ def test_init_weights_on_plain_parameters_writes_in_place():
 def test_tiny_gpt_recipe_meta_init_flag_builds_the_same_model(tmp_path):
     from recipes import tiny_gpt
 
-    config = tiny_gpt.TinyGPTConfig(run_dir=str(tmp_path), model=MODEL, seed=5)
-    plain = tiny_gpt.build(config, Runtime()).components.model
-    meta_config = tiny_gpt.TinyGPTConfig(
+    config = tiny_gpt.Config(run_dir=str(tmp_path), model=MODEL, seed=5)
+    plain = tiny_gpt.build_model(config, Runtime())
+    meta_config = tiny_gpt.Config(
         run_dir=str(tmp_path), model=MODEL, seed=5, parallel=ParallelConfig(meta_init=True)
     )
-    meta = tiny_gpt.build(meta_config, Runtime()).components.model
+    meta = tiny_gpt.build_model(meta_config, Runtime())
     assert_same_weights(plain, meta)
 
 
@@ -180,7 +180,7 @@ def test_meta_init_flag_is_validated():
 @pytest.fixture
 def gloo(one_rank_env):
     def runtime(parallel: ParallelConfig):
-        return setup_runtime(RuntimeConfig(seed=SEED), parallel)
+        return setup_runtime(RuntimeConfig(), parallel, seed=SEED)
 
     return runtime
 

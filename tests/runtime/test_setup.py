@@ -106,7 +106,7 @@ def test_data_parallel_size_is_what_model_parallelism_leaves():
 
 
 def test_single_process_runtime_has_no_group(no_launch_env):
-    with setup_runtime(RuntimeConfig(seed=7), ParallelConfig(strategy="none")) as runtime:
+    with setup_runtime(RuntimeConfig(), ParallelConfig(strategy="none"), seed=7) as runtime:
         assert not dist.is_initialized()
         assert (runtime.rank, runtime.world_size, runtime.dp_size, runtime.dp_rank) == (0, 1, 1, 0)
         assert runtime.device == torch.device("cpu") and runtime.backend is None and runtime.mesh is None
@@ -114,7 +114,7 @@ def test_single_process_runtime_has_no_group(no_launch_env):
 
 
 def test_seed_is_applied_to_python_numpy_and_torch(no_launch_env):
-    with setup_runtime(RuntimeConfig(seed=123)):
+    with setup_runtime(RuntimeConfig(), seed=123):
         drawn = (random.random(), np.random.rand(), torch.rand(()).item())
     random.seed(123)
     np.random.seed(123)

@@ -1,0 +1,440 @@
+"""Supervised fine-tuning data: JSONL examples -> token ids and labels -> padded or packed samples.
+
+    data = SFTDataConfig(path="chat.jsonl", max_length=1024, packing=True)
+    data.validate()                                   # before any model work: fields and files
+    train_set, val_set = build_sft_datasets(data, assets)
+    collate = make_sft_collate(assets.pad_id, max_length=data.max_length, pad_to=data.pad_to)
+
+Formats (one JSON object per line): {"text": ...} trains on every token; {"prompt": ..., "completion": ...}
+and {"messages": [{"role": ..., "content": ...}, ...]} (rendered with the tokenizer's chat template)
+train on the completion / the assistant turns only: every other token's label is IGNORE_INDEX.
+
+`assets` is any object with `tokenizer` (a Hugging Face tokenizer, or anything with its call,
+`apply_chat_template` and `is_fast`), `pad_id`, `eos_id` and `chat_template` (`TokenizerAssets`;
+`fntrain.models.hf.ModelAssets` is one).
+
+Padding: one example per sample, truncated to `max_length`; the collate right-pads (labels IGNORE_INDEX)
+and adds a 2-D `attention_mask` [batch, seq] (1: real token) only when something was padded.
+
+Packing keeps examples apart, so each one trains exactly as if it were alone (fntrain.data.packing):
+whole examples are bin-packed into `max_length`-token windows (best fit decreasing, deterministic); an
+example longer than `max_length` is split into `max_length`-token pieces, each its own document. The
+rest of a window (its tail) is padding: pad tokens, IGNORE_INDEX labels and the document id
+PADDING_DOCUMENT, so no token is dropped. A packed sample carries `document_ids` and `position_ids`
+(restarting at 0 for each example), and the label at each example's first token is IGNORE_INDEX, so no
+target crosses from one example into the next. The collate adds `attention_mask`: a 4-D boolean
+block-diagonal causal mask [batch, 1, seq, seq], True where a query may attend a key. transformers
+(checked with 5.x) hands a 4-D mask to the attention kernel unchanged and rotates by `position_ids`:
+with attn_implementation="sdpa" (and TinyGPT) the boolean mask is what `scaled_dot_product_attention`
+reads; "eager" would add it to the scores as 0/1, so packing needs sdpa
+(`fntrain.models.hf.check_packed_attention`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+
+from fntrain.config import require_bool, require_choice, require_float, require_int, require_str
+from fntrain.data.packing import PackedDocuments, document_causal_mask
+from fntrain.data.tokens import IGNORE_INDEX
+
+__all__ = [
+    "IGNORE_INDEX",
+    "FORMATS",
+    "SFTDataConfig",
+    "TokenizerAssets",
+    "Example",
+    "read_jsonl",
+    "example_format",
+    "transform_example",
+    "build_examples",
+    "PaddedExamples",
+    "pack_examples",
+    "build_dataset",
+    "build_sft_datasets",
+    "make_sft_collate",
+]
+
+log = logging.getLogger("fntrain.data.sft")
+
+FORMATS = ("auto", "text", "prompt_completion", "chat")
+PAD_TO = ("max_length", "longest")
+
+
+@dataclass(frozen=True)
+class SFTDataConfig:
+    """The JSONL training data and how it becomes token windows."""
+
+    path: str = ""
+    """JSONL file, one example per line: {"text"}, {"prompt", "completion"} or {"messages"}. Required."""
+    format: Literal["auto", "text", "prompt_completion", "chat"] = "auto"
+    """Example format (auto: decided per line by the keys present)."""
+    text_key: str = "text"
+    """Key of the text of a text example."""
+    prompt_key: str = "prompt"
+    """Key of the prompt of a prompt/completion example."""
+    completion_key: str = "completion"
+    """Key of the completion of a prompt/completion example."""
+    messages_key: str = "messages"
+    """Key of the message list of a chat example."""
+    max_length: int = 1024
+    """Tokens per sample: longer examples are truncated (padding) or split across windows (packing)."""
+    packing: bool = False
+    """Pack whole examples into max_length windows (each example attends only to itself) instead of
+    padding one example per sample."""
+    pad_to: Literal["max_length", "longest"] = "max_length"
+    """Padding: every micro-batch to max_length (static shapes), or to its longest example."""
+    train_on_prompt: bool = False
+    """Also train on prompt tokens (system/user turns, prompts); by default their labels are ignored."""
+    add_eos: bool = True
+    """Append the EOS token to text examples and completions (chat templates end turns themselves)."""
+    val_path: str | None = None
+    """JSONL validation examples for evaluation (None: the val_fraction tail of data.path)."""
+    val_fraction: float = 0.0
+    """Tail fraction of data.path's examples held out for evaluation when val_path is None."""
+
+    def validate(self, prefix: str = "data") -> None:
+        """Value rules, each error naming `prefix.field`; the JSONL files must exist, so a bad path fails
+        before any model work."""
+        require_str(f"{prefix}.path", self.path)
+        if not self.path:
+            raise ValueError(f"{prefix}.path is required: a JSONL file of training examples")
+        require_choice(f"{prefix}.format", self.format, FORMATS)
+        for name in ("text_key", "prompt_key", "completion_key", "messages_key"):
+            require_str(f"{prefix}.{name}", getattr(self, name), non_empty=True)
+        require_int(f"{prefix}.max_length", self.max_length, min=2)
+        for name in ("packing", "train_on_prompt", "add_eos"):
+            require_bool(f"{prefix}.{name}", getattr(self, name))
+        require_choice(f"{prefix}.pad_to", self.pad_to, PAD_TO)
+        require_str(f"{prefix}.val_path", self.val_path, optional=True)
+        require_float(f"{prefix}.val_fraction", self.val_fraction, min=0.0, max=0.5)
+        _require_file(f"{prefix}.path", self.path)
+        if self.val_path:
+            _require_file(f"{prefix}.val_path", self.val_path)
+
+
+def _require_file(field_name: str, path: str) -> Path:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"{field_name} {path!r} does not exist (or is not a file)")
+    return file
+
+
+class TokenizerAssets(Protocol):
+    """What the data transform reads from the model's assets."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def pad_id(self) -> int: ...
+    @property
+    def eos_id(self) -> int | None: ...
+    @property
+    def chat_template(self) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenized example: token ids and their labels (IGNORE_INDEX on tokens not trained on)."""
+
+    input_ids: tuple[int, ...]
+    labels: tuple[int, ...]
+
+
+# ----------------------------------------------------------------------------- reading and transforming
+
+
+def read_jsonl(path: str, field_name: str = "data.path") -> list[dict[str, Any]]:
+    """The objects of a JSONL file (blank lines skipped); a bad line is an error naming its number."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"{field_name} {path!r} does not exist")
+    records = []
+    with file.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{field_name} {path!r} line {number}: not valid JSON ({error})") from None
+            if not isinstance(record, dict):
+                raise ValueError(
+                    f"{field_name} {path!r} line {number}: expected a JSON object, got {record!r}"
+                )
+            records.append(record)
+    return records
+
+
+def example_format(record: Mapping[str, Any], data: SFTDataConfig) -> str:
+    """The format of one record: `data.format`, or decided by its keys when "auto"."""
+    if data.format != "auto":
+        return data.format
+    if data.messages_key in record:
+        return "chat"
+    if data.prompt_key in record and data.completion_key in record:
+        return "prompt_completion"
+    if data.text_key in record:
+        return "text"
+    raise ValueError(
+        f"cannot tell the format of an example with keys {sorted(record)}: expected {data.text_key!r}, "
+        f"{data.prompt_key!r} + {data.completion_key!r}, or {data.messages_key!r}"
+    )
+
+
+def _field(record: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
+    if key not in record:
+        raise ValueError(f"{where}: missing key {key!r}")
+    value = record[key]
+    if not isinstance(value, kind):
+        raise ValueError(f"{where}: {key!r} must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _inside(position: int, spans: Sequence[tuple[int, int]]) -> bool:
+    return any(start <= position < stop for start, stop in spans)
+
+
+def _tokenize_spans(tokenizer: Any, text: str, spans: Sequence[tuple[int, int]], *, add_special_tokens: bool,
+                    train_all: bool) -> tuple[list[int], list[int]]:  # fmt: skip
+    """Token ids of `text` and labels that keep a token only when it starts inside one of the
+    character `spans` (all tokens when `train_all`)."""
+    if train_all:
+        ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        return list(ids), list(ids)
+    if getattr(tokenizer, "is_fast", False):
+        encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        ids = list(encoded["input_ids"])
+        labels = [
+            token if _inside(begin, spans) else IGNORE_INDEX
+            for token, (begin, _) in zip(ids, encoded["offset_mapping"], strict=True)
+        ]
+        return ids, labels
+    # A slow tokenizer has no offsets: tokenize the pieces between span borders one after another.
+    ids, labels, position = [], [], 0
+    borders = sorted({0, len(text), *(p for span in spans for p in span)})
+    for index, (begin, end) in enumerate(zip(borders, borders[1:], strict=False)):
+        piece = tokenizer(text[begin:end], add_special_tokens=add_special_tokens and index == 0)["input_ids"]
+        trained = _inside(begin, spans)
+        ids.extend(piece)
+        labels.extend(piece if trained else [IGNORE_INDEX] * len(piece))
+        position = end
+    assert position == len(text)
+    return ids, labels
+
+
+def _chat_spans(
+    assets: TokenizerAssets, messages: list[Any], where: str
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of its assistant turns.
+
+    A turn's span runs from the end of the conversation rendered up to it with the generation prompt to
+    the end of the conversation rendered through it, so the template's own turn markers around the
+    reply (the end-of-turn token included) are trained on, as the model must learn to emit them.
+    """
+    tokenizer = assets.tokenizer
+    if not assets.chat_template:
+        raise ValueError(
+            f"{where}: chat examples need a chat template: the tokenizer has none; set assets.chat_template"
+        )
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            raise ValueError(f"{where}: message {index} must be an object with 'role' and 'content'")
+
+    def render(upto: int, generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(
+            messages[:upto], tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    text = render(len(messages), False)
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = render(index, True), render(index + 1, False)
+        if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
+            raise ValueError(
+                f"{where}: the chat template does not render conversation prefixes as prefixes of the "
+                "whole conversation, so prompt tokens cannot be told apart; use data.train_on_prompt"
+            )
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def transform_example(
+    record: Mapping[str, Any], assets: TokenizerAssets, data: SFTDataConfig, where: str = "example"
+) -> Example:
+    """One JSONL record -> token ids and labels (the data transform); errors name `where`."""
+    tokenizer = assets.tokenizer
+    kind = example_format(record, data)
+    eos = [assets.eos_id] if data.add_eos and assets.eos_id is not None else []
+    if kind == "text":
+        text = _field(record, data.text_key, str, where)
+        ids, _ = _tokenize_spans(tokenizer, text, [], add_special_tokens=True, train_all=True)
+        ids = ids + eos if not (eos and ids and ids[-1] == eos[0]) else ids
+        return Example(tuple(ids), tuple(ids))
+    if kind == "prompt_completion":
+        prompt = _field(record, data.prompt_key, str, where)
+        completion = _field(record, data.completion_key, str, where)
+        text = prompt + completion
+        ids, labels = _tokenize_spans(
+            tokenizer,
+            text,
+            [(len(prompt), len(text))],
+            add_special_tokens=True,
+            train_all=data.train_on_prompt,
+        )
+        return Example(tuple(ids + eos), tuple(labels + eos))
+    messages = _field(record, data.messages_key, list, where)
+    text, spans = _chat_spans(assets, messages, where)
+    ids, labels = _tokenize_spans(
+        tokenizer, text, spans, add_special_tokens=False, train_all=data.train_on_prompt
+    )
+    return Example(tuple(ids), tuple(labels))
+
+
+def build_examples(
+    records: Sequence[Mapping[str, Any]],
+    assets: TokenizerAssets,
+    data: SFTDataConfig,
+    source: str = "data.path",
+) -> list[Example]:
+    """Every record transformed; examples with no trained token (within max_length when padding; the
+    first label is never a target) are dropped with a warning. No example left is a ValueError."""
+    limit = None if data.packing else data.max_length
+    examples, empty = [], 0
+    for number, record in enumerate(records, start=1):
+        example = transform_example(record, assets, data, where=f"{source} example {number}")
+        if all(label == IGNORE_INDEX for label in example.labels[1:limit]):
+            empty += 1
+            continue
+        examples.append(example)
+    if empty:
+        log.warning("%s: dropped %d of %d examples with no token to train on", source, empty, len(records))
+    if not examples:
+        raise ValueError(f"{source} yields no example with a token to train on")
+    return examples
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+class PaddedExamples(torch.utils.data.Dataset):
+    """One example per sample, truncated to `max_length` (padding happens in the collate fn)."""
+
+    def __init__(self, examples: Sequence[Example], max_length: int):
+        self.examples, self.max_length = list(examples), max_length
+        self.truncated = sum(len(e.input_ids) > max_length for e in self.examples)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        example = self.examples[index]
+        return {
+            "input_ids": list(example.input_ids[: self.max_length]),
+            "labels": list(example.labels[: self.max_length]),
+        }
+
+
+def pack_examples(examples: Sequence[Example], max_length: int, *, pad_id: int = 0) -> PackedDocuments:
+    """Examples bin-packed into windows of exactly `max_length` tokens, each example its own document
+    (`fntrain.data.packing.PackedDocuments`: samples with input_ids, labels with each example's first
+    label IGNORE_INDEX, position_ids from 0 per example, document_ids; the tail of a window is padding
+    with `pad_id`, IGNORE_INDEX labels and document id PADDING_DOCUMENT). Longer examples are split into
+    `max_length`-token pieces. The packing is a pure function of the example lengths."""
+    documents = [{"input_ids": list(e.input_ids), "labels": list(e.labels)} for e in examples]
+    return PackedDocuments(documents, max_length, pad_id=pad_id, lengths=[len(e.input_ids) for e in examples])
+
+
+def build_dataset(
+    examples: Sequence[Example], data: SFTDataConfig, *, pad_id: int = 0
+) -> torch.utils.data.Dataset:
+    """Padded (one example per sample) or packed windows, per `data.packing`."""
+    if data.packing:
+        packed = pack_examples(examples, data.max_length, pad_id=pad_id)
+        log.info("packed %d examples into %d windows of %d tokens (%.0f%% filled)", len(examples),
+                 len(packed), data.max_length, 100 * packed.fill)  # fmt: skip
+        return packed
+    dataset = PaddedExamples(examples, data.max_length)
+    if dataset.truncated:
+        log.warning("%d examples are longer than data.max_length (%d) and are truncated", dataset.truncated,
+                    data.max_length)  # fmt: skip
+    return dataset
+
+
+def build_sft_datasets(
+    data: SFTDataConfig, assets: TokenizerAssets
+) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset | None]:
+    """(train, validation or None): JSONL -> examples -> padded or packed datasets. Validation comes
+    from data.val_path, else the data.val_fraction tail of the training examples."""
+    records = read_jsonl(data.path)
+    if not records:
+        raise ValueError(f"data.path {data.path!r} holds no example")
+    examples = build_examples(records, assets, data)
+    val_examples: list[Example] = []
+    if data.val_path:
+        val_records = read_jsonl(data.val_path, "data.val_path")
+        if not val_records:
+            raise ValueError(f"data.val_path {data.val_path!r} holds no example")
+        val_examples = build_examples(val_records, assets, data, "data.val_path")
+    elif data.val_fraction > 0:
+        split = len(examples) - max(1, int(len(examples) * data.val_fraction))
+        if split < 1:
+            raise ValueError(f"data.val_fraction {data.val_fraction} leaves no training example")
+        examples, val_examples = examples[:split], examples[split:]
+    train_set = build_dataset(examples, data, pad_id=assets.pad_id)
+    val_set = build_dataset(val_examples, data, pad_id=assets.pad_id) if val_examples else None
+    return train_set, val_set
+
+
+# ----------------------------------------------------------------------------- collate
+
+
+def _collate_packed(samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    keys = ("input_ids", "labels", "position_ids", "document_ids")
+    batch = {key: torch.stack([torch.as_tensor(s[key], dtype=torch.long) for s in samples]) for key in keys}
+    batch["attention_mask"] = document_causal_mask(batch["document_ids"])
+    return batch
+
+
+def make_sft_collate(
+    pad_id: int, *, max_length: int, pad_to: str = "max_length"
+) -> Callable[[list[Any]], dict[str, torch.Tensor]]:
+    """Stack samples into a micro-batch.
+
+    Padded samples: right-padded with `pad_id` (labels IGNORE_INDEX) to `max_length` or to the longest
+    sample, with a 2-D `attention_mask` (1: real token); when nothing needs padding there is no mask,
+    which keeps attention on its causal fast path. Packed samples (they carry `document_ids`): stacked
+    as they are, plus `attention_mask`, the 4-D boolean block-diagonal causal mask [batch, 1, seq, seq]
+    (True: may attend), next to their `position_ids` and `document_ids`.
+    """
+    require_int("max_length", max_length, min=1)
+    require_choice("pad_to", pad_to, PAD_TO)
+
+    def collate(samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        if samples and "document_ids" in samples[0]:
+            return _collate_packed(samples)
+        ids = [torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples]
+        labels = [torch.as_tensor(s["labels"], dtype=torch.long) for s in samples]
+        length = max_length if pad_to == "max_length" else min(max(len(t) for t in ids), max_length)
+        if all(len(t) == length for t in ids):  # nothing to pad: no mask needed
+            return {"input_ids": torch.stack(ids), "labels": torch.stack(labels)}
+        batch_ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
+        batch_labels = torch.full((len(samples), length), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(samples), length), dtype=torch.long)
+        for row, (sample_ids, sample_labels) in enumerate(zip(ids, labels, strict=True)):
+            n = min(len(sample_ids), length)
+            batch_ids[row, :n] = sample_ids[:n]
+            batch_labels[row, :n] = sample_labels[:n]
+            mask[row, :n] = 1
+        return {"input_ids": batch_ids, "labels": batch_labels, "attention_mask": mask}
+
+    return collate

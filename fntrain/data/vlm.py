@@ -1,0 +1,409 @@
+"""Vision-language fine-tuning data: image + chat JSONL (or a generated shapes set) -> the model's own
+processor -> input_ids, labels (assistant turns only) and per-sample pixel_values -> padded batches.
+
+    data = VLMDataConfig(path="vqa.jsonl", val_fraction=0.05)
+    data.validate()                                        # before any model work: fields and files
+    train_set, val_set = build_vlm_datasets(data, processor, seed=0)
+    collate = make_vlm_collate(processor.tokenizer.pad_token_id, max_length=data.max_length)
+
+Rows (one JSON object per line): {"image": PATH, "messages": [{"role", "content"}, ...]} or
+{"image": PATH, "prompt": ..., "completion": ...} (a one-turn chat). PATH is relative to the JSONL
+file's directory (or absolute), read with Pillow; a list of paths gives several images. When no
+message holds an {"type": "image"} item, the images go first in the first user turn. The conversation
+is rendered with the processor's chat template and encoded by the processor (which expands each image
+placeholder into the model's image tokens and resizes the images: nothing here resizes by hand). Only
+the assistant turns are trained on: every other label, the image tokens included, is IGNORE_INDEX.
+
+With no `path`, a generated set is used (`ShapesQA`): coloured shapes on noise backgrounds, each asking
+"What colour is the shape?" or "What shape is it?" (4 answers each); images are drawn from (seed,
+index), so the set needs no file and validation images are never trained on.
+
+Multimodal packing is out of scope: one example per sample, right-padded per micro-batch; the
+micro-batch's pixel_values are the samples' image tensors concatenated along dim 0.
+Pillow is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from fntrain.config import require_choice, require_float, require_int, require_str
+from fntrain.data.sft import _chat_spans, _require_file, make_sft_collate, read_jsonl
+from fntrain.data.tokens import IGNORE_INDEX
+
+__all__ = [
+    "COLOURS",
+    "SHAPES",
+    "QUESTIONS",
+    "VLMDataConfig",
+    "draw_shape",
+    "ShapesQA",
+    "shapes_texts",
+    "write_shapes_jsonl",
+    "vlm_messages",
+    "transform_vlm_example",
+    "vlm_prompt",
+    "VLMExamples",
+    "VLMPrompts",
+    "build_vlm_datasets",
+    "make_vlm_collate",
+]
+
+log = logging.getLogger("fntrain.data.vlm")
+
+COLOURS = {"red": (215, 40, 40), "green": (40, 175, 60), "blue": (40, 80, 225), "yellow": (230, 205, 40)}
+SHAPES = ("circle", "square", "triangle", "cross")
+QUESTIONS = {"colour": "What colour is the shape?", "shape": "What shape is it?"}
+
+
+@dataclass(frozen=True)
+class VLMDataConfig:
+    """The image + text training data (a JSONL file, or the generated shapes set)."""
+
+    path: str = ""
+    """JSONL file, one row per line: {"image", "messages"} or {"image", "prompt", "completion"}; image
+    paths are relative to the file. Empty: the generated shapes question-answer set."""
+    val_path: str | None = None
+    """JSONL validation rows (None: the val_fraction tail of data.path, or generated held-out images)."""
+    val_fraction: float = 0.0
+    """Tail fraction of data.path's rows held out for validation when val_path is None."""
+    image_key: str = "image"
+    """Key of a row's image path (or list of paths)."""
+    messages_key: str = "messages"
+    """Key of a chat row's message list."""
+    prompt_key: str = "prompt"
+    """Key of a prompt/completion row's prompt."""
+    completion_key: str = "completion"
+    """Key of a prompt/completion row's completion."""
+    max_length: int = 512
+    """Most tokens per example, image tokens included; a longer example is an error (cutting it could
+    cut its image tokens)."""
+    pad_to: Literal["longest", "max_length"] = "longest"
+    """Padding: every micro-batch to its longest example, or to max_length (static shapes)."""
+    train_samples: int = 4096
+    """Generated set: training examples (used when path is empty)."""
+    val_samples: int = 128
+    """Generated set: held-out examples for validation loss and answer accuracy."""
+    image_size: int = 48
+    """Generated set: image side in pixels (the processor resizes to the model's input size)."""
+
+    def validate(self, prefix: str = "data") -> None:
+        """Value rules naming `prefix.field`; given JSONL files must exist."""
+        require_str(f"{prefix}.path", self.path)
+        require_str(f"{prefix}.val_path", self.val_path, optional=True)
+        require_float(f"{prefix}.val_fraction", self.val_fraction, min=0.0, max=0.5)
+        for name in ("image_key", "messages_key", "prompt_key", "completion_key"):
+            require_str(f"{prefix}.{name}", getattr(self, name), non_empty=True)
+        require_int(f"{prefix}.max_length", self.max_length, min=2)
+        require_choice(f"{prefix}.pad_to", self.pad_to, ("longest", "max_length"))
+        require_int(f"{prefix}.train_samples", self.train_samples, min=1)
+        require_int(f"{prefix}.val_samples", self.val_samples, min=0)
+        require_int(f"{prefix}.image_size", self.image_size, min=8)
+        if self.path:
+            _require_file(f"{prefix}.path", self.path)
+        if self.val_path:
+            _require_file(f"{prefix}.val_path", self.val_path)
+
+
+# ----------------------------------------------------------------------------- the generated set
+
+
+def draw_shape(shape: str, colour: str, size: int, rng: np.random.Generator) -> Any:
+    """A `size` x `size` RGB image: grey noise with one `colour` `shape` of random size and place."""
+    from PIL import Image, ImageDraw
+
+    grey = rng.uniform(90, 170) + rng.normal(0, 18, (size, size, 1))
+    pixels = np.clip(grey + rng.normal(0, 6, (size, size, 3)), 0, 255).astype(np.uint8)
+    image = Image.fromarray(pixels, "RGB")
+    half = rng.uniform(0.22, 0.36) * size
+    cx, cy = (rng.uniform(half + 1, size - half - 1) for _ in range(2))
+    fill = tuple(int(np.clip(c + rng.integers(-20, 21), 0, 255)) for c in COLOURS[colour])
+    draw = ImageDraw.Draw(image)
+    box = (cx - half, cy - half, cx + half, cy + half)
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    elif shape == "triangle":
+        draw.polygon([(cx, cy - half), (cx + half, cy + half), (cx - half, cy + half)], fill=fill)
+    elif shape == "cross":
+        arm = half * 0.38
+        draw.rectangle((cx - half, cy - arm, cx + half, cy + arm), fill=fill)
+        draw.rectangle((cx - arm, cy - half, cx + arm, cy + half), fill=fill)
+    else:
+        raise ValueError(f"unknown shape {shape!r}; expected one of {SHAPES}")
+    return image
+
+
+class ShapesQA(torch.utils.data.Dataset):
+    """`count` generated rows {"image": PIL image, "messages": [user: image + question, assistant:
+    answer]}; row i is a pure function of (seed, start + i), so disjoint `start` ranges never share an
+    image."""
+
+    def __init__(self, count: int, *, seed: int = 0, start: int = 0, image_size: int = 48):
+        self.count, self.seed, self.start, self.image_size = count, seed, start, image_size
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < self.count:
+            raise IndexError(index)
+        rng = np.random.default_rng([self.seed, self.start + index])
+        shape, colour = SHAPES[rng.integers(len(SHAPES))], list(COLOURS)[rng.integers(len(COLOURS))]
+        kind = ("colour", "shape")[rng.integers(2)]
+        image = draw_shape(shape, colour, self.image_size, rng)
+        user = [{"type": "image"}, {"type": "text", "text": QUESTIONS[kind]}]
+        answer = colour if kind == "colour" else shape
+        return {"image": image, "messages": [{"role": "user", "content": user},
+                                             {"role": "assistant", "content": answer}]}  # fmt: skip
+
+
+def shapes_texts() -> list[str]:
+    """Every text of the generated set: what the tiny model's tokenizer is trained on."""
+    return [*QUESTIONS.values(), *COLOURS, *SHAPES]
+
+
+def write_shapes_jsonl(directory: str | Path, count: int, *, seed: int = 0, start: int = 0,
+                       image_size: int = 48, name: str = "shapes") -> Path:  # fmt: skip
+    """The generated rows as PNG files and `<name>.jsonl` ({"image": relative path, "messages"}) in
+    `directory`; returns the JSONL path."""
+    import json
+
+    directory = Path(directory)
+    (directory / name).mkdir(parents=True, exist_ok=True)
+    rows = ShapesQA(count, seed=seed, start=start, image_size=image_size)
+    lines = []
+    for index in range(count):
+        row = rows[index]
+        relative = f"{name}/{start + index:06d}.png"
+        row["image"].save(directory / relative)
+        lines.append(json.dumps({"image": relative, "messages": row["messages"]}))
+    path = directory / f"{name}.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------- transform
+
+
+def _load_images(value: Any, root: Path | None, where: str) -> list[Any]:
+    """PIL RGB images of a row's image value: a path, a PIL image, or a list of them."""
+    from PIL import Image
+
+    images = []
+    for item in value if isinstance(value, list) else [value]:
+        if isinstance(item, Image.Image):
+            images.append(item.convert("RGB"))
+            continue
+        if not isinstance(item, str):
+            raise ValueError(f"{where}: an image must be a path, got {type(item).__name__}")
+        path = Path(item).expanduser()
+        path = path if path.is_absolute() or root is None else root / path
+        if not path.is_file():
+            raise FileNotFoundError(f"{where}: image {item!r} not found (looked at {path})")
+        with Image.open(path) as opened:
+            images.append(opened.convert("RGB"))
+    return images
+
+
+def vlm_messages(record: Mapping[str, Any], data: VLMDataConfig, images: int, where: str) -> list[dict]:
+    """The row's conversation, with `images` image items first in the first user turn unless a message
+    already holds them; a prompt/completion row is a one-turn chat."""
+    if data.messages_key in record:
+        messages = record[data.messages_key]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f"{where}: {data.messages_key!r} must be a non-empty list of messages")
+    elif data.prompt_key in record and data.completion_key in record:
+        messages = [{"role": "user", "content": record[data.prompt_key]},
+                    {"role": "assistant", "content": record[data.completion_key]}]  # fmt: skip
+    else:
+        raise ValueError(
+            f"{where}: expected {data.messages_key!r} or {data.prompt_key!r} + {data.completion_key!r}, "
+            f"got keys {sorted(record)}"
+        )
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            raise ValueError(f"{where}: message {index} must be an object with 'role' and 'content'")
+    has_image = any(
+        isinstance(m["content"], list) and any(c.get("type") == "image" for c in m["content"]) for m in messages
+    )
+    if has_image or not images:
+        return [dict(m) for m in messages]
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is None:
+        raise ValueError(f"{where}: an image row needs a user turn to put the image in")
+    out = [dict(m) for m in messages]
+    content = out[first_user]["content"]
+    text = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+    out[first_user]["content"] = [{"type": "image"}] * images + text
+    return out
+
+
+class _ProcessorTemplate:
+    """The processor seen as `fntrain.data.sft`'s tokenizer assets (for the assistant-turn spans)."""
+
+    def __init__(self, processor: Any):
+        self.tokenizer = processor
+        self.chat_template = getattr(processor, "chat_template", None)
+
+
+def _encode(processor: Any, text: str, images: list[Any], where: str, offsets: bool) -> Mapping[str, Any]:
+    kwargs = {"return_offsets_mapping": True} if offsets else {}
+    encoded = processor(text=[text], images=images or None, return_tensors="pt", **kwargs)
+    if "input_ids" not in encoded:
+        raise ValueError(f"{where}: the processor returned no input_ids")
+    return encoded
+
+
+def transform_vlm_example(
+    record: Mapping[str, Any], processor: Any, data: VLMDataConfig, *, root: Path | None = None,
+    where: str = "example",
+) -> dict[str, Any]:  # fmt: skip
+    """One row -> {"input_ids", "labels", "pixel_values"} (the multimodal data transform). Labels keep
+    the tokens of the assistant turns (with their end-of-turn marker) and ignore the rest, image tokens
+    included. An example longer than `data.max_length` is an error naming the field."""
+    images = _load_images(record[data.image_key], root, where) if data.image_key in record else []
+    messages = vlm_messages(record, data, len(images), where)
+    text, spans = _chat_spans(_ProcessorTemplate(processor), messages, where)
+    encoded = _encode(processor, text, images, where, offsets=True)
+    ids = encoded["input_ids"][0]
+    image_token = getattr(processor, "image_token", "<image>")
+    image_id = processor.tokenizer.convert_tokens_to_ids(image_token)
+    placeholders = text.count(image_token)
+    # The processor expands each placeholder into N image tokens; shift the spans past the expansion.
+    per_image = int((ids == image_id).sum()) // placeholders if placeholders else 1
+    grow = (per_image - 1) * len(image_token)
+    shifted = [(a + grow * text[:a].count(image_token), b + grow * text[:b].count(image_token)) for a, b in spans]
+    starts = [int(begin) for begin, _ in encoded["offset_mapping"][0].tolist()]
+    labels = torch.tensor([
+        int(token) if any(a <= s < b for a, b in shifted) and token != image_id else IGNORE_INDEX
+        for token, s in zip(ids.tolist(), starts, strict=True)
+    ], dtype=torch.long)  # fmt: skip
+    if len(ids) > data.max_length:
+        raise ValueError(f"{where}: {len(ids)} tokens (image tokens included) exceed data.max_length "
+                         f"({data.max_length})")  # fmt: skip
+    if bool((labels == IGNORE_INDEX).all()):
+        raise ValueError(f"{where}: no assistant token to train on")
+    sample = {"input_ids": ids, "labels": labels}
+    if "pixel_values" in encoded:
+        sample["pixel_values"] = encoded["pixel_values"]
+    return sample
+
+
+def vlm_prompt(
+    record: Mapping[str, Any], processor: Any, data: VLMDataConfig, *, root: Path | None = None,
+    where: str = "example",
+) -> dict[str, Any]:  # fmt: skip
+    """The row up to its last assistant turn, with the generation prompt, encoded for generation:
+    {"input_ids", "pixel_values", "answer"} (answer: the last assistant turn's text)."""
+    images = _load_images(record[data.image_key], root, where) if data.image_key in record else []
+    messages = vlm_messages(record, data, len(images), where)
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if last is None:
+        raise ValueError(f"{where}: no assistant turn to compare an answer with")
+    answer = messages[last]["content"]
+    if isinstance(answer, list):
+        answer = " ".join(c.get("text", "") for c in answer if c.get("type") == "text")
+    text = processor.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
+    encoded = _encode(processor, text, images, where, offsets=False)
+    prompt = {"input_ids": encoded["input_ids"][0], "answer": str(answer)}
+    if "pixel_values" in encoded:
+        prompt["pixel_values"] = encoded["pixel_values"]
+    return prompt
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+class VLMExamples(torch.utils.data.Dataset):
+    """Rows (a sequence: loaded JSONL or `ShapesQA`) transformed on access, so images are decoded and
+    processed by the loader (and its workers), not held in memory."""
+
+    def __init__(self, rows: Sequence[Mapping[str, Any]], processor: Any, data: VLMDataConfig, *,
+                 root: Path | None = None, source: str = "data.path"):  # fmt: skip
+        self.rows, self.processor, self.data, self.root, self.source = rows, processor, data, root, source
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        where = f"{self.source} row {index + 1}"
+        return transform_vlm_example(self.rows[index], self.processor, self.data, root=self.root, where=where)
+
+    def prompts(self) -> VLMPrompts:
+        """The same rows as generation prompts with their answers (for answer accuracy)."""
+        return VLMPrompts(self)
+
+
+class VLMPrompts(torch.utils.data.Dataset):
+    """A `VLMExamples`' rows as `vlm_prompt`s."""
+
+    def __init__(self, examples: VLMExamples):
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        e = self.examples
+        where = f"{e.source} row {index + 1}"
+        return vlm_prompt(e.rows[index], e.processor, e.data, root=e.root, where=where)
+
+
+def build_vlm_datasets(
+    data: VLMDataConfig, processor: Any, *, seed: int = 0
+) -> tuple[VLMExamples, VLMExamples | None]:
+    """(train, validation or None): the JSONL rows of data.path (validation: data.val_path, else the
+    data.val_fraction tail), or the generated set (validation: data.val_samples held-out images)."""
+    if not data.path:
+        size = data.image_size
+        train = ShapesQA(data.train_samples, seed=seed, image_size=size)
+        val = ShapesQA(data.val_samples, seed=seed, start=data.train_samples, image_size=size)
+        return (VLMExamples(train, processor, data, source="generated"),
+                VLMExamples(val, processor, data, source="generated validation") if len(val) else None)  # fmt: skip
+    rows = read_jsonl(data.path)
+    if not rows:
+        raise ValueError(f"data.path {data.path!r} holds no row")
+    root = Path(data.path).expanduser().parent
+    val = None
+    if data.val_path:
+        val_rows = read_jsonl(data.val_path, "data.val_path")
+        val_root = Path(data.val_path).expanduser().parent
+        val = VLMExamples(val_rows, processor, data, root=val_root, source="data.val_path") if val_rows else None
+    elif data.val_fraction > 0:
+        split = len(rows) - max(1, math.floor(len(rows) * data.val_fraction))
+        if split < 1:
+            raise ValueError(f"data.val_fraction {data.val_fraction} leaves no training row")
+        rows, val_rows = rows[:split], rows[split:]
+        val = VLMExamples(val_rows, processor, data, root=root, source="data.path (validation)")
+    return VLMExamples(rows, processor, data, root=root), val
+
+
+# ----------------------------------------------------------------------------- collate
+
+
+def make_vlm_collate(
+    pad_id: int, *, max_length: int, pad_to: str = "longest"
+) -> Callable[[list[Any]], dict[str, torch.Tensor]]:
+    """Right-pad the text of a list of samples (`fntrain.data.sft.make_sft_collate`: labels
+    IGNORE_INDEX and a 2-D attention_mask where padded) and concatenate their image tensors along
+    dim 0 into `pixel_values` (no key when no sample has an image)."""
+    text_collate = make_sft_collate(pad_id, max_length=max_length, pad_to=pad_to)
+
+    def collate(samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = text_collate(samples)
+        images = [s["pixel_values"] for s in samples if "pixel_values" in s]
+        if images:
+            batch["pixel_values"] = torch.cat(images, dim=0)
+        return batch
+
+    return collate

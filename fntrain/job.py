@@ -1,0 +1,543 @@
+"""The run skeleton, written once: the shared job config, `run_job` and `plan_job`.
+
+A recipe is a `RecipeSpec`: its config class (a `JobConfig` with the recipe's own sections, such as
+`model` and `data`) and the parts only it knows (build the model, the datasets, the collate function,
+the loss, the forward, an export). Everything a run does around them is here, in the order it happens:
+
+    run_job(config, spec)
+        check_job      every value rule, before any file, model or device work
+        setup_runtime  distributed init, device, mesh, seed (torn down on the way out, even on errors)
+        early hooks    memory and profiler hooks, whose device checks must fail before the model
+        logs           <run_dir>/logs/rank_<r>.log, run_metadata.json
+        build_job      model -> assets -> datasets -> collate -> plan -> optimizer -> schedule
+        config.json    the resolved config (effective seed included), readable with --config
+        restore        checkpoint.restore_from into the components and hook states
+        train          run_training(...) -> TrainResult (completed, stopped or preempted)
+        export         the spec's export (model.safetensors by default) unless preempted
+
+`plan_job(config, spec, world_size)` resolves the same plan without a model or a device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fntrain.config import ConfigError, require_bool, require_choice, require_float, require_int, require_str
+from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_root
+from fntrain.hooks.evaluate import EvaluateConfig
+from fntrain.hooks.gc import GCConfig
+from fntrain.hooks.memory import MemoryConfig
+from fntrain.hooks.metrics import MetricsConfig
+from fntrain.hooks.profiler import ProfilerConfig
+from fntrain.hooks.progress import ProgressConfig
+from fntrain.hooks.throughput import ThroughputConfig
+from fntrain.hooks.watchdog import WatchdogConfig
+from fntrain.loop import Hook, TrainResult
+from fntrain.optim import OptimizerConfig, ScheduleConfig
+from fntrain.runtime.parallel import ParallelConfig
+from fntrain.runtime.setup import RuntimeConfig
+from fntrain.state import RunPlan, TrainState, make_run_plan
+
+__all__ = [
+    "TrainConfig",
+    "LoaderConfig",
+    "JobConfig",
+    "RecipeSpec",
+    "Built",
+    "check_job",
+    "check_device_settings",
+    "build_job",
+    "run_job",
+    "plan_job",
+    "config_fields",
+]
+
+log = logging.getLogger("fntrain.job")
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Run length and batch shape."""
+
+    train_iters: int | None = 400
+    """Optimizer steps to run (exclusive with train_samples)."""
+    train_samples: int | None = None
+    """Samples to train on; train_iters = train_samples // global_batch_size."""
+    global_batch_size: int = 32
+    """Samples per optimizer step, over all data-parallel ranks."""
+    micro_batch_size: int = 16
+    """Samples per forward/backward."""
+    max_grad_norm: float = 1.0
+    """Clip the gradient norm to this (0 disables clipping)."""
+    loss_weighting: Literal["token", "mean"] = "token"
+    """token: token-weighted global mean; mean: plain mean over micro-batches and ranks."""
+
+    def validate(self, prefix: str = "train") -> None:
+        if (self.train_iters is None) == (self.train_samples is None):
+            raise ValueError(f"set exactly one of {prefix}.train_iters and {prefix}.train_samples")
+        if self.train_iters is not None:
+            require_int(f"{prefix}.train_iters", self.train_iters, min=1)
+        if self.train_samples is not None:
+            require_int(f"{prefix}.train_samples", self.train_samples, min=1)
+        require_int(f"{prefix}.global_batch_size", self.global_batch_size, min=1)
+        require_int(f"{prefix}.micro_batch_size", self.micro_batch_size, min=1)
+        if self.train_samples is not None and self.train_samples < self.global_batch_size:
+            raise ValueError(
+                f"{prefix}.train_samples ({self.train_samples}) must be >= {prefix}.global_batch_size "
+                f"({self.global_batch_size}): it would give no optimizer step"
+            )
+        require_float(f"{prefix}.max_grad_norm", self.max_grad_norm, min=0.0)
+        require_choice(f"{prefix}.loss_weighting", self.loss_weighting, ("token", "mean"))
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """How samples are read: order, worker processes, background prefetch, pinned memory."""
+
+    shuffle: bool = True
+    """Shuffle the sample order each epoch (seeded by seed and epoch)."""
+    num_workers: int = 0
+    """DataLoader worker processes (0 reads in the training process); results do not depend on it."""
+    prefetch: bool = False
+    """Read the next steps' batches on a background thread; results do not depend on it."""
+    prefetch_depth: int = 1
+    """Steps the prefetch thread may read ahead."""
+    pin_memory: bool = True
+    """Page-lock host batches in the background when training on an accelerator (ignored on CPU)."""
+
+    def validate(self, prefix: str = "loader") -> None:
+        for name in ("shuffle", "prefetch", "pin_memory"):
+            require_bool(f"{prefix}.{name}", getattr(self, name))
+        require_int(f"{prefix}.num_workers", self.num_workers, min=0)
+        require_int(f"{prefix}.prefetch_depth", self.prefetch_depth, min=1)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """What every run has: where it writes, its seed, runtime, parallelism, length, optimizer, schedule,
+    data loading and the standard hooks. A recipe's config subclasses it, adding its own sections
+    (`model`, `data`, ...) and overriding defaults; every section with a `validate(prefix)` is checked."""
+
+    run_dir: str = "runs/job"
+    """Directory for the resolved config, metrics.jsonl, logs, checkpoints and artifacts."""
+    seed: int = 42
+    """Seed for initialisation, dropout and data order (python, numpy and torch)."""
+    log_every: int = 10
+    """Log metrics every N steps (0 = never)."""
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """Device, distributed backend, determinism."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Data parallelism (none / ddp / fsdp2 under torchrun), mixed precision, activation checkpointing, compile."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Allocator-history snapshots and peak-memory logs; a relative save_path is under run_dir."""
+    throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
+    """Step time, tokens/s, TFLOP/s and MFU (FLOPs per token measured on a meta copy of the model)."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Where the metrics logged every log_every steps go: <run_dir>/metrics.jsonl, TensorBoard."""
+    progress: ProgressConfig = field(default_factory=ProgressConfig)
+    """The progress bar on rank 0."""
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    """Validation loss and perplexity on the recipe's validation split."""
+    gc: GCConfig = field(default_factory=GCConfig)
+    """Python gc and device-cache cadence."""
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    """A window of steps traced with torch.profiler / torch_npu.profiler into
+    <output_path>/profile/rank_<rank>/; output_path None is run_dir, a relative one is under run_dir."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints under <run_dir>/checkpoints (or checkpoint.dir): cadence, retention, async, restore, export."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Hang watchdog: a silence far longer than recent steps dumps every rank's stacks to <run_dir>/stacks
+    and aborts (exit status watchdog.exit_code)."""
+
+    def validate(self) -> None:
+        """Value rules, each error naming the dotted field; no file, model or device work. A recipe's
+        config may override this to add rules across its sections (calling this first)."""
+        require_str("run_dir", self.run_dir, non_empty=True)
+        require_int("seed", self.seed, min=0)
+        require_int("log_every", self.log_every, min=0)
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            if dataclasses.is_dataclass(value) and hasattr(value, "validate"):
+                value.validate(item.name)
+
+
+def config_fields(config_cls: type) -> list[str]:
+    """Every dotted field name of a (nested) config dataclass, for messages that name flags."""
+    import typing
+
+    names: list[str] = []
+    hints = typing.get_type_hints(config_cls)
+    for item in dataclasses.fields(config_cls):
+        names.append(item.name)
+        hint = hints.get(item.name)
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            names.extend(f"{item.name}.{sub}" for sub in config_fields(hint))
+    return names
+
+
+# ----------------------------------------------------------------------------- the recipe's parts
+
+
+def _causal_lm_loss(output: Any, micro_batch: Mapping[str, Any]) -> Any:
+    from fntrain.step import causal_lm_loss
+
+    return causal_lm_loss(output, micro_batch)
+
+
+def _default_forward(model: Any, micro_batch: Mapping[str, Any]) -> Any:
+    from fntrain.step import default_forward
+
+    return default_forward(model, micro_batch)
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    """What a recipe knows and the job does not; every callable takes the recipe's config first.
+
+    - `config`: the recipe's config class, a `JobConfig` subclass (its flags are the CLI).
+    - `build_model(config, runtime)`: the model on `runtime.device`, initialised or loaded, already
+      parallelized (`fntrain.runtime.materialize.build_seeded_model` does it for a model class).
+    - `build_datasets(config, assets)`: (train, validation or None), map-style or iterable datasets.
+    - `build_assets(config)`: what datasets and export need besides the config (a tokenizer), or None.
+    - `collate(config, assets)`: the collate function of a list of samples (None: torch's default).
+    - `loss(output, micro_batch)`: the mean loss over the micro-batch's valid tokens.
+    - `forward(model, micro_batch)`: the model's output; used by the step, evaluation and FLOP counting.
+    - `model_factory(config)`: the bare model, built on the meta device to count FLOPs per token with
+      a real micro-batch (None: throughput reports no FLOPs).
+    - `dataset_sizes(config)`: (train, validation) sample counts without reading the data, for plans.
+    - `export(config, built, state)`: write the trained model after a run that was not preempted
+      (besides `<run_dir>/model.safetensors`, written when checkpoint.export is set).
+    - `eval_metrics(config, built)`: a function returning extra validation metrics (e.g. answer
+      accuracy), called at every evaluation on every rank, beside the validation loss.
+    - `hooks(built)`: extra hooks, run after the standard ones and before the checkpoint hook.
+    - `describe(config)`: extra lines for the plan printout.
+    """
+
+    config: type
+    build_model: Callable[[Any, Any], Any]
+    build_datasets: Callable[[Any, Any], tuple[Any, Any]]
+    build_assets: Callable[[Any], Any] | None = None
+    collate: Callable[[Any, Any], Callable[[list[Any]], Any]] | None = None
+    loss: Callable[[Any, Mapping[str, Any]], Any] = _causal_lm_loss
+    forward: Callable[[Any, Mapping[str, Any]], Any] = _default_forward
+    model_factory: Callable[[Any], Any] | None = None
+    dataset_sizes: Callable[[Any], tuple[int, int]] | None = None
+    export: Callable[[Any, Built, TrainState], Any] | None = None
+    eval_metrics: Callable[[Any, Built], Callable[[], Mapping[str, float]]] | None = None
+    hooks: Callable[[Built], Sequence[Hook]] | None = None
+    describe: Callable[[Any], Mapping[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.config, type) and issubclass(self.config, JobConfig)):
+            raise TypeError(f"RecipeSpec.config must be a JobConfig subclass, got {self.config!r}")
+
+
+@dataclass(frozen=True)
+class Built:
+    """Everything `build_job` made, for hooks, exports and tests."""
+
+    config: Any
+    runtime: Any
+    plan: RunPlan
+    components: Any
+    assets: Any
+    data: Any
+    val_dataset: Any
+    collate_fn: Any
+    run_dir: Path
+
+
+# ----------------------------------------------------------------------------- checks and plans
+
+
+def _model_parallel(parallel: ParallelConfig) -> int:
+    return parallel.tp_size * parallel.pp_size * parallel.cp_size
+
+
+def check_job(config: JobConfig, world_size: int | None = None) -> int:
+    """Every value rule of `config` and the batch shape over `world_size` ranks (None: the launcher's
+    WORLD_SIZE); returns the data-parallel size. Touches no file, model or device."""
+    from fntrain.runtime.parallel import hsdp_shape
+    from fntrain.runtime.setup import read_launch_env
+
+    config.validate()
+    if world_size is None:
+        world_size = read_launch_env().world_size
+    model_parallel = _model_parallel(config.parallel)
+    if world_size % model_parallel:
+        raise ConfigError(f"world size {world_size} is not divisible by tp x pp x cp = {model_parallel}")
+    dp_size = world_size // model_parallel
+    hsdp_shape(dp_size, config.parallel.replicate)
+    train = config.train
+    per_step = train.micro_batch_size * dp_size
+    if train.global_batch_size % per_step:  # [S5]
+        raise ConfigError(
+            f"train.global_batch_size ({train.global_batch_size}) must be divisible by "
+            f"train.micro_batch_size ({train.micro_batch_size}) x data-parallel size ({dp_size}) = {per_step}"
+        )
+    return dp_size
+
+
+def check_device_settings(config: JobConfig) -> None:
+    """The settings that depend on the device and the ranks (the device itself, the memory and
+    profiler hooks' backends and rank lists), checked by building those hooks for a stand-in runtime
+    of this launch: building starts nothing [S9], so a bad setting fails before any file or model."""
+    import torch
+
+    from fntrain.hooks.standard import early_hooks
+    from fntrain.runtime.device import resolve_device_type
+    from fntrain.runtime.runtime import Runtime
+    from fntrain.runtime.setup import read_launch_env
+
+    launch = read_launch_env()
+    device = torch.device(resolve_device_type(config.runtime.device))
+    early_hooks(config, Runtime(rank=launch.rank, world_size=launch.world_size, device=device,
+                                pp_size=config.parallel.pp_size))  # fmt: skip
+
+
+def _run_plan(config: JobConfig, dataset_len: int | None, dp_size: int) -> RunPlan:
+    try:
+        return make_run_plan(
+            global_batch_size=config.train.global_batch_size,
+            micro_batch_size=config.train.micro_batch_size,
+            dp_size=dp_size,
+            train_iters=config.train.train_iters,
+            train_samples=config.train.train_samples,
+            dataset_len=dataset_len,
+            lr_schedule_iters=config.schedule.lr_schedule_iters,
+        )
+    except ValueError as error:  # the data is too small for the batch shape: a setting, not a bug
+        raise ConfigError(str(error)) from None
+
+
+def _dataset_len(dataset: Any) -> int | None:
+    from fntrain.data.stream import is_iterable_dataset
+
+    return None if is_iterable_dataset(dataset) else len(dataset)
+
+
+def plan_job(config: JobConfig, spec: RecipeSpec, world_size: int = 1) -> dict[str, Any]:
+    """The resolved run plan for `world_size` ranks (what `fntrain plan` prints): run length, batch
+    shape, checkpoint steps, profiler and memory windows and the ranks that record. Builds no model and
+    touches no device; reads the data only when the spec has no `dataset_sizes`."""
+    from fntrain.hooks.standard import memory_config, profiler_config
+    from fntrain.plan_report import describe_run_plan
+
+    if type(world_size) is not int or world_size < 1:
+        raise ConfigError(f"--world-size must be a positive int, got {world_size!r}")
+    dp_size = check_job(config, world_size)
+    if spec.dataset_sizes is not None:
+        train_len, val_len = spec.dataset_sizes(config)
+    else:
+        assets = spec.build_assets(config) if spec.build_assets else None
+        train_set, val_set = spec.build_datasets(config, assets)
+        train_len, val_len = _dataset_len(train_set), (len(val_set) if val_set is not None else 0)
+    extra = {
+        "val_samples": val_len,
+        "run_dir": config.run_dir,
+        **(spec.describe(config) if spec.describe else {}),
+    }
+    return describe_run_plan(
+        _run_plan(config, train_len, dp_size),
+        world_size=world_size,
+        pp_size=config.parallel.pp_size,
+        device_type=config.runtime.device,
+        dataset_len=train_len,
+        profiler=profiler_config(config),
+        memory=memory_config(config),
+        checkpoint=dataclasses.replace(
+            config.checkpoint, dir=str(checkpoint_root(config.checkpoint, config.run_dir))
+        ),
+        extra=extra,
+    )
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def build_job(config: JobConfig, spec: RecipeSpec, runtime: Any) -> Built:
+    """Model, assets, datasets, collate, plan, optimizer, schedule, in that order [S1]. A loss with a
+    `bind_model(model)` method gets the parallelized model once [S4]."""
+    from fntrain.components import Components
+    from fntrain.data.pipeline import build_data
+    from fntrain.optim import build_lr_schedule, build_optimizer
+    from fntrain.runtime.parallel import build_grad_scaler
+
+    model = spec.build_model(config, runtime)
+    if callable(getattr(spec.loss, "bind_model", None)):
+        spec.loss.bind_model(model)
+    assets = spec.build_assets(config) if spec.build_assets else None
+    train_set, val_set = spec.build_datasets(config, assets)
+    collate_fn = spec.collate(config, assets) if spec.collate else None
+    plan = _run_plan(config, _dataset_len(train_set), runtime.dp_size)
+    loader = config.loader
+    data = build_data(
+        train_set,
+        micro_batch_size=config.train.micro_batch_size,
+        micro_batches=plan.micro_batches,
+        collate_fn=collate_fn,
+        shuffle=loader.shuffle,
+        seed=config.seed,
+        dp_rank=runtime.dp_rank,
+        dp_size=runtime.dp_size,
+        num_workers=loader.num_workers,
+        prefetch=loader.prefetch,
+        prefetch_depth=loader.prefetch_depth,
+        pin_memory=loader.pin_memory and runtime.device.type != "cpu",
+    )
+    optimizer = build_optimizer(config.optim, model).optimizer
+    schedule = build_lr_schedule(config.schedule, plan, optimizer).scheduler
+    components = Components(
+        model=model,
+        loss_fn=spec.loss,
+        optimizers=(optimizer,),
+        schedulers=(schedule,),
+        grad_scaler=build_grad_scaler(config.parallel, runtime),
+    )
+    run_dir = Path(config.run_dir).expanduser()
+    return Built(config, runtime, plan, components, assets, data, val_set, collate_fn, run_dir)
+
+
+def _sample_micro_batch(built: Built) -> Any:
+    """One micro-batch of the training data (host tensors), for counting FLOPs per token."""
+    from torch.utils.data import default_collate
+
+    dataset = built.data.dataset
+    size = built.config.train.micro_batch_size
+    if _dataset_len(dataset) is None:
+        import itertools
+
+        samples = list(itertools.islice(iter(dataset), size))
+    else:
+        samples = [dataset[i] for i in range(min(size, len(dataset)))]
+    return (built.collate_fn or default_collate)(samples)
+
+
+def _flops_per_token(built: Built, spec: RecipeSpec) -> Callable[[], float] | None:
+    """FLOPs per token, counted when the throughput hook first needs them (at TRAIN_BEGIN) on a meta
+    copy of the bare model with a real micro-batch: no memory, no device work."""
+    if spec.model_factory is None:
+        return None
+    from fntrain.hooks.throughput import measure_flops_per_token
+
+    def measure() -> float:
+        return measure_flops_per_token(
+            lambda: spec.model_factory(built.config),
+            _sample_micro_batch(built),
+            loss_fn=spec.loss,
+            forward=spec.forward,
+        )
+
+    return measure
+
+
+def job_hooks(built: Built, spec: RecipeSpec, early: Any = None) -> list[Hook]:
+    """The standard hook list (memory, throughput, metrics, progress, evaluate, gc, profiler, the
+    spec's extra hooks, checkpoint, watchdog), wired to what `build_job` made."""
+    from fntrain.config_file import config_to_dict
+    from fntrain.hooks.standard import standard_hooks
+    from fntrain.runtime.parallel import autocast_dtype, data_parallel_group
+
+    config = built.config
+    return standard_hooks(
+        config,
+        built.runtime,
+        built.plan,
+        built.components,
+        run_dir=built.run_dir,
+        early=early,
+        val_dataset=built.val_dataset,
+        eval_micro_batch_size=config.train.micro_batch_size,
+        collate_fn=built.collate_fn,
+        forward=spec.forward,
+        autocast_dtype=autocast_dtype(config.parallel),
+        dp_group=data_parallel_group(built.runtime),
+        flops_per_token=_flops_per_token(built, spec),
+        extra_eval=spec.eval_metrics(config, built) if spec.eval_metrics else None,
+        run_config=config_to_dict(config),
+        extra=list(spec.hooks(built)) if spec.hooks else (),
+    )
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _export(config: JobConfig, spec: RecipeSpec, built: Built, state: TrainState) -> None:
+    """The spec's export, and <run_dir>/model.safetensors when checkpoint.export is set."""
+    if spec.export is not None:
+        spec.export(config, built, state)
+    if config.checkpoint.export:
+        from fntrain.checkpoint import export_safetensors
+
+        # A collective under FSDP2 (every rank gathers), written by rank 0.
+        export_safetensors(
+            built.components.model, built.run_dir / "model.safetensors", metadata=state.as_dict()
+        )
+
+
+def run_job(config: JobConfig, spec: RecipeSpec, *, state: TrainState | None = None) -> TrainResult:
+    """Check, set up, build, restore (checkpoint.restore_from, unless `state` is given), train and
+    export; return how the run ended (`TrainResult`: final state, outcome, exit status). Logs go to
+    <run_dir>/logs/rank_<r>.log too, and <run_dir>/run_metadata.json records the launch. A preempted run
+    returns outcome "preempted" and checkpoint.preempt_exit_code after its clean teardown, unexported."""
+    from fntrain.config_file import write_config
+    from fntrain.data.pipeline import data_fn
+    from fntrain.data.tokens import count_batch
+    from fntrain.hooks.standard import early_hooks, restore_run
+    from fntrain.logs import rank_logs
+    from fntrain.loop import run_training
+    from fntrain.run_metadata import record_start, write_run_metadata
+    from fntrain.runtime.parallel import parallel_train_step
+    from fntrain.runtime.setup import setup_runtime
+
+    check_job(config)
+    try:
+        check_device_settings(config)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ConfigError(str(error)) from None
+    with (
+        setup_runtime(config.runtime, config.parallel, seed=config.seed) as runtime,
+        contextlib.ExitStack() as logs,
+    ):
+        try:  # before the model: settings that depend on the device and the ranks fail first [S9]
+            early = early_hooks(config, runtime)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ConfigError(str(error)) from None
+        logs.enter_context(rank_logs(config.run_dir, runtime.rank))
+        write_run_metadata(config.run_dir, runtime)
+        built = build_job(config, spec, runtime)
+        if runtime.is_main:
+            write_config(config, built.run_dir)
+        step_fn = parallel_train_step(
+            built.components,
+            runtime,
+            config.parallel,
+            max_grad_norm=config.train.max_grad_norm,
+            loss_weighting=config.train.loss_weighting,
+            forward=spec.forward,
+        )
+        hooks = job_hooks(built, spec, early)
+        if state is None:
+            state = restore_run(config, built.components, runtime, built.run_dir, hooks)
+        record_start(built.run_dir, runtime, state)
+        result = run_training(
+            state, step_fn, hooks, data=data_fn(built.data), plan=built.plan, count_batch=count_batch
+        )
+        if result.outcome != "preempted":
+            _export(config, spec, built, result.state)
+    if result.outcome == "preempted":
+        log.warning("%s; exit status %d", result.reason or "preempted", result.exit_code)
+    return result

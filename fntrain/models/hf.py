@@ -1,0 +1,303 @@
+"""Hugging Face causal LMs: local-only loading (plain or sharded on meta), tokenizer assets, saving.
+
+    model_config.validate("model"); assets_config.validate("assets")    # before any model work
+    model = load_causal_lm(model_config, runtime, parallel)            # loaded and parallelized
+    assets = load_assets(model_config, assets_config)                   # tokenizer + ids
+    check_vocab(model, assets)
+    ...train...
+    save_hf_model(model, assets, output_dir, runtime)                   # save_pretrained layout
+
+Never downloads anything: a model path must be a local directory holding config.json and safetensors
+weights (what `save_pretrained` writes), and the Hub's offline switches are set before transformers is
+imported. transformers (the `hf` extra) is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from fntrain.checkpoint.hf_load import OFFLINE_SWITCHES, set_offline
+from fntrain.config import require_choice, require_str
+from fntrain.runtime import Runtime
+from fntrain.runtime.parallel import ParallelConfig
+
+__all__ = [
+    "OFFLINE_SWITCHES",
+    "set_offline",
+    "require_local_dir",
+    "HFModelConfig",
+    "AssetsConfig",
+    "ModelAssets",
+    "load_assets",
+    "dtype_kwargs",
+    "load_pretrained",
+    "load_causal_lm",
+    "check_vocab",
+    "check_packed_attention",
+    "unwrap",
+    "save_hf_model",
+    "hf_flops_per_token",
+]
+
+log = logging.getLogger("fntrain.models.hf")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+SAFE_INDEX = "model.safetensors.index.json"
+
+
+# ----------------------------------------------------------------------------- local directories
+
+
+def require_local_dir(field_name: str, path: str, *, needs: Sequence[str] = ()) -> Path:
+    """`path` as an existing local directory holding `needs`, else a `FileNotFoundError` naming the
+    field (a Hub id is never looked up)."""
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"{field_name} {path!r} is not a local directory; fntrain never downloads models: "
+            "save one with save_pretrained (or huggingface-cli download) and pass its path"
+        )
+    missing = [name for name in needs if not (directory / name).exists()]
+    if missing:
+        raise FileNotFoundError(f"{field_name} {path!r} lacks {', '.join(missing)}")
+    return directory
+
+
+def _require_model_dir(field_name: str, path: str) -> Path:
+    """A local model directory: config.json and safetensors weights (one file, shards, or an index)."""
+    directory = require_local_dir(field_name, path, needs=("config.json",))
+    if not any(directory.glob("*.safetensors")) and not (directory / SAFE_INDEX).exists():
+        raise FileNotFoundError(f"{field_name} {path!r} holds no *.safetensors weights")
+    return directory
+
+
+def _read_chat_template(value: str, field_name: str = "assets.chat_template") -> str:
+    """The template text: `value` itself when it looks like Jinja, else the file it names."""
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    raise FileNotFoundError(f"{field_name} {value!r} is neither a file nor a Jinja template")
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class HFModelConfig:
+    """The model to fine-tune: a local directory, never a Hub id."""
+
+    path: str = ""
+    """Local model directory (config.json + *.safetensors, as save_pretrained writes it). Required."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """Dtype of the loaded weights (auto: the checkpoint's). For bf16 compute over fp32 weights use
+    parallel.mixed_precision instead."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel transformers uses."""
+
+    def validate(self, prefix: str = "model") -> None:
+        """Value rules naming `prefix.field`; the directory must hold config.json and safetensors."""
+        require_str(f"{prefix}.path", self.path)
+        if not self.path:
+            raise ValueError(
+                f"{prefix}.path is required: a local model directory (config.json + safetensors)"
+            )
+        require_choice(f"{prefix}.dtype", self.dtype, (*DTYPES, "auto"))
+        require_choice(f"{prefix}.attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
+        _require_model_dir(f"{prefix}.path", self.path)
+
+
+@dataclass(frozen=True)
+class AssetsConfig:
+    """Model assets: the tokenizer and its chat template."""
+
+    tokenizer_path: str | None = None
+    """Local tokenizer directory (None: model.path)."""
+    chat_template: str | None = None
+    """Jinja chat template for chat data: a file path or the template text (None: the tokenizer's own).
+    It is saved with the tokenizer in output_dir."""
+
+    def validate(self, prefix: str = "assets") -> None:
+        """Value rules naming `prefix.field`; a given tokenizer directory and template file must exist."""
+        require_str(f"{prefix}.tokenizer_path", self.tokenizer_path, optional=True)
+        require_str(f"{prefix}.chat_template", self.chat_template, optional=True)
+        if self.tokenizer_path is not None:
+            require_local_dir(f"{prefix}.tokenizer_path", self.tokenizer_path)
+        if self.chat_template is not None:
+            _read_chat_template(self.chat_template, f"{prefix}.chat_template")
+
+
+# ----------------------------------------------------------------------------- tokenizer assets
+
+
+@dataclass(frozen=True)
+class ModelAssets:
+    """The tokenizer and the ids the data transform needs (`fntrain.data.sft.TokenizerAssets`)."""
+
+    tokenizer: Any
+    pad_id: int
+    eos_id: int | None
+    chat_template: str | None
+
+
+def load_assets(model: HFModelConfig, assets: AssetsConfig) -> ModelAssets:
+    """The tokenizer from the local tokenizer directory (default: the model's), with the chat template
+    of `assets.chat_template` when given. pad_id falls back to EOS, then 0: padded positions are masked
+    and their labels ignored, so any valid id will do."""
+    set_offline()
+    source = assets.tokenizer_path or model.path
+    field_name = "assets.tokenizer_path" if assets.tokenizer_path else "model.path"
+    directory = require_local_dir(field_name, source)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    if assets.chat_template is not None:
+        tokenizer.chat_template = _read_chat_template(assets.chat_template)
+    eos_id = tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    return ModelAssets(
+        tokenizer=tokenizer,
+        pad_id=int(pad_id) if pad_id is not None else 0,
+        eos_id=int(eos_id) if eos_id is not None else None,
+        chat_template=getattr(tokenizer, "chat_template", None),
+    )
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def dtype_kwargs(dtype: torch.dtype | str | None) -> dict[str, Any]:
+    """The keyword that gives transformers' `from_pretrained` / `from_config` a dtype: `dtype` from
+    4.56 on (5.x knows only that name), `torch_dtype` before; {} for None."""
+    if dtype is None:
+        return {}
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
+
+
+def load_pretrained(config: HFModelConfig, device: torch.device | str) -> torch.nn.Module:
+    """The causal LM from the local directory `config.path` (config + safetensors), on `device`,
+    not parallelized."""
+    set_offline()
+    directory = _require_model_dir("model.path", config.path)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(directory),
+        local_files_only=True,
+        use_safetensors=True,
+        attn_implementation=config.attn_implementation,
+        **dtype_kwargs("auto" if config.dtype == "auto" else DTYPES[config.dtype]),
+    )
+    return model.to(device)
+
+
+def _load_on_meta(config: HFModelConfig, runtime: Runtime, parallel: ParallelConfig) -> torch.nn.Module:
+    """The causal LM built on the meta device from config.json, parallelized, then filled from the
+    safetensors through DCP's Hugging Face reader, each rank reading only its shards."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fntrain.checkpoint.hf_load import hf_weights
+    from fntrain.runtime.materialize import build_model
+
+    directory = _require_model_dir("model.path", config.path)
+    hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    dtype = DTYPES.get(config.dtype) or saved  # auto: the checkpoint's, as from_pretrained does
+    kwargs = dtype_kwargs(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+
+    def factory() -> torch.nn.Module:
+        return AutoModelForCausalLM.from_config(
+            hf_config, attn_implementation=config.attn_implementation, **kwargs
+        )
+
+    return build_model(factory, runtime, parallel, fill=hf_weights(directory))
+
+
+def load_causal_lm(config: HFModelConfig, runtime: Runtime, parallel: ParallelConfig) -> torch.nn.Module:
+    """The causal LM of `config.path`, loaded and parallelized for training: returns what
+    `fntrain.runtime.parallel.parallelize` returns (the DDP wrapper under ddp; `unwrap` gives the HF
+    model). With `parallel.meta_init` it is built on meta, parallelized and filled shard by shard (no
+    rank holds the full model under fsdp2); otherwise loaded whole on `runtime.device`, then
+    parallelized."""
+    set_offline()
+    if parallel.meta_init:
+        return _load_on_meta(config, runtime, parallel)
+    from fntrain.runtime.parallel import parallelize
+
+    return parallelize(load_pretrained(config, runtime.device), runtime, parallel)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside a DDP wrapper (FSDP2 shards in place: no wrapper)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.module
+    return model
+
+
+def check_vocab(model: torch.nn.Module, assets: ModelAssets) -> None:
+    """A ValueError when the tokenizer has more tokens than the model's embedding table has rows."""
+    embeddings = unwrap(model).get_input_embeddings().weight.shape[0]  # a DTensor reports its full shape
+    if len(assets.tokenizer) > embeddings:
+        raise ValueError(
+            f"the tokenizer has {len(assets.tokenizer)} tokens but the model's embedding table only "
+            f"{embeddings} rows: model.path and assets.tokenizer_path do not belong together"
+        )
+
+
+def check_packed_attention(config: HFModelConfig, packing: bool, prefix: str = "model") -> None:
+    """A ValueError when packed data (`fntrain.data.sft`: a 4-D boolean block-diagonal mask) meets an
+    attention kernel that would misread it: transformers hands a 4-D mask to the kernel as it is, and
+    only sdpa reads a boolean one (eager adds it to the scores as 0/1, silently letting examples see
+    each other; flash_attention_2 takes no such mask). Call it from a recipe's validate."""
+    if packing and config.attn_implementation != "sdpa":
+        raise ValueError(
+            f"{prefix}.attn_implementation {config.attn_implementation!r} cannot take packed data's 4-D "
+            "boolean attention mask: use 'sdpa' or turn data.packing off"
+        )
+
+
+def hf_flops_per_token(model: torch.nn.Module, context: int) -> float | None:
+    """Analytic training FLOPs per token of a dense decoder, 6 N + 12 L d T (PaLM, appendix B; the
+    formula of `fntrain.hooks.throughput.dense_transformer_flops_per_token`, which this layer may not
+    import), from the HF config; None when the config lacks num_hidden_layers / hidden_size."""
+    inner = unwrap(model)
+    hf_config = getattr(inner, "config", None)
+    layers, width = getattr(hf_config, "num_hidden_layers", None), getattr(hf_config, "hidden_size", None)
+    if not (isinstance(layers, int) and isinstance(width, int)):
+        return None
+    params = sum(p.numel() for p in inner.parameters())  # a DTensor counts its full size
+    return 6.0 * params + 12.0 * layers * width * context
+
+
+def save_hf_model(
+    model: torch.nn.Module, assets: ModelAssets, output_dir: str | Path, runtime: Runtime
+) -> Path:
+    """Save the model (safetensors + config + generation config) and the tokenizer in save_pretrained
+    layout to `output_dir`; returns it. Under a process group every rank must call it: the full state
+    dict is gathered (FSDP2 shards included) to CPU, and rank 0 writes."""
+    output = Path(output_dir).expanduser()
+    inner = unwrap(model)
+    state_dict = None
+    if runtime.distributed:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state_dict = get_model_state_dict(
+            inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+    if runtime.is_main:
+        output.mkdir(parents=True, exist_ok=True)
+        inner.save_pretrained(str(output), state_dict=state_dict)
+        assets.tokenizer.save_pretrained(str(output))
+        log.info("saved the model and tokenizer to %s", output)
+    return output

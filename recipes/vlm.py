@@ -1,0 +1,155 @@
+"""Fine-tune a local image-text-to-text model (LLaVA-style) on image + chat JSONL.
+
+    fntrain run vlm                                  # the tiny built-in LLaVA on generated shapes
+    fntrain run vlm --model.path ./my-llava --data.path vqa.jsonl --data.val-fraction 0.05
+    torchrun --nproc_per_node 2 -m fntrain run vlm ... --parallel.strategy fsdp2
+
+Needs the `vlm` extra (transformers, tokenizers, Pillow). Never downloads anything: `--model.path` is a
+local directory holding the model and its processor as save_pretrained writes them
+(`AutoModelForImageTextToText`, `AutoProcessor`). With no `--model.path` a tiny LLaVA (small CLIP vision
+tower + small Llama, a word-level tokenizer and an image processor built from config) is written to
+`--model.cache-dir` on first use, and with no `--data.path` it learns a generated set: coloured shapes
+on noise, asked "What colour is the shape?" or "What shape is it?". Validation reports `val_accuracy`
+(greedy answers to held-out images) beside `val_loss`.
+
+Rows: {"image": PATH, "messages": [...]} or {"image": PATH, "prompt": ..., "completion": ...}; images
+are read with Pillow and processed by the model's own processor; only assistant turns are trained on.
+The fine-tuned model and processor are saved to `--output-dir` (default <run_dir>/hf_model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fntrain.config import require_int, require_str
+from fntrain.data.sft import read_jsonl
+from fntrain.data.vlm import VLMDataConfig, build_vlm_datasets, make_vlm_collate, shapes_texts
+from fntrain.hooks.checkpoint import CheckpointConfig
+from fntrain.hooks.evaluate import EvaluateConfig
+from fntrain.hooks.standard import under_run_dir
+from fntrain.job import JobConfig, RecipeSpec, TrainConfig
+from fntrain.models.vlm import (
+    VLMModelConfig,
+    answer_accuracy,
+    load_processor,
+    load_vlm,
+    resolve_model_dir,
+    save_vlm,
+    vlm_forward,
+    vlm_from_config,
+)
+from fntrain.optim import OptimizerConfig, ScheduleConfig
+
+
+@dataclass(frozen=True)
+class Config(JobConfig):
+    """Fine-tune a local image-text-to-text model (or the tiny built-in LLaVA) on images and chat."""
+
+    run_dir: str = "runs/vlm"
+    """Directory for the resolved config, metrics, logs, checkpoints and artifacts."""
+    train: TrainConfig = field(
+        default_factory=lambda: TrainConfig(train_iters=300, global_batch_size=16, micro_batch_size=16)
+    )
+    optim: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=3e-3, weight_decay=0.0))
+    schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(warmup_iters=20, min_lr_ratio=0.1))
+    evaluate: EvaluateConfig = field(default_factory=lambda: EvaluateConfig(eval_every=100, at_end=True))
+    """Validation loss and answer accuracy on the held-out split."""
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(export=False))
+    """Resumable checkpoints under <run_dir>/checkpoints; the fine-tuned model itself always goes to
+    output_dir in save_pretrained layout."""
+    output_dir: str | None = None
+    """Where the fine-tuned model and its processor are saved (None: <run_dir>/hf_model)."""
+    answer_tokens: int = 2
+    """Tokens generated greedily per held-out question for val_accuracy (0: no accuracy)."""
+    model: VLMModelConfig = field(default_factory=VLMModelConfig)
+    data: VLMDataConfig = field(default_factory=VLMDataConfig)
+
+    def validate(self) -> None:
+        super().validate()
+        require_str("output_dir", self.output_dir, optional=True, non_empty=True)
+        require_int("answer_tokens", self.answer_tokens, min=0)
+        if self.data.path and not self.model.path:
+            raise ValueError("data.path needs model.path: the tiny built-in model only knows the generated set")
+        if self.parallel.meta_init:
+            raise ValueError("parallel.meta_init is not supported by the vlm recipe: leave it off")
+        if self.evaluate.enabled and self.data.path and not (self.data.val_path or self.data.val_fraction > 0):
+            raise ValueError("evaluate needs validation data: set data.val_path or data.val_fraction > 0")
+        if self.evaluate.enabled and not self.data.path and self.data.val_samples == 0:
+            raise ValueError("evaluate needs validation data: set data.val_samples > 0")
+
+
+def model_dir(config: Config) -> Path:
+    """model.path, or the tiny built-in LLaVA (built under model.cache_dir on first use)."""
+    return resolve_model_dir(config.model, shapes_texts())
+
+
+def output_dir(config: Config) -> Path:
+    """Where the fine-tuned model goes: `output_dir`, else <run_dir>/hf_model."""
+    return Path(under_run_dir(config.run_dir, config.output_dir, "hf_model"))
+
+
+def dataset_sizes(config: Config) -> tuple[int, int]:
+    """(train, validation) rows without processing any image."""
+    data = config.data
+    if not data.path:
+        return data.train_samples, data.val_samples
+    rows = len(read_jsonl(data.path))
+    if data.val_path:
+        return rows, len(read_jsonl(data.val_path, "data.val_path"))
+    held = max(1, int(rows * data.val_fraction)) if data.val_fraction > 0 else 0
+    return rows - held, held
+
+
+def eval_metrics(config: Config, built: Any) -> Any:
+    """val_accuracy: greedy answers to the held-out rows, sharded over the data-parallel ranks."""
+    from fntrain.runtime.parallel import data_parallel_group
+
+    if not config.answer_tokens or built.val_dataset is None:
+        return dict
+    prompts, runtime = built.val_dataset.prompts(), built.runtime
+    group = data_parallel_group(runtime)
+    batch = config.evaluate.micro_batch_size or config.train.micro_batch_size
+
+    def accuracy() -> dict[str, float]:
+        value = answer_accuracy(
+            built.components.model, built.assets, prompts, batch_size=batch,
+            max_new_tokens=config.answer_tokens, device=runtime.device, rank=runtime.dp_rank,
+            world_size=runtime.dp_size, group=group,
+        )  # fmt: skip
+        return {"val_accuracy": value}
+
+    return accuracy
+
+
+spec = RecipeSpec(
+    config=Config,
+    build_model=lambda config, runtime: load_vlm(
+        model_dir(config), runtime, config.parallel, dtype=config.model.dtype,
+        attn_implementation=config.model.attn_implementation,
+    ),  # fmt: skip
+    build_assets=lambda config: load_processor(model_dir(config)),
+    build_datasets=lambda config, processor: build_vlm_datasets(config.data, processor, seed=config.seed),
+    collate=lambda config, processor: make_vlm_collate(
+        processor.tokenizer.pad_token_id or 0, max_length=config.data.max_length, pad_to=config.data.pad_to
+    ),
+    forward=vlm_forward,
+    model_factory=lambda config: vlm_from_config(model_dir(config), config.model.attn_implementation),
+    dataset_sizes=dataset_sizes,
+    export=lambda config, built, state: save_vlm(
+        built.components.model, built.assets, output_dir(config), built.runtime
+    ),
+    eval_metrics=eval_metrics,
+    describe=lambda config: {
+        "model": config.model.path or f"tiny built-in LLaVA (cache {config.model.cache_dir})",
+        "data": config.data.path or "generated shapes",
+        "strategy": config.parallel.strategy,
+        "output_dir": str(output_dir(config)),
+    },
+)
+
+if __name__ == "__main__":
+    from fntrain.cli import recipe_main
+
+    recipe_main(spec)
