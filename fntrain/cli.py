@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from fntrain.config import ConfigError, as_flags
+from fntrain.preemption import INTERRUPT_EXIT_CODE
 from fntrain.config_file import CONFIG_HELP, config_to_dict, dump_toml, load_config, split_config_args
 from fntrain.recipes_registry import Recipe, RecipeNotFound, available_recipes, load_recipe
 
@@ -130,7 +131,8 @@ def run_recipe(spec: Any, config: Any) -> Any:
         result = run_job(config, spec)
     except ConfigError as error:  # found while building (e.g. the data is smaller than one step)
         raise _setting_error(error, type(config)) from None
-    if result.exit_code:
+    if result.exit_code:  # preempted or interrupted: saved, torn down; say so in one line
+        print(f"{result.reason}; checkpoint saved, resume with --checkpoint.restore-from latest", file=sys.stderr)
         raise SystemExit(result.exit_code)
     return result
 
@@ -366,6 +368,9 @@ def _reporting(label: str, action: Any) -> Any:
     usage error) and `SystemExit(2)`."""
     try:
         return action()
+    except KeyboardInterrupt:  # Ctrl-C outside a run that saves on it: no traceback, the shell's status
+        print(f"{label}: interrupted", file=sys.stderr)
+        raise SystemExit(INTERRUPT_EXIT_CODE) from None
     except UsageError as error:
         print(f"{label}: {error}\n\nusage:\n{_usage()}", file=sys.stderr)
         raise SystemExit(2) from None

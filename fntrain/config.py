@@ -17,8 +17,10 @@ __all__ = [
     "flag_name",
     "as_flags",
     "require_bool",
+    "require_bool_or_none",
     "require_int",
     "require_float",
+    "require_float_tuple",
     "require_choice",
     "require_str",
     "require_int_list",
@@ -37,10 +39,15 @@ def flag_name(field: str) -> str:
 
 def as_flags(message: str, fields: Iterable[str]) -> str:
     """`message` with every dotted config field it names written as its flag (`optim.lr` ->
-    `--optim.lr`); a top-level field is rewritten only where the message starts with it."""
+    `--optim.lr`); a top-level field is rewritten where the message starts with it or where it stands
+    in backticks (`` `overwrite` `` -> `--overwrite`)."""
+    fields = set(fields)
+    message = re.sub(
+        r"`([\w.]+)`", lambda m: flag_name(m.group(1)) if m.group(1) in fields else m.group(0), message
+    )
     dotted = sorted((f for f in fields if "." in f), key=len, reverse=True)
     if dotted:
-        pattern = re.compile(r"(?<![\w.\-/])(" + "|".join(map(re.escape, dotted)) + r")(?![\w\-/]|\.\w)")
+        pattern = re.compile(r"(?<![\w.\-/'\"])(" + "|".join(map(re.escape, dotted)) + r")(?![\w\-/]|\.\w)")
         message = pattern.sub(lambda match: flag_name(match.group(1)), message)
     first = message.split(" ", 1)[0]
     if first in fields and "." not in first:
@@ -51,6 +58,13 @@ def as_flags(message: str, fields: Iterable[str]) -> str:
 def require_bool(field: str, value: Any) -> bool:
     if type(value) is not bool:
         raise TypeError(f"{field} must be a bool, got {value!r}")
+    return value
+
+
+def require_bool_or_none(field: str, value: Any) -> bool | None:
+    """A bool or None (ints, strings rejected)."""
+    if value is not None and type(value) is not bool:
+        raise TypeError(f"{field} must be a bool or None, got {value!r}")
     return value
 
 
@@ -117,3 +131,26 @@ def require_int_list(
             )
         raise ValueError(f"{field} must contain integers >= {lo}, got {list(value)!r}")
     return list(value)
+
+
+def require_float_tuple(
+    field: str,
+    value: Any,
+    *,
+    length: int | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    max_exclusive: bool = False,
+) -> tuple[float, ...]:
+    """A list/tuple of finite numbers (bools, NaN and infinities rejected; an item is named `field[i]`),
+    of `length` items when given, each within [min, max] (or [min, max) with `max_exclusive`)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{field} must be a tuple of numbers, got {value!r}")
+    if length is not None and len(value) != length:
+        raise ValueError(f"{field} must have {length} items, got {value!r}")
+    items = tuple(require_float(f"{field}[{i}]", item, min=min, max=max) for i, item in enumerate(value))
+    if max_exclusive and max is not None:
+        for i, item in enumerate(items):
+            if item >= max:
+                raise ValueError(f"{field}[{i}] must be < {max}, got {item}")
+    return items

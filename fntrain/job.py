@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fntrain.config import ConfigError, require_bool, require_choice, require_float, require_int, require_str
 from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_root
@@ -82,12 +82,12 @@ class TrainConfig:
     """token: token-weighted global mean; mean: plain mean over micro-batches and ranks."""
 
     def validate(self, prefix: str = "train") -> None:
-        if (self.train_iters is None) == (self.train_samples is None):
-            raise ValueError(f"set exactly one of {prefix}.train_iters and {prefix}.train_samples")
         if self.train_iters is not None:
             require_int(f"{prefix}.train_iters", self.train_iters, min=1)
         if self.train_samples is not None:
             require_int(f"{prefix}.train_samples", self.train_samples, min=1)
+        if (self.train_iters is None) == (self.train_samples is None):
+            raise ValueError(f"set exactly one of {prefix}.train_iters and {prefix}.train_samples")
         require_int(f"{prefix}.global_batch_size", self.global_batch_size, min=1)
         require_int(f"{prefix}.micro_batch_size", self.micro_batch_size, min=1)
         if self.train_samples is not None and self.train_samples < self.global_batch_size:
@@ -129,6 +129,9 @@ class JobConfig:
 
     run_dir: str = "runs/job"
     """Directory for the resolved config, metrics.jsonl, logs, checkpoints and artifacts."""
+    overwrite: bool = False
+    """Start over in a run_dir that already holds a run: the old run is moved aside whole to
+    <run_dir>.replaced-<time> (nothing is deleted)."""
     seed: int = 42
     """Seed for initialisation, dropout and data order (python, numpy and torch)."""
     log_every: int = 10
@@ -162,12 +165,25 @@ class JobConfig:
     """Hang watchdog: a silence far longer than recent steps dumps every rank's stacks to <run_dir>/stacks
     and aborts (exit status watchdog.exit_code)."""
 
+    # Fields a resumed run may change freely: they do not change the numbers it computes (cadences,
+    # reporting, where files go, how data is loaded, how the model is spread over devices). Any other
+    # change needs checkpoint.allow_changes. A recipe's config may add its own (e.g. an output path).
+    FREE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "run_dir", "overwrite", "log_every", "runtime", "loader.num_workers", "loader.prefetch",
+        "loader.prefetch_depth", "loader.pin_memory", "parallel.strategy", "parallel.reshard_after_forward",
+        "parallel.activation_checkpointing", "parallel.compile", "parallel.compile_backend",
+        "parallel.ddp_bucket_cap_mb", "parallel.find_unused_parameters", "parallel.replicate",
+        "parallel.meta_init", "memory", "throughput", "metrics", "progress", "evaluate", "gc", "profiler",
+        "checkpoint", "watchdog",
+    )  # fmt: skip
+
     def validate(self) -> None:
         """Value rules, each error naming the dotted field; no file, model or device work. A recipe's
         config may override this to add rules across its sections (calling this first)."""
         require_str("run_dir", self.run_dir, non_empty=True)
         require_int("seed", self.seed, min=0)
         require_int("log_every", self.log_every, min=0)
+        require_bool("overwrite", self.overwrite)
         for item in dataclasses.fields(self):
             value = getattr(self, item.name)
             if dataclasses.is_dataclass(value) and hasattr(value, "validate"):
@@ -444,7 +460,7 @@ def _flops_per_token(built: Built, spec: RecipeSpec) -> Callable[[], float] | No
     return measure
 
 
-def job_hooks(built: Built, spec: RecipeSpec, early: Any = None) -> list[Hook]:
+def job_hooks(built: Built, spec: RecipeSpec, early: Any = None, *, attempt: int = 0) -> list[Hook]:
     """The standard hook list (memory, throughput, metrics, progress, evaluate, gc, profiler, the
     spec's extra hooks, checkpoint, watchdog), wired to what `build_job` made."""
     from fntrain.config_file import config_to_dict
@@ -469,75 +485,243 @@ def job_hooks(built: Built, spec: RecipeSpec, early: Any = None) -> list[Hook]:
         extra_eval=spec.eval_metrics(config, built) if spec.eval_metrics else None,
         run_config=config_to_dict(config),
         extra=list(spec.hooks(built)) if spec.hooks else (),
+        attempt=attempt,
     )
 
 
 # ----------------------------------------------------------------------------- running
 
 
-def _export(config: JobConfig, spec: RecipeSpec, built: Built, state: TrainState) -> None:
-    """The spec's export, and <run_dir>/model.safetensors when checkpoint.export is set."""
-    if spec.export is not None:
-        spec.export(config, built, state)
-    if config.checkpoint.export:
-        from fntrain.checkpoint import export_safetensors
-
-        # A collective under FSDP2 (every rank gathers), written by rank 0.
-        export_safetensors(
-            built.components.model, built.run_dir / "model.safetensors", metadata=state.as_dict()
-        )
-
-
-def run_job(config: JobConfig, spec: RecipeSpec, *, state: TrainState | None = None) -> TrainResult:
-    """Check, set up, build, restore (checkpoint.restore_from, unless `state` is given), train and
-    export; return how the run ended (`TrainResult`: final state, outcome, exit status). Logs go to
-    <run_dir>/logs/rank_<r>.log too, and <run_dir>/run_metadata.json records the launch. A preempted run
-    returns outcome "preempted" and checkpoint.preempt_exit_code after its clean teardown, unexported."""
-    from fntrain.config_file import write_config
-    from fntrain.data.pipeline import data_fn
-    from fntrain.data.tokens import count_batch
-    from fntrain.hooks.standard import early_hooks, restore_run
-    from fntrain.logs import rank_logs
-    from fntrain.loop import run_training
-    from fntrain.run_metadata import record_start, write_run_metadata
-    from fntrain.runtime.parallel import parallel_train_step
-    from fntrain.runtime.setup import setup_runtime
+def _check_before_work(config: JobConfig) -> Path | None:
+    """Every check that needs no process group: values, device settings, the run directory, the
+    settings of the run a resume continues; returns the checkpoint that check compared against."""
+    from fntrain.run_dir import check_run_dir
 
     check_job(config)
     try:
         check_device_settings(config)
     except (TypeError, ValueError, RuntimeError) as error:
         raise ConfigError(str(error)) from None
+    checkpoint = config.checkpoint
+    check_run_dir(
+        config.run_dir,
+        checkpoint_root(checkpoint, config.run_dir),
+        restore_from=checkpoint.restore_from,
+        overwrite=config.overwrite,
+    )
+    newest = _newest_checkpoint(config)
+    _resume_changes(config, newest)
+    return newest
+
+
+def _resume_changes(config: JobConfig, path: Path | None) -> dict[str, Any]:
+    """The config changes a resume from the checkpoint `path` brings, allowed by
+    `checkpoint.allow_changes` ({field: [old, new]}); any other change of a field that changes the
+    numbers is a `ConfigError` listing them. A weights-only restore starts a new run: any change goes."""
+    from fntrain.checkpoint import read_meta
+    from fntrain.config_file import config_to_dict
+    from fntrain.run_dir import config_changes
+
+    checkpoint = config.checkpoint
+    if path is None or checkpoint.weights_only:
+        return {}
+    try:
+        saved = read_meta(path).get("config")
+    except (OSError, ValueError):  # unreadable: the verified restore says what is wrong with it
+        return {}
+    if not saved:
+        return {}
+    allowed = {name.replace("-", "_") for name in checkpoint.allow_changes}
+    changes = config_changes(saved, config_to_dict(config), free=config.FREE_FIELDS)
+    refused = [(name, old, new) for name, old, new in changes if name not in allowed]
+    if refused:
+        listed = "; ".join(f"`{name}` {old!r} -> {new!r}" for name, old, new in refused)
+        raise ConfigError(
+            f"checkpoint.restore_from {str(path)!r} belongs to a run with other settings: {listed}; "
+            "resume with the same settings, or name each field in checkpoint.allow_changes"
+        )
+    return {name: [old, new] for name, old, new in changes}
+
+
+def _newest_checkpoint(config: JobConfig) -> Path | None:
+    """The checkpoint `checkpoint.restore_from` names, read from the files alone (not verified, no
+    process group): what the resume checks compare against before any work."""
+    from fntrain.checkpoint import find_latest
+
+    source = config.checkpoint.restore_from
+    if source == "none":
+        return None
+    if source in ("latest", "auto"):
+        return find_latest(checkpoint_root(config.checkpoint, config.run_dir))
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ConfigError(f"checkpoint.restore_from {source!r} does not exist")
+    return path
+
+
+def _checkpoint_to_resume(config: JobConfig, runtime: Any, checked: Path | None) -> tuple[Path | None, dict]:
+    """The verified checkpoint to restore (the same on every rank; None: a fresh start) and the config
+    changes it brings; `checked` is the one already compared before any work (a damaged newest one is
+    passed over for an older one, which is compared here)."""
+    from fntrain.checkpoint.restorer import resolve_source
+
+    checkpoint = config.checkpoint
+    try:
+        path = resolve_source(checkpoint.restore_from, checkpoint_root(checkpoint, config.run_dir))
+    except FileNotFoundError as error:  # an explicit path that does not exist: a setting
+        raise ConfigError(str(error)) from None
+    changes = _resume_changes(config, path)
+    for name, (old, new) in changes.items():
+        log.warning("resuming with %s changed from %r to %r (checkpoint.allow_changes)", name, old, new)
+    return path, changes
+
+
+def _open_run_dir(config: JobConfig, runtime: Any, logs: contextlib.ExitStack) -> int:
+    """Move an old run aside (--overwrite; rank 0, the others wait), open the per-rank logs, write
+    run_metadata.json; return which launch of this run this is (tags the metrics records)."""
+    from fntrain.logs import rank_logs
+    from fntrain.run_dir import holds_run, move_aside
+    from fntrain.run_metadata import read_attempt, write_run_metadata
+
+    root = checkpoint_root(config.checkpoint, config.run_dir)
+    if config.overwrite and runtime.is_main and holds_run(config.run_dir, root):
+        log.warning("overwrite: the run in %s moved to %s", config.run_dir, move_aside(config.run_dir))
+    if runtime.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()  # no rank writes into the directory before the old run is out of the way
+    logs.enter_context(rank_logs(config.run_dir, runtime.rank))
+    write_run_metadata(config.run_dir, runtime)
+    return read_attempt(config.run_dir) if runtime.is_main else 0
+
+
+@dataclass(frozen=True)
+class _Ready:
+    """A run ready to train: what was built, its step function and hooks, the state it starts from."""
+
+    built: Built
+    step_fn: Any
+    hooks: list[Hook]
+    state: TrainState
+
+
+def _prepare(config: JobConfig, spec: RecipeSpec, runtime: Any, early: Any, source: Any, state: Any,
+             attempt: int) -> _Ready:  # fmt: skip
+    """Build, write config.json, wire the step and hooks, restore `source` (unless `state` is given) and
+    rewind the metrics log to the restored step."""
+    from fntrain.config_file import write_config
+    from fntrain.hooks.metrics import rewind_metrics
+    from fntrain.hooks.standard import restore_run
+    from fntrain.run_metadata import record_start
+    from fntrain.runtime.parallel import parallel_train_step
+
+    built = build_job(config, spec, runtime)
+    if runtime.is_main:
+        write_config(config, built.run_dir)
+    step_fn = parallel_train_step(
+        built.components,
+        runtime,
+        config.parallel,
+        max_grad_norm=config.train.max_grad_norm,
+        loss_weighting=config.train.loss_weighting,
+        forward=spec.forward,
+    )
+    hooks = job_hooks(built, spec, early, attempt=attempt)
+    if state is None:
+        restore_from = dataclasses.replace(config.checkpoint, restore_from=str(source) if source else "none")
+        state = restore_run(dataclasses.replace(config, checkpoint=restore_from), built.components, runtime,
+                            built.run_dir, hooks)  # fmt: skip
+    if runtime.is_main and config.metrics.jsonl:
+        moved = rewind_metrics(built.run_dir / config.metrics.jsonl_name, state.global_step)
+        if moved:
+            log.info("metrics: %d rows after step %d moved to the superseded log", moved, state.global_step)
+    record_start(built.run_dir, runtime, state)
+    return _Ready(built, step_fn, hooks, state)
+
+
+def _export(config: JobConfig, spec: RecipeSpec, built: Built, state: TrainState) -> list[str]:
+    """The spec's export, and <run_dir>/model.safetensors when checkpoint.export is set; where they went."""
+    written = []
+    if spec.export is not None:
+        written.append(spec.export(config, built, state))
+    if config.checkpoint.export:
+        from fntrain.checkpoint import export_safetensors
+
+        # A collective under FSDP2 (every rank gathers), written by rank 0.
+        path = built.run_dir / "model.safetensors"
+        export_safetensors(built.components.model, path, metadata=state.as_dict())
+        written.append(path)
+    return [str(path) for path in written if path is not None]
+
+
+def _train(config: JobConfig, spec: RecipeSpec, ready: _Ready) -> tuple[TrainResult, list[str]]:
+    """Train from the ready state (a finished run trains nothing) and export unless stopped by a notice."""
+    from fntrain.data.pipeline import data_fn
+    from fntrain.data.tokens import count_batch
+    from fntrain.loop import run_training
+
+    built, state = ready.built, ready.state
+    if state.global_step >= built.plan.train_iters:
+        log.warning("run already complete at step %d; nothing to do", state.global_step)
+        return TrainResult(state, "completed", "already complete"), []
+    result = run_training(
+        state, ready.step_fn, ready.hooks, data=data_fn(built.data), plan=built.plan, count_batch=count_batch
+    )
+    exported = [] if result.outcome in ("preempted", "interrupted") else _export(config, spec, built, result.state)
+    return result, exported
+
+
+def _summary(config: JobConfig, result: TrainResult, exported: list[str], seconds: float) -> str:
+    """One line saying how the run ended: steps, tokens, wall time, losses, where the weights went."""
+    from fntrain.hooks.metrics import summarize_metrics
+
+    facts = summarize_metrics(Path(config.run_dir).expanduser() / config.metrics.jsonl_name)
+    parts = [f"run {result.outcome} at step {result.state.global_step}"]
+    if "consumed_tokens" in facts:
+        parts.append(f"{facts['consumed_tokens']:,} tokens")
+    parts.append(f"{seconds:.1f} s")
+    if "loss" in facts:
+        parts.append(f"final loss {facts['loss']:.4g}")
+    if "best_val_loss" in facts:
+        parts.append(f"best val_loss {facts['best_val_loss']:.4g} (step {facts['best_val_step']})")
+    if exported:
+        parts.append("weights in " + ", ".join(exported))
+    elif result.outcome in ("preempted", "interrupted"):
+        parts.append("resume with checkpoint.restore_from latest")
+    return "; ".join(parts)
+
+
+def run_job(config: JobConfig, spec: RecipeSpec, *, state: TrainState | None = None) -> TrainResult:
+    """Check, set up, build, restore (checkpoint.restore_from, unless `state` is given), train, export;
+    return how the run ended (`TrainResult`: final state, outcome, exit status). Logs go to
+    <run_dir>/logs/rank_<r>.log too, and <run_dir>/run_metadata.json records the launch and its outcome.
+    A preempted or interrupted run returns that outcome and its exit status after its clean teardown,
+    unexported. Every bad setting (values, the device, the run directory, a resume into a run with other
+    settings) is a `ValueError`/`ConfigError` before any file, model or device work."""
+    import time
+
+    from fntrain.hooks.standard import early_hooks
+    from fntrain.run_metadata import record_outcome
+    from fntrain.runtime.setup import setup_runtime
+
+    checked = _check_before_work(config)
+    started = time.monotonic()
     with (
         setup_runtime(config.runtime, config.parallel, seed=config.seed) as runtime,
         contextlib.ExitStack() as logs,
     ):
-        try:  # before the model: settings that depend on the device and the ranks fail first [S9]
-            early = early_hooks(config, runtime)
-        except (TypeError, ValueError, RuntimeError) as error:
-            raise ConfigError(str(error)) from None
-        logs.enter_context(rank_logs(config.run_dir, runtime.rank))
-        write_run_metadata(config.run_dir, runtime)
-        built = build_job(config, spec, runtime)
+        early = early_hooks(config, runtime)  # before the model: a bad device setting fails first [S9]
+        source, changes = _checkpoint_to_resume(config, runtime, checked) if state is None else (None, {})
+        attempt = _open_run_dir(config, runtime, logs)
+        try:
+            ready = _prepare(config, spec, runtime, early, source, state, attempt)
+        except BaseException as error:
+            record_outcome(config.run_dir, runtime, "failed before training", error=repr(error))
+            raise
+        result, exported = _train(config, spec, ready)
+        summary = _summary(config, result, exported, time.monotonic() - started)
         if runtime.is_main:
-            write_config(config, built.run_dir)
-        step_fn = parallel_train_step(
-            built.components,
-            runtime,
-            config.parallel,
-            max_grad_norm=config.train.max_grad_norm,
-            loss_weighting=config.train.loss_weighting,
-            forward=spec.forward,
-        )
-        hooks = job_hooks(built, spec, early)
-        if state is None:
-            state = restore_run(config, built.components, runtime, built.run_dir, hooks)
-        record_start(built.run_dir, runtime, state)
-        result = run_training(
-            state, step_fn, hooks, data=data_fn(built.data), plan=built.plan, count_batch=count_batch
-        )
-        if result.outcome != "preempted":
-            _export(config, spec, built, result.state)
-    if result.outcome == "preempted":
-        log.warning("%s; exit status %d", result.reason or "preempted", result.exit_code)
+            log.info("%s", summary)
+        record_outcome(config.run_dir, runtime, result.outcome, end_state=result.state.as_dict(),
+                       summary=summary, allowed_changes=changes, exported=exported)  # fmt: skip
     return result

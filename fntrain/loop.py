@@ -52,13 +52,14 @@ class Hook(Protocol):
     def __call__(self, event: Event, state: TrainState, info: StepInfo | BaseException | None) -> None: ...
 
 
-Outcome = Literal["completed", "stopped", "preempted"]
+Outcome = Literal["completed", "stopped", "preempted", "interrupted"]
 
 
 class StopTraining(Exception):
     """Raised by a hook or a step to end the run cleanly: TRAIN_END is sent and `train` returns.
 
-    `outcome` says why the run ended early ("stopped"; the preemption hook says "preempted") and
+    `outcome` says why the run ended early ("stopped"; the checkpoint hook says "preempted" or
+    "interrupted") and
     `exit_code` the status a launcher should exit with after its clean teardown (0: success)."""
 
     def __init__(self, reason: str = "", *, outcome: Outcome = "stopped", exit_code: int = 0):
@@ -68,8 +69,8 @@ class StopTraining(Exception):
 
 @dataclass(frozen=True)
 class TrainResult:
-    """How a run ended: the final state, "completed" (train_iters reached), "stopped" or "preempted"
-    (a `StopTraining` from a hook or the step), its reason, and the exit status it asks for."""
+    """How a run ended: the final state, "completed" (train_iters reached), "stopped", "preempted" or
+    "interrupted" (a `StopTraining` from a hook or the step), its reason, and the exit status it asks for."""
 
     state: TrainState
     outcome: Outcome = "completed"

@@ -8,7 +8,14 @@ from typing import Literal
 
 import torch
 
-from fntrain.config import require_choice, require_float, require_int
+from fntrain.config import (
+    require_bool,
+    require_bool_or_none,
+    require_choice,
+    require_float,
+    require_float_tuple,
+    require_int,
+)
 from fntrain.state import RunPlan
 
 __all__ = [
@@ -49,8 +56,11 @@ class OptimizerConfig:
         require_float(f"{prefix}.weight_decay", self.weight_decay, min=0.0)
         require_float(f"{prefix}.eps", self.eps, min=0.0, min_exclusive=True)
         require_float(f"{prefix}.momentum", self.momentum, min=0.0)
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+        require_float_tuple(f"{prefix}.betas", self.betas, length=2)
+        if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"{prefix}.betas must be two numbers in [0, 1), got {self.betas!r}")
+        require_bool(f"{prefix}.decay_all", self.decay_all)
+        require_bool_or_none(f"{prefix}.fused", self.fused)
 
 
 @dataclass(frozen=True)

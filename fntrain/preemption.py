@@ -34,6 +34,7 @@ from typing import Any
 __all__ = [
     "DEFAULT_EXIT_CODE",
     "DEFAULT_SIGNALS",
+    "INTERRUPT_EXIT_CODE",
     "Preemption",
     "preemption_reason",
     "signal_numbers",
@@ -42,6 +43,7 @@ __all__ = [
 log = logging.getLogger("fntrain.preemption")
 
 DEFAULT_EXIT_CODE = 143  # 128 + SIGTERM: what a shell reports for a process ended by SIGTERM
+INTERRUPT_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a process ended by Ctrl-C
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 _FORBIDDEN = ("SIGKILL", "SIGSTOP", "SIGINT")
 
@@ -68,9 +70,13 @@ class Preemption:
     it. How the run ended is not kept here: it is the `TrainResult` that `run_training` returns.
     """
 
-    def __init__(self, signals: Iterable[str] = DEFAULT_SIGNALS, *, exit_code: int = DEFAULT_EXIT_CODE):
+    def __init__(
+        self, signals: Iterable[str] = DEFAULT_SIGNALS, *, exit_code: int = DEFAULT_EXIT_CODE, interrupt: bool = False
+    ):
+        """`interrupt`: Ctrl-C (SIGINT) is a notice too (`checkpoint.save_on_interrupt`): the first one
+        asks for a save at the next step boundary, a second one ends the process at once."""
         self.signals = tuple(signals)
-        self._numbers = signal_numbers(self.signals)
+        self._numbers = signal_numbers(self.signals) + ((int(signal.SIGINT),) if interrupt else ())
         if type(exit_code) is not int or not 0 <= exit_code <= 255:
             raise ValueError(f"checkpoint.preempt_exit_code must be an int in [0, 255], got {exit_code!r}")
         self.exit_code = exit_code

@@ -35,7 +35,15 @@ import torch.distributed as dist
 
 from fntrain.runtime.runtime import Runtime
 
-__all__ = ["METADATA_FILE", "collect_run_metadata", "write_run_metadata", "record_start", "git_state"]
+__all__ = [
+    "METADATA_FILE",
+    "collect_run_metadata",
+    "write_run_metadata",
+    "record_start",
+    "record_outcome",
+    "read_attempt",
+    "git_state",
+]
 
 log = logging.getLogger("fntrain.run_metadata")
 
@@ -227,6 +235,7 @@ def write_run_metadata(
         previous = _read(path)
         launches = list(previous.get("launches", [])) if previous else []
         metadata["launches"] = (launches + [_launch_summary(metadata)])[-_HISTORY:]
+        metadata["attempt"] = int(previous.get("attempt", -1)) + 1 if previous else 0
         path.parent.mkdir(parents=True, exist_ok=True)
         _write(path, metadata)
     except Exception as error:  # noqa: BLE001 - metadata never fails a run
@@ -247,6 +256,33 @@ def record_start(run_dir: str | os.PathLike, runtime: Runtime, state: Any) -> No
     metadata["start_state"] = start
     if metadata.get("launches"):
         metadata["launches"][-1]["start_step"] = start.get("global_step")
+    try:
+        _write(path, metadata)
+    except OSError as error:
+        log.warning("could not update %s: %r", path, error)
+
+
+def read_attempt(run_dir: str | os.PathLike) -> int:
+    """Which launch of the run in `run_dir` this is (0 for the first; +1 per launch, restarts and
+    resumes alike), as `write_run_metadata` counted it; 0 when there is no metadata."""
+    metadata = _read(Path(run_dir).expanduser() / METADATA_FILE)
+    return int(metadata.get("attempt", 0)) if metadata else 0
+
+
+def record_outcome(run_dir: str | os.PathLike, runtime: Runtime, outcome: str, **details: Any) -> None:
+    """Rank 0: note in run_metadata.json how this launch ended ("completed", "preempted", "failed
+    before training", ...) with `details` (final state, error, allowed config changes, exports)."""
+    if runtime.rank != 0:
+        return
+    path = Path(run_dir).expanduser() / METADATA_FILE
+    metadata = _read(path)
+    if metadata is None:
+        return
+    metadata["outcome"] = outcome
+    metadata["end_time"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    metadata.update(details)
+    if metadata.get("config_file") and not (path.parent / metadata["config_file"]).is_file():
+        metadata["config_file"] = None  # the run failed before writing it
     try:
         _write(path, metadata)
     except OSError as error:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from fntrain.config import require_str
 from fntrain.data.sft import SFTDataConfig, build_sft_datasets, make_sft_collate
@@ -58,6 +58,8 @@ class Config(JobConfig):
     model: HFModelConfig = field(default_factory=HFModelConfig)
     assets: AssetsConfig = field(default_factory=AssetsConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
+
+    FREE_FIELDS: ClassVar[tuple[str, ...]] = (*JobConfig.FREE_FIELDS, "output_dir")
 
     def validate(self) -> None:
         super().validate()

@@ -50,7 +50,7 @@ class Config(JobConfig):
     run_dir: str = "runs/vlm"
     """Directory for the resolved config, metrics, logs, checkpoints and artifacts."""
     train: TrainConfig = field(
-        default_factory=lambda: TrainConfig(train_iters=300, global_batch_size=16, micro_batch_size=16)
+        default_factory=lambda: TrainConfig(train_iters=300, global_batch_size=16, micro_batch_size=8)
     )
     optim: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=3e-3, weight_decay=0.0))
     schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(warmup_iters=20, min_lr_ratio=0.1))

@@ -1,4 +1,4 @@
-"""Runs recipes/tiny_gpt's `main` (so logging, exit codes and preemption behave as in production) with a
+"""Runs recipes/tiny_gpt as `fntrain run` does (so logging, exit codes and preemption behave as in production) with a
 loss recorder and one injected fault. Test-only machinery: the library knows nothing of it. Works alone
 or under torchrun.
 
@@ -9,6 +9,7 @@ FAULT is `none` or `<kind>:<rank>:<step>[:<seconds>]`:
                  (TORCHELASTIC_RESTART_COUNT 0), so a torchrun restart runs through
   stall:R:K:S    rank R sleeps S seconds inside step K (in optimizer.step, after the backward's collectives)
   sigterm:R:K    rank R sends itself SIGTERM at STEP_BEGIN of step K (a preemption notice), first launch only
+  sigint:R:K     rank R sends itself SIGINT (Ctrl-C) at STEP_BEGIN of step K, first launch only
 
 Rank 0 appends `<global_step> <loss as float.hex()>` to OUT_DIR/losses.txt at every STEP_END, flushed
 at once; OUT_DIR/exit_<rank>.txt receives the SystemExit code when the run exits through one.
@@ -55,8 +56,8 @@ def main(argv: list[str]) -> None:
             if armed and current["step"] == fault_step:
                 if kind == "crash":
                     raise RuntimeError(f"injected crash on rank {rank} at step {fault_step}")
-                if kind == "sigterm":
-                    os.kill(os.getpid(), signal.SIGTERM)
+                if kind in ("sigterm", "sigint"):
+                    os.kill(os.getpid(), signal.SIGTERM if kind == "sigterm" else signal.SIGINT)
         elif event is Event.STEP_END and losses is not None:
             losses.write(f"{state.global_step} {float(info.metrics['loss']).hex()}\n")
             losses.flush()
@@ -76,15 +77,14 @@ def main(argv: list[str]) -> None:
             optimizer.step = maybe_stall
         return [recorder]
 
-    from fntrain.cli import run_recipe
+    from fntrain.cli import _reporting, run_recipe
     from fntrain.config_file import parse_config_cli
     from fntrain.logs import setup_console_logging
 
     setup_console_logging()
     try:
-        run_recipe(
-            dataclasses.replace(recipe.spec, hooks=extra_hooks), parse_config_cli(recipe.Config, recipe_args)
-        )
+        spec = dataclasses.replace(recipe.spec, hooks=extra_hooks)
+        _reporting("fntrain run", lambda: run_recipe(spec, parse_config_cli(recipe.Config, recipe_args)))
     except SystemExit as exit_:
         (out_dir / f"exit_{rank}.txt").write_text(str(exit_.code))
         raise

@@ -160,7 +160,7 @@ def test_fine_tune_three_steps_then_reload_with_transformers(tiny_hf_model, tmp_
     longer = dataclasses.replace(
         config,
         train=dataclasses.replace(config.train, train_iters=4),
-        checkpoint=dataclasses.replace(config.checkpoint, restore_from="latest"),
+        checkpoint=dataclasses.replace(config.checkpoint, restore_from="latest", allow_changes=("train.train_iters",)),
     )
     assert run_job(longer, hf.spec).state.global_step == 4
     steps = [

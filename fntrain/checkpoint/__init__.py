@@ -5,35 +5,58 @@
     pending.result()                                            # complete (or raises); settle before the next
     state = restore("latest", components, root=root, hooks=hooks)  # "none" | "auto" | "latest" | a path
     export_safetensors(model, run_dir / "model.safetensors")
+    damage(path)                                                # None, or the damaged file and why
+    close_async_saves()                                         # join the async saves' threads
+
+Every checkpoint carries a manifest (each file's size and CRC-32); restore verifies it first and skips
+damaged checkpoints ("latest"/"auto") or refuses them (a path) with a `CheckpointDamagedError`.
 
 The checkpoint hook (`fntrain.hooks.checkpoint`) decides when to save; this package does the saving.
 """
 
 from fntrain.checkpoint.export import export_safetensors
 from fntrain.checkpoint.layout import (
+    candidates,
     clean_partial,
     find_latest,
     is_complete,
     is_temporary,
     list_checkpoints,
+    move_aside,
     remove_superseded_temporary,
     retain,
     step_dir,
 )
 from fntrain.checkpoint.restorer import MissingKeysError, read_meta, resolve_source, restore
 from fntrain.checkpoint.rng import rng_state, set_rng_state
-from fntrain.checkpoint.saver import PendingSave, app_state, make_stager, save, save_async
+from fntrain.checkpoint.saver import (
+    PendingSave,
+    app_state,
+    close_async_saves,
+    make_stager,
+    save,
+    save_async,
+)
+from fntrain.checkpoint.verify import CheckpointDamagedError, Damage, damage, verified, write_manifest
 
 __all__ = [
     "save",
     "save_async",
     "PendingSave",
     "make_stager",
+    "close_async_saves",
     "restore",
     "resolve_source",
     "read_meta",
     "MissingKeysError",
+    "CheckpointDamagedError",
+    "Damage",
+    "damage",
+    "verified",
+    "write_manifest",
     "find_latest",
+    "candidates",
+    "move_aside",
     "list_checkpoints",
     "is_complete",
     "is_temporary",

@@ -30,19 +30,23 @@ start fresh). Tied names the HF directory leaves out (fntrain_export.json, or th
 architecture of its config.json) are written under each name, as fntrain's own checkpoints hold them.
 
 Both directions are offline tools for one process (no torchrun); the output must not exist yet (or be
-empty) unless `overwrite` is set.
+empty) unless `overwrite` is set. DCP -> HF verifies the checkpoint against its manifest first (a
+damaged one fails with one line naming the file and the reason) and writes into a temporary directory
+beside `out`, renamed to `out` at the end: a failed export leaves no partial output.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
 import struct
+import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -50,8 +54,10 @@ from typing import Any, Literal
 import torch
 
 from fntrain.checkpoint import _dist
+from fntrain.checkpoint.export import _umask
 from fntrain.checkpoint.hf_load import set_offline
 from fntrain.checkpoint.layout import step_dir, step_of, write_json_atomic, write_latest, write_marker
+from fntrain.checkpoint.verify import write_manifest
 from fntrain.config import require_bool, require_choice, require_int, require_str
 
 __all__ = [
@@ -146,16 +152,39 @@ def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, options
 # ----------------------------------------------------------------------------- shared helpers
 
 
-def _prepare_out(out: Path, overwrite: bool) -> None:
+def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an output that is a file, or a non-empty directory unless `overwrite`."""
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"output {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"output directory {str(out)!r} is not empty (pass overwrite to replace it)")
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    _check_out(out, overwrite)
     if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(
-                f"output directory {str(out)!r} is not empty (pass overwrite to replace it)"
-            )
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
+
+
+@contextlib.contextmanager
+def _staged_out(out: Path, overwrite: bool) -> Iterator[Path]:
+    """A fresh temporary directory beside `out` to write into; renamed to `out` (replacing an old one
+    only now, when `overwrite`) when the block succeeds, removed when it fails: a failed export leaves
+    no partial output, and the old output stays whole until the new one is complete."""
+    _check_out(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield staging
+        if out.is_dir():
+            _check_out(out, overwrite)
+            shutil.rmtree(out)
+        os.replace(staging, out)
+        os.chmod(out, 0o777 & ~_umask())  # mkdtemp makes 0700 directories
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -361,7 +390,9 @@ def export_hf(
     overwrite: bool = False,
 ) -> Path:
     """Write the model weights of the fntrain checkpoint `checkpoint` (a step_<N>/ directory, or a
-    checkpoint root: its latest) to the Hugging Face directory `out` (see the module docstring)."""
+    checkpoint root: its newest intact checkpoint) to the Hugging Face directory `out` (see the module
+    docstring). The checkpoint is verified first (a damaged one is a `CheckpointDamagedError` naming the
+    file and the reason), and `out` appears only once complete (written beside it, then renamed)."""
     from fntrain.checkpoint.restorer import read_meta, resolve_source
 
     path = resolve_source(str(checkpoint))
@@ -377,7 +408,20 @@ def export_hf(
     keys = [key for key in entries if key[len(MODEL_PREFIX) :] not in tied]
 
     out = Path(out).expanduser()
-    _prepare_out(out, overwrite)
+    with _staged_out(out, overwrite) as staging:
+        files, tensors = _write_hf_dir(
+            staging, path, meta, entries, keys, source, tied, max_shard_size, dtype
+        )
+    log.info("exported %s to %s (%d file(s), %d tensors)", path, out, files, tensors)
+    return out
+
+
+def _write_hf_dir(
+    out: Path, path: Path, meta: Mapping[str, Any], entries: Mapping[str, Any], keys: list[str],
+    source: Path | None, tied: Mapping[str, str], max_shard_size: int, dtype: torch.dtype | None,
+) -> tuple[int, int]:  # fmt: skip
+    """Weights, config and provenance into `out`; returns the (files, tensors) counts."""
+    run_config = meta.get("config") or {}
     files, tensors, num_parameters, weights_dtype = _write_weight_files(
         path, entries, keys, out, max_shard_size, dtype
     )
@@ -392,8 +436,7 @@ def export_hf(
         "exported_at": time.time(),
     }
     (out / PROVENANCE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
-    log.info("exported %s to %s (%d file(s), %d tensors)", path, out, files, tensors)
-    return out
+    return files, tensors
 
 
 # ----------------------------------------------------------------------------- HF -> DCP
@@ -508,6 +551,7 @@ def import_hf(
     )
     with _dist.quiet_single_process():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=True)
+    write_manifest(path)
     write_marker(path, {"step": step, "train_state": train_state, "completed_at": time.time()})
     write_latest(out, path)
     log.info("imported %s as %s (%d tensors)", hf_dir, path, len(state))

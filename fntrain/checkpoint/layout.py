@@ -221,7 +221,7 @@ def _deletable(path: Path, why: str) -> bool:
         return False
     from fntrain.checkpoint.verify import damage
 
-    problem = damage(path, contents=False) or damage(path)
+    problem = damage(path)
     try:
         moved = move_aside(path, "damaged")
     except OSError as error:

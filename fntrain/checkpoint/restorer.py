@@ -4,7 +4,18 @@
 `latest` pointer if it names a complete checkpoint, else the highest complete `step_<N>`, else a fresh
 start with a warning; "auto" is the same without the warning (a job restarted by torchrun resumes by
 itself, and its first launch starts fresh quietly); a path that does not exist is a
-`FileNotFoundError`. Partial checkpoints under `root` are removed first.
+`FileNotFoundError`. Partial checkpoints under `root` (no completion marker) are moved aside first
+(`step_<N>.incomplete`), never deleted.
+
+Verified before trusted: the chosen checkpoint's files are checked against its manifest (sizes and
+CRC-32, `fntrain.checkpoint.verify`; the ranks share the reading and agree on the answer). With
+"latest"/"auto" a damaged checkpoint is skipped with one warning naming the file and the reason, moved
+aside (`step_<N>.damaged`), and the next newest is tried (the `latest` pointer is then rewritten to the
+one restored); when every candidate is damaged that is a `CheckpointDamagedError`, not a fresh start.
+A damaged checkpoint named by path is a `CheckpointDamagedError` (a `ConfigError`: one line, exit 2);
+a checkpoint root given as a path means its newest intact checkpoint (damaged ones are skipped with a
+warning and left in place). A checkpoint saved before manifests existed is restored with one warning
+that its contents are unverified (its DCP metadata, JSON files and data file sizes are still checked).
 
 Model and optimizer are loaded with DCP into the tensors `get_state_dict` gives for the live objects, so
 the sharding of this run decides what each rank reads (a checkpoint saved at one world size loads at
@@ -20,6 +31,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,21 +45,24 @@ from fntrain.checkpoint.layout import (
     DCP_METADATA,
     LATEST,
     MARKER,
+    candidates,
     clean_partial,
-    find_latest,
-    is_complete,
+    move_aside,
     step_of,
+    write_latest,
 )
 from fntrain.checkpoint.rng import set_rng_state
 from fntrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from fntrain.checkpoint.saver import FORMAT_VERSION, app_state
 from fntrain.checkpoint.tree import dcp_key, decode_value, leaves, rebuild
+from fntrain.checkpoint.verify import CheckpointDamagedError, Damage, has_manifest, verify_collectively
 from fntrain.components import Components
+from fntrain.config import ConfigError
 from fntrain.loop import Hook
 from fntrain.state import TrainState
 from fntrain.stateful import load_hook_states
 
-__all__ = ["restore", "resolve_source", "read_meta", "MissingKeysError"]
+__all__ = ["restore", "resolve_source", "read_meta", "MissingKeysError", "CheckpointDamagedError"]
 
 log = logging.getLogger("fntrain.checkpoint")
 
@@ -78,62 +93,137 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def _resolve_on_rank0(source: str | os.PathLike, root: Path | None) -> Path | None:
-    if root is not None:
-        clean_partial(root)
+@dataclass(frozen=True)
+class _Plan:
+    """What rank 0 found for a source: the checkpoints to try in order, whether the user named one
+    (then damage is an error), and whether damaged ones may be moved aside (the run's own root)."""
+
+    paths: tuple[Path, ...]
+    explicit: bool
+    tidy: Path | None  # the root whose damaged checkpoints are moved aside and whose pointer is fixed
+    source: str
+
+    def to_text(self) -> str:
+        return json.dumps(
+            {"paths": [str(p) for p in self.paths], "explicit": self.explicit,
+             "tidy": None if self.tidy is None else str(self.tidy), "source": self.source}
+        )  # fmt: skip
+
+    @classmethod
+    def from_text(cls, text: str) -> _Plan:
+        raw = json.loads(text)
+        tidy = None if raw["tidy"] is None else Path(raw["tidy"])
+        return cls(tuple(Path(p) for p in raw["paths"]), raw["explicit"], tidy, raw["source"])
+
+
+def _plan_on_rank0(source: str | os.PathLike, root: Path | None) -> _Plan:
     if str(source) in ("latest", "auto"):
         if root is None:
             raise ValueError(f'restore "{source}" needs the checkpoint root directory (root=...)')
-        found = find_latest(root)
-        if found is None and str(source) == "latest":
-            warnings.warn(f"no complete checkpoint under {root}; starting fresh", stacklevel=4)
-        elif found is None:
-            log.info("restore auto: no complete checkpoint under %s; starting fresh", root)
-        return found
+        clean_partial(root)
+        return _Plan(tuple(candidates(root)), explicit=False, tidy=root, source=str(source))
     path = Path(source).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    if is_complete(path):
-        return path
+    if (path / MARKER).is_file():  # complete, or damaged since (verification says which)
+        if root is not None:
+            clean_partial(root)
+        return _Plan((path,), explicit=True, tidy=None, source=str(source))
     if path.is_dir() and step_of(path) is None and ((path / LATEST).exists() or any(path.glob("step_*"))):
-        found = find_latest(path)  # a checkpoint root given as a path: its latest checkpoint
-        if found is not None:
-            return found
+        found = candidates(path)  # a checkpoint root given as a path: its newest intact checkpoint
+        if found:
+            return _Plan(tuple(found), explicit=False, tidy=None, source=str(source))
         raise ValueError(f"checkpoint root {str(path)!r} holds no complete checkpoint")
     missing = [name for name in (DCP_METADATA, MARKER) if not (path / name).is_file()]
-    raise ValueError(
+    raise ConfigError(
         f"{str(path)!r} is not a complete checkpoint (missing {', '.join(missing)}: an interrupted save?)"
     )
+
+
+def _skip(problem: Damage, plan: _Plan, next_path: Path | None) -> None:
+    """Rank 0: the one warning about a damaged checkpoint that "latest" passes over (moved aside when
+    it is in the run's own root)."""
+    what = f"trying {next_path.name}" if next_path is not None else "no older checkpoint to try"
+    if plan.tidy is not None:
+        try:
+            moved = move_aside(problem.path, "damaged")
+            what = f"moved aside to {moved.name}; {what}"
+        except OSError as error:
+            what = f"could not move it aside ({error}); {what}"
+    log.warning("skipping damaged checkpoint %s (%s)", problem, what)
+
+
+def _no_checkpoint(plan: _Plan, root: Path | None) -> None:
+    """Rank 0: say that there is nothing to restore ("latest" warns, "auto" logs)."""
+    aside = sorted(p.name for p in root.glob("step_*.damaged*")) if root is not None and root.is_dir() else []
+    note = f" ({len(aside)} damaged checkpoint(s) set aside there: {', '.join(aside)})" if aside else ""
+    if plan.source == "latest":
+        warnings.warn(f"no complete checkpoint under {root}; starting fresh{note}", stacklevel=4)
+    elif aside:
+        log.warning("restore auto: no complete checkpoint under %s; starting fresh%s", root, note)
+    else:
+        log.info("restore auto: no complete checkpoint under %s; starting fresh", root)
 
 
 def resolve_source(
     source: str | os.PathLike | None, root: str | os.PathLike | None = None, process_group: Any = None
 ) -> Path | None:
-    """The checkpoint directory `source` names, or None for a fresh start (same answer on every rank).
+    """The verified checkpoint directory `source` names, or None for a fresh start (same answer on
+    every rank; a collective when a process group is initialized).
 
-    Rank 0 cleans partial checkpoints under `root` and resolves; other ranks get its answer.
+    Rank 0 sets partial checkpoints under `root` aside and lists the candidates; all ranks verify them
+    together (see the module docstring); a `CheckpointDamagedError` when the named one (or every
+    candidate) is damaged.
     """
     if source is None or str(source) == "none":
         return None
     root_path = Path(root).expanduser() if root is not None else None
+    leader = _dist.rank() == 0
     error: BaseException | None = None
-    found: Path | None = None
-    if _dist.rank() == 0:
+    plan: _Plan | None = None
+    if leader:
         try:
-            found = _resolve_on_rank0(source, root_path)
+            plan = _plan_on_rank0(source, root_path)
         except (FileNotFoundError, ValueError) as caught:
             error = caught
-    if not _dist.initialized():
-        if error is not None:
-            raise error
-        return found
-    answer = _dist.broadcast_text(f"error:{error}" if error is not None else str(found or ""), process_group)
+    if _dist.initialized():
+        mine = f"error:{error}" if error is not None else plan.to_text() if plan is not None else None
+        answer = _dist.broadcast_text(mine, process_group)
+        assert answer is not None
+        if error is None and answer.startswith("error:"):
+            raise RuntimeError(f"rank 0 could not resolve checkpoint {str(source)!r}: {answer[6:]}")
+        if error is None:
+            plan = _Plan.from_text(answer)
     if error is not None:
         raise error
-    assert answer is not None
-    if answer.startswith("error:"):
-        raise RuntimeError(f"rank 0 could not resolve checkpoint {str(source)!r}: {answer[6:]}")
-    return Path(answer) if answer else None
+    assert plan is not None
+
+    skipped: list[Damage] = []
+    for index, path in enumerate(plan.paths):
+        problem = verify_collectively(path, process_group)
+        if problem is None:
+            if leader and skipped and plan.tidy is not None:
+                write_latest(plan.tidy, path)  # the pointer named a checkpoint now set aside
+            if leader and not has_manifest(path):
+                log.warning(
+                    "checkpoint %s has no manifest (saved by an older fntrain): its file sizes and metadata "
+                    "were checked, its contents could not be verified", path,
+                )  # fmt: skip
+            return path
+        if plan.explicit:
+            raise CheckpointDamagedError(
+                problem, '; restore another checkpoint ("latest" skips damaged ones)'
+            )
+        skipped.append(problem)
+        if leader:
+            _skip(problem, plan, plan.paths[index + 1] if index + 1 < len(plan.paths) else None)
+    if skipped:
+        raise CheckpointDamagedError(
+            skipped[0], f"; no intact checkpoint to restore ({len(skipped)} damaged)"
+        )
+    if leader:
+        _no_checkpoint(plan, plan.tidy)
+    return None
 
 
 def _rank_file(path: Path, rank: int) -> dict[str, Any] | None:

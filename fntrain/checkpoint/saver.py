@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
 from fntrain.checkpoint import _dist
@@ -73,6 +74,11 @@ log = logging.getLogger("fntrain.checkpoint")
 
 FORMAT_VERSION = 1
 HooksArg = Iterable[Hook] | Callable[[], Iterable[Hook]]
+_EXECUTOR_THREAD = "AsyncCheckpointExecutor"  # the name prefix of DCP's async-save executor threads
+_JOIN_TIMEOUT_S = 10.0  # an executor thread ends within milliseconds of its save; this is a backstop
+
+_threads_lock = threading.Lock()
+_threads: list[threading.Thread] = []  # executor threads of async saves, until joined
 
 
 def app_state(components: Components, *, weights_only: bool = False) -> dict[str, Any]:
@@ -257,9 +263,11 @@ class PendingSave:
         keep_last: int,
         future: Future,
         temporary: bool = False,
+        threads: Iterable[threading.Thread] = (),
     ):
         self.root, self.path, self.state, self.keep_last = root, path, state, keep_last
         self.temporary = temporary
+        self._threads = tuple(threads)
         self._finished = threading.Event()
         self._error: BaseException | None = None
         future.add_done_callback(self._complete)
@@ -290,6 +298,7 @@ class PendingSave:
             raise FutureTimeout(
                 f"asynchronous checkpoint save to {self.path} still running after {timeout} s"
             )
+        _join(self._threads, _JOIN_TIMEOUT_S)  # the executor ends right after the save's callbacks
         if self._error is not None:
             raise self._error
         return self.path
@@ -310,19 +319,58 @@ class PendingSave:
         return False
 
 
+def _join(threads: Iterable[threading.Thread], timeout: float) -> list[threading.Thread]:
+    """Join `threads` (at most `timeout` seconds in all); forget the ended ones; return those still alive."""
+    deadline = time.monotonic() + timeout
+    alive = []
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            alive.append(thread)
+    with _threads_lock:
+        _threads[:] = [thread for thread in _threads if thread.is_alive()]
+    return alive
+
+
+def close_async_saves(timeout: float = 5.0) -> bool:
+    """Join the executor threads of every `save_async` of this process, waiting at most `timeout`
+    seconds in all; True when none is left. A thread still writing (a save abandoned by
+    `PendingSave.stop`) is named in a warning and left to finish (the interpreter waits for it at exit).
+    """
+    with _threads_lock:
+        pending = list(_threads)
+    alive = _join(pending, timeout)
+    if alive:
+        log.warning(
+            "%d asynchronous checkpoint write(s) still running after %.0f s (%s); not waiting longer",
+            len(alive), timeout, ", ".join(thread.name for thread in alive),
+        )  # fmt: skip
+    return not alive
+
+
+class _ClosingStager(DefaultStager):
+    """A `DefaultStager` whose `close()` also ends the threads of the async saves (`close_async_saves`)."""
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            close_async_saves()
+
+
 def make_stager(device: torch.device | str | None = None) -> Any:
-    """A DCP stager to reuse across `save_async` calls (close it with `.close()` when the run ends).
+    """A DCP stager to reuse across `save_async` calls (close it with `.close()` when the run ends: that
+    releases its buffers and joins the async saves' threads, see `close_async_saves`).
 
     Staging copies the state off the live tensors before `save_async` returns, synchronously, so the
     next optimizer step can never race the write. From an accelerator it copies into pinned host
     buffers with non-blocking copies; the buffers are cached by the stager, so later saves reuse them.
     """
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
     accelerated = (
         device is not None and torch.device(device).type != "cpu" and torch.accelerator.is_available()
     )
-    return DefaultStager(
+    return _ClosingStager(
         StagingOptions(
             use_pinned_memory=accelerated,
             use_shared_memory=False,
@@ -358,6 +406,7 @@ def save_async(
         # The write runs in DCP's thread, outside any `catch_warnings` here; the single-process intent
         # is explicit (no_dist), so its warning about assuming it is noise.
         warnings.filterwarnings("ignore", message=_dist.SINGLE_PROCESS_WARNING)
+    before = set(threading.enumerate())
     with _dist.quiet_single_process():
         response = dcp.async_save(
             tensors,
@@ -366,5 +415,14 @@ def save_async(
             no_dist=not _dist.initialized(),
             async_stager=stager,
         )
+    # DCP starts one executor thread per async save (and only shuts it down without joining): keep it
+    # to join once the save finished.
+    started = [
+        thread
+        for thread in threading.enumerate()
+        if thread not in before and thread.name.startswith(_EXECUTOR_THREAD)
+    ]
+    with _threads_lock:
+        _threads.extend(started)
     future = getattr(response, "upload_completion", response)  # AsyncSaveResponse (async staging) or Future
-    return PendingSave(Path(root), path, state, keep_last, future, temporary)
+    return PendingSave(Path(root), path, state, keep_last, future, temporary, started)

@@ -81,7 +81,7 @@ class CheckpointDamagedError(ConfigError):
 
     def __init__(self, damage: Damage, hint: str = ""):
         self.damage = damage
-        super().__init__(f"checkpoint {damage.path} is damaged: {damage}{hint}")
+        super().__init__(f"damaged checkpoint: {damage}{hint}")
 
 
 def checksum(file: str | os.PathLike) -> tuple[int, str]:
@@ -115,7 +115,9 @@ def _map(function: Any, items: list[Any]) -> list[Any]:
     the GIL); the pool is joined before this returns."""
     if len(items) <= 1:
         return [function(item) for item in items]
-    with ThreadPoolExecutor(max_workers=min(len(items), _MAX_THREADS), thread_name_prefix="fntrain-crc") as pool:
+    with ThreadPoolExecutor(
+        max_workers=min(len(items), _MAX_THREADS), thread_name_prefix="fntrain-crc"
+    ) as pool:
         return list(pool.map(function, items))
 
 
@@ -156,7 +158,9 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any] | None:
         not isinstance(files, dict)
         or manifest.get("format") != MANIFEST_FORMAT
         or manifest.get("algorithm") != ALGORITHM
-        or not all(isinstance(entry, dict) and "size" in entry and ALGORITHM in entry for entry in files.values())
+        or not all(
+            isinstance(entry, dict) and "size" in entry and ALGORITHM in entry for entry in files.values()
+        )
     ):
         raise ValueError(f"not a format-{MANIFEST_FORMAT} {ALGORITHM} manifest")
     return manifest
@@ -218,7 +222,10 @@ def _legacy_checks(path: Path) -> list[tuple[str, Any]]:
             return Damage(path, name, f"unreadable ({error})")
         return None
 
-    checks: list[tuple[str, Any]] = [(DCP_METADATA, metadata_check), ("meta.json", lambda: json_check("meta.json"))]
+    checks: list[tuple[str, Any]] = [
+        (DCP_METADATA, metadata_check),
+        ("meta.json", lambda: json_check("meta.json")),
+    ]
     for rank_file in sorted(entry.name for entry in path.glob("rank_*.json")):
         checks.append((rank_file, lambda name=rank_file: json_check(name)))
     return checks

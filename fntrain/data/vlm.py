@@ -117,14 +117,15 @@ class VLMDataConfig:
 
 
 def draw_shape(shape: str, colour: str, size: int, rng: np.random.Generator) -> Any:
-    """A `size` x `size` RGB image: grey noise with one `colour` `shape` of random size and place."""
+    """A `size` x `size` RGB image: grey noise with one `colour` `shape` near the centre, of random
+    size, offset and shade."""
     from PIL import Image, ImageDraw
 
     grey = rng.uniform(90, 170) + rng.normal(0, 18, (size, size, 1))
     pixels = np.clip(grey + rng.normal(0, 6, (size, size, 3)), 0, 255).astype(np.uint8)
     image = Image.fromarray(pixels, "RGB")
-    half = rng.uniform(0.22, 0.36) * size
-    cx, cy = (rng.uniform(half + 1, size - half - 1) for _ in range(2))
+    half = rng.uniform(0.28, 0.38) * size
+    cx, cy = (size / 2 + rng.uniform(-0.08, 0.08) * size for _ in range(2))
     fill = tuple(int(np.clip(c + rng.integers(-20, 21), 0, 255)) for c in COLOURS[colour])
     draw = ImageDraw.Draw(image)
     box = (cx - half, cy - half, cx + half, cy + half)

@@ -12,9 +12,9 @@ cadence set the hook saves nothing (save_on_interrupt aside) and installs no han
   TRAIN_END drains it. ABORT waits at most `abort_wait_s` for it (completing it if it succeeded) and
   never raises. Multi-rank async saves run on a dedicated gloo group so their collectives never
   interleave with training's.
-- save_on_interrupt: on KeyboardInterrupt, save at ABORT only when the interrupt came between steps
-  (the hook saw STEP_BEGIN without STEP_END and the state did not advance: a half-applied update, no
-  save). Single-process runs only: ranks interrupted at different points could not agree on a save.
+- save_on_interrupt: Ctrl-C (SIGINT) is a notice like a preemption signal: the run saves at the next
+  step boundary (never a half-applied update, on every rank together) and stops with the outcome
+  "interrupted" and exit status 130; a second Ctrl-C ends the process at once.
 - preempt_signals and save_every_minutes: whether to stop, and whether a timed save is due, is the
   agreement's decision (`fntrain.hooks.preemption`: signal flags, rank 0's clock, one small CPU
   all-reduce every `preempt_check_every` steps), which this hook builds and asks at every STEP_END.
@@ -46,7 +46,13 @@ from fntrain.config import require_bool, require_float, require_int, require_str
 from fntrain.hooks.base import StatefulHook, stateful
 from fntrain.hooks.preemption import Agreement, group_timeout, make_agreement
 from fntrain.loop import Event, Hook, StopTraining
-from fntrain.preemption import DEFAULT_EXIT_CODE, Preemption, preemption_reason, signal_numbers
+from fntrain.preemption import (
+    DEFAULT_EXIT_CODE,
+    INTERRUPT_EXIT_CODE,
+    Preemption,
+    preemption_reason,
+    signal_numbers,
+)
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
 
@@ -74,7 +80,7 @@ class CheckpointConfig:
     async_save: bool = False
     """Write checkpoints in the background (dcp.async_save); training waits only for the staging copy."""
     save_on_interrupt: bool = False
-    """On Ctrl-C between steps, save before exiting (single-process runs)."""
+    """On Ctrl-C, save at the next step boundary and stop (exit status 130); a second Ctrl-C exits at once."""
     preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
     """Signals that request a save at the next step boundary and a clean exit (empty: none)."""
     preempt_check_every: int = 10
@@ -87,6 +93,9 @@ class CheckpointConfig:
     """Mark time-based checkpoints temporary: each is deleted once a newer checkpoint is complete."""
     restore_from: str = "none"
     """none; auto (latest if one exists, else a quiet fresh start: for restarts); latest (warns if none); or a path."""
+    allow_changes: tuple[str, ...] = ()
+    """Config fields a resumed run may change although they change its numbers (e.g. train.train_iters
+    to extend a run); each change is logged and recorded in run_metadata.json."""
     weights_only: bool = False
     """Restore the model weights only: fresh optimizer, schedule, RNG, and step 0."""
     export: bool = True
@@ -115,6 +124,10 @@ class CheckpointConfig:
         require_float(f"{prefix}.save_every_minutes", self.save_every_minutes, min=0.0)
         require_int(f"{prefix}.preempt_exit_code", self.preempt_exit_code, min=0, max=255)
         require_str(f"{prefix}.restore_from", self.restore_from, non_empty=True)
+        if not isinstance(self.allow_changes, (tuple, list)) or not all(
+            isinstance(name, str) and name for name in self.allow_changes
+        ):
+            raise TypeError(f"{prefix}.allow_changes must be a list of config field names, got {self.allow_changes!r}")
         signal_numbers(self.preempt_signals, f"{prefix}.preempt_signals")
 
 
@@ -146,7 +159,6 @@ class _CheckpointMemory:
     group: Any = None  # dedicated gloo group for multi-rank async saves
     stager: Any = None  # reused across async saves (its pinned staging buffers are cached)
     started: bool = False  # TRAIN_BEGIN ran and neither TRAIN_END nor ABORT followed
-    step_begun_at: int | None = None  # global_step at STEP_BEGIN until the matching STEP_END
 
 
 def checkpoint_hook(
@@ -171,6 +183,7 @@ def checkpoint_hook(
     agreement = make_agreement(
         runtime,
         signals=config.preempt_signals if config.enabled else (),
+        interrupt=config.save_on_interrupt,
         check_every=config.preempt_check_every,
         save_every_minutes=config.save_every_minutes,
         preemption=preemption,
@@ -188,10 +201,8 @@ def checkpoint_hook(
         elif not memory.started:
             return  # ABORT (or anything) before TRAIN_BEGIN ran: nothing to do
         elif event is Event.STEP_BEGIN:
-            memory.step_begun_at = state.global_step
             _poll(memory)
         elif event is Event.STEP_END:
-            memory.step_begun_at = None
             _step_end(setup, memory, state)
         elif event is Event.EPOCH_END:
             if config.save_epochs and (state.epoch + 1) % config.save_epochs == 0:
@@ -273,17 +284,12 @@ def _close_stager(memory: _CheckpointMemory) -> None:
 
 
 def _begin(setup: _Setup, memory: _CheckpointMemory, state: TrainState) -> None:
-    config, runtime = setup.config, setup.runtime
-    memory.started, memory.step_begun_at = True, None
+    config = setup.config
+    memory.started = True
     if state.global_step > 0:
         memory.last_saved = max(memory.last_saved, state.global_step)  # a restored step is not saved again
     if config.async_save and setup.distributed and memory.group is None:
         memory.group = dist.new_group(backend="gloo", timeout=group_timeout())
-    if config.save_on_interrupt and runtime.world_size > 1:
-        log.warning(
-            "checkpoint.save_on_interrupt is ignored with %d ranks; use a preemption signal",
-            runtime.world_size,
-        )
     setup.agreement.begin()  # starts the timer, installs the handlers
 
 
@@ -306,9 +312,11 @@ def _step_end(setup: _Setup, memory: _CheckpointMemory, state: TrainState) -> No
 
 
 def _stop_for_preemption(setup: _Setup, memory: _CheckpointMemory, state: TrainState) -> None:
-    """Save `state` synchronously and end the run with the "preempted" outcome."""
-    exit_code = setup.config.preempt_exit_code
+    """Save `state` synchronously and end the run: outcome "interrupted" (exit status 130, as a shell
+    reports Ctrl-C) for a Ctrl-C, "preempted" (checkpoint.preempt_exit_code) for any other notice."""
     received = setup.agreement.preemption.received
+    interrupted = received == "SIGINT"
+    exit_code = INTERRUPT_EXIT_CODE if interrupted else setup.config.preempt_exit_code
     log.warning(
         "preemption (%s): saving step %d and stopping (exit status %d)",
         received,
@@ -318,7 +326,9 @@ def _stop_for_preemption(setup: _Setup, memory: _CheckpointMemory, state: TrainS
     _save_now(setup, memory, state, background=False)
     _settle(memory)  # an async save of this very step (save_every) must be complete before the exit
     raise StopTraining(
-        preemption_reason(received, state.global_step), outcome="preempted", exit_code=exit_code
+        preemption_reason(received, state.global_step),
+        outcome="interrupted" if interrupted else "preempted",
+        exit_code=exit_code,
     )
 
 
@@ -335,27 +345,13 @@ def _train_end(setup: _Setup, memory: _CheckpointMemory, state: TrainState) -> N
 
 
 def _abort(setup: _Setup, memory: _CheckpointMemory, state: TrainState, error: BaseException) -> None:
-    """Wait (bounded) for a save in flight; save a Ctrl-C between steps when asked; never raise."""
-    config = setup.config
-    interrupted = config.save_on_interrupt and isinstance(error, KeyboardInterrupt)
+    """Wait (bounded) for a save in flight, abandoning it when it takes too long; never raise."""
     try:
         if memory.pending is not None:
             waiting, memory.pending = memory.pending, None
-            waiting.stop(timeout=config.abort_wait_s)
-        between_steps = memory.step_begun_at is None or state.global_step > memory.step_begun_at
-        if (
-            interrupted
-            and setup.runtime.world_size <= 1
-            and between_steps
-            and state.global_step not in (0, memory.last_saved)
-        ):
-            log.warning("interrupted between steps: saving step %d before exiting", state.global_step)
-            _save_now(setup, memory, state, background=False)
-        elif interrupted and not between_steps:
-            log.warning("interrupted inside step %d: not saving a half-applied update", state.global_step + 1)
+            waiting.stop(timeout=setup.config.abort_wait_s)
     except Exception as save_error:  # noqa: BLE001 - the original error must win
-        log.error("checkpoint on abort failed: %r", save_error)
+        log.error("settling the checkpoint in flight on abort failed: %r", save_error)
     finally:
         setup.agreement.end()
         _close_stager(memory)
-        memory.step_begun_at = None

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,11 +44,13 @@ __all__ = [
     "metrics_hook",
     "format_record",
     "is_logging_step",
+    "rewind_metrics",
+    "summarize_metrics",
 ]
 
 log = logging.getLogger("fntrain.metrics")
 
-RESERVED = ("step", "epoch")
+RESERVED = ("step", "epoch", "attempt")
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,11 @@ class MetricsLog:
     `stop()` opens them again in append mode, so a record is never lost to the order of hooks.
     """
 
-    def __init__(self, *, enabled: bool, jsonl_path: Path | None, tensorboard_dir: Path | None) -> None:
+    def __init__(
+        self, *, enabled: bool, jsonl_path: Path | None, tensorboard_dir: Path | None, attempt: int = 0
+    ) -> None:
         self.enabled = enabled
+        self.attempt = attempt  # which launch of the run wrote a record (0, then 1 after a resume, ...)
         self.jsonl_path = jsonl_path
         self.tensorboard_dir = tensorboard_dir
         self._jsonl: Any = None
@@ -133,7 +140,7 @@ class MetricsLog:
             if self._jsonl is None:
                 self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
                 self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115 - closed by stop()
-            record: dict[str, Any] = {"step": step, "epoch": epoch}
+            record: dict[str, Any] = {"step": step, "epoch": epoch, "attempt": self.attempt}
             # counts (consumed tokens) stay ints; everything else is a float
             record.update((name, _json_number(metrics[name])) for name in sorted(metrics))
             self._jsonl.write(json.dumps(record) + "\n")
@@ -163,8 +170,9 @@ def _json_number(value: Any) -> int | float:
     return value if value.__class__ is int else float(value)
 
 
-def metrics_log(config: MetricsConfig, runtime: Runtime, run_dir: str | Path) -> MetricsLog:
-    """The run's `MetricsLog` (writing on rank 0 only); opens nothing yet.
+def metrics_log(config: MetricsConfig, runtime: Runtime, run_dir: str | Path, *, attempt: int = 0) -> MetricsLog:
+    """The run's `MetricsLog` (writing on rank 0 only, each JSON record tagged with `attempt`, the
+    launch of the run that wrote it); opens nothing yet.
 
     `config.tensorboard` without the `tensorboard` package is an `ImportError` naming the field, raised
     here, before any training.
@@ -187,6 +195,7 @@ def metrics_log(config: MetricsConfig, runtime: Runtime, run_dir: str | Path) ->
         enabled=runtime.rank == 0,
         jsonl_path=run_dir / config.jsonl_name if config.jsonl else None,
         tensorboard_dir=tensorboard_dir,
+        attempt=attempt,
     )
 
 
@@ -248,3 +257,63 @@ def metrics_hook(
             writer.stop()
 
     return metrics
+
+
+# ----------------------------------------------------------------------------- the file after the run
+
+
+def _records(lines: list[str]) -> list[dict[str, Any] | None]:
+    parsed: list[dict[str, Any] | None] = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a killed run
+            record = None
+        parsed.append(record if isinstance(record, dict) else None)
+    return parsed
+
+
+def rewind_metrics(path: str | Path, step: int) -> int:
+    """Make the JSON-lines log `path` tell one story from `step` on: rows of later steps (written by an
+    attempt that went past the checkpoint a run resumes from, and about to be written again) and cut-off
+    lines move to `<stem>.superseded.jsonl` beside it, kept, not deleted. The log is rewritten through a
+    temporary file and `os.replace`, so a crash leaves the old or the new one. Returns the rows moved."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept, later = [], []
+    for line, record in zip(lines, _records(lines), strict=True):
+        if not line.strip():
+            continue
+        (kept if record is not None and record.get("step", 0) <= step else later).append(line + "\n")
+    if not later:
+        return 0
+    with open(path.with_name(f"{path.stem}.superseded{path.suffix}"), "a", encoding="utf-8") as superseded:
+        superseded.writelines(later)
+    tmp = path.with_name(f".{path.name}.rewind-{os.getpid()}")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return len(later)
+
+
+def summarize_metrics(path: str | Path) -> dict[str, Any]:
+    """What a run's JSON-lines log says at its end: the last training loss and consumed tokens, the last
+    and the best validation loss (with its step); keys are absent when the log has no such record."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    summary: dict[str, Any] = {}
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for record in _records(lines):
+        if record is None:
+            continue
+        if "loss" in record:
+            summary["loss"] = record["loss"]
+        if "consumed_tokens" in record:
+            summary["consumed_tokens"] = record["consumed_tokens"]
+        if "val_loss" in record:
+            summary["val_loss"] = record["val_loss"]
+            if record["val_loss"] == record["val_loss"] and record["val_loss"] < summary.get("best_val_loss", math.inf):
+                summary["best_val_loss"], summary["best_val_step"] = record["val_loss"], record["step"]
+    return summary

@@ -103,18 +103,20 @@ def make_agreement(
     save_every_minutes: float = 0.0,
     preemption: Preemption | None = None,
     clock: Callable[[], float] = time.monotonic,
+    interrupt: bool = False,
 ) -> Agreement:
     """The agreement for `runtime`: preemption is watched when `signals` is non-empty (`preemption`, if
     given, is used instead of handlers for `signals`: tests call its `request()`), time-based saves when
-    `save_every_minutes` > 0. Neither: `decide` always answers "nothing" and `begin` installs nothing."""
+    `save_every_minutes` > 0; `interrupt`: Ctrl-C is a notice too. Neither: `decide` always answers
+    "nothing" and `begin` installs nothing."""
     signals = tuple(signals)
     setup = _Setup(
         runtime=runtime,
-        preemption=preemption if preemption is not None else Preemption(signals),
+        preemption=preemption if preemption is not None else Preemption(signals, interrupt=interrupt),
         clock=clock,
         check_every=check_every,
         interval_s=save_every_minutes * 60.0,
-        watch_preemption=bool(signals),
+        watch_preemption=bool(signals) or interrupt,
         watch_time=save_every_minutes > 0,
         distributed=runtime.world_size > 1 and runtime.backend is not None,
     )

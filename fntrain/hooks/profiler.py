@@ -112,8 +112,11 @@ class ProfilerConfig:
         require_int(f"{prefix}.start_step", self.start_step)
         require_int(f"{prefix}.stop_step", self.stop_step)
         require_str(f"{prefix}.output_path", self.output_path, optional=True)
-        if self.rank_ids is not None and not isinstance(self.rank_ids, (list, tuple)):
-            raise TypeError(f"{prefix}.rank_ids must be a list of ints or None, got {self.rank_ids!r}")
+        if self.rank_ids is not None:
+            if not isinstance(self.rank_ids, (list, tuple)):
+                raise TypeError(f"{prefix}.rank_ids must be a list of ints or None, got {self.rank_ids!r}")
+            if any(type(r) is not int or r < 0 for r in self.rank_ids):
+                raise ValueError(f"{prefix}.rank_ids must contain integers >= 0, got {list(self.rank_ids)!r}")
         if self.level is not None and type(self.level) is not int:
             raise TypeError(f"{prefix}.level must be an int (0, 1 or 2) or None, got {self.level!r}")
 
@@ -130,17 +133,18 @@ def check_profiler_config(
     """
     if not isinstance(config, ProfilerConfig):
         raise TypeError(f"{prefix} must be a ProfilerConfig, got {type(config).__name__}")
-    config.validate(prefix)
-    if not config.enabled:
-        return config
-
     world = runtime.world_size
-    if config.rank_ids is not None:
+    if config.enabled is True and isinstance(config.rank_ids, (list, tuple)):
+        # Enabled, the rank ids are checked against the world first: the error names the range.
         bad = [r for r in config.rank_ids if type(r) is not int or not 0 <= r < world]
         if bad:
             raise ValueError(
                 f"{prefix}.rank_ids must contain integers in [0, {world}), got {list(config.rank_ids)!r}"
             )
+    config.validate(prefix)
+    if not config.enabled:
+        return config
+
     if config.pipeline_stage_leaders:
         _stage_leaders(world, runtime.pp_size, prefix)  # raises when the stages do not divide the world
     device_type = _device_type(runtime.device)

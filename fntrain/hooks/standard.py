@@ -98,6 +98,7 @@ def standard_hooks(
     forward: Callable[[Any, Any], Any] | None = None,
     extra_eval: Callable[[], Mapping[str, float]] | None = None,
     extra: Sequence[Any] = (),
+    attempt: int = 0,
 ) -> list[Any]:
     """The hook list in [S27] order, then the hang watchdog. Throughput, metrics and progress share
     `log_every` and one `MetricBoard`; evaluation writes through the same metrics log; the checkpoint hook
@@ -106,11 +107,11 @@ def standard_hooks(
     watchdog goes last so that its silence covers every other hook's work (saves, evaluation). `forward`
     (model, micro-batch) -> output is the recipe's forward, used by evaluation too (None: the default);
     `extra_eval()` adds metrics to each evaluation (called on every rank). `extra` hooks go just before
-    the checkpoint hook."""
+    the checkpoint hook. `attempt` (which launch of the run this is) tags each metrics record."""
     early = early or early_hooks(config, runtime)
     last = plan.train_iters
     board = MetricBoard()
-    writer = metrics_log(config.metrics, runtime, run_dir)
+    writer = metrics_log(config.metrics, runtime, run_dir, attempt=attempt)
     hooks: list[Any] = [
         early.memory,
         throughput_hook(

@@ -1,4 +1,5 @@
-"""Layout and atomicity [S36]: step_<N>/ directories, completion, the `latest` pointer, retention, partials."""
+"""Layout and atomicity [S36]: step_<N>/ directories, completion, the `latest` pointer, retention, partials
+(moved aside, never deleted)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fntrain.checkpoint.layout import (
     DCP_METADATA,
     LATEST,
     MARKER,
+    candidates,
     clean_partial,
     find_latest,
     is_complete,
@@ -22,15 +24,18 @@ from fntrain.checkpoint.layout import (
     write_latest,
     write_marker,
 )
+from fntrain.checkpoint.verify import write_manifest
 
 
 def make(root, step, *, metadata=True, marker=True):
     path = step_dir(root, step)
     path.mkdir(parents=True)
     (path / "__0_0.distcp").write_bytes(b"data")
+    (path / "meta.json").write_text("{}")
     if metadata:
         (path / DCP_METADATA).write_bytes(b"meta")
     if marker:
+        write_manifest(path)
         (path / MARKER).write_text("{}")
     return path
 
@@ -117,15 +122,46 @@ def test_retention_never_removes_the_checkpoint_just_saved(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_8", "step_12"]
 
 
-def test_clean_partial_removes_only_incomplete(tmp_path):
+def test_clean_partial_moves_incomplete_aside_never_deletes(tmp_path):
     make(tmp_path, 1)
     make(tmp_path, 2, marker=False)
     make(tmp_path, 3, metadata=False, marker=False)
+    (tmp_path / "step_3.incomplete").mkdir()  # set aside by an earlier restore: the name is taken
+    step_dir(tmp_path, 4).mkdir()  # empty: nothing to keep
     (tmp_path / f".{LATEST}.tmp-123").write_text("step_3")
     (tmp_path / "notes").mkdir()
-    removed = clean_partial(tmp_path)
-    assert sorted(p.name for p in removed) == ["step_2", "step_3"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step_1"]
+    moved = clean_partial(tmp_path)
+    assert sorted(p.name for p in moved) == ["step_2.incomplete", "step_3.incomplete.1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "notes", "step_1", "step_2.incomplete", "step_3.incomplete", "step_3.incomplete.1",
+    ]  # fmt: skip
+    assert (tmp_path / "step_2.incomplete" / "__0_0.distcp").read_bytes() == b"data"  # the bytes are kept
+    assert list_checkpoints(tmp_path) == [step_dir(tmp_path, 1)]  # set-aside names are no checkpoints
+
+
+def test_candidates_follow_the_pointer_then_older_steps(tmp_path):
+    for step in (2, 4, 6, 8):
+        make(tmp_path, step)
+    assert [p.name for p in candidates(tmp_path)] == ["step_8", "step_6", "step_4", "step_2"]
+    write_latest(tmp_path, step_dir(tmp_path, 4))  # resumed behind a longer attempt: 6 and 8 are not tried
+    assert [p.name for p in candidates(tmp_path)] == ["step_4", "step_2"]
+
+
+def test_retention_never_counts_or_deletes_what_it_cannot_verify(tmp_path, caplog):
+    for step in (2, 4, 6, 8, 10):
+        make(tmp_path, step)
+    (step_dir(tmp_path, 10) / "__0_0.distcp").write_bytes(b"da")  # truncated
+    (step_dir(tmp_path, 8) / "__0_0.distcp").write_bytes(b"DATA")  # changed, same size
+    legacy = step_dir(tmp_path, 6)
+    (legacy / "manifest.json").unlink()  # saved by an older fntrain: cannot be verified
+    make(tmp_path, 12, marker=False)  # maybe an async save in flight
+    removed = retain(tmp_path, 2, protect=make(tmp_path, 14))
+    assert [p.name for p in removed] == ["step_2"]  # 14 (just saved) and 4 are the newest verified two
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_10.damaged", "step_12", "step_14", "step_4", "step_6", "step_8.damaged",
+    ]  # fmt: skip
+    assert (tmp_path / "step_8.damaged" / "__0_0.distcp").read_bytes() == b"DATA"
+    assert "step_10" in caplog.text and "truncated" in caplog.text and "changed: crc32" in caplog.text
 
 
 def test_json_written_atomically(tmp_path, monkeypatch):

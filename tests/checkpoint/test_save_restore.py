@@ -24,6 +24,7 @@ from fntrain.checkpoint import (
 )
 from fntrain.checkpoint.layout import DCP_METADATA, LATEST, MARKER
 from fntrain.checkpoint.safe_reader import read_dcp_metadata
+from fntrain.checkpoint.verify import CheckpointDamagedError, write_manifest
 from fntrain.hooks.base import stateful
 from fntrain.loop import Event
 from fntrain.state import TrainState
@@ -75,7 +76,7 @@ def test_layout_and_contents_are_tensors_and_json(tmp_path):
     assert path == step_dir(tmp_path, 5) and is_complete(path)
     assert (tmp_path / LATEST).read_text().strip() == "step_5"
     names = sorted(p.name for p in path.iterdir())
-    assert names == [DCP_METADATA, MARKER, "__0_0.distcp", "meta.json", "rank_0.json"]
+    assert names == [DCP_METADATA, MARKER, "__0_0.distcp", "manifest.json", "meta.json", "rank_0.json"]
     meta = read_meta(path)
     assert meta["train_state"] == {"epoch": 1, "global_step": 5, "cursor": 2}
     assert meta["config"] == {"lr": 0.01, "name": "toy"}
@@ -104,7 +105,13 @@ def test_metadata_reader_refuses_foreign_globals(tmp_path):
             return (os.system, (f"touch {marker}",))
 
     (path / DCP_METADATA).write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(CheckpointDamagedError, match="metadata: truncated"):  # the manifest sees it first
+        restore(path, toy.components())
+    write_manifest(path)  # whoever crafts a checkpoint can write its manifest too
     with pytest.raises(pickle.UnpicklingError, match="not a DCP metadata type"):
+        restore(path, toy.components())
+    (path / "manifest.json").unlink()  # without a manifest the legacy checks read .metadata safely too
+    with pytest.raises(CheckpointDamagedError, match="not a DCP metadata type"):
         restore(path, toy.components())
     assert not marker.exists()
 
@@ -237,6 +244,7 @@ def test_thread_count_mismatch_is_reported(tmp_path, caplog):
     meta = json.loads((path / "meta.json").read_text())
     meta["num_threads"] = torch.get_num_threads() + 1
     (path / "meta.json").write_text(json.dumps(meta))
+    write_manifest(path)  # an edit that keeps the checkpoint consistent
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
         restore(path, toy.components())
     assert "get_num_threads" in caplog.text

@@ -153,42 +153,46 @@ def test_keep_last(tmp_path):
     assert (tmp_path / LATEST).read_text().strip() == "step_5"
 
 
-def test_interrupt_between_steps_saves(tmp_path):
+def test_ctrl_c_inside_a_step_saves_at_the_next_boundary_and_stops_with_130(tmp_path):
+    """Ctrl-C is a notice like SIGTERM: the handler only sets a flag, the step that was running completes,
+    and the checkpoint at its boundary is a whole update; the outcome says "interrupted", exit 130."""
     hook, _ = make(tmp_path, save_every=10, save_on_interrupt=True)
-    hook(Event.TRAIN_BEGIN, TrainState(), None)
-    state = steps(hook, TrainState(), 3)
-    hook(Event.ABORT, state, KeyboardInterrupt())
-    assert saved(tmp_path) == [3]
-
-
-def test_interrupt_after_step_end_of_earlier_hooks_saves(tmp_path):
-    """Interrupted in an earlier hook's STEP_END: the step completed (the state advanced), so it is
-    a consistent point even though this hook saw no STEP_END."""
-    hook, _ = make(tmp_path, save_every=10, save_on_interrupt=True)
+    before = signal.getsignal(signal.SIGINT)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     state = steps(hook, TrainState(), 2)
     hook(Event.STEP_BEGIN, state, None)
-    hook(Event.ABORT, state.after_step(), KeyboardInterrupt())
-    assert saved(tmp_path) == [3]
+    signal.raise_signal(signal.SIGINT)  # inside step 3: no KeyboardInterrupt, only the flag
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL  # a second Ctrl-C would end the process
+    with pytest.raises(StopTraining) as caught:
+        hook(Event.STEP_END, state.after_step(), INFO)
+    assert (caught.value.outcome, caught.value.exit_code) == ("interrupted", 130)
+    assert "SIGINT" in caught.value.reason and saved(tmp_path) == [3]
+    hook(Event.TRAIN_END, state.after_step(), None)
+    assert signal.getsignal(signal.SIGINT) is before  # Python's KeyboardInterrupt handler is back
 
 
-def test_interrupt_inside_a_step_does_not_save(tmp_path):
-    hook, _ = make(tmp_path, save_every=10, save_on_interrupt=True)
+def test_ctrl_c_without_the_option_is_an_ordinary_interrupt(tmp_path):
+    hook, _ = make(tmp_path, save_every=10)
+    before = signal.getsignal(signal.SIGINT)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
-    state = steps(hook, TrainState(), 3)
-    hook(Event.STEP_BEGIN, state, None)
-    hook(Event.ABORT, state, KeyboardInterrupt())  # the step had not finished: state not advanced
+    assert signal.getsignal(signal.SIGINT) is before  # no handler: Ctrl-C raises KeyboardInterrupt
+    hook(Event.ABORT, steps(hook, TrainState(), 2), KeyboardInterrupt())
     assert saved(tmp_path) == []
 
 
-def test_interrupt_without_the_option_or_other_errors_do_not_save(tmp_path):
-    hook, _ = make(tmp_path / "a", save_every=10)
-    hook(Event.TRAIN_BEGIN, TrainState(), None)
-    hook(Event.ABORT, steps(hook, TrainState(), 2), KeyboardInterrupt())
-    other, _ = make(tmp_path / "b", save_every=10, save_on_interrupt=True)
-    other(Event.TRAIN_BEGIN, TrainState(), None)
-    other(Event.ABORT, steps(other, TrainState(), 2), RuntimeError("boom"))
-    assert saved(tmp_path / "a") == [] and saved(tmp_path / "b") == []
+def test_ctrl_c_through_run_training_is_the_interrupted_outcome(tmp_path):
+    hook, parts = make(tmp_path, save_every=10, save_on_interrupt=True)
+
+    def interrupt_at_3(event, state, info):
+        if event is Event.STEP_BEGIN and state.global_step == 2:
+            signal.raise_signal(signal.SIGINT)
+
+    result = run_training(
+        TrainState(), lambda state, batch: {"loss": 0.0}, [interrupt_at_3, hook],
+        data=lambda epoch, cursor: iter(range(100)), plan=RunPlan(train_iters=10, steps_per_epoch=10, epochs=1),
+    )  # fmt: skip
+    assert (result.outcome, result.exit_code, result.state.global_step) == ("interrupted", 130, 3)
+    assert saved(tmp_path) == [3]
 
 
 def test_abort_before_train_begin_is_a_no_op(tmp_path):

@@ -182,7 +182,7 @@ def test_result_is_written_as_its_own_record_on_rank_zero(tmp_path):
         hook(Event.STEP_END, state_at(3, epoch=1), StepInfo({}))
         writer.stop()
     record = json.loads((tmp_path / "r0" / "metrics.jsonl").read_text())
-    assert record == {"step": 3, "epoch": 1, "val_loss": 2.0, "val_ppl": math.exp(2.0)}
+    assert record == {"step": 3, "epoch": 1, "attempt": 0, "val_loss": 2.0, "val_ppl": math.exp(2.0)}
     assert not (tmp_path / "r1").exists()
 
 

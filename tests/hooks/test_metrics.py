@@ -63,7 +63,7 @@ def test_logs_every_n_steps_and_the_last_step_to_logger_and_jsonl(tmp_path, capl
     assert lines == [f"step={s} epoch=0 grad_norm=0.75 loss=2.5 lr=0.0003" for s in (2, 4, 5)]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 5]
-    assert records[0] == {"step": 2, "epoch": 0, "grad_norm": 0.75, "loss": 2.5, "lr": 0.0003}
+    assert records[0] == {"step": 2, "epoch": 0, "attempt": 0, "grad_norm": 0.75, "loss": 2.5, "lr": 0.0003}
 
 
 def test_log_every_zero_never_logs(tmp_path):
@@ -275,4 +275,4 @@ def test_two_ranks_reduce_with_one_collective_and_rank_zero_writes(tmp_path):
 
     mp.spawn(_two_rank_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert records == [{"step": 1, "epoch": 0, "loss": 3.0, "lr": 0.1}]
+    assert records == [{"step": 1, "epoch": 0, "attempt": 0, "loss": 3.0, "lr": 0.1}]

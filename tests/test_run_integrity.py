@@ -1,0 +1,257 @@
+"""Run integrity, tried as a careless user would: one run per directory, metrics that tell one story,
+a resume only into the same run, interrupts that save, and a run that says what happened. The CLI
+cases run `fntrain` (or tests/fault_driver.py, the same path with one injected signal) in subprocesses."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fntrain.checkpoint import list_checkpoints
+from fntrain.config import ConfigError
+from fntrain.hooks.checkpoint import CheckpointConfig
+from fntrain.hooks.evaluate import EvaluateConfig
+from fntrain.hooks.progress import ProgressConfig
+from fntrain.job import run_job
+from fntrain.plot import read_metrics
+from recipes import tiny_gpt
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "--model.n-layer", "1", "--model.d-model", "32", "--model.n-head", "2", "--model.context", "32",
+    "--train.global-batch-size", "8", "--train.micro-batch-size", "4", "--train.train-iters", "6",
+    "--log-every", "1", "--progress.no-enabled", "--evaluate.eval-every", "0", "--evaluate.no-at-end",
+]  # fmt: skip
+
+
+def corpus(tmp_path: Path) -> Path:
+    path = tmp_path / "corpus.txt"
+    if not path.exists():
+        path.write_bytes((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:3000])
+    return path
+
+
+def fntrain(tmp_path: Path, *args: str, driver: str | None = None) -> subprocess.CompletedProcess:
+    """`fntrain run tiny_gpt ARGS` (or the fault driver with FAULT `driver`) in a subprocess."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(ROOT)
+    head = ["-m", "fntrain", "run", "tiny_gpt"]
+    if driver is not None:
+        head = ["-m", "tests.fault_driver", str(tmp_path / "faults"), driver]
+        (tmp_path / "faults").mkdir(exist_ok=True)
+    command = [sys.executable, *head, *TINY, "--data.path", str(corpus(tmp_path)), *args]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+
+
+def tiny(tmp_path: Path, **checkpoint) -> tiny_gpt.Config:
+    base = tiny_gpt.Config()
+    return dataclasses.replace(
+        base,
+        run_dir=str(tmp_path / "run"),
+        log_every=1,
+        model=dataclasses.replace(base.model, context=32, n_layer=1, n_head=2, d_model=32),
+        data=dataclasses.replace(base.data, path=str(corpus(tmp_path))),
+        train=dataclasses.replace(base.train, train_iters=6, global_batch_size=8, micro_batch_size=4),
+        evaluate=EvaluateConfig(eval_every=0, at_end=False),
+        progress=ProgressConfig(enabled=False),
+        checkpoint=CheckpointConfig(**checkpoint),
+    )
+
+
+def last_line(result: subprocess.CompletedProcess) -> str:
+    return result.stderr.strip().splitlines()[-1]
+
+
+# ----------------------------------------------------------------------------- one run per directory
+
+
+@pytest.mark.slow
+def test_a_second_run_into_a_run_dir_is_refused_until_resumed_or_overwritten(tmp_path):
+    run_dir = tmp_path / "run"
+    assert fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-every", "3").returncode == 0
+    before = (run_dir / "metrics.jsonl").read_bytes()
+
+    again = fntrain(tmp_path, "--run-dir", str(run_dir), "--seed", "7")
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+    message = again.stderr
+    assert "already holds a run" in message and "--checkpoint.restore-from latest" in message
+    assert "--overwrite" in message and "moves the old run to" in message
+    assert (run_dir / "metrics.jsonl").read_bytes() == before  # nothing was touched
+
+    resumed = fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "auto")
+    assert resumed.returncode == 0 and "nothing to do" in resumed.stderr  # auto works unattended
+
+    fresh = fntrain(tmp_path, "--run-dir", str(run_dir), "--seed", "7", "--overwrite")
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    (aside,) = tmp_path.glob("run.replaced-*")
+    assert (aside / "metrics.jsonl").read_bytes() == before  # the old run, moved aside whole
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and {r["attempt"] for r in rows} == {0}
+
+
+def test_a_run_dir_holding_only_a_failed_start_is_not_a_run(tmp_path):
+    config = tiny(tmp_path)
+    small = dataclasses.replace(
+        config, train=dataclasses.replace(config.train, global_batch_size=4096, micro_batch_size=4096)
+    )
+    with pytest.raises(ConfigError, match="one complete optimizer step"):
+        run_job(small, tiny_gpt.spec)  # the data holds fewer samples than one step
+    metadata = json.loads((tmp_path / "run" / "run_metadata.json").read_text())
+    assert metadata["outcome"] == "failed before training" and metadata["config_file"] is None
+    assert "one complete optimizer step" in metadata["error"]
+    assert run_job(config, tiny_gpt.spec).state.global_step == 6  # no --overwrite needed
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_after_a_resume_every_step_is_logged_once_and_traced_to_its_attempt(tmp_path):
+    config = tiny(tmp_path, save_every=2)
+    run_job(config, tiny_gpt.spec)
+    step_2 = tmp_path / "run" / "checkpoints" / "step_2"
+    first = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    run_job(
+        dataclasses.replace(config, checkpoint=CheckpointConfig(save_every=2, restore_from=str(step_2))),
+        tiny_gpt.spec,
+    )
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["attempt"] for r in rows] == [0, 0, 1, 1, 1, 1]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in first]  # exact resume: the same numbers
+    superseded = read_metrics(tmp_path / "run" / "metrics.superseded.jsonl")
+    assert [(r["step"], r["attempt"]) for r in superseded] == [(3, 0), (4, 0), (5, 0), (6, 0)]  # kept
+
+
+# ----------------------------------------------------------------------------- the same run
+
+
+@pytest.mark.slow
+def test_a_resume_with_other_settings_is_refused_field_by_field(tmp_path):
+    run_dir = tmp_path / "run"
+    assert fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-every", "3").returncode == 0
+    changed = fntrain(
+        tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest", "--seed", "3",
+        "--train.train-iters", "9", "--log-every", "2",
+    )  # fmt: skip
+    assert changed.returncode == 2 and len(changed.stderr.strip().splitlines()) == 1, changed.stderr
+    assert "--seed 42 -> 3" in changed.stderr and "--train.train-iters 6 -> 9" in changed.stderr
+    assert "log-every" not in changed.stderr  # a cadence may change freely
+    assert "--checkpoint.allow-changes" in changed.stderr
+
+    longer = fntrain(
+        tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest", "--train.train-iters", "9",
+        "--checkpoint.allow-changes", "train.train-iters", "--log-every", "2",
+    )  # fmt: skip
+    assert longer.returncode == 0, longer.stderr[-2000:]
+    assert "train.train_iters changed from 6 to 9" in longer.stderr
+    metadata = json.loads((run_dir / "run_metadata.json").read_text())
+    assert metadata["allowed_changes"] == {"train.train_iters": [6, 9]}
+    assert metadata["outcome"] == "completed" and metadata["end_state"]["global_step"] == 9
+
+
+# ----------------------------------------------------------------------------- interrupts
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_at_the_next_boundary_exits_130_and_resumes_exactly(tmp_path):
+    reference = fntrain(tmp_path, "--run-dir", str(tmp_path / "reference"))
+    assert reference.returncode == 0
+    run_dir = tmp_path / "run"
+    stopped = fntrain(
+        tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-on-interrupt", driver="sigint:0:3"
+    )
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr
+    assert last_line(stopped) == (
+        "preempted by SIGINT at step 3; checkpoint saved, resume with --checkpoint.restore-from latest"
+    )
+    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_3"]
+    assert not (run_dir / "model.safetensors").exists()  # an interrupted run exports nothing
+    resumed = fntrain(
+        tmp_path,
+        "--run-dir",
+        str(run_dir),
+        "--checkpoint.save-on-interrupt",
+        "--checkpoint.restore-from",
+        "latest",
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    want = [r["loss"] for r in read_metrics(tmp_path / "reference" / "metrics.jsonl")]
+    assert [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")] == want
+
+
+def test_ctrl_c_without_saving_is_one_line_and_status_130(tmp_path):
+    stopped = fntrain(tmp_path, "--run-dir", str(tmp_path / "run"), driver="sigint:0:2")
+    assert stopped.returncode == 130 and "Traceback" not in stopped.stderr
+    assert last_line(stopped) == "fntrain run: interrupted"
+
+
+def test_a_second_ctrl_c_ends_the_process_at_once(tmp_path):
+    """The first Ctrl-C hands SIGINT back to the kernel's default: a second one ends the process even
+    while it is busy, as a shell reports (killed by SIGINT)."""
+    code = (
+        "import os, signal, time\n"
+        "from fntrain.preemption import Preemption\n"
+        "p = Preemption((), interrupt=True); p.install()\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "assert p.requested\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(30)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == -signal.SIGINT, result.stderr
+
+
+# ----------------------------------------------------------------------------- saying what happened
+
+
+@pytest.mark.slow
+def test_a_finished_run_says_so_and_every_run_ends_with_a_summary(tmp_path):
+    run_dir = tmp_path / "run"
+    first = fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-every", "6")
+    assert first.returncode == 0
+    summary = [line for line in first.stderr.splitlines() if "run completed at step 6" in line]
+    assert len(summary) == 1 and "tokens" in summary[0] and "final loss" in summary[0]
+    assert f"weights in {run_dir / 'model.safetensors'}" in summary[0]
+    again = fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest")
+    assert again.returncode == 0 and "run already complete at step 6; nothing to do" in again.stderr
+    assert not (run_dir / "metrics.superseded.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- two ranks
+
+
+def torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "fntrain",
+        "run", "tiny_gpt", *TINY, "--data.path", str(corpus(tmp_path)), "--parallel.strategy", "ddp", *args,
+    ]  # fmt: skip
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_ranks_refuse_a_second_run_and_a_changed_resume_together(tmp_path):
+    run_dir = tmp_path / "run"
+    first = torchrun(tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-every", "3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    again = torchrun(tmp_path, "--run-dir", str(run_dir))
+    assert again.returncode != 0 and "already holds a run" in again.stderr  # one line per rank that said it
+    changed = torchrun(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest", "--seed", "5")
+    assert changed.returncode != 0 and "--seed 42 -> 5" in changed.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == before  # neither launch touched the run
+    resumed = torchrun(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest")
+    assert resumed.returncode == 0 and "run already complete at step 6; nothing to do" in resumed.stderr
