@@ -663,7 +663,8 @@ def _train(config: JobConfig, spec: RecipeSpec, ready: _Ready) -> tuple[TrainRes
     built, state = ready.built, ready.state
     if state.global_step >= built.plan.train_iters:
         log.warning("run already complete at step %d; nothing to do", state.global_step)
-        return TrainResult(state, "completed", "already complete"), []
+        # The exports are written again: a run killed while exporting finishes them here.
+        return TrainResult(state, "completed", "already complete"), _export(config, spec, built, state)
     result = run_training(
         state, ready.step_fn, ready.hooks, data=data_fn(built.data), plan=built.plan, count_batch=count_batch
     )

@@ -36,6 +36,7 @@ from fntrain.models.hf import (
     save_hf_model,
     set_offline,
 )
+from fntrain.models.lora import LoraConfig, apply_lora, check_lora_parallel, save_adapter_or_merged
 from fntrain.optim import OptimizerConfig, ScheduleConfig
 
 
@@ -58,6 +59,9 @@ class Config(JobConfig):
     model: HFModelConfig = field(default_factory=HFModelConfig)
     assets: AssetsConfig = field(default_factory=AssetsConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters through peft (lora.rank > 0; the `lora` extra): only the adapters train, and
+    output_dir receives the adapter (PEFT layout) or, with lora.merge_on_export, the merged model."""
 
     FREE_FIELDS: ClassVar[tuple[str, ...]] = (*JobConfig.FREE_FIELDS, "output_dir")
 
@@ -65,6 +69,7 @@ class Config(JobConfig):
         super().validate()
         require_str("output_dir", self.output_dir, optional=True, non_empty=True)
         check_packed_attention(self.model, self.data.packing)
+        check_lora_parallel(self.lora, self.parallel.meta_init)
         if self.evaluate.enabled and not (self.data.val_path or self.data.val_fraction > 0):
             raise ValueError("evaluate needs validation data: set data.val_path or data.val_fraction > 0")
 
@@ -97,14 +102,24 @@ def model_factory(config: Config) -> Any:
     return AutoModelForCausalLM.from_config(hf_config, attn_implementation=config.model.attn_implementation)
 
 
+def build_model(config: Config, runtime: Any) -> Any:
+    """The loaded model, with LoRA adapters (seeded by `seed`) when lora.rank > 0, parallelized."""
+    wrap = (lambda model: apply_lora(model, config.lora, seed=config.seed)) if config.lora.enabled else None
+    return load_causal_lm(config.model, runtime, config.parallel, wrap=wrap)
+
+
 def export(config: Config, built: Any, state: Any) -> Path:
-    """The fine-tuned model and its tokenizer in save_pretrained layout (every rank takes part)."""
+    """The fine-tuned model (or LoRA adapter) and its tokenizer in save_pretrained layout (every rank
+    takes part)."""
+    if config.lora.enabled:
+        return save_adapter_or_merged(built.components.model, config.lora, output_dir(config), built.runtime,
+                                      built.assets)  # fmt: skip
     return save_hf_model(built.components.model, built.assets, output_dir(config), built.runtime)
 
 
 spec = RecipeSpec(
     config=Config,
-    build_model=lambda config, runtime: load_causal_lm(config.model, runtime, config.parallel),
+    build_model=build_model,
     build_assets=build_assets,
     build_datasets=lambda config, assets: build_sft_datasets(config.data, assets),
     collate=lambda config, assets: make_sft_collate(
@@ -116,6 +131,7 @@ spec = RecipeSpec(
         "strategy": config.parallel.strategy,
         "packing": config.data.packing,
         "max_length": config.data.max_length,
+        "lora_rank": config.lora.rank,
         "output_dir": str(output_dir(config)),
     },
 )

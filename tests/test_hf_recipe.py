@@ -24,6 +24,7 @@ from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
 from fntrain.job import TrainConfig, run_job
 from fntrain.models.hf import AssetsConfig, HFModelConfig
+from fntrain.models.lora import LoraConfig
 from fntrain.optim import OptimizerConfig
 from recipes import hf_causal_lm as hf
 from tests.hf_helpers import CHATS, TEMPLATE, save_tiny_llama
@@ -231,4 +232,70 @@ def test_two_rank_fsdp2_fine_tune_saves_a_loadable_model(tiny_hf_model, tmp_path
     assert before.keys() == after.keys()
     assert all(after[name].shape == before[name].shape for name in before)  # full tensors, not shards
     assert any(not torch.equal(before[name], after[name]) for name in before)
+    AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+
+
+# ----------------------------------------------------------------------------- LoRA (the `lora` extra)
+
+
+def test_lora_flags_are_checked_before_any_model_work(tiny_files, capsys):
+    model_dir, data_path = tiny_files
+    base = ["--model.path", str(model_dir), "--data.path", str(data_path)]
+    for args, words in (
+        (["--lora.rank", "-1"], "--lora.rank must be >= 0"),
+        (["--lora.rank", "4", "--lora.dropout", "1.0"], "--lora.dropout must be < 1"),
+        (["--lora.rank", "4", "--parallel.meta-init"], "--lora.rank > 0 cannot be combined with"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            dispatch(["run", "hf_causal_lm", *base, *args])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    config = dataclasses.replace(
+        hf.Config(model=HFModelConfig(path=str(model_dir)), data=SFTDataConfig(path=str(data_path))),
+        lora=LoraConfig(rank=8, target_modules=("q_proj", "v_proj"), merge_on_export=True),
+    )
+    config.validate()
+    assert hf.spec.describe(config)["lora_rank"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("merge", [False, True], ids=["adapter", "merged"])
+def test_two_rank_fsdp2_lora_saves_a_loadable_adapter(tiny_hf_model, tmp_path, merge):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("torchrun not installed")
+    model_dir, data_path = tiny_hf_model
+    command = [
+        torchrun, "--standalone", "--nproc_per_node", "2", "-m", "fntrain", "run", "hf_causal_lm",
+        "--run-dir", str(tmp_path / "run"), "--model.path", str(model_dir), "--data.path", str(data_path),
+        "--data.max-length", "48", "--train.train-iters", "2", "--train.global-batch-size", "4",
+        "--train.micro-batch-size", "1", "--parallel.strategy", "fsdp2", "--optim.lr", "1e-2", "--log-every", "1",
+        "--lora.rank", "4", "--lora.target-modules", "q_proj", "v_proj", "--progress.no-enabled",
+        *(["--lora.merge-on-export"] if merge else []),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = tmp_path / "run" / "hf_model"
+    before = load_file(model_dir / "model.safetensors")
+    if merge:
+        after = load_file(out / "model.safetensors")
+        assert before.keys() == after.keys()
+        assert all(after[name].shape == before[name].shape for name in before)  # full tensors, not shards
+        changed = {name for name in before if not torch.equal(before[name], after[name])}
+        assert changed and all(name.endswith(("q_proj.weight", "v_proj.weight")) for name in changed)
+        AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+        return
+    from peft import PeftModel
+
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert adapter and all("lora_A" in key or "lora_B" in key for key in adapter)
+    assert all(t.shape[0] == 4 for key, t in adapter.items() if "lora_A" in key)  # full [rank, in], not shards
+    assert any(t.abs().sum() > 0 for key, t in adapter.items() if "lora_B" in key)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    PeftModel.from_pretrained(base, out, local_files_only=True)
     AutoModelForCausalLM.from_pretrained(out, local_files_only=True)

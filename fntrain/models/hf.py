@@ -15,7 +15,7 @@ imported. transformers (the `hf` extra) is imported inside functions only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -224,18 +224,28 @@ def _load_on_meta(config: HFModelConfig, runtime: Runtime, parallel: ParallelCon
     return build_model(factory, runtime, parallel, fill=hf_weights(directory))
 
 
-def load_causal_lm(config: HFModelConfig, runtime: Runtime, parallel: ParallelConfig) -> torch.nn.Module:
+def load_causal_lm(
+    config: HFModelConfig,
+    runtime: Runtime,
+    parallel: ParallelConfig,
+    *,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+) -> torch.nn.Module:
     """The causal LM of `config.path`, loaded and parallelized for training: returns what
     `fntrain.runtime.parallel.parallelize` returns (the DDP wrapper under ddp; `unwrap` gives the HF
     model). With `parallel.meta_init` it is built on meta, parallelized and filled shard by shard (no
     rank holds the full model under fsdp2); otherwise loaded whole on `runtime.device`, then
-    parallelized."""
+    parallelized. `wrap` (e.g. `fntrain.models.lora.apply_lora`) turns the loaded model into the one to
+    train, between loading and parallelizing; it cannot be combined with `parallel.meta_init`."""
     set_offline()
     if parallel.meta_init:
+        if wrap is not None:
+            raise ValueError("load_causal_lm: wrap needs a loaded model; turn parallel.meta_init off")
         return _load_on_meta(config, runtime, parallel)
     from fntrain.runtime.parallel import parallelize
 
-    return parallelize(load_pretrained(config, runtime.device), runtime, parallel)
+    model = load_pretrained(config, runtime.device)
+    return parallelize(wrap(model) if wrap is not None else model, runtime, parallel)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -42,9 +42,12 @@ def run_steps(hook, steps, *, make_info=info):
     hook(Event.TRAIN_END, step_state(steps), None)
 
 
-def test_format_record_sorts_names_and_uses_nine_significant_digits():
-    line = format_record(3, 1, {"lr": 3e-4, "loss": 2.123456789123, "big": 1234567890123.0, "n": 7})
-    assert line == "step=3 epoch=1 big=1.23456789e+12 loss=2.12345679 lr=0.0003 n=7"
+def test_format_record_sorts_names_and_uses_four_significant_digits():
+    metrics = {"lr": 3e-4, "loss": 2.123456789123, "big": 1234567890123.0, "n": 7, "tokens": 1234567}
+    line = format_record(3, 1, {**metrics, "zero": 0.0, "nan": float("nan"), "tflops": 8.76457984e-05})
+    assert line == (
+        "step=3 epoch=1 big=1.235e+12 loss=2.123 lr=3.000e-04 n=7 nan=nan tflops=8.765e-05 tokens=1234567 zero=0"
+    )
 
 
 def test_is_logging_step_cadence_zero_means_never_and_last_step_logs():

@@ -1,0 +1,203 @@
+"""LoRA through peft (`fntrain.models.lora`): its settings and their errors (fast); (slow tier) a real
+tiny Llama wrapped by peft: only the adapter trains and has optimizer state, a resume is bitwise exact,
+and the adapter and the merged export load with peft and transformers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fntrain.models.lora import LoraConfig, check_lora_parallel
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_are_off_and_valid():
+    config = LoraConfig()
+    config.validate()
+    assert not config.enabled and LoraConfig(rank=8).enabled
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "words"),
+    [
+        ({"rank": -1}, ValueError, "lora.rank"),
+        ({"rank": 2.0}, TypeError, "lora.rank must be an int"),
+        ({"alpha": 0.0}, ValueError, "lora.alpha"),
+        ({"dropout": 1.0}, ValueError, "lora.dropout must be < 1"),
+        ({"dropout": -0.1}, ValueError, "lora.dropout"),
+        ({"target_modules": ()}, ValueError, "lora.target_modules must be one or more"),
+        ({"target_modules": ("q_proj", "")}, ValueError, "lora.target_modules"),
+        ({"target_modules": ("all-linear", "q_proj")}, ValueError, "all-linear stands alone"),
+        ({"merge_on_export": 1}, TypeError, "lora.merge_on_export must be a bool"),
+    ],
+)
+def test_bad_values_name_the_field(change, error, words):
+    with pytest.raises(error, match=words):
+        dataclasses.replace(LoraConfig(), **change).validate()
+    with pytest.raises(error, match=words.replace("lora.", "adapter.")):
+        dataclasses.replace(LoraConfig(), **change).validate("adapter")
+
+
+def test_missing_peft_is_a_setting_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    with pytest.raises(ValueError, match=r"lora.rank 4 needs the peft library: pip install 'fntrain\[lora\]'"):
+        LoraConfig(rank=4).validate()
+    LoraConfig(rank=0).validate()  # off: peft not needed
+
+
+def test_meta_init_is_refused_with_lora():
+    check_lora_parallel(LoraConfig(), meta_init=True)
+    check_lora_parallel(LoraConfig(rank=4), meta_init=False)
+    with pytest.raises(ValueError, match="lora.rank > 0 cannot be combined with parallel.meta_init"):
+        check_lora_parallel(LoraConfig(rank=4), meta_init=True)
+
+
+# ----------------------------------------------------------------------------- slow: real peft
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from tests.hf_helpers import CHATS, save_tiny_llama
+
+    root = tmp_path_factory.mktemp("lora")
+    text = (ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_text()[:40_000]
+    model_dir = save_tiny_llama(root / "model", text.splitlines(), vocab_size=300, max_positions=128)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    chats = [CHATS[0]] + [
+        [{"role": "user", "content": lines[2 * i]}, {"role": "assistant", "content": lines[2 * i + 1]}]
+        for i in range(15)
+    ]
+    data_path = root / "chat.jsonl"
+    data_path.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in chats))
+    return model_dir, data_path
+
+
+def _config(model_dir: Path, data_path: Path, run_dir: Path, *, iters: int = 3, **lora):
+    from fntrain.data.sft import SFTDataConfig
+    from fntrain.hooks.checkpoint import CheckpointConfig
+    from fntrain.hooks.progress import ProgressConfig
+    from fntrain.job import TrainConfig
+    from fntrain.models.hf import HFModelConfig
+    from fntrain.optim import OptimizerConfig, ScheduleConfig
+    from recipes import hf_causal_lm as hf
+
+    return hf.Config(
+        run_dir=str(run_dir),
+        log_every=1,
+        model=HFModelConfig(path=str(model_dir)),
+        data=SFTDataConfig(path=str(data_path), max_length=48),
+        train=TrainConfig(train_iters=iters, global_batch_size=4, micro_batch_size=2),
+        optim=OptimizerConfig(lr=1e-2, weight_decay=0.0),
+        schedule=ScheduleConfig(lr_schedule_iters=4),  # the same schedule for a 2-step and a 4-step run
+        progress=ProgressConfig(enabled=False),
+        checkpoint=CheckpointConfig(save_every=2, export=False),
+        lora=LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"), **lora),
+    )
+
+
+@pytest.mark.slow
+def test_only_the_adapter_trains_and_has_optimizer_state(tiny_llama):
+    from fntrain.job import build_job
+    from fntrain.runtime import Runtime
+    from recipes import hf_causal_lm as hf
+
+    model_dir, data_path = tiny_llama
+    built = build_job(_config(model_dir, data_path, Path("unused")), hf.spec, Runtime())
+    model, optimizer = built.components.model, built.components.optimizers[0]
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_A" in name or "lora_B" in name for name in trainable)
+    assert all(name.endswith(("q_proj.lora_A.default.weight", "q_proj.lora_B.default.weight",
+                              "v_proj.lora_A.default.weight", "v_proj.lora_B.default.weight"))
+               for name in trainable)  # fmt: skip
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert in_optimizer == {id(p) for p in model.parameters() if p.requires_grad}
+    # Seeded adapter initialisation: the same on every build (every rank), whatever drew from the RNG.
+    torch.rand(5)
+    again = build_job(_config(model_dir, data_path, Path("unused")), hf.spec, Runtime()).components.model
+    for (name, a), b in zip(model.named_parameters(), again.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def _adapter(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" in name}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_train_resume_bitwise_and_export_the_adapter(tiny_llama, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from fntrain.job import build_job, run_job
+    from fntrain.runtime import Runtime
+    from recipes import hf_causal_lm as hf
+
+    model_dir, data_path = tiny_llama
+    # Straight through: 4 steps.
+    straight = _config(model_dir, data_path, tmp_path / "straight", iters=4)
+    captured = {}
+    spec = dataclasses.replace(hf.spec, export=lambda c, built, s: captured.update(model=built.components.model)
+                               or hf.export(c, built, s))  # fmt: skip
+    assert run_job(straight, spec).state.global_step == 4
+    base_before = load_file(model_dir / "model.safetensors")
+    final = captured["model"]
+    for name, tensor in final.get_base_model().state_dict().items():
+        key = name.replace(".base_layer", "")
+        if key in base_before:
+            assert torch.equal(tensor, base_before[key]), f"frozen weight {name} changed"
+    lora_b = [p for name, p in final.named_parameters() if "lora_B" in name]
+    assert lora_b and all(p.abs().sum() > 0 for p in lora_b)  # B starts at zero: the adapter trained
+
+    # Interrupted after step 2 (its checkpoint), then resumed to step 4: bitwise the same adapter.
+    first = _config(model_dir, data_path, tmp_path / "resumed", iters=2)
+    run_job(first, hf.spec)
+    resumed_config = dataclasses.replace(
+        _config(model_dir, data_path, tmp_path / "resumed", iters=4),
+        checkpoint=dataclasses.replace(first.checkpoint, restore_from="latest", allow_changes=("train.train_iters",)),
+    )
+    spec_resumed = dataclasses.replace(hf.spec, export=lambda c, built, s: captured.update(resumed=built.components.model)
+                                       or hf.export(c, built, s))  # fmt: skip
+    assert run_job(resumed_config, spec_resumed).state.global_step == 4
+    expected, got = _adapter(final), _adapter(captured["resumed"])
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+    # The adapter export: PEFT layout, loadable by peft and by transformers (with peft installed).
+    out = tmp_path / "straight" / "hf_model"
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    saved = load_file(out / "adapter_model.safetensors")
+    assert saved and all("lora_" in key for key in saved)
+    ids = torch.tensor([[1, 5, 9, 23, 42, 7]])
+    final.eval()
+    with torch.no_grad():
+        want = final(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+        peft_model = PeftModel.from_pretrained(base, out, local_files_only=True).eval()
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+        direct = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+        torch.testing.assert_close(direct(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+
+    # The merged export: a plain save_pretrained model with the same logits.
+    merged_config = dataclasses.replace(straight, lora=dataclasses.replace(straight.lora, merge_on_export=True),
+                                        run_dir=str(tmp_path / "merged"))  # fmt: skip
+    built = build_job(merged_config, hf.spec, Runtime())
+    for name, p in built.components.model.named_parameters():
+        if "lora_" in name:
+            p.data.copy_(dict(final.named_parameters())[name])
+    merged_dir = hf.export(merged_config, built, None)
+    assert (merged_dir / "model.safetensors").is_file() and not (merged_dir / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, local_files_only=True).eval()
+    assert not any("lora" in name for name in merged.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+    assert any("lora_" in n for n, _ in built.components.model.named_parameters())  # trained model untouched
