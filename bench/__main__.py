@@ -1,7 +1,8 @@
-"""Run every benchmark and print one table: `python -m bench [--quick] [--record] [--only NAME,...]`.
+"""Run every benchmark and print one table: `python -m bench [--quick] [--record] [--json FILE] [--only NAME,...]`.
 
 Each benchmark module exposes `run(quick: bool) -> list[Row]`. `--quick` runs few repeats (CI checks
-the harness, not the figures); `--record` appends the table to bench/RESULTS.md.
+the harness, not the figures); `--record` appends the table to bench/RESULTS.md; `--json FILE` writes
+the machine, torch's version and thread counts and every row's interval, for comparing runs by script.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import importlib
 import sys
 import traceback
 
-from bench.harness import Row, append_results, format_table
+from bench.harness import Row, append_results, format_table, quiet, write_json
 
 BENCHMARKS = [
     "bench.import_time",
@@ -20,6 +21,7 @@ BENCHMARKS = [
     "bench.resume_cost",
     "bench.prefetch",
     "bench.checkpoint",
+    "bench.lora",
 ]
 
 
@@ -27,9 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="few repeats: checks the harness, not the figures")
     parser.add_argument("--record", action="store_true", help="append the table to bench/RESULTS.md")
+    parser.add_argument("--json", default="", help="also write the rows and the machine as JSON to this file")
     parser.add_argument("--only", default="", help="comma-separated module names (e.g. loop_overhead)")
     args = parser.parse_args(argv)
     wanted = {f"bench.{name}" for name in args.only.split(",") if name}
+    quiet()
     rows: list[Row] = []
     failed = []
     for name in BENCHMARKS:
@@ -50,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     if args.record:
         append_results("Benchmark suite" + (" (quick)" if args.quick else ""), rows)
+    if args.json:
+        write_json(args.json, rows, quick=args.quick, failed=failed)
     if failed:
         print(f"benchmarks failed: {', '.join(failed)}", file=sys.stderr)
         return 1

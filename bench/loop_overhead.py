@@ -15,19 +15,21 @@ import json
 import logging
 import os
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from bench.harness import Row, bench_main, interleave, overhead_row
+from bench.harness import Row, Target, bench_main, interleave, overhead_row, quiet
 from fntrain import RunPlan, TrainState, train
 from fntrain.step import make_train_step
 
 torch.set_num_threads(1)
 LOG_EVERY = 10
 LR = 1e-4
+WIDTH = 0.5  # rounds continue until each goal row's interval is narrower than this fraction of its goal
 
 
 def _mlp_workload(batch_size: int = 32, width: int = 128) -> tuple[torch.nn.Module, list, Callable]:
@@ -66,9 +68,26 @@ def _forward_ids(model: torch.nn.Module, micro_batch: dict) -> Any:
     return model(micro_batch["input_ids"])
 
 
+def _timed(step_fn: Callable, spent: list[float]) -> Callable:
+    """`step_fn` adding its own duration to `spent[0]`: what each variant then subtracts from its round."""
+    clock = time.perf_counter
+
+    def step(state, batch):
+        started = clock()
+        out = step_fn(state, batch)
+        spent[0] += clock() - started
+        return out
+
+    return step
+
+
 def _variants(model, batches, loss_fn, forward, steps: int, hooks_factories: dict[str, Callable[[], list]]):
+    """Every variant runs the same step object on the same tensors; each returns (steps, seconds spent in
+    the step), so `Timing.outside` is the loop's (and the hooks') own time per step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    step_fn = make_train_step(model, loss_fn, optimizer, forward=forward, loss_weighting="mean")
+    library_step = make_train_step(model, loss_fn, optimizer, forward=forward, loss_weighting="mean")
+    spent = [0.0]
+    step_fn = _timed(library_step, spent)
     epoch_len = len(batches)
     plan = RunPlan(train_iters=steps, steps_per_epoch=epoch_len, epochs=-(-steps // epoch_len))
     state0 = TrainState()
@@ -76,7 +95,7 @@ def _variants(model, batches, loss_fn, forward, steps: int, hooks_factories: dic
     def data(epoch: int, cursor: int):
         return iter(batches[cursor:])
 
-    def handwritten_step(batch):
+    def bare_step(state, batch):
         micro_batch = batch[0]
         loss = loss_fn(forward(model, micro_batch), micro_batch)
         loss.backward()
@@ -84,26 +103,34 @@ def _variants(model, batches, loss_fn, forward, steps: int, hooks_factories: dic
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    def plain_loop() -> int:
+    handwritten_step = _timed(bare_step, spent)
+
+    def measured(loop: Callable[[], None]) -> Callable[[], tuple[int, float]]:
+        def run() -> tuple[int, float]:
+            spent[0] = 0.0
+            loop()
+            return steps, spent[0]
+
+        return run
+
+    def plain_loop() -> None:
         done = 0
         while done < steps:
             for batch in batches[: steps - done]:
                 step_fn(state0, batch)
                 done += 1
-        return steps
 
-    def plain_loop_handwritten_step() -> int:
+    def plain_loop_handwritten_step() -> None:
         done = 0
         while done < steps:
             for batch in batches[: steps - done]:
-                handwritten_step(batch)
+                handwritten_step(state0, batch)
                 done += 1
-        return steps
 
     log_file = open(os.devnull, "w")  # noqa: SIM115 - the baseline's metrics file, kept for the run
     plain_log = logging.getLogger("bench.plain")
 
-    def plain_loop_logging() -> int:
+    def plain_loop_logging() -> None:
         """The plain loop logging on the same steps as the metrics hook: a read, a line, a JSON record."""
         done = 0
         while done < steps:
@@ -114,23 +141,21 @@ def _variants(model, batches, loss_fn, forward, steps: int, hooks_factories: dic
                     loss = float(metrics["loss"])
                     plain_log.info("step=%d loss=%.9g", done, loss)
                     log_file.write(json.dumps({"step": done, "loss": loss}) + "\n")
-        return steps
 
-    def with_train(hooks_factory: Callable[[], list]) -> Callable[[], int]:
-        def run() -> int:
+    def with_train(hooks_factory: Callable[[], list]) -> Callable[[], None]:
+        def run() -> None:
             train(state0, step_fn, hooks_factory(), data=data, plan=plan)
-            return steps
 
         return run
 
     variants = {
-        "plain loop": plain_loop,
-        "plain loop, logging every 10": plain_loop_logging,
-        "plain loop, hand-written step": plain_loop_handwritten_step,
-        "train(), no hooks": with_train(lambda: []),
+        "plain loop": measured(plain_loop),
+        "plain loop, logging every 10": measured(plain_loop_logging),
+        "plain loop, hand-written step": measured(plain_loop_handwritten_step),
+        "train(), no hooks": measured(with_train(lambda: [])),
     }
     for name, factory in hooks_factories.items():
-        variants[f"train(), {name}"] = with_train(factory)
+        variants[f"train(), {name}"] = measured(with_train(factory))
     return variants
 
 
@@ -204,6 +229,7 @@ def _default_hooks(steps: int, run_dir: str) -> Callable[[], list]:
     from fntrain.runtime import Runtime
 
     runtime = Runtime()
+    bar_file = open(os.devnull, "w")  # noqa: SIM115 - the bar is drawn (and paid for), but not into the table
 
     def factory() -> list:
         board = MetricBoard()
@@ -211,7 +237,7 @@ def _default_hooks(steps: int, run_dir: str) -> Callable[[], list]:
         return [
             throughput_hook(ThroughputConfig(), runtime, log_every=LOG_EVERY, board=board, last_step=steps),
             metrics_hook(runtime, log_every=LOG_EVERY, writer=writer, board=board, last_step=steps),
-            progress_hook(ProgressConfig(), runtime, total=steps, board=board),
+            progress_hook(ProgressConfig(), runtime, total=steps, board=board, file=bar_file),
         ]
 
     return factory
@@ -243,7 +269,7 @@ def _idle_window_hooks() -> dict[str, Callable[[], list]]:
 def _isolated_rows(quick: bool, run_dir: str) -> list[Row]:
     """The loop's and the default hooks' own per-step cost, with a trivial step (a ready metrics dict
     holding a 0-d tensor): what remains when the step's own time and its run-to-run variation are gone."""
-    steps, repeats = (2000, 3) if quick else (20000, 11)
+    steps, repeats = (2000, 3) if quick else (2000, 30)
     metrics = {"loss": torch.tensor(1.0), "grad_norm": 0.0, "lr": LR}
     batches = [[{"x": torch.zeros(1)}]] * steps
     plan = RunPlan(train_iters=steps, steps_per_epoch=steps, epochs=1)
@@ -285,7 +311,11 @@ def _isolated_rows(quick: bool, run_dir: str) -> list[Row]:
             "train(), default hooks": with_hooks(default_hooks),
         },
         repeats=repeats,
-        aa="plain loop",
+        targets=[
+            Target("train(), no hooks", "plain loop", WIDTH * 10e-6),
+            Target("train(), default hooks", "plain loop, logging every 10", WIDTH * 30e-6),
+        ],
+        budget_s=0 if quick else 30,
     )
     return [
         overhead_row(
@@ -303,8 +333,8 @@ def _isolated_rows(quick: bool, run_dir: str) -> list[Row]:
 def run(quick: bool = False) -> list[Row]:
     # Long runs amortise per-run set-up (a progress bar, a metrics file, a profiler import at TRAIN_BEGIN):
     # the goals are per-step costs.
-    steps, repeats = (20, 3) if quick else (2000, 11)
-    logging.getLogger("fntrain").setLevel(logging.WARNING)
+    steps, repeats = (20, 3) if quick else (200, 15)
+    quiet()
     rows: list[Row] = []
     workloads = [("tiny MLP", _mlp_workload(), _forward_x), ("tiny GPT", _gpt_workload(), _forward_ids)]
     run_dir = tempfile.mkdtemp(prefix="fntrain-bench-")
@@ -317,11 +347,18 @@ def run(quick: bool = False) -> list[Row]:
             _lightning_variants(model, batches, loss_fn, forward, n_steps, run_dir) if label == "tiny MLP" else {}
         )
         variants.update(lightning_variants)
-        timing = interleave(variants, repeats=repeats, aa="plain loop")
+        targets = [
+            Target("train(), no hooks", "plain loop", WIDTH * 10e-6, outside=True),
+            Target("train(), default hooks", "plain loop, logging every 10", WIDTH * 30e-6, outside=True),
+        ] + [
+            Target(f"train(), {name}", "train(), no hooks", WIDTH * 5e-6, outside=True)
+            for name in hooks if name != "default hooks"
+        ]  # fmt: skip
+        timing = interleave(variants, repeats=repeats, targets=targets, budget_s=0 if quick else 90)
         rows.append(
             overhead_row(
                 f"P1 {label}: train(), no hooks vs plain loop", timing, "train(), no hooks", "plain loop",
-                goal_us=10,
+                goal_us=10, outside=True,
                 note="the loop's own Python work per step (two event dispatches, one state and one StepInfo).",
             )
         )  # fmt: skip
@@ -335,7 +372,7 @@ def run(quick: bool = False) -> list[Row]:
         rows.append(
             overhead_row(
                 f"P1 {label}: train(), default hooks vs plain loop logging on the same steps", timing,
-                "train(), default hooks", "plain loop, logging every 10", goal_us=30,
+                "train(), default hooks", "plain loop, logging every 10", goal_us=30, outside=True,
                 note="progress bar, metrics every 10 steps (one reduction, a log line, a JSON record) and "
                 "throughput; non-logging steps do a few integer operations per hook.",
             )
@@ -346,7 +383,7 @@ def run(quick: bool = False) -> list[Row]:
             rows.append(
                 overhead_row(
                     f"P1 {label}: train(), {name} vs no hooks", timing, f"train(), {name}", "train(), no hooks",
-                    goal_us=5, note="a hook outside its window costs a call and an integer comparison.",
+                    goal_us=5, outside=True, note="a hook outside its window costs a call and an integer comparison.",
                 )
             )  # fmt: skip
         notes = {

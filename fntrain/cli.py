@@ -22,7 +22,6 @@ them); `--config FILE` (TOML, YAML or JSON) seeds their defaults and flags overr
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import sys
 from collections.abc import Sequence
@@ -249,19 +248,27 @@ def _config(args: list[str]) -> str:
 
 
 def _plot(args: list[str]) -> Any:
+    import importlib
+
     import tyro
 
-    from fntrain.plot import plot_run
+    plot_module = importlib.import_module("fntrain.plot")  # looked up when called (tests stub it)
 
+    def plot(run_dir: str, out_dir: str | None = None) -> Any:
+        return plot_module.plot_run(run_dir, out_dir)
+
+    # plot_command's user-facing help, RUN_DIR the first argument (not a flag), readable metavars
+    plot.__doc__ = getattr(plot_module, "plot_command", plot).__doc__
+    plot.__annotations__ = {
+        "run_dir": Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR")],
+        "out_dir": Annotated[str | None, tyro.conf.arg(metavar="DIR")],
+        "return": Any,
+    }
     if not args or args[0] in _HELP:
         if args:
-            tyro.cli(plot_run, args=["--help"], prog="fntrain plot")
+            tyro.cli(plot, args=["--help"], prog="fntrain plot")
         raise UsageError("fntrain plot needs a RUN_DIR")
-    run_dir, rest = args[0], args[1:]
-    params = list(inspect.signature(plot_run).parameters)
-    # RUN_DIR is positional on this command whatever plot_run calls its first parameter.
-    flag = "--" + params[0].replace("_", "-")
-    result = tyro.cli(plot_run, args=[flag, run_dir, *rest], prog="fntrain plot RUN_DIR")
+    result = tyro.cli(plot, args=args, prog="fntrain plot")
     for path in result if isinstance(result, (list, tuple)) else ([result] if result else []):
         print(path)
     return result
@@ -380,8 +387,25 @@ def _reporting(label: str, action: Any) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `fntrain` console script: 0 on success (errors raise or exit non-zero)."""
-    dispatch(sys.argv[1:] if argv is None else argv)
+    """Entry point of the `fntrain` console script: 0 on success (errors raise or exit non-zero).
+
+    A reader that stops early (`fntrain plan --json | head -1`) ends the command quietly, as Python's
+    documentation of SIGPIPE recommends: stdout goes to devnull (so the interpreter's last flush does not
+    fail again) and the status is 1, with no traceback."""
+    try:
+        dispatch(sys.argv[1:] if argv is None else argv)
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+    except BrokenPipeError:
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout without a file descriptor (captured): nothing to redirect
+            pass
+        finally:
+            os.close(devnull)
+        raise SystemExit(1) from None
     return 0
 
 

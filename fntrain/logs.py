@@ -4,8 +4,10 @@
     with rank_logs(run_dir):                  # a run: <run_dir>/logs/rank_<r>.log while it lasts
         ...
 
-- Every line, in the files and on the console, starts with `[rank <r>]` (each line of a multi-line
-  message and of a traceback too), so interleaved torchrun output can be told apart and grepped.
+- Every line of the rank log files, and of the console when several processes run (torchrun's
+  `WORLD_SIZE` > 1, or a rank other than 0), starts with `[rank <r>]` (each line of a multi-line message
+  and of a traceback too), so interleaved output can be told apart and grepped. A single-process
+  console has no prefix.
 - Console (stderr): rank 0 shows INFO and above; the other ranks only WARNING and above, so a
   problem on any rank is visible without N copies of every message.
 - Files: `<run_dir>/logs/rank_<r>.log`, appended to (a restarted job adds to the same file, after a
@@ -30,6 +32,7 @@ __all__ = [
     "FORMAT",
     "RankFormatter",
     "launch_rank",
+    "launch_world_size",
     "setup_console_logging",
     "rank_log_path",
     "rank_logs",
@@ -48,15 +51,27 @@ def launch_rank(env: Mapping[str, str] | None = None) -> int:
         return 0
 
 
-class RankFormatter(logging.Formatter):
-    """`FORMAT` with `[rank <r>] ` in front of every line of the formatted record."""
+def launch_world_size(env: Mapping[str, str] | None = None) -> int:
+    """How many processes the launcher started (`WORLD_SIZE`), 1 without a launcher."""
+    env = os.environ if env is None else env
+    try:
+        return max(int(env.get("WORLD_SIZE", "1") or 1), 1)
+    except ValueError:
+        return 1
 
-    def __init__(self, rank: int, fmt: str = FORMAT) -> None:
+
+class RankFormatter(logging.Formatter):
+    """`FORMAT` with `[rank <r>] ` in front of every line of the formatted record (no prefix when
+    `rank` is None)."""
+
+    def __init__(self, rank: int | None, fmt: str = FORMAT) -> None:
         super().__init__(fmt)
-        self.prefix = f"[rank {rank}] "
+        self.prefix = "" if rank is None else f"[rank {rank}] "
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
+        if not self.prefix:
+            return text
         return "\n".join(self.prefix + line for line in text.split("\n"))
 
 
@@ -65,7 +80,8 @@ class _ConsoleHandler(logging.StreamHandler):
 
 
 def setup_console_logging(rank: int | None = None, *, level: int = logging.INFO) -> logging.Handler:
-    """Log to stderr with the rank prefix: rank 0 at `level`, other ranks at WARNING and above.
+    """Log to stderr: rank 0 at `level`, other ranks at WARNING and above; lines carry the rank prefix
+    only when several processes run (`WORLD_SIZE` > 1 or `rank` other than 0).
 
     For entry points (it changes the root logger): replaces a console handler installed by an earlier
     call, sets the root level to `level`, and routes `warnings.warn` into logging (so warnings reach
@@ -76,7 +92,8 @@ def setup_console_logging(rank: int | None = None, *, level: int = logging.INFO)
         if isinstance(handler, _ConsoleHandler):
             root.removeHandler(handler)
     handler = _ConsoleHandler(sys.stderr)
-    handler.setFormatter(RankFormatter(rank))
+    several = rank != 0 or launch_world_size() > 1
+    handler.setFormatter(RankFormatter(rank if several else None))
     handler.setLevel(level if rank == 0 else max(level, logging.WARNING))
     root.addHandler(handler)
     root.setLevel(level)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_run", "read_metrics", "series", "main"]
+__all__ = ["plot_run", "plot_command", "read_metrics", "series", "main"]
 
 _MATPLOTLIB_MISSING = "fntrain.plot needs matplotlib: pip install 'fntrain[plot]' (or pip install matplotlib)"
 
@@ -126,6 +126,18 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         if draw(records, out / name, run_dir.resolve().name):
             written.append(out / name)
     return written
+
+
+def plot_command(run_dir: str, out_dir: str | None = None) -> list[Path]:
+    """Plot a run's metrics: loss.png (training and validation loss) and throughput.png (tokens/s, with
+    MFU or TFLOP/s when logged), drawn from RUN_DIR/metrics.jsonl and written into RUN_DIR or --out-dir.
+    Needs matplotlib: pip install 'fntrain[plot]'.
+
+    Args:
+        run_dir: The run directory, holding metrics.jsonl.
+        out_dir: Directory for the PNG files; unset, they go into the run directory.
+    """
+    return plot_run(run_dir, out_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

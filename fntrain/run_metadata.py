@@ -244,22 +244,32 @@ def write_run_metadata(
     return path
 
 
-def record_start(run_dir: str | os.PathLike, runtime: Runtime, state: Any) -> None:
-    """Rank 0: note in run_metadata.json the TrainState this launch starts from (after a restore)."""
+def _update(run_dir: str | os.PathLike, runtime: Runtime, change: Any) -> None:
+    """Rank 0: apply `change(metadata, path)` to run_metadata.json in place (nothing when absent); a
+    failure to write is logged, never raised."""
     if runtime.rank != 0:
         return
     path = Path(run_dir).expanduser() / METADATA_FILE
     metadata = _read(path)
     if metadata is None:
         return
-    start = state.as_dict() if hasattr(state, "as_dict") else dict(state)
-    metadata["start_state"] = start
-    if metadata.get("launches"):
-        metadata["launches"][-1]["start_step"] = start.get("global_step")
+    change(metadata, path)
     try:
         _write(path, metadata)
     except OSError as error:
         log.warning("could not update %s: %r", path, error)
+
+
+def record_start(run_dir: str | os.PathLike, runtime: Runtime, state: Any) -> None:
+    """Rank 0: note in run_metadata.json the TrainState this launch starts from (after a restore)."""
+    start = state.as_dict() if hasattr(state, "as_dict") else dict(state)
+
+    def change(metadata: dict[str, Any], path: Path) -> None:
+        metadata["start_state"] = start
+        if metadata.get("launches"):
+            metadata["launches"][-1]["start_step"] = start.get("global_step")
+
+    _update(run_dir, runtime, change)
 
 
 def read_attempt(run_dir: str | os.PathLike) -> int:
@@ -272,18 +282,12 @@ def read_attempt(run_dir: str | os.PathLike) -> int:
 def record_outcome(run_dir: str | os.PathLike, runtime: Runtime, outcome: str, **details: Any) -> None:
     """Rank 0: note in run_metadata.json how this launch ended ("completed", "preempted", "failed
     before training", ...) with `details` (final state, error, allowed config changes, exports)."""
-    if runtime.rank != 0:
-        return
-    path = Path(run_dir).expanduser() / METADATA_FILE
-    metadata = _read(path)
-    if metadata is None:
-        return
-    metadata["outcome"] = outcome
-    metadata["end_time"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    metadata.update(details)
-    if metadata.get("config_file") and not (path.parent / metadata["config_file"]).is_file():
-        metadata["config_file"] = None  # the run failed before writing it
-    try:
-        _write(path, metadata)
-    except OSError as error:
-        log.warning("could not update %s: %r", path, error)
+
+    def change(metadata: dict[str, Any], path: Path) -> None:
+        metadata["outcome"] = outcome
+        metadata["end_time"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        metadata.update(details)
+        if metadata.get("config_file") and not (path.parent / metadata["config_file"]).is_file():
+            metadata["config_file"] = None  # the run failed before writing it
+
+    _update(run_dir, runtime, change)

@@ -2,6 +2,7 @@
 
     fntrain run tiny_gpt --run-dir runs/tiny --train.train-iters 200
     python -m recipes.tiny_gpt --help
+    fntrain tokenize my_corpus.txt --output shards && fntrain run tiny_gpt --data.shards shards
 
 The recipe is a spec: the model, the data and the defaults. fntrain.job runs it (runtime, hooks,
 checkpoints, evaluation, export). Copy it with `fntrain cp tiny_gpt my_gpt.py` to make it your own.
@@ -9,7 +10,7 @@ checkpoints, evaluation, export). Copy it with `fntrain cp tiny_gpt my_gpt.py` t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,10 @@ import torch.nn.functional as F
 
 from fntrain.config import require_float, require_int, require_str
 from fntrain.data.corpora import corpus_path
+from fntrain.data.shards import INDEX_NAME, TokenWindows, read_index, split_windows
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.job import JobConfig, RecipeSpec, TrainConfig
+from fntrain.models.gpt2 import export_gpt2
 from fntrain.optim import OptimizerConfig, ScheduleConfig
 from fntrain.runtime.materialize import build_seeded_model
 
@@ -42,7 +45,7 @@ class ModelConfig:
     dropout: float = 0.0
     """Dropout probability (0 keeps runs bitwise reproducible across resumes)."""
     vocab_size: int = 256
-    """Byte vocabulary."""
+    """Vocabulary size (bytes); with data.shards, raised to the shards' vocabulary (bytes + EOS: 257)."""
 
     def validate(self, prefix: str = "model") -> None:
         for name in ("context", "n_layer", "n_head", "d_model", "vocab_size"):
@@ -59,7 +62,9 @@ class DataConfig:
     """Where the text comes from and how it is split."""
 
     path: str | None = None
-    """Text file to train on (None: the bundled Shakespeare corpus)."""
+    """Text file to train on (None: the bundled Shakespeare corpus, unless data.shards is set)."""
+    shards: str | None = None
+    """Token-shard directory written by `fntrain tokenize`, read memory-mapped (instead of data.path)."""
     val_fraction: float = 0.02
     """Tail fraction of the corpus held out for validation."""
 
@@ -67,6 +72,11 @@ class DataConfig:
         require_str(f"{prefix}.path", self.path, optional=True, non_empty=True)
         if self.path is not None and not Path(self.path).expanduser().is_file():
             raise FileNotFoundError(f"{prefix}.path {self.path!r} does not exist")
+        require_str(f"{prefix}.shards", self.shards, optional=True, non_empty=True)
+        if self.path is not None and self.shards is not None:
+            raise ValueError(f"{prefix}.path and {prefix}.shards exclude each other: set one of them")
+        if self.shards is not None and not (Path(self.shards).expanduser() / INDEX_NAME).is_file():
+            raise FileNotFoundError(f"{prefix}.shards {self.shards!r} holds no fntrain tokenize output")
         require_float(f"{prefix}.val_fraction", self.val_fraction, min=0.0, max=0.5)
 
 
@@ -191,22 +201,32 @@ def _split_point(corpus_bytes: int, config: Config) -> int:
 
 
 def dataset_sizes(config: Config) -> tuple[int, int]:
-    """(train, validation) sample counts from the corpus file's size alone: what `build_datasets` gives."""
+    """(train, validation) sample counts from the corpus file's size (or the shard index) alone."""
+    if config.data.shards:
+        return tuple(map(len, build_datasets(config)))  # nothing is mapped or read
     size = _corpus(config).stat().st_size
     split = _split_point(size, config)
     return split // config.model.context, (size - split) // config.model.context
 
 
 def build_datasets(config: Config, assets: Any = None) -> tuple[ByteChunks, ByteChunks]:
-    """(train, validation): the corpus as bytes, its tail `val_fraction` held out."""
+    """(train, validation): the corpus as bytes (or the shards' token windows), its tail held out."""
+    if config.data.shards:
+        return split_windows(TokenWindows(config.data.shards, config.model.context), config.data.val_fraction)
     raw = torch.frombuffer(bytearray(_corpus(config).read_bytes()), dtype=torch.uint8)
     split = _split_point(len(raw), config)
     return ByteChunks(raw[:split], config.model.context), ByteChunks(raw[split:], config.model.context)
 
 
+def model_config(config: Config) -> ModelConfig:
+    """The model's shape, its vocabulary raised to the one of data.shards."""
+    vocab = read_index(config.data.shards).vocab_size if config.data.shards else None
+    return replace(config.model, vocab_size=max(config.model.vocab_size, vocab or 0))
+
+
 def build_model(config: Config, runtime: Any) -> nn.Module:
     """The GPT initialised from the seed and parallelized (eagerly, or on meta with parallel.meta_init)."""
-    factory = lambda: TinyGPT(config.model)  # noqa: E731
+    factory = lambda: TinyGPT(model_config(config))  # noqa: E731
     return build_seeded_model(factory, runtime, config.parallel, seed=config.seed, post_init=TinyGPT._init)
 
 
@@ -214,8 +234,14 @@ spec = RecipeSpec(
     config=Config,
     build_model=build_model,
     build_datasets=build_datasets,
-    model_factory=lambda config: TinyGPT(config.model),
+    model_factory=lambda config: TinyGPT(model_config(config)),
     dataset_sizes=dataset_sizes,
+    export=lambda config, built, state: export_gpt2(  # <run_dir>/hf_model: a transformers GPT-2
+        built.components.model,
+        built.run_dir / "hf_model",
+        model_config(config),
+        eos_id=read_index(config.data.shards).eos_id if config.data.shards else None,
+    ),
 )
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from fntrain.config import require_int, require_str
 from fntrain.data.sft import read_jsonl
@@ -65,6 +65,8 @@ class Config(JobConfig):
     """Tokens generated greedily per held-out question for val_accuracy (0: no accuracy)."""
     model: VLMModelConfig = field(default_factory=VLMModelConfig)
     data: VLMDataConfig = field(default_factory=VLMDataConfig)
+
+    FREE_FIELDS: ClassVar[tuple[str, ...]] = (*JobConfig.FREE_FIELDS, "output_dir", "answer_tokens", "model.cache_dir")
 
     def validate(self) -> None:
         super().validate()

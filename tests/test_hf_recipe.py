@@ -294,7 +294,8 @@ def test_two_rank_fsdp2_lora_saves_a_loadable_adapter(tiny_hf_model, tmp_path, m
 
     adapter = load_file(out / "adapter_model.safetensors")
     assert adapter and all("lora_A" in key or "lora_B" in key for key in adapter)
-    assert all(t.shape[0] == 4 for key, t in adapter.items() if "lora_A" in key)  # full [rank, in], not shards
+    # full [rank, in] tensors, not shards
+    assert all(t.shape[0] == 4 for key, t in adapter.items() if "lora_A" in key)
     assert any(t.abs().sum() > 0 for key, t in adapter.items() if "lora_B" in key)
     base = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
     PeftModel.from_pretrained(base, out, local_files_only=True)

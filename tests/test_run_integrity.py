@@ -222,7 +222,7 @@ def test_a_finished_run_says_so_and_every_run_ends_with_a_summary(tmp_path):
     assert first.returncode == 0
     summary = [line for line in first.stderr.splitlines() if "run completed at step 6" in line]
     assert len(summary) == 1 and "tokens" in summary[0] and "final loss" in summary[0]
-    assert f"weights in {run_dir / 'model.safetensors'}" in summary[0]
+    assert f"weights in {run_dir / 'hf_model'}, {run_dir / 'model.safetensors'}" in summary[0]
     again = fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest")
     assert again.returncode == 0 and "run already complete at step 6; nothing to do" in again.stderr
     assert not (run_dir / "metrics.superseded.jsonl").exists()

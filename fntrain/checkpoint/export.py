@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from fntrain.checkpoint import _dist
 
-__all__ = ["export_safetensors"]
+__all__ = ["export_safetensors", "set_usual_mode"]
 
 
 def export_safetensors(
@@ -52,9 +52,15 @@ def export_safetensors(
     if metadata is not None:
         header["fntrain"] = json.dumps(dict(metadata), sort_keys=True)
     save_file(tensors, str(tmp), metadata=header)
-    os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates 0600 files; give the usual permissions
+    set_usual_mode(tmp)
     os.replace(tmp, path)
     return path
+
+
+def set_usual_mode(path: str | os.PathLike) -> None:
+    """Give a written file the mode `open` would have given it (0666 less the umask: 0644 usually):
+    safetensors' `save_file` creates 0600 files, unlike every other file a run writes."""
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def _umask() -> int:

@@ -54,7 +54,7 @@ from typing import Any, Literal
 import torch
 
 from fntrain.checkpoint import _dist
-from fntrain.checkpoint.export import _umask
+from fntrain.checkpoint.export import _umask, set_usual_mode
 from fntrain.checkpoint.hf_load import set_offline
 from fntrain.checkpoint.layout import step_dir, step_of, write_json_atomic, write_latest, write_marker
 from fntrain.checkpoint.verify import write_manifest
@@ -341,6 +341,7 @@ def _write_weight_files(
             if tensor.is_floating_point():
                 dtypes.add(tensor.dtype)
         save_file(tensors, str(out / file), metadata={"format": "pt"})
+        set_usual_mode(out / file)  # save_file makes 0600 files; the rest of the export is 0644
         del loaded, tensors
     if len(files) > 1:
         total = sum(_tensor_nbytes(entries[key], dtype) for key in keys)

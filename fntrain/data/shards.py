@@ -49,6 +49,7 @@ __all__ = [
     "TokenShards",
     "open_shards",
     "TokenWindows",
+    "split_windows",
     "TokenDocuments",
 ]
 
@@ -415,6 +416,16 @@ class TokenWindows(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, torch.Tensor]]:
         return [self[i] for i in indices]
+
+
+def split_windows(windows: TokenWindows, val_fraction: float) -> tuple[Any, Any]:
+    """(train, validation) map-style datasets: the first windows, and the tail `val_fraction` of them
+    (the held-out tail of the corpus, as a recipe holds out the tail of a text file)."""
+    split = int(len(windows) * (1.0 - val_fraction))
+    return (
+        torch.utils.data.Subset(windows, range(split)),
+        torch.utils.data.Subset(windows, range(split, len(windows))),
+    )
 
 
 class TokenDocuments(torch.utils.data.Dataset):

@@ -94,8 +94,7 @@ class CheckpointConfig:
     restore_from: str = "none"
     """none; auto (latest if one exists, else a quiet fresh start: for restarts); latest (warns if none); or a path."""
     allow_changes: tuple[str, ...] = ()
-    """Config fields a resumed run may change although they change its numbers (e.g. train.train_iters
-    to extend a run); each change is logged and recorded in run_metadata.json."""
+    """Fields a resume may change although they change the numbers (e.g. train.train_iters); logged."""
     weights_only: bool = False
     """Restore the model weights only: fresh optimizer, schedule, RNG, and step 0."""
     export: bool = True

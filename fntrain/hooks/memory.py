@@ -81,8 +81,7 @@ class MemoryConfig:
     max_entries: int | None = None
     """Most alloc/free events kept (a ring buffer; several KB each); None = unbounded."""
     mem_info: bool = False
-    """Log peak reserved/allocated memory at every control point, then reset the peaks, and the memory in
-    use after each epoch (CPU: peak RSS)."""
+    """Log peak memory at each control point (then reset the peaks) and after each epoch (CPU: peak RSS)."""
 
     def validate(self, prefix: str = "memory") -> None:
         """Raise `TypeError` / `ValueError` naming the dotted field; touches no device."""

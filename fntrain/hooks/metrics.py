@@ -74,17 +74,17 @@ class MetricsConfig:
     tensorboard_dir: str | None = None
     """TensorBoard log directory (None: <run_dir>/tensorboard)."""
     wandb: bool = False
-    """Also log to Weights & Biases (install the `wandb` extra)."""
+    """Also log to Weights & Biases (extra: fntrain[wandb])."""
     wandb_project: str = "fntrain"
     """W&B project name."""
     wandb_entity: str | None = None
     """W&B team or user (None: your default entity)."""
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    """W&B mode; offline runs are written under <run_dir>/wandb (upload with `wandb sync`)."""
+    """offline writes <run_dir>/wandb (upload it with `wandb sync`)."""
     mlflow: bool = False
-    """Also log to MLflow (install the `mlflow` extra)."""
+    """Also log to MLflow (extra: fntrain[mlflow])."""
     mlflow_tracking_uri: str | None = None
-    """MLflow tracking URI (None: the SQLite database sqlite:///<run_dir>/mlflow.db)."""
+    """MLflow tracking URI; None: sqlite:///<run_dir>/mlflow.db."""
     mlflow_experiment: str = "fntrain"
     """MLflow experiment name (created if missing)."""
     run_name: str | None = None
@@ -248,7 +248,8 @@ class TensorBoardSink:
 class WandbSink:
     """A Weights & Biases run: metrics by step (epoch included), config, tags (`key=value` or a label)
     and summary. `mode="offline"` needs no network and writes under `<dir>/wandb`. Closing finishes the
-    run; a later call resumes the same run id (offline: a second run directory that `wandb sync` merges).
+    run; a record after that starts a new run, and a summary after that is dropped (reopening a finished
+    offline run could overwrite its directory), so the run's summary is the one `MetricsLog.stop` sends.
     """
 
     def __init__(self, *, project: str, entity: str | None, name: str | None, mode: str, dir: Path) -> None:
@@ -267,8 +268,6 @@ class WandbSink:
                 name=self.name,
                 dir=str(self.dir),
                 mode=self.mode,
-                id=self.run_id,
-                resume="allow" if self.run_id else None,
                 reinit="create_new",
                 settings=wandb.Settings(console="off", silent=True),
             )
@@ -286,6 +285,11 @@ class WandbSink:
         run.tags = tuple(dict.fromkeys([*run.tags, *labels]))
 
     def summary(self, values: Mapping[str, Any]) -> None:
+        if self._run is None and self.run_id is not None:
+            log.debug(
+                "metrics: wandb run %s already finished; summary %s not logged", self.run_id, list(values)
+            )
+            return
         self._open().summary.update(dict(values))
 
     def close(self) -> None:
@@ -453,7 +457,7 @@ class MetricsLog:
 
     def summary(self, values: Mapping[str, Any]) -> None:
         """Send a run summary (e.g. the job's outcome, wall time, exported paths) to every sink (rank 0);
-        after `stop()` a tracker logs it to the same run again and is closed once more."""
+        after `stop()`, MLflow logs it to the same, ended run (and W&B drops it: see `WandbSink`)."""
         if not self.enabled or not values:
             return
         for sink in self.sinks:
@@ -584,8 +588,10 @@ def metrics_log(
 def _require_package(field_name: str, package: str, install: str) -> None:
     """An `ImportError` naming the flag when `package` cannot be imported (found without importing it)."""
     import importlib.util
+    import sys
 
-    if importlib.util.find_spec(package) is None:
+    found = sys.modules[package] is not None if package in sys.modules else importlib.util.find_spec(package)
+    if not found:
         raise ImportError(
             f"{field_name}=True needs the {package} package, which is not installed; "
             f"install it ({install}) or set {field_name}=False"

@@ -77,14 +77,11 @@ class ProfilerConfig:
     stop_step: int = 10
     """Last step of this run to record; the trace is written after it (< 1 becomes 10)."""
     start_on_init: bool = False
-    """Start recording at TRAIN_BEGIN, so the trace also holds the init phase (the work of later hooks
-    at TRAIN_BEGIN and the first batch fetch, inside ProfilerStep#1); needs start_step 1, otherwise it
-    is turned off with a warning."""
+    """Start recording at TRAIN_BEGIN to trace the init phase too (needs start_step 1, else ignored)."""
     memory: bool = True
     """Record tensor allocations (profile_memory)."""
     rank_ids: list[int] | None = None
-    """Global ranks to profile; with pipeline_stage_leaders, the union. None or empty (and no leaders):
-    every rank."""
+    """Global ranks to profile, with the pipeline stage leaders if set; None or empty: every rank."""
     pipeline_stage_leaders: bool = False
     """Also profile the first rank of each pipeline stage (ranks s * world_size / pp_size)."""
     output_path: str | None = None
@@ -96,8 +93,7 @@ class ProfilerConfig:
     data_simplification: bool = False
     """NPU: drop intermediate raw data after export."""
     mstx: bool = False
-    """NPU: collect mstx ranges and mark each profiled step with a range "step <N>", N the global step
-    the step produces (the global_step its STEP_END sees)."""
+    """NPU: collect mstx ranges and mark each profiled step as a range "step <global_step>"."""
     record_shapes: bool = False
     """Record operator input shapes."""
 

@@ -1,4 +1,4 @@
-"""Progress bar [S31]: a tqdm bar on rank 0, advanced every step, its postfix refreshed on logging steps.
+"""Progress bar: a tqdm bar on rank 0, advanced every step, its postfix refreshed on logging steps.
 
 The bar counts optimizer steps of the whole run: total = `train_iters`, initial = the global step the run
 starts from (a resumed run starts part-way). Its postfix (loss, grad_norm, lr, tokens/s, step time) comes
@@ -8,11 +8,16 @@ one and reads nothing from the device. The bar opens at TRAIN_BEGIN and closes o
 ABORT. tqdm is imported when the hook is built on rank 0, never by `import fntrain`; without tqdm the hook
 warns once and shows no bar. While the bar is open, log records are routed through `tqdm.write` so they
 do not break it.
+
+Without a terminal (stderr redirected to a file or a pipe) there is no bar: the metrics hook's log lines,
+every `log_every` steps, tell the progress instead of a bar redrawn between them. The progress bars of
+other libraries (transformers, HF datasets and hub) follow `progress.enabled`, for those already imported.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,7 +29,7 @@ from fntrain.loop import Event, Hook
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
 
-__all__ = ["ProgressConfig", "progress_hook", "format_postfix"]
+__all__ = ["ProgressConfig", "progress_hook", "format_postfix", "set_library_progress_bars"]
 
 log = logging.getLogger("fntrain.hooks.progress")
 
@@ -34,7 +39,7 @@ class ProgressConfig:
     """The progress bar (rank 0)."""
 
     enabled: bool = True
-    """Show a tqdm progress bar of the run's optimizer steps."""
+    """Progress bar on a terminal; off also turns off the transformers / HF datasets / hub bars."""
     mininterval: float = 0.5
     """Least seconds between two redraws of the bar."""
     leave: bool = True
@@ -85,13 +90,17 @@ def progress_hook(
 
     The postfix is refreshed from `board.last` on the steps the metrics hook logged; without a board, on
     every `log_every`-th step from the step's own metrics (rank 0's values, read on those steps only).
-    `file` is where the bar is drawn (None: stderr).
+    `file` is where the bar is drawn (None: stderr, and then only when stderr is a terminal). Turns the
+    third-party progress bars on or off with `config.enabled` (see `set_library_progress_bars`).
     """
     config.validate()
     require_int("total", total, min=1)
     require_int("log_every", log_every, min=0)
+    set_library_progress_bars(config.enabled)
     if not config.enabled or runtime.rank != 0:
         return _inactive
+    if file is None and not _stderr_is_terminal():
+        return _inactive  # the periodic metrics log lines stand in for the bar
     try:
         from tqdm import tqdm
     except ImportError:
@@ -133,6 +142,41 @@ def progress_hook(
             _close(memory)
 
     return progress
+
+
+def _stderr_is_terminal() -> bool:
+    isatty = getattr(sys.stderr, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except (ValueError, OSError):  # a closed or detached stream
+        return False
+
+
+def set_library_progress_bars(enabled: bool) -> list[str]:
+    """Turn the progress bars of transformers, HF datasets and huggingface_hub on or off, for those
+    already imported (none is imported here); returns the names of the libraries set."""
+    switches = (
+        ("transformers", "transformers.utils.logging", "enable_progress_bar", "disable_progress_bar"),
+        ("datasets", "datasets.utils", "enable_progress_bars", "disable_progress_bars"),
+        ("huggingface_hub", "huggingface_hub.utils", "enable_progress_bars", "disable_progress_bars"),
+    )
+    done = []
+    for package, module_name, enable, disable in switches:
+        if sys.modules.get(package) is None:
+            continue
+        module = sys.modules.get(module_name)
+        if module is None:
+            try:  # a submodule of a package already imported: cheap
+                import importlib
+
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+        switch = getattr(module, enable if enabled else disable, None)
+        if switch is not None:
+            switch()
+            done.append(package)
+    return done
 
 
 @dataclass(slots=True)

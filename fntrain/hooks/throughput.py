@@ -108,8 +108,7 @@ class ThroughputConfig:
     enabled: bool = True
     """Report throughput on logging steps (off: the hook does nothing and keeps no counts)."""
     flops_per_token: float | None = None
-    """Training FLOPs (forward + backward) per token, given analytically; None: measured once with
-    FlopCounterMode on a meta copy of the model when the recipe offers one (see measure_flops)."""
+    """Training FLOPs (forward + backward) per token; None: measured on a meta copy (measure_flops)."""
     measure_flops: bool = True
     """Measure FLOPs per token at the start of training when flops_per_token is not given."""
     peak_tflops: float | None = None

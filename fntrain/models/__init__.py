@@ -1,10 +1,12 @@
-"""Model-family glue: Hugging Face loading and saving (`fntrain.models.hf`), image-text-to-text models
-and the tiny built-in LLaVA (`fntrain.models.vlm`).
+"""Model-family glue: Hugging Face loading and saving (`fntrain.models.hf`), LoRA through peft
+(`fntrain.models.lora`), the tiny GPT saved as a Hugging Face GPT-2 (`fntrain.models.gpt2`),
+image-text-to-text models and the tiny built-in LLaVA (`fntrain.models.vlm`).
 
-transformers (the `hf` extra) is imported only when a function needs it, so importing this package
-costs nothing without it.
+transformers and peft (the `hf` and `lora` extras) are imported only when a function needs them, so
+importing this package costs nothing without them.
 """
 
+from fntrain.models.gpt2 import export_gpt2
 from fntrain.models.hf import (
     AssetsConfig,
     HFModelConfig,
@@ -16,6 +18,7 @@ from fntrain.models.hf import (
     save_hf_model,
     unwrap,
 )
+from fntrain.models.lora import LoraConfig, apply_lora, save_adapter_or_merged
 from fntrain.models.vlm import (
     TinyLlavaConfig,
     VLMModelConfig,
@@ -38,6 +41,10 @@ __all__ = [
     "unwrap",
     "save_hf_model",
     "hf_flops_per_token",
+    "LoraConfig",
+    "apply_lora",
+    "save_adapter_or_merged",
+    "export_gpt2",
     "VLMModelConfig",
     "TinyLlavaConfig",
     "build_tiny_llava",

@@ -78,13 +78,9 @@ class ParallelConfig:
     ep_size: int = 1
     """Expert-parallel degree (only 1 is supported yet)."""
     replicate: int = 1
-    """fsdp2: HSDP replica groups. R > 1 lays the data-parallel ranks out as a 2-D mesh (R replicas x
-    dp/R shards, e.g. R = nodes): weights are sharded within a replica and gradients all-reduced across
-    replicas. Must divide the data-parallel size."""
+    """fsdp2: HSDP replica groups R (e.g. nodes), sharded within one, all-reduced across; divides dp."""
     meta_init: bool = False
-    """Build the model on the meta device, parallelize it, then allocate only each rank's shards and
-    initialize (seeded, identical to an eager build) or load the weights: no rank holds the full model
-    under fsdp2."""
+    """Build on the meta device, then allocate and initialize only each rank's shards (same weights)."""
 
     def validate(self, prefix: str = "parallel") -> None:
         require_choice(f"{prefix}.strategy", self.strategy, STRATEGIES)

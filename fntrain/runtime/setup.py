@@ -8,7 +8,7 @@ set the device -> init the process group (backend + timeout) -> DeviceMesh -> se
 block normally: device synchronize, barrier, destroy the process group (destroyed even when the
 barrier fails, whose error is then re-raised). When the block raises, ranks are out of step, so no
 barrier is attempted: the group is destroyed and the original exception propagates unchanged.
-Global flags the runtime changed (determinism, TF32) are restored on exit.
+Global flags the runtime changed (determinism, TF32, torch's CPU threads) are restored on exit.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ __all__ = [
     "setup_runtime",
     "teardown_runtime",
     "seed_everything",
+    "choose_cpu_threads",
 ]
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class RuntimeConfig:
     """Collective timeout in seconds: a rank waiting longer than this for its peers fails."""
     tf32: bool = True
     """Allow TF32 (cuda) / HF32 (npu) for fp32 matmuls and convolutions: faster, ~10-bit mantissa."""
+    cpu_threads: int = 0
+    """torch CPU threads per process: 0 = automatic: OMP_NUM_THREADS when set, else the cores available to this process divided by the local ranks (torchrun's LOCAL_WORLD_SIZE)."""
 
     def validate(self, prefix: str = "runtime") -> None:
         require_choice(f"{prefix}.device", self.device, ("cpu", "cuda", "npu", "auto"))
@@ -70,6 +73,7 @@ class RuntimeConfig:
             require_choice(f"{prefix}.backend", self.backend, BACKENDS)
         require_float(f"{prefix}.timeout_s", self.timeout_s, min=0.0, min_exclusive=True)
         require_bool(f"{prefix}.tf32", self.tf32)
+        require_int(f"{prefix}.cpu_threads", self.cpu_threads, min=0)
 
 
 @dataclass(frozen=True)
@@ -153,12 +157,45 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def _available_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota when one is set."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as handle:
+            quota, period = handle.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def choose_cpu_threads(
+    cpu_threads: int, env: Mapping[str, str] | None = None, available_cores: int | None = None
+) -> int:
+    """torch's CPU threads for this process: `cpu_threads` when positive; else OMP_NUM_THREADS when set,
+    else the available cores divided by the local ranks (LOCAL_WORLD_SIZE), at least 1.
+
+    torch's own default is one thread per core of the machine whatever else runs on it, and its OpenMP
+    threads spin against each other when ranks or other processes share the cores (bench/RESULTS.md).
+    """
+    if cpu_threads > 0:
+        return cpu_threads
+    env = os.environ if env is None else env
+    from_env = _env_int(env, "OMP_NUM_THREADS", 0)
+    if from_env > 0:
+        return from_env
+    cores = _available_cores() if available_cores is None else available_cores
+    return max(1, cores // max(1, _env_int(env, "LOCAL_WORLD_SIZE", 1)))
+
+
 def _global_flags() -> dict[str, Any]:
     return {
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
         "cudnn.deterministic": torch.backends.cudnn.deterministic,
         "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "cpu_threads": torch.get_num_threads(),
         "env": {name: os.environ.get(name) for name in ("CUBLAS_WORKSPACE_CONFIG", "HCCL_DETERMINISTIC")},
     }
 
@@ -172,6 +209,8 @@ def _restore_global_flags(flags: dict[str, Any]) -> None:
         torch.use_deterministic_algorithms(flags["deterministic"], warn_only=flags["warn_only"])
     torch.backends.cudnn.deterministic = flags["cudnn.deterministic"]
     torch.backends.cudnn.benchmark = flags["cudnn.benchmark"]
+    if torch.get_num_threads() != flags["cpu_threads"]:
+        torch.set_num_threads(flags["cpu_threads"])
     for name, value in flags["env"].items():
         if value is None:
             os.environ.pop(name, None)
@@ -332,7 +371,7 @@ def setup_runtime(
     owns_group = False
     runtime = Runtime(device=device, seed=seed)
     try:
-        precision_flags = _set_process_flags(config, device_type, seed)
+        precision_flags = _set_process_flags(config, device_type, seed, env)
         devices.set_device(device)
         owns_group = _join_process_group(launch, backend, config.timeout_s, device)
         runtime = _make_runtime(config, parallel, launch, sizes, device, backend, owns_group, seed)
@@ -352,12 +391,17 @@ def setup_runtime(
         devices.restore_precision_flags(device_type, precision_flags)
 
 
-def _set_process_flags(config: RuntimeConfig, device_type: str, seed: int) -> dict[str, bool]:
-    """Determinism and seeds [S2] [S3], then the precision flags; returns the precision flags' previous
+def _set_process_flags(
+    config: RuntimeConfig, device_type: str, seed: int, env: Mapping[str, str] | None = None
+) -> dict[str, bool]:
+    """Determinism and seeds [S2] [S3], torch's CPU threads (`choose_cpu_threads`), then the precision flags; returns the precision flags' previous
     values (for `devices.restore_precision_flags`)."""
     if config.deterministic and device_type == "npu":
         os.environ.setdefault("HCCL_DETERMINISTIC", "true")  # read when HCCL initialises
     seed_everything(seed, config.deterministic)
+    threads = choose_cpu_threads(config.cpu_threads, env)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     return devices.set_precision_flags(device_type, config.tf32)
 
 

@@ -232,9 +232,10 @@ def test_resharding_two_ranks_to_one(tmp_path, corpus):
     assert not (one / "checkpoints").exists()
 
     on = tmp_path / "on"
-    finish(launch(on, "none", fsdp_args(STEPS, str(checkpoint), "none", 0.0), corpus), killed=False)
+    longer = ["--checkpoint.allow-changes", "train.train_iters"]  # both runs go on past step 8
+    finish(launch(on, "none", [*fsdp_args(STEPS, str(checkpoint), "none", 0.0), *longer], corpus), killed=False)
     # The 2-rank run goes on from step 8 too.
-    finish(launch(two, "none", fsdp_args(STEPS, dropout=0.0), corpus, ranks=2), killed=False)
+    finish(launch(two, "none", [*fsdp_args(STEPS, dropout=0.0), *longer], corpus, ranks=2), killed=False)
     want, got = weights(two), weights(on)
     assert all(torch.allclose(want[k], got[k], rtol=1e-4, atol=1e-5) for k in want)
     assert min(step for step, _ in losses(on)) == 9

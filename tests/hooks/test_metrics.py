@@ -63,7 +63,7 @@ def test_logs_every_n_steps_and_the_last_step_to_logger_and_jsonl(tmp_path, capl
     with caplog.at_level(logging.INFO, logger="fntrain.metrics"):
         run_steps(hook, 5)
     lines = [r.getMessage() for r in caplog.records if r.name == "fntrain.metrics"]
-    assert lines == [f"step={s} epoch=0 grad_norm=0.75 loss=2.5 lr=0.0003" for s in (2, 4, 5)]
+    assert lines == [f"step={s} epoch=0 grad_norm=0.75 loss=2.5 lr=3.000e-04" for s in (2, 4, 5)]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 5]
     assert records[0] == {"step": 2, "epoch": 0, "attempt": 0, "grad_norm": 0.75, "loss": 2.5, "lr": 0.0003}

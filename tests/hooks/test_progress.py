@@ -1,17 +1,20 @@
-"""Progress bar [S31]: rank 0 only, total/initial, advanced every step, postfix on logging steps, one close."""
+"""Progress bar: rank 0 only, total/initial, advanced every step, postfix on logging steps, one close; no bar
+without a terminal; other libraries' bars follow progress.enabled."""
 
 from __future__ import annotations
 
 import io
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 import tqdm as tqdm_module
 
+from fntrain.hooks import progress as progress_module
 from fntrain.hooks.metrics import MetricBoard
-from fntrain.hooks.progress import ProgressConfig, format_postfix, progress_hook
+from fntrain.hooks.progress import ProgressConfig, format_postfix, progress_hook, set_library_progress_bars
 from fntrain.loop import Event, StepInfo
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
@@ -49,6 +52,7 @@ class FakeBar:
 def fake_tqdm(monkeypatch):
     FakeBar.instances = []
     monkeypatch.setattr(tqdm_module, "tqdm", FakeBar)
+    monkeypatch.setattr(progress_module, "_stderr_is_terminal", lambda: True)  # as in a terminal
     return FakeBar
 
 
@@ -145,6 +149,7 @@ def test_other_ranks_and_disabled_show_no_bar(fake_tqdm):
 
 def test_missing_tqdm_warns_once_and_shows_no_bar(monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setattr(progress_module, "_stderr_is_terminal", lambda: True)
     with pytest.warns(UserWarning, match="tqdm is not installed") as caught:
         hook = progress_hook(ProgressConfig(), Runtime(), total=3)
     assert len(caught) == 1
@@ -182,6 +187,61 @@ def test_console_log_handlers_go_through_tqdm_while_the_bar_is_open():
         assert not any("Tqdm" in type(handler).__name__ for handler in root.handlers)
     finally:
         root.removeHandler(console)
+
+
+def test_no_bar_when_stderr_is_not_a_terminal(monkeypatch):
+    FakeBar.instances = []
+    monkeypatch.setattr(tqdm_module, "tqdm", FakeBar)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # redirected: a file, not a terminal
+    hook = progress_hook(ProgressConfig(), Runtime(), total=3, board=MetricBoard())
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    hook(Event.STEP_END, state_at(1), step_info())
+    hook(Event.TRAIN_END, state_at(1), None)
+    assert FakeBar.instances == [] and sys.stderr.getvalue() == ""
+
+
+def test_redirected_run_has_log_lines_and_no_bar_redraws(tmp_path):
+    # a real tqdm in a child process whose stderr is a file: the metrics lines only, no carriage returns
+    code = (
+        "import logging, sys, torch\n"
+        "from fntrain.hooks.metrics import MetricBoard, MetricsConfig, metrics_hook, metrics_log\n"
+        "from fntrain.hooks.progress import ProgressConfig, progress_hook\n"
+        "from fntrain.loop import Event, StepInfo\n"
+        "from fntrain.runtime.runtime import Runtime\n"
+        "from fntrain.state import TrainState\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stderr, format='%(message)s')\n"
+        "board, runtime = MetricBoard(), Runtime()\n"
+        f"writer = metrics_log(MetricsConfig(jsonl=False), runtime, {str(tmp_path)!r})\n"
+        "hooks = [metrics_hook(runtime, log_every=5, writer=writer, board=board),\n"
+        "         progress_hook(ProgressConfig(mininterval=0.0), runtime, total=20, board=board)]\n"
+        "for hook in hooks: hook(Event.TRAIN_BEGIN, TrainState(), None)\n"
+        "for step in range(1, 21):\n"
+        "    info = StepInfo({'loss': torch.tensor(2.0), 'lr': 1e-3}, 10, 1, 0.1)\n"
+        "    for hook in hooks: hook(Event.STEP_END, TrainState(global_step=step, cursor=step), info)\n"
+        "for hook in hooks: hook(Event.TRAIN_END, TrainState(global_step=20, cursor=20), None)\n"
+    )
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as stream:
+        subprocess.run([sys.executable, "-c", code], check=True, stderr=stream)
+    text = err.read_text()
+    assert "\r" not in text and "it/s" not in text and "step/s" not in text
+    assert text.splitlines() == [f"step={s} epoch=0 loss=2 lr=1.000e-03" for s in (5, 10, 15, 20)]
+
+
+def test_library_progress_bars_follow_enabled_for_imported_libraries_only(monkeypatch):
+    calls = []
+    fake = types.ModuleType("transformers")
+    fake_logging = types.ModuleType("transformers.utils.logging")
+    fake_logging.enable_progress_bar = lambda: calls.append("on")
+    fake_logging.disable_progress_bar = lambda: calls.append("off")
+    monkeypatch.setitem(sys.modules, "transformers", fake)
+    monkeypatch.setitem(sys.modules, "transformers.utils.logging", fake_logging)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed / not imported
+    monkeypatch.delitem(sys.modules, "huggingface_hub", raising=False)
+    progress_hook(ProgressConfig(enabled=False), Runtime(), total=3)
+    assert calls == ["off"]
+    assert set_library_progress_bars(True) == ["transformers"] and calls == ["off", "on"]
+    assert "huggingface_hub" not in sys.modules  # never imported just for this
 
 
 def test_format_postfix_skips_absent_metrics():

@@ -47,8 +47,12 @@ def test_missing_peft_is_a_setting_error(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
-    with pytest.raises(ValueError, match=r"lora.rank 4 needs the peft library: pip install 'fntrain\[lora\]'"):
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a)
+    )
+    with pytest.raises(
+        ValueError, match=r"lora.rank 4 needs the peft library: pip install 'fntrain\[lora\]'"
+    ):
         LoraConfig(rank=4).validate()
     LoraConfig(rank=0).validate()  # off: peft not needed
 
@@ -162,7 +166,9 @@ def test_train_resume_bitwise_and_export_the_adapter(tiny_llama, tmp_path):
     run_job(first, hf.spec)
     resumed_config = dataclasses.replace(
         _config(model_dir, data_path, tmp_path / "resumed", iters=4),
-        checkpoint=dataclasses.replace(first.checkpoint, restore_from="latest", allow_changes=("train.train_iters",)),
+        checkpoint=dataclasses.replace(
+            first.checkpoint, restore_from="latest", allow_changes=("train.train_iters",)
+        ),
     )
     spec_resumed = dataclasses.replace(hf.spec, export=lambda c, built, s: captured.update(resumed=built.components.model)
                                        or hf.export(c, built, s))  # fmt: skip
@@ -174,7 +180,9 @@ def test_train_resume_bitwise_and_export_the_adapter(tiny_llama, tmp_path):
 
     # The adapter export: PEFT layout, loadable by peft and by transformers (with peft installed).
     out = tmp_path / "straight" / "hf_model"
-    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()
+    }
     saved = load_file(out / "adapter_model.safetensors")
     assert saved and all("lora_" in key for key in saved)
     ids = torch.tensor([[1, 5, 9, 23, 42, 7]])

@@ -1,0 +1,49 @@
+"""The console: no rank prefix in a single process, `[rank r]` under a multi-process launch."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from fntrain.logs import launch_world_size, setup_console_logging
+
+
+@pytest.fixture
+def root_logger():
+    root = logging.getLogger()
+    saved = (root.level, list(root.handlers))
+    yield root
+    for handler in list(root.handlers):
+        if handler not in saved[1]:
+            root.removeHandler(handler)
+    root.setLevel(saved[0])
+    logging.captureWarnings(False)
+
+
+def record(message: str) -> logging.LogRecord:
+    return logging.getLogger("fntrain.metrics").makeRecord(
+        "fntrain.metrics", logging.INFO, __file__, 1, message, (), None
+    )
+
+
+def test_single_process_console_has_no_rank_prefix(root_logger, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    handler = setup_console_logging()
+    text = handler.format(record("step=1 epoch=0 loss=2.073\nsecond"))
+    assert "[rank" not in text and text.endswith("fntrain.metrics INFO step=1 epoch=0 loss=2.073\nsecond")
+
+
+def test_torchrun_console_keeps_the_rank_prefix(root_logger, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert launch_world_size() == 2
+    handler = setup_console_logging()
+    lines = handler.format(record("a\nb")).split("\n")
+    assert all(line.startswith("[rank 0] ") for line in lines)
+
+
+def test_world_size_defaults_to_one():
+    assert launch_world_size({}) == 1 and launch_world_size({"WORLD_SIZE": "x"}) == 1
+    assert launch_world_size({"WORLD_SIZE": "4"}) == 4
