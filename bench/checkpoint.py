@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from bench.harness import Row, append_results, format_table, interleave, ratio_row
+from bench.harness import Row, append_results, format_table, interleave, paired_ratio_row, ratio_row
 from fntrain.checkpoint import make_stager, save, save_async
 from fntrain.checkpoint.verify import build_manifest
 from fntrain.components import Components
@@ -114,7 +114,6 @@ def run(quick: bool, device: str = "cpu") -> list[Row]:
             {"dcp": dcp_sync, "torch.save": torch_sync, "async": dcp_async},
             repeats=repeats,
             warmup=1,
-            aa="dcp",
         )
     finally:
         stager.close()
@@ -126,13 +125,14 @@ def run(quick: bool, device: str = "cpu") -> list[Row]:
     summed = sorted(manifest_s[-repeats:])[len(manifest_s[-repeats:]) // 2]
     size_mb = saved_bytes[-1] / 1e6
     return [
-        ratio_row(
+        paired_ratio_row(
             f"checkpoint sync save ({label})",
-            sync,
-            timing.median("torch.save"),
+            timing,
+            "dcp",
+            "torch.save",
             unit="s",
+            scale=1.0,
             goal_ratio=None,
-            noise=timing.noise,
             note="fntrain save (DCP + JSON + marker + latest, fsynced) vs torch.save of the same state dict "
             "to one fsynced file; the baseline writes one stream, DCP writes per-rank files and metadata.",
         ),

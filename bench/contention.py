@@ -4,7 +4,8 @@ settings, each in a fresh subprocess (OpenMP reads its environment once, at star
     python -m bench.contention [--quick] [--json FILE]
 
 Settings: torch's default (one thread per core), the runtime's automatic choice (`cpu_threads=0`),
-threads = the cores left free by the competitor, and OMP_WAIT_POLICY=passive with the default threads.
+threads = the cores left free by the competitor, one thread, and OMP_WAIT_POLICY=passive (threads asleep
+rather than spinning while they wait) with the default and the automatic threads.
 The competitor is a pure-Python busy loop started and stopped here, bounded in time whatever happens.
 Not part of `python -m bench`: its figures are about load, not about fntrain against a baseline.
 """
@@ -64,7 +65,9 @@ SETTINGS = {
     "torch default threads": ({}, ["--threads", "0"]),
     "automatic (cpu_threads=0)": ({}, ["--automatic"]),
     "threads = free cores": ({}, ["--threads", "free"]),
+    "one thread": ({}, ["--threads", "1"]),
     "default threads, OMP_WAIT_POLICY=passive": ({"OMP_WAIT_POLICY": "passive"}, ["--threads", "0"]),
+    "automatic, OMP_WAIT_POLICY=passive": ({"OMP_WAIT_POLICY": "passive"}, ["--automatic"]),
 }
 
 
@@ -90,10 +93,12 @@ def measure(steps: int, busy: int, env: dict[str, str], args: list[str], timeout
             process.wait()
 
 
-def run_all(quick: bool) -> list[dict]:
+def run_all(quick: bool, only: str = "") -> list[dict]:
     steps = 3 if quick else 8
     results = []
     for name, (env, args) in SETTINGS.items():
+        if only and name not in only.split(";"):
+            continue
         for busy in (0, 1):
             result = measure(steps, busy, env, args)
             results.append({"setting": name, "busy": busy, **result})
@@ -104,7 +109,7 @@ def run_all(quick: bool) -> list[dict]:
 
 def format_table(results: list[dict]) -> str:
     lines = ["| setting | threads (idle / 1 busy) | step, idle | step, 1 busy process | slowdown |", "|---|---|---|---|---|"]
-    for name in SETTINGS:
+    for name in dict.fromkeys(r["setting"] for r in results):
         idle = next(r for r in results if r["setting"] == name and r["busy"] == 0)
         busy = next(r for r in results if r["setting"] == name and r["busy"] == 1)
         lines.append(
@@ -118,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default="")
+    parser.add_argument("--only", default="", help="settings to run, separated by ';'")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
@@ -126,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args.steps, args.threads, args.automatic)
         return 0
-    results = run_all(args.quick)
+    results = run_all(args.quick, args.only)
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as handle:

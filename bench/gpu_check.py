@@ -1,10 +1,12 @@
-"""GPU checks: one script, one section per capability, for whichever machine with a GPU is available.
+"""GPU checks: one script, one section per capability, for a short slot on a machine with one GPU.
 
-    python -m bench.gpu_check            # every section, prints a short table last (<= 8 minutes)
-    python -m bench.gpu_check --only matmul_peak,train_throughput
+    python bench/gpu_check.py                 # every section, one table, gpu_check.json (<= 5 minutes)
+    python bench/gpu_check.py --only matmul_peak,train_throughput --json out.json
 
 Each section is a function `section(report)` that adds rows with `report.add(section, measure, value,
-goal, ok)`; a section that cannot run here (no CUDA) says so and is skipped. CI never runs this file.
+goal, ok)`; a section that cannot run here (no CUDA) says so and is skipped, and sections not started
+before `--budget-s` is spent are skipped with that reason. Progress goes to stderr; stdout gets the one
+table. CI runs the sections on CPU (tests/test_gpu_check.py), where they skip.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
+if __package__ in (None, ""):  # run as a file: the repository root holds `bench`, `fntrain` and `recipes`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
 
 
 @dataclass
@@ -27,7 +32,11 @@ class Report:
 
     def add(self, section: str, measure: str, value: str, goal: str = "-", ok: bool | None = None) -> None:
         self.rows.append((section, measure, value, goal, "-" if ok is None else ("yes" if ok else "NO")))
-        print(f"[{section}] {measure}: {value} (goal {goal})", flush=True)
+        print(f"[{section}] {measure}: {value} (goal {goal})", file=sys.stderr, flush=True)
+
+    def records(self) -> list[dict]:
+        keys = ("section", "measure", "value", "goal", "met")
+        return [dict(zip(keys, row, strict=True)) for row in self.rows]
 
     def table(self) -> str:
         lines = ["| section | measure | value | goal | met |", "|---|---|---|---|---|"]
@@ -245,15 +254,22 @@ SECTIONS: list[Callable[[Report], None]] = [
 ]  # fmt: skip
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", default="", help="comma-separated section names")
-    parser.add_argument("--json", default=os.environ.get("GPU_CHECK_JSON", ""), help="also write rows as JSON")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--json", default=os.environ.get("GPU_CHECK_JSON", "gpu_check.json"), help="where to write the rows as JSON"
+    )
+    parser.add_argument("--budget-s", type=float, default=270.0, help="start no section after this many seconds")
+    args = parser.parse_args(argv)
     wanted = {name for name in args.only.split(",") if name}
     report = Report()
+    started = time.perf_counter()
     for section in SECTIONS:
         if wanted and section.__name__ not in wanted:
+            continue
+        if time.perf_counter() - started > args.budget_s:
+            report.add(section.__name__, "skipped", f"time budget of {args.budget_s:g} s spent")
             continue
         try:
             section(report)
@@ -262,8 +278,11 @@ def main() -> int:
             report.add(section.__name__, "FAILED", repr(error)[:120], ok=False)
     print(report.table())
     if args.json:
+        from bench.harness import machine_info
+
+        payload = {"machine": machine_info(), "seconds": time.perf_counter() - started, "rows": report.records()}
         with open(args.json, "w") as handle:
-            json.dump(report.rows, handle)
+            json.dump(payload, handle, indent=1)
     return 0
 
 

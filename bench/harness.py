@@ -67,8 +67,8 @@ def bootstrap_median(
 
 
 def verdict(interval: Interval, goal: float | None, *, lower_is_better: bool = True) -> str:
-    """"met" when the whole interval is within `goal`, "NOT met" when the whole interval is past it,
-    "undecided" otherwise; "-" without a goal."""
+    """The goal's verdict: "met" when the whole interval is within `goal`, "NOT met" when the whole
+    interval is past it, "undecided" otherwise; "-" without a goal."""
     if goal is None:
         return "-"
     if lower_is_better:
@@ -113,7 +113,8 @@ class Row:
 @dataclass(frozen=True)
 class Timing:
     """Per-variant samples (seconds per unit of work), one per round, in round order: `samples` the whole
-    call, `outside` the call less the time its callable reported as excluded (the step itself)."""
+    call, `outside` the per-unit time the callable measured itself outside the step (or the whole call's
+    when it measured none)."""
 
     samples: dict[str, list[float]] = field(default_factory=dict)
     outside: dict[str, list[float]] = field(default_factory=dict)
@@ -159,8 +160,8 @@ def interleave(
 ) -> Timing:
     """Run every variant once per round, rotating the order every round so drift hits all alike.
 
-    Each callable does its work and returns how many units (steps) it ran, or (units, excluded seconds)
-    when part of its time (the step itself) is to be left out of `Timing.outside`. At least `repeats`
+    Each callable does its work and returns how many units (steps) it ran, or (units, seconds per unit
+    it measured outside the step itself) for `Timing.outside`. At least `repeats`
     rounds run; then rounds continue while some target's interval is wider than its width, until
     `budget_s` seconds (from the first measured round) or `max_repeats` rounds are spent.
     """
@@ -177,9 +178,9 @@ def interleave(
             t0 = time.perf_counter()
             result = variants[name]()
             elapsed = time.perf_counter() - t0
-            units, excluded = result if isinstance(result, tuple) else (result, 0.0)
+            units, outside = result if isinstance(result, tuple) else (result, None)
             timing.samples[name].append(elapsed / max(1, units))
-            timing.outside[name].append((elapsed - excluded) / max(1, units))
+            timing.outside[name].append(elapsed / max(1, units) if outside is None else outside)
         round_index += 1
         if round_index < repeats:
             continue
@@ -234,10 +235,12 @@ def paired_ratio_row(
     unit: str = "ms",
     scale: float = 1e3,
     higher_is_better: bool = False,
+    rate: float = 0.0,
     note: str = "",
 ) -> Row:
     """The per-round ratio of `variant`'s time to `baseline`'s (or, `higher_is_better`, of the baseline's
-    time to the variant's: a throughput ratio), median and bootstrap interval."""
+    time to the variant's: a throughput ratio), median and bootstrap interval. The two medians show as
+    time x `scale`, or with `rate` as `rate` / time (work per second)."""
     if higher_is_better:
         ratios = [b / v for v, b in zip(timing.samples[variant], timing.samples[baseline], strict=True)]
     else:
@@ -246,10 +249,15 @@ def paired_ratio_row(
     result = verdict(interval, goal_ratio, lower_is_better=not higher_is_better)
     note = _undecided_note(interval, goal_ratio, result, note)
     sign = ">=" if higher_is_better else "<="
+
+    def shown(name: str) -> str:
+        median = timing.median(name)
+        return f"{rate / median if rate else median * scale:.4g} {unit}"
+
     return Row(
         measure=measure,
-        fntrain=f"{timing.median(variant) * scale:.4g} {unit}",
-        baseline=f"{timing.median(baseline) * scale:.4g} {unit}",
+        fntrain=shown(variant),
+        baseline=shown(baseline),
         difference=f"{interval.median:.3f}x [{interval.low:.3f}, {interval.high:.3f}]",
         goal="-" if goal_ratio is None else f"{sign} {goal_ratio:g}x",
         verdict=result,

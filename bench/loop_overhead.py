@@ -37,7 +37,7 @@ def _mlp_workload(batch_size: int = 32, width: int = 128) -> tuple[torch.nn.Modu
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, 1))
     batches = [
-        [{"x": torch.randn(batch_size, width), "y": torch.randn(batch_size, 1)}] for _ in range(64)
+        [{"x": torch.randn(batch_size, width), "y": torch.randn(batch_size, 1)}] for _ in range(256)
     ]
 
     def loss_fn(output: torch.Tensor, micro_batch: dict) -> torch.Tensor:
@@ -54,7 +54,7 @@ def _gpt_workload() -> tuple[torch.nn.Module, list, Callable]:
     config = ModelConfig(context=64, n_layer=2, n_head=2, d_model=64)
     model = TinyGPT(config)
     batches = []
-    for _ in range(16):
+    for _ in range(32):
         ids = torch.randint(0, 256, (8, 64))
         batches.append([{"input_ids": ids, "labels": ids}])
     return model, batches, causal_lm_loss
@@ -68,26 +68,42 @@ def _forward_ids(model: torch.nn.Module, micro_batch: dict) -> Any:
     return model(micro_batch["input_ids"])
 
 
-def _timed(step_fn: Callable, spent: list[float]) -> Callable:
-    """`step_fn` adding its own duration to `spent[0]`: what each variant then subtracts from its round."""
-    clock = time.perf_counter
+class _Gaps:
+    """Wraps the step: sums the time from the end of one step to the start of the next within a run, which
+    is the loop's and the hooks' own per-step time, with the step itself (and its variation) left out and
+    the run's set-up and tear-down (once per run, not per step) not counted."""
 
-    def step(state, batch):
-        started = clock()
-        out = step_fn(state, batch)
-        spent[0] += clock() - started
-        return out
+    def __init__(self) -> None:
+        self.total, self.count, self.last_end = 0.0, 0, None
 
-    return step
+    def reset(self) -> None:
+        self.total, self.count, self.last_end = 0.0, 0, None
+
+    def per_step(self) -> float:
+        return self.total / max(1, self.count)
+
+    def wrap(self, step_fn: Callable) -> Callable:
+        clock = time.perf_counter
+
+        def step(state, batch):
+            started = clock()
+            if self.last_end is not None:
+                self.total += started - self.last_end
+                self.count += 1
+            out = step_fn(state, batch)
+            self.last_end = clock()
+            return out
+
+        return step
 
 
 def _variants(model, batches, loss_fn, forward, steps: int, hooks_factories: dict[str, Callable[[], list]]):
-    """Every variant runs the same step object on the same tensors; each returns (steps, seconds spent in
-    the step), so `Timing.outside` is the loop's (and the hooks') own time per step."""
+    """Every variant runs the same step object on the same tensors; each returns (steps, the mean time
+    between consecutive steps), so `Timing.outside` is the loop's (and the hooks') own time per step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     library_step = make_train_step(model, loss_fn, optimizer, forward=forward, loss_weighting="mean")
-    spent = [0.0]
-    step_fn = _timed(library_step, spent)
+    gaps = _Gaps()
+    step_fn = gaps.wrap(library_step)
     epoch_len = len(batches)
     plan = RunPlan(train_iters=steps, steps_per_epoch=epoch_len, epochs=-(-steps // epoch_len))
     state0 = TrainState()
@@ -103,13 +119,13 @@ def _variants(model, batches, loss_fn, forward, steps: int, hooks_factories: dic
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    handwritten_step = _timed(bare_step, spent)
+    handwritten_step = gaps.wrap(bare_step)
 
     def measured(loop: Callable[[], None]) -> Callable[[], tuple[int, float]]:
         def run() -> tuple[int, float]:
-            spent[0] = 0.0
+            gaps.reset()
             loop()
-            return steps, spent[0]
+            return steps, gaps.per_step()
 
         return run
 

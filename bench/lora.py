@@ -1,5 +1,5 @@
 """LoRA against full fine-tuning of the same Hugging Face model: step time (interleaved rounds of K
-steps, A/A noise floor) and the memory of what training keeps (trainable weights' gradients and AdamW
+steps, paired per-round ratios) and the memory of what training keeps (trainable weights' gradients and AdamW
 moments; on CUDA also the peak allocated memory of a step).
 
 The model is a Llama built here from a config (nothing is downloaded), wide enough that its matrices,
@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from bench.harness import Row, bench_main, interleave, ratio_row
+from bench.harness import Row, bench_main, interleave, paired_ratio_row, ratio_row
 
 RANK = 8
 
@@ -53,7 +53,7 @@ def run(quick: bool = False) -> list[Row]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(1)
-    steps, repeats = (2, 2) if quick else (5, 7)
+    steps, repeats = (2, 2) if quick else (3, 11)
     batch_size, context = (4, 128) if device.type == "cpu" else (16, 256)
     ids = torch.randint(0, 4096, (batch_size, context), generator=torch.Generator().manual_seed(1)).to(device)
     batch = [{"input_ids": ids, "labels": ids}]
@@ -83,19 +83,19 @@ def run(quick: bool = False) -> list[Row]:
             step_fn(TrainState(), batch)
             torch.cuda.synchronize()
             peaks[name] = torch.cuda.max_memory_allocated()
-    timing = interleave(variants, repeats=repeats, aa="full")
+    timing = interleave(variants, repeats=repeats)
     state = {name: _train_state_bytes(model, optimizer) for name, (model, optimizer, _) in built.items()}
     full_bytes, full_params = state["full"]
     lora_bytes, lora_params = state["lora"]
     where = f"{device.type}, Llama 4x512, batch {batch_size}x{context}, rank {RANK} all-linear"
     rows = [
-        ratio_row(
+        paired_ratio_row(
             "LoRA step time / full fine-tuning",
-            timing.median("lora") * 1e3,
-            timing.median("full") * 1e3,
+            timing,
+            "lora",
+            "full",
             unit="ms",
             goal_ratio=None,
-            noise=timing.noise * 1e3,
             note=f"{where}; the frozen base still runs forward and the activations' backward",
         ),
         ratio_row(

@@ -15,7 +15,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from bench.harness import Row, bench_main, interleave, ratio_row
+from bench.harness import Row, bench_main, interleave, paired_ratio_row, ratio_row
 from fntrain.data.pipeline import batches, build_data
 from fntrain.data.sampler import epoch_generator
 
@@ -59,7 +59,7 @@ def _skip_by_iteration(dataset, cursor: int) -> float:
 
 def run(quick: bool = False) -> list[Row]:
     far = 1_000 if quick else 10_000
-    repeats = 3 if quick else 15
+    repeats = 3 if quick else 21
     dataset = Tokens((far + NEAR + 1) * MICRO_BATCH_SIZE * MICRO_BATCHES)
     rows: list[Row] = []
     for label, workers, goal in (("in-process", 0, 1.1), ("2 workers", 2, 1.1)):
@@ -73,14 +73,12 @@ def run(quick: bool = False) -> list[Row]:
         near_name, far_name = f"cursor {NEAR}", f"cursor {far}"
         timing = interleave(
             {near_name: lambda spec=spec: _first_batch(spec, NEAR), far_name: lambda spec=spec: _first_batch(spec, far)},
-            repeats=repeats if workers == 0 else max(3, repeats // 3),
-            aa=near_name,
+            repeats=repeats if workers == 0 else max(3, repeats // 2),
         )  # fmt: skip
         rows.append(
-            ratio_row(
+            paired_ratio_row(
                 f"P4 resume ({label}, {len(dataset):,} samples): first batch at cursor {far:,} vs {NEAR}",
-                timing.median(far_name) * 1e3, timing.median(near_name) * 1e3, unit="ms", goal_ratio=goal,
-                noise=timing.noise * 1e3,
+                timing, far_name, near_name, unit="ms", goal_ratio=goal,
                 note="both slice the same epoch order (one randperm of the dataset); the skipped samples are never read"
                 + (", and both pay the workers' start-up" if workers else "") + ".",
             )

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from fntrain.config import ConfigError, as_flags
-from fntrain.preemption import INTERRUPT_EXIT_CODE
 from fntrain.config_file import CONFIG_HELP, config_to_dict, dump_toml, load_config, split_config_args
+from fntrain.preemption import INTERRUPT_EXIT_CODE
 from fntrain.recipes_registry import Recipe, RecipeNotFound, available_recipes, load_recipe
 
 __all__ = ["main", "dispatch", "resolve_config", "plan_report", "run_recipe", "recipe_main"]

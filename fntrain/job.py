@@ -613,11 +613,14 @@ def _prepare(config: JobConfig, spec: RecipeSpec, runtime: Any, early: Any, sour
     from fntrain.hooks.metrics import rewind_metrics
     from fntrain.hooks.standard import restore_run
     from fntrain.run_metadata import record_start
+    from fntrain.run_report import describe_start
     from fntrain.runtime.parallel import parallel_train_step
 
     built = build_job(config, spec, runtime)
     if runtime.is_main:
         write_config(config, built.run_dir)
+        for line in describe_start(built):  # parameters, world, plan: what is about to run
+            log.info("%s", line)
     step_fn = parallel_train_step(
         built.components,
         runtime,
@@ -668,7 +671,9 @@ def _train(config: JobConfig, spec: RecipeSpec, ready: _Ready) -> tuple[TrainRes
     result = run_training(
         state, ready.step_fn, ready.hooks, data=data_fn(built.data), plan=built.plan, count_batch=count_batch
     )
-    exported = [] if result.outcome in ("preempted", "interrupted") else _export(config, spec, built, result.state)
+    exported = (
+        [] if result.outcome in ("preempted", "interrupted") else _export(config, spec, built, result.state)
+    )
     return result, exported
 
 
@@ -701,6 +706,7 @@ def run_job(config: JobConfig, spec: RecipeSpec, *, state: TrainState | None = N
     settings) is a `ValueError`/`ConfigError` before any file, model or device work."""
     import time
 
+    from fntrain.hooks.metrics import metrics_writer
     from fntrain.hooks.standard import early_hooks
     from fntrain.run_metadata import record_outcome
     from fntrain.runtime.setup import setup_runtime
@@ -720,9 +726,15 @@ def run_job(config: JobConfig, spec: RecipeSpec, *, state: TrainState | None = N
             record_outcome(config.run_dir, runtime, "failed before training", error=repr(error))
             raise
         result, exported = _train(config, spec, ready)
-        summary = _summary(config, result, exported, time.monotonic() - started)
+        seconds = time.monotonic() - started
+        summary = _summary(config, result, exported, seconds)
+        writer = metrics_writer(ready.hooks)
         if runtime.is_main:
             log.info("%s", summary)
+        if writer is not None:  # the trackers get the end of the story too
+            writer.summary(
+                {"outcome": result.outcome, "wall_s": round(seconds, 1), "exported": ", ".join(exported)}
+            )
         record_outcome(config.run_dir, runtime, result.outcome, end_state=result.state.as_dict(),
                        summary=summary, allowed_changes=changes, exported=exported)  # fmt: skip
     return result

@@ -5,7 +5,7 @@ as `model` or `components.model`) and returns a few lines:
 
     model: 1,234,567 parameters (1.23M), 1,234,567 trainable
     world: 1 process, device cpu, parallel none
-    plan: 400 steps = 8 epochs x 50 steps/epoch; global batch 32 = micro 16 x accum 2 x dp 1
+    plan: 400 steps over 8 epochs of up to 50 steps; global batch 32 = micro 16 x accum 2 x dp 1
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ def describe_start(built: Any) -> list[str]:
     parallel = getattr(getattr(config, "parallel", None), "strategy", None)
     where = f"world: {world} process{'es' if world != 1 else ''}, device {getattr(runtime, 'device', '?')}"
     lines.append(where + (f", parallel {parallel}" if parallel else ""))
-    epochs = f"{plan.epochs} epoch{'s' if plan.epochs != 1 else ''} x {plan.steps_per_epoch} steps/epoch"
+    epochs = f"{plan.epochs} epoch{'s' if plan.epochs != 1 else ''} of up to {plan.steps_per_epoch} steps"
     if not getattr(plan, "sized", True):
         epochs = "a stream of unknown length"
     lines.append(
-        f"plan: {plan.train_iters} steps = {epochs}; global batch {plan.global_batch_size} = "
+        f"plan: {plan.train_iters} steps over {epochs}; global batch {plan.global_batch_size} = "
         f"micro {plan.micro_batch_size} x accum {plan.micro_batches} x dp {plan.dp_size}"
     )
     return lines

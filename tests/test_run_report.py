@@ -26,7 +26,7 @@ def test_describe_start_counts_parameters_and_states_world_and_plan():
     assert describe_start(built) == [
         "model: 23 parameters (23), 11 trainable",
         "world: 2 processes, device cpu, parallel ddp",
-        f"plan: 70 steps = {plan.epochs} epochs x {plan.steps_per_epoch} steps/epoch; "
+        f"plan: 70 steps over {plan.epochs} epochs of up to {plan.steps_per_epoch} steps; "
         "global batch 32 = micro 8 x accum 2 x dp 2",
     ]
 

@@ -88,7 +88,6 @@ def test_prefetch_leaves_no_thread(tmp_path):
     assert result.state.global_step == 3
 
 
-@pytest.mark.xfail(reason="async checkpoint executor", strict=False)
 @pytest.mark.parametrize("fails", [False, True], ids=["normal end", "abort"])
 def test_async_save_leaves_no_thread(tmp_path, fails):
     config = tiny(tmp_path, checkpoint=CheckpointConfig(save_every=1, async_save=True))

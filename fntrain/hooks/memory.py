@@ -115,19 +115,8 @@ def is_out_of_memory(error: BaseException | None) -> bool:
     return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
 
 
-def memory_hook(config: MemoryConfig, runtime: Runtime, *, allocator: Any = None) -> Hook:
-    """The memory hook for `runtime`'s device; put it first in the hook list.
-
-    Validates `config` and the backend now (before any model or device work): `enable` on a device
-    without allocator history (CPU) or a backend lacking the API raises `RuntimeError`. `allocator`
-    replaces the backend module (`torch.cuda.memory` / `torch.npu.memory`) resolved from the device.
-    With neither `enable` nor `mem_info` the hook does nothing and never touches the device.
-    """
-    config.validate("memory")
-    if not (config.enable or config.mem_info):
-        return _disabled
-
-    device = runtime.device
+def _checked_allocator(config: MemoryConfig, device: Any, allocator: Any) -> Any:
+    """The allocator module for `device` (or the one given), checked to have what `config` needs."""
     device_type = getattr(device, "type", str(device))
     if allocator is None:
         allocator = _default_allocator(device_type)
@@ -140,7 +129,22 @@ def memory_hook(config: MemoryConfig, runtime: Runtime, *, allocator: Any = None
         _require_api(allocator, device_type, _HISTORY_API, any_of=_SNAPSHOT_API)
     if config.mem_info and allocator is not None:
         _require_api(allocator, device_type, _STATS_API)
+    return allocator
 
+
+def memory_hook(config: MemoryConfig, runtime: Runtime, *, allocator: Any = None) -> Hook:
+    """The memory hook for `runtime`'s device; put it first in the hook list.
+
+    Validates `config` and the backend now (before any model or device work): `enable` on a device
+    without allocator history (CPU) or a backend lacking the API raises `RuntimeError`. `allocator`
+    replaces the backend module (`torch.cuda.memory` / `torch.npu.memory`) resolved from the device.
+    With neither `enable` nor `mem_info` the hook does nothing and never touches the device.
+    """
+    config.validate("memory")
+    if not (config.enable or config.mem_info):
+        return _disabled
+    device = runtime.device
+    allocator = _checked_allocator(config, device, allocator)
     window = None
     if config.enable:
         dump_ranks = sorted(set(config.dump_ranks))

@@ -111,7 +111,7 @@ def standard_hooks(
     early = early or early_hooks(config, runtime)
     last = plan.train_iters
     board = MetricBoard()
-    writer = metrics_log(config.metrics, runtime, run_dir, attempt=attempt)
+    writer = metrics_log(config.metrics, runtime, run_dir, attempt=attempt, run_config=run_config)
     hooks: list[Any] = [
         early.memory,
         throughput_hook(

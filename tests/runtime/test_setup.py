@@ -18,6 +18,7 @@ from fntrain.runtime.setup import (
     RuntimeConfig,
     _dp_rank,
     _parallel_sizes,
+    choose_cpu_threads,
     read_launch_env,
     resolve_backend,
     setup_runtime,
@@ -207,3 +208,39 @@ def test_an_existing_group_is_reused_and_left_alone(one_rank_env):
         assert runtime.distributed and runtime.world_size == 1
     assert dist.is_initialized()
     dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- CPU threads
+
+
+def test_cpu_threads_given_explicitly_win():
+    assert choose_cpu_threads(3, env={"OMP_NUM_THREADS": "8"}, available_cores=16) == 3
+
+
+def test_cpu_threads_follow_omp_num_threads_when_set():
+    assert choose_cpu_threads(0, env={"OMP_NUM_THREADS": "5", "LOCAL_WORLD_SIZE": "2"}, available_cores=16) == 5
+
+
+def test_cpu_threads_split_the_available_cores_between_local_ranks():
+    assert choose_cpu_threads(0, env={}, available_cores=16) == 16
+    assert choose_cpu_threads(0, env={"LOCAL_WORLD_SIZE": "4"}, available_cores=16) == 4
+    assert choose_cpu_threads(0, env={"LOCAL_WORLD_SIZE": "8", "OMP_NUM_THREADS": ""}, available_cores=2) == 1
+
+
+def test_cpu_threads_config_is_validated():
+    with pytest.raises(ValueError, match="runtime.cpu_threads"):
+        RuntimeConfig(cpu_threads=-1).validate()
+
+
+def test_setup_runtime_applies_the_thread_choice_and_restores_it(no_launch_env, monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    wanted = 1 if before != 1 else 2
+    with setup_runtime(RuntimeConfig(cpu_threads=wanted)):
+        assert torch.get_num_threads() == wanted
+    assert torch.get_num_threads() == before
+    monkeypatch.setattr(runtime_setup, "_available_cores", lambda: 6)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with setup_runtime(RuntimeConfig()):
+        assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == before

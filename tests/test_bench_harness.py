@@ -1,0 +1,123 @@
+"""The benchmark harness's statistics (bench/harness.py): paired bootstrap intervals and goal verdicts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.harness import (
+    Interval,
+    Target,
+    Timing,
+    bootstrap_median,
+    interleave,
+    overhead_row,
+    paired_ratio_row,
+    rounds_to_decide,
+    verdict,
+    write_json,
+)
+
+
+def test_bootstrap_interval_contains_the_median_and_is_seeded():
+    samples = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
+    first, again = bootstrap_median(samples), bootstrap_median(samples)
+    assert first == again
+    assert first.median == 5.0 and first.n == 9
+    assert first.low <= 5.0 <= first.high
+    assert 1.0 <= first.low and first.high <= 9.0
+
+
+def test_bootstrap_interval_narrows_with_more_rounds():
+    few = bootstrap_median([float(i % 7) for i in range(14)])
+    many = bootstrap_median([float(i % 7) for i in range(700)])
+    assert many.width < few.width
+
+
+def test_one_sample_gives_a_point_and_none_is_an_error():
+    assert bootstrap_median([3.0]) == Interval(3.0, 3.0, 3.0, 1)
+    with pytest.raises(ValueError, match="at least one sample"):
+        bootstrap_median([])
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "expected"),
+    [(1.0, 9.0, "met"), (1.0, 10.0, "met"), (8.0, 12.0, "undecided"), (10.5, 12.0, "NOT met")],
+)
+def test_verdict_needs_the_whole_interval_on_one_side_of_the_goal(low, high, expected):
+    assert verdict(Interval((low + high) / 2, low, high, 10), 10.0) == expected
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "expected"), [(0.96, 1.0, "met"), (0.9, 1.0, "undecided"), (0.8, 0.94, "NOT met")]
+)
+def test_verdict_for_a_higher_is_better_goal(low, high, expected):
+    assert verdict(Interval((low + high) / 2, low, high, 10), 0.95, lower_is_better=False) == expected
+
+
+def test_no_goal_has_no_verdict():
+    assert verdict(Interval(1.0, 0.0, 2.0, 5), None) == "-"
+
+
+def test_rounds_to_decide_scales_with_the_square_of_the_width():
+    # half-width 4 on the goal's side, 2 away from the goal: (4 / 2) ** 2 = 4 times the rounds
+    assert rounds_to_decide(Interval(8.0, 4.0, 12.0, 10), 10.0) == 40
+    assert rounds_to_decide(Interval(10.0, 4.0, 12.0, 10), 10.0) is None
+
+
+def test_paired_differences_cancel_drift_that_hits_both_variants():
+    drift = [0.0, 5.0, -3.0, 8.0, 2.0, -6.0, 4.0, 1.0]
+    timing = Timing({"ours": [10.0 + d + 1.0 for d in drift], "base": [10.0 + d for d in drift]})
+    assert timing.paired("ours", "base") == pytest.approx([1.0] * len(drift))
+    row = overhead_row("r", timing, "ours", "base", goal_us=2e6)
+    assert row.interval.low == pytest.approx(1e6) and row.interval.high == pytest.approx(1e6)
+    assert row.verdict == "met" and row.met is True
+
+
+def test_undecided_row_says_how_many_rounds_would_decide():
+    timing = Timing({"ours": [1.0, 3.0, 2.0, 4.0, 0.5], "base": [1.0] * 5})
+    row = paired_ratio_row("r", timing, "ours", "base", goal_ratio=1.5)
+    assert row.verdict == "undecided"
+    assert "rounds in all would decide it" in row.note
+
+
+def test_interleave_keeps_the_time_measured_outside_the_step_and_stops_on_narrow_targets():
+    calls = {"a": 0, "b": 0}
+
+    def variant(name):
+        def run():
+            calls[name] += 1
+            return 2, 0.25
+
+        return run
+
+    timing = interleave(
+        {"a": variant("a"), "b": variant("b")}, repeats=3, warmup=0,
+        targets=[Target("a", "b", width=1.0)], budget_s=60.0,
+    )  # fmt: skip
+    assert len(timing.samples["a"]) == 3 and calls == {"a": 3, "b": 3}
+    assert timing.outside["a"] == [0.25] * 3 and timing.samples["a"][0] < 0.25
+
+
+def test_json_has_the_machine_and_every_interval(tmp_path):
+    timing = Timing({"ours": [2.0, 2.1, 1.9], "base": [1.0, 1.0, 1.0]})
+    write_json(tmp_path / "r.json", [overhead_row("r", timing, "ours", "base", goal_us=None)])
+    payload = json.loads((tmp_path / "r.json").read_text())
+    assert {"torch", "torch_threads", "cores_available"} <= set(payload["machine"])
+    interval = payload["rows"][0]["interval"]
+    assert interval["low"] <= interval["median"] <= interval["high"] and interval["n"] == 3
+
+
+def test_compare_reports_overlapping_intervals():
+    from bench.compare import compare
+
+    def row(low, median, high):
+        return {"verdict": "met", "interval": {"low": low, "median": median, "high": high, "n": 9}}
+
+    first = {"a": row(1.0, 2.0, 3.0), "b": row(1.0, 2.0, 3.0), "c": {"verdict": "-", "interval": None}}
+    second = {"a": row(2.5, 3.5, 4.5), "b": row(3.5, 4.0, 5.0), "c": {"verdict": "-", "interval": None}}
+    records = {record["measure"]: record for record in compare(first, second)}
+    assert set(records) == {"a", "b"}
+    assert records["a"]["overlap"] and not records["a"]["medians_inside"]
+    assert not records["b"]["overlap"]
