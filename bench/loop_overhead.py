@@ -5,6 +5,10 @@ hand-written step, of the default hooks (progress, metrics every 10 steps, throu
 baseline logging on the same steps), and of idle profiler / memory hooks configured outside their windows.
 When `lightning` is installed (the `bench` extra), the tiny MLP also runs under Lightning Fabric and the
 Lightning Trainer, each against the plain hand-written loop, as a reference point.
+
+The goal rows measure in situ: every variant runs the same step object on the same tensors, and what is
+compared is the time between consecutive steps of a run (the step itself, and its variation, left out),
+in CPU time of this thread, paired round by round (bench/RESULTS.md, Method).
 Run: `python -m bench.loop_overhead [--quick]`.
 """
 
@@ -30,6 +34,8 @@ torch.set_num_threads(1)
 LOG_EVERY = 10
 LR = 1e-4
 WIDTH = 0.5  # rounds continue until each goal row's interval is narrower than this fraction of its goal
+# CPU time of this thread (torch runs on it: one thread): what another process takes is not counted.
+CLOCK = time.thread_time
 
 
 def _mlp_workload(batch_size: int = 32, width: int = 128) -> tuple[torch.nn.Module, list, Callable]:
@@ -83,7 +89,7 @@ class _Gaps:
         return self.total / max(1, self.count)
 
     def wrap(self, step_fn: Callable) -> Callable:
-        clock = time.perf_counter
+        clock = CLOCK
 
         def step(state, batch):
             started = clock()
@@ -332,6 +338,7 @@ def _isolated_rows(quick: bool, run_dir: str) -> list[Row]:
             Target("train(), default hooks", "plain loop, logging every 10", WIDTH * 30e-6),
         ],
         budget_s=0 if quick else 30,
+        clock=CLOCK,
     )
     return [
         overhead_row(
@@ -370,7 +377,7 @@ def run(quick: bool = False) -> list[Row]:
             Target(f"train(), {name}", "train(), no hooks", WIDTH * 5e-6, outside=True)
             for name in hooks if name != "default hooks"
         ]  # fmt: skip
-        timing = interleave(variants, repeats=repeats, targets=targets, budget_s=0 if quick else 90)
+        timing = interleave(variants, repeats=repeats, targets=targets, budget_s=0 if quick else 90, clock=CLOCK)
         rows.append(
             overhead_row(
                 f"P1 {label}: train(), no hooks vs plain loop", timing, "train(), no hooks", "plain loop",

@@ -10,6 +10,8 @@ LoRA (rank 8 on every linear layer but the head, through peft) differs only in `
 from __future__ import annotations
 
 import logging
+import time
+import warnings
 
 import torch
 
@@ -50,6 +52,7 @@ def run(quick: bool = False) -> list[Row]:
     from fntrain.step import causal_lm_loss, make_train_step
 
     logging.getLogger("fntrain").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -83,7 +86,8 @@ def run(quick: bool = False) -> list[Row]:
             step_fn(TrainState(), batch)
             torch.cuda.synchronize()
             peaks[name] = torch.cuda.max_memory_allocated()
-    timing = interleave(variants, repeats=repeats)
+    # On CPU (one torch thread) CPU seconds of this process: what other processes take is not counted.
+    timing = interleave(variants, repeats=repeats, clock=time.perf_counter if device.type == "cuda" else time.process_time)
     state = {name: _train_state_bytes(model, optimizer) for name, (model, optimizer, _) in built.items()}
     full_bytes, full_params = state["full"]
     lora_bytes, lora_params = state["lora"]

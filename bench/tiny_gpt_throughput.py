@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import time
 
 import torch
 
@@ -101,6 +102,7 @@ def run(quick: bool = False) -> list[Row]:
         timing = interleave(
             {"plain": plain_round, "fntrain": fntrain_round}, repeats=repeats,
             targets=[Target("fntrain", "plain", 0.5 * 0.05, ratio=True)], budget_s=0 if quick else 120,
+            clock=time.process_time,  # CPU seconds of this process (one torch thread, no loader workers)
         )  # fmt: skip
     tokens_per_step = config.train.global_batch_size * config.model.context
     return [

@@ -1,1 +1,6 @@
-"""Built-in recipes: each composes fntrain's builders and exposes a tyro CLI."""
+"""Built-in recipes: each a spec (`fntrain.job.RecipeSpec`) that `fntrain run NAME` runs.
+
+fntrain is imported first so that its process-wide settings (the OpenMP wait policy) precede torch.
+"""
+
+import fntrain  # noqa: F401

@@ -176,8 +176,9 @@ def choose_cpu_threads(
     """torch's CPU threads for this process: `cpu_threads` when positive; else OMP_NUM_THREADS when set,
     else the available cores divided by the local ranks (LOCAL_WORLD_SIZE), at least 1.
 
-    torch's own default is one thread per core of the machine whatever else runs on it, and its OpenMP
-    threads spin against each other when ranks or other processes share the cores (bench/RESULTS.md).
+    This keeps ranks on one machine from over-subscribing its cores. Other processes on the same cores
+    still make torch's OpenMP threads spin at their barriers (10x slower steps on 2 shared cores);
+    OMP_WAIT_POLICY=passive, set before torch is imported, removes that (bench/RESULTS.md, Contention).
     """
     if cpu_threads > 0:
         return cpu_threads
