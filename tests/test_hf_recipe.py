@@ -208,26 +208,32 @@ def test_plan_for_two_ranks_reads_no_weights(tiny_hf_model, monkeypatch, capsys)
     assert "world size          2 (data-parallel 2)" in capsys.readouterr().out
 
 
+def _fsdp2_fine_tune(model_dir: Path, data_path: Path, tmp_path: Path, *extra: str) -> Path:
+    """`torchrun --nproc_per_node 2 -m fntrain run hf_causal_lm` for 2 FSDP2 steps; its output_dir."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("torchrun not installed")
+    command = [
+        torchrun, "--standalone", "--nproc_per_node", "2", "-m", "fntrain", "run", "hf_causal_lm",
+        "--run-dir", str(tmp_path / "run"), "--model.path", str(model_dir), "--data.path", str(data_path),
+        "--data.max-length", "48", "--train.train-iters", "2", "--train.global-batch-size", "4",
+        "--train.micro-batch-size", "1", "--parallel.strategy", "fsdp2", "--optim.lr", "1e-2", "--log-every", "1",
+        *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return tmp_path / "run" / "hf_model"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_rank_fsdp2_fine_tune_saves_a_loadable_model(tiny_hf_model, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    if torchrun is None:
-        pytest.skip("torchrun not installed")
     model_dir, data_path = tiny_hf_model
-    command = [
-        torchrun, "--standalone", "--nproc_per_node", "2", "-m", "fntrain", "run", "hf_causal_lm",
-        "--run-dir", str(tmp_path / "run"), "--model.path", str(model_dir), "--data.path", str(data_path),
-        "--data.max-length", "48", "--train.train-iters", "2", "--train.global-batch-size", "4",
-        "--train.micro-batch-size", "1", "--parallel.strategy", "fsdp2", "--optim.lr", "1e-2", "--log-every", "1",
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
-    assert result.returncode == 0, result.stderr[-4000:]
-    out = tmp_path / "run" / "hf_model"
+    out = _fsdp2_fine_tune(model_dir, data_path, tmp_path)
     after, before = load_file(out / "model.safetensors"), load_file(model_dir / "model.safetensors")
     assert before.keys() == after.keys()
     assert all(after[name].shape == before[name].shape for name in before)  # full tensors, not shards
@@ -265,22 +271,9 @@ def test_two_rank_fsdp2_lora_saves_a_loadable_adapter(tiny_hf_model, tmp_path, m
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    if torchrun is None:
-        pytest.skip("torchrun not installed")
     model_dir, data_path = tiny_hf_model
-    command = [
-        torchrun, "--standalone", "--nproc_per_node", "2", "-m", "fntrain", "run", "hf_causal_lm",
-        "--run-dir", str(tmp_path / "run"), "--model.path", str(model_dir), "--data.path", str(data_path),
-        "--data.max-length", "48", "--train.train-iters", "2", "--train.global-batch-size", "4",
-        "--train.micro-batch-size", "1", "--parallel.strategy", "fsdp2", "--optim.lr", "1e-2", "--log-every", "1",
-        "--lora.rank", "4", "--lora.target-modules", "q_proj", "v_proj", "--progress.no-enabled",
-        *(["--lora.merge-on-export"] if merge else []),
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
-    assert result.returncode == 0, result.stderr[-4000:]
-    out = tmp_path / "run" / "hf_model"
+    lora = ["--lora.rank", "4", "--lora.target-modules", "q_proj", "v_proj", "--progress.no-enabled"]
+    out = _fsdp2_fine_tune(model_dir, data_path, tmp_path, *lora, *(["--lora.merge-on-export"] if merge else []))
     before = load_file(model_dir / "model.safetensors")
     if merge:
         after = load_file(out / "model.safetensors")
