@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -492,6 +493,22 @@ def job_hooks(built: Built, spec: RecipeSpec, early: Any = None, *, attempt: int
 # ----------------------------------------------------------------------------- running
 
 
+def _first_launch() -> bool:
+    """Whether this is the job's first launch (not a torchrun restart of it)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
+
+
+def _starting_over(config: JobConfig) -> JobConfig:
+    """`config` as this launch runs it: starting over (`overwrite`, on a job's first launch) resumes
+    nothing from the run directory's own checkpoints (latest / auto), which move aside with the old
+    run; an explicit checkpoint path is still restored."""
+    if config.overwrite and _first_launch() and config.checkpoint.restore_from in ("latest", "auto"):
+        return dataclasses.replace(
+            config, checkpoint=dataclasses.replace(config.checkpoint, restore_from="none")
+        )
+    return config
+
+
 def _check_before_work(config: JobConfig) -> Path | None:
     """Every check that needs no process group: values, device settings, the run directory, the
     settings of the run a resume continues; returns the checkpoint that check compared against."""
@@ -584,7 +601,8 @@ def _open_run_dir(config: JobConfig, runtime: Any, logs: contextlib.ExitStack) -
     from fntrain.run_metadata import read_attempt, write_run_metadata
 
     root = checkpoint_root(config.checkpoint, config.run_dir)
-    if config.overwrite and runtime.is_main and holds_run(config.run_dir, root):
+    # A torchrun restart of this job finds the run its first launch started: that one is kept.
+    if config.overwrite and _first_launch() and runtime.is_main and holds_run(config.run_dir, root):
         log.warning("overwrite: the run in %s moved to %s", config.run_dir, move_aside(config.run_dir))
     if runtime.distributed:
         import torch.distributed as dist
@@ -711,6 +729,7 @@ def run_job(config: JobConfig, spec: RecipeSpec, *, state: TrainState | None = N
     from fntrain.run_metadata import record_outcome
     from fntrain.runtime.setup import setup_runtime
 
+    config = _starting_over(config)
     checked = _check_before_work(config)
     started = time.monotonic()
     with (

@@ -255,3 +255,16 @@ def test_two_ranks_refuse_a_second_run_and_a_changed_resume_together(tmp_path):
     assert (run_dir / "metrics.jsonl").read_bytes() == before  # neither launch touched the run
     resumed = torchrun(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest")
     assert resumed.returncode == 0 and "run already complete at step 6; nothing to do" in resumed.stderr
+
+
+def test_overwrite_moves_a_run_aside_only_on_the_first_launch_of_a_job(tmp_path, monkeypatch):
+    """Under torchrun --max-restarts, a restarted launch with --overwrite finds the run its own first
+    launch started: it keeps it (and starts from its checkpoint with auto) instead of moving it aside."""
+    config = dataclasses.replace(tiny(tmp_path, save_every=3, restore_from="auto"), overwrite=True)
+    run_job(config, tiny_gpt.spec)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert run_job(config, tiny_gpt.spec).reason == "already complete"
+    assert not list(tmp_path.glob("run.replaced-*"))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # a new job: starts over, the old run kept aside
+    assert run_job(config, tiny_gpt.spec).state.global_step == 6
+    assert len(list(tmp_path.glob("run.replaced-*"))) == 1
