@@ -131,8 +131,7 @@ class JobConfig:
     run_dir: str = "runs/job"
     """Directory for the resolved config, metrics.jsonl, logs, checkpoints and artifacts."""
     overwrite: bool = False
-    """Start over in a run_dir that already holds a run: the old run is moved aside whole to
-    <run_dir>.replaced-<time> (nothing is deleted)."""
+    """Start over in a run_dir that already holds a run (the old run moves aside whole, nothing deleted)."""
     seed: int = 42
     """Seed for initialisation, dropout and data order (python, numpy and torch)."""
     log_every: int = 10
@@ -158,13 +157,11 @@ class JobConfig:
     gc: GCConfig = field(default_factory=GCConfig)
     """Python gc and device-cache cadence."""
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
-    """A window of steps traced with torch.profiler / torch_npu.profiler into
-    <output_path>/profile/rank_<rank>/; output_path None is run_dir, a relative one is under run_dir."""
+    """A window of steps traced into <output_path>/profile/rank_<rank>/ (output_path: run_dir, or under it)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints under <run_dir>/checkpoints (or checkpoint.dir): cadence, retention, async, restore, export."""
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
-    """Hang watchdog: a silence far longer than recent steps dumps every rank's stacks to <run_dir>/stacks
-    and aborts (exit status watchdog.exit_code)."""
+    """Hang watchdog: a silence far longer than recent steps dumps stacks to <run_dir>/stacks and aborts."""
 
     # Fields a resumed run may change freely: they do not change the numbers it computes (cadences,
     # reporting, where files go, how data is loaded, how the model is spread over devices). Any other

@@ -52,16 +52,14 @@ class Config(JobConfig):
     optim: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=2e-5, weight_decay=0.0))
     schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(warmup_iters=0, min_lr_ratio=0.1))
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(export=False))
-    """Resumable checkpoints under <run_dir>/checkpoints; the fine-tuned model itself always goes to
-    output_dir in save_pretrained layout."""
+    """Resumable checkpoints under <run_dir>/checkpoints; the fine-tuned model itself always goes to output_dir in save_pretrained layout."""
     output_dir: str | None = None
     """Where the fine-tuned model, config and tokenizer are saved (None: <run_dir>/hf_model)."""
     model: HFModelConfig = field(default_factory=HFModelConfig)
     assets: AssetsConfig = field(default_factory=AssetsConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
-    """LoRA adapters through peft (lora.rank > 0; the `lora` extra): only the adapters train, and
-    output_dir receives the adapter (PEFT layout) or, with lora.merge_on_export, the merged model."""
+    """LoRA adapters through peft (lora.rank > 0; the `lora` extra): only the adapters train, and output_dir receives the adapter (PEFT layout) or, with lora.merge_on_export, the merged model."""
 
     FREE_FIELDS: ClassVar[tuple[str, ...]] = (*JobConfig.FREE_FIELDS, "output_dir")
 

@@ -57,8 +57,7 @@ class Config(JobConfig):
     evaluate: EvaluateConfig = field(default_factory=lambda: EvaluateConfig(eval_every=100, at_end=True))
     """Validation loss and answer accuracy on the held-out split."""
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(export=False))
-    """Resumable checkpoints under <run_dir>/checkpoints; the fine-tuned model itself always goes to
-    output_dir in save_pretrained layout."""
+    """Resumable checkpoints under <run_dir>/checkpoints; the fine-tuned model itself always goes to output_dir in save_pretrained layout."""
     output_dir: str | None = None
     """Where the fine-tuned model and its processor are saved (None: <run_dir>/hf_model)."""
     answer_tokens: int = 2

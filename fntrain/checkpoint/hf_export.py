@@ -96,16 +96,13 @@ class ExportOptions:
     """How `fntrain export` converts."""
 
     format: Literal["hf", "dcp"] = "hf"
-    """hf: an fntrain DCP checkpoint -> a Hugging Face directory; dcp: a Hugging Face directory -> an
-    fntrain checkpoint root (step_<N>/ + latest)."""
+    """hf: an fntrain DCP checkpoint -> a Hugging Face directory; dcp: a Hugging Face directory -> an fntrain checkpoint root (step_<N>/ + latest)."""
     max_shard_size: str = "5GB"
-    """hf: the largest safetensors file (5GB, 500MB, 2GiB, or bytes); larger models are split into
-    model-0000i-of-0000n.safetensors files with a model.safetensors.index.json."""
+    """hf: the largest safetensors file (5GB, 500MB, 2GiB, or bytes); larger models are split into model-0000i-of-0000n.safetensors files with a model.safetensors.index.json."""
     dtype: Literal["keep", "float32", "bfloat16", "float16"] = "keep"
     """Cast floating-point weights to this dtype (keep: as stored)."""
     model_dir: str | None = None
-    """hf: the Hugging Face model directory whose config.json, generation config and tokenizer files go
-    with the weights (None: the run config's model.path, when it is one)."""
+    """hf: the Hugging Face model directory whose config.json, generation config and tokenizer files go with the weights (None: the run config's model.path, when it is one)."""
     step: int | None = None
     """dcp: the step number of the written checkpoint (None: the exported checkpoint's, else 0)."""
     overwrite: bool = False

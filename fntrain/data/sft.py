@@ -87,8 +87,7 @@ class SFTDataConfig:
     max_length: int = 1024
     """Tokens per sample: longer examples are truncated (padding) or split across windows (packing)."""
     packing: bool = False
-    """Pack whole examples into max_length windows (each example attends only to itself) instead of
-    padding one example per sample."""
+    """Pack whole examples into max_length windows (each example attends only to itself) instead of padding one example per sample."""
     pad_to: Literal["max_length", "longest"] = "max_length"
     """Padding: every micro-batch to max_length (static shapes), or to its longest example."""
     train_on_prompt: bool = False

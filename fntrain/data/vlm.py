@@ -69,8 +69,7 @@ class VLMDataConfig:
     """The image + text training data (a JSONL file, or the generated shapes set)."""
 
     path: str = ""
-    """JSONL file, one row per line: {"image", "messages"} or {"image", "prompt", "completion"}; image
-    paths are relative to the file. Empty: the generated shapes question-answer set."""
+    """JSONL file, one row per line: {"image", "messages"} or {"image", "prompt", "completion"}; image paths are relative to the file. Empty: the generated shapes question-answer set."""
     val_path: str | None = None
     """JSONL validation rows (None: the val_fraction tail of data.path, or generated held-out images)."""
     val_fraction: float = 0.0
@@ -84,8 +83,7 @@ class VLMDataConfig:
     completion_key: str = "completion"
     """Key of a prompt/completion row's completion."""
     max_length: int = 512
-    """Most tokens per example, image tokens included; a longer example is an error (cutting it could
-    cut its image tokens)."""
+    """Most tokens per example, image tokens included; a longer example is an error (cutting it could cut its image tokens)."""
     pad_to: Literal["longest", "max_length"] = "longest"
     """Padding: every micro-batch to its longest example, or to max_length (static shapes)."""
     train_samples: int = 4096

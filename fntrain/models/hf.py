@@ -98,8 +98,7 @@ class HFModelConfig:
     path: str = ""
     """Local model directory (config.json + *.safetensors, as save_pretrained writes it). Required."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """Dtype of the loaded weights (auto: the checkpoint's). For bf16 compute over fp32 weights use
-    parallel.mixed_precision instead."""
+    """Dtype of the loaded weights (auto: the checkpoint's). For bf16 compute over fp32 weights use parallel.mixed_precision instead."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel transformers uses."""
 
@@ -122,8 +121,7 @@ class AssetsConfig:
     tokenizer_path: str | None = None
     """Local tokenizer directory (None: model.path)."""
     chat_template: str | None = None
-    """Jinja chat template for chat data: a file path or the template text (None: the tokenizer's own).
-    It is saved with the tokenizer in output_dir."""
+    """Jinja chat template for chat data: a file path or the template text (None: the tokenizer's own). It is saved with the tokenizer in output_dir."""
 
     def validate(self, prefix: str = "assets") -> None:
         """Value rules naming `prefix.field`; a given tokenizer directory and template file must exist."""

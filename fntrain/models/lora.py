@@ -49,8 +49,7 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapter's input (0 keeps runs bitwise reproducible across resumes)."""
     target_modules: tuple[str, ...] = ("all-linear",)
-    """Names (or name suffixes) of the linear layers that get adapters, e.g. q_proj v_proj; all-linear:
-    every linear layer but the output head."""
+    """Names (or name suffixes) of the linear layers that get adapters, e.g. q_proj v_proj; all-linear: every linear layer but the output head."""
     merge_on_export: bool = False
     """Export the merged model (base + adapter, save_pretrained layout) instead of the adapter alone."""
 

@@ -82,8 +82,7 @@ class VLMModelConfig:
     """The image-text-to-text model: a local directory, or the tiny built-in LLaVA."""
 
     path: str = ""
-    """Local model directory (config.json + *.safetensors + the processor files, as save_pretrained
-    writes them). Empty: the tiny built-in LLaVA, built on first use under cache_dir."""
+    """Local model directory (config.json + *.safetensors + the processor files, as save_pretrained writes them). Empty: the tiny built-in LLaVA, built on first use under cache_dir."""
     cache_dir: str = "~/.cache/fntrain/tiny_llava"
     """Where the tiny built-in LLaVA is written on first use (used when path is empty)."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
