@@ -561,6 +561,9 @@ def _newest_checkpoint(config: JobConfig) -> Path | None:
     """The checkpoint `checkpoint.restore_from` names, read from the files alone (not verified, no
     process group): what the resume checks compare against before any work."""
     from fntrain.checkpoint import find_latest
+    from fntrain.checkpoint.layout import MARKER
+    from fntrain.checkpoint.restorer import NAMED_DAMAGED_HINT
+    from fntrain.checkpoint.verify import CheckpointDamagedError, damage
 
     source = config.checkpoint.restore_from
     if source == "none":
@@ -570,6 +573,10 @@ def _newest_checkpoint(config: JobConfig) -> Path | None:
     path = Path(source).expanduser()
     if not path.exists():
         raise ConfigError(f"checkpoint.restore_from {source!r} does not exist")
+    if (path / MARKER).is_file():  # a missing or cut-short file shows in the sizes: no file is read
+        problem = damage(path, contents=False)
+        if problem is not None:
+            raise CheckpointDamagedError(problem, NAMED_DAMAGED_HINT)
     return path
 
 

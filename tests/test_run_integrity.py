@@ -268,3 +268,26 @@ def test_overwrite_moves_a_run_aside_only_on_the_first_launch_of_a_job(tmp_path,
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # a new job: starts over, the old run kept aside
     assert run_job(config, tiny_gpt.spec).state.global_step == 6
     assert len(list(tmp_path.glob("run.replaced-*"))) == 1
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_is_skipped_and_named_through_the_cli(tmp_path):
+    run_dir = tmp_path / "run"
+    assert fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-every", "3").returncode == 0
+    step_6 = run_dir / "checkpoints" / "step_6"
+    shard = next(step_6.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated, as by a full disk
+
+    named = fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", str(step_6))
+    assert named.returncode == 2 and len(named.stderr.strip().splitlines()) == 1, named.stderr
+    assert shard.name in named.stderr and "truncated" in named.stderr
+    assert step_6.is_dir()  # an explicitly named checkpoint is left where it is
+
+    latest = fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest")
+    assert latest.returncode == 0, latest.stderr[-2000:]
+    warnings = [line for line in latest.stderr.splitlines() if shard.name in line]
+    assert len(warnings) == 1 and "truncated" in warnings[0]  # one warning naming the file and why
+    assert "run completed at step 6" in latest.stderr  # resumed from step 3, trained 4..6 again
+    assert (run_dir / "checkpoints" / "step_6.damaged").is_dir()  # moved aside, not deleted
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and [r["attempt"] for r in rows][-1] == 1

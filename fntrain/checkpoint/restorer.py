@@ -67,6 +67,7 @@ __all__ = ["restore", "resolve_source", "read_meta", "MissingKeysError", "Checkp
 log = logging.getLogger("fntrain.checkpoint")
 
 _SHOWN = 8  # key names listed in a message before "... and N more"
+NAMED_DAMAGED_HINT = '; restore another checkpoint ("latest" skips damaged ones)'  # after a named one fails
 
 
 class MissingKeysError(KeyError):
@@ -211,9 +212,7 @@ def resolve_source(
                 )  # fmt: skip
             return path
         if plan.explicit:
-            raise CheckpointDamagedError(
-                problem, '; restore another checkpoint ("latest" skips damaged ones)'
-            )
+            raise CheckpointDamagedError(problem, NAMED_DAMAGED_HINT)
         skipped.append(problem)
         if leader:
             _skip(problem, plan, plan.paths[index + 1] if index + 1 < len(plan.paths) else None)
