@@ -31,6 +31,7 @@ from fntrain.models.hf import (
     AssetsConfig,
     HFModelConfig,
     check_packed_attention,
+    check_vocab,
     load_assets,
     load_causal_lm,
     save_hf_model,
@@ -78,17 +79,8 @@ def output_dir(config: Config) -> Path:
 
 
 def build_assets(config: Config) -> Any:
-    """The tokenizer (and its chat template); its vocabulary must fit the model's embedding table."""
-    assets = load_assets(config.model, config.assets)
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(config.model.path, local_files_only=True).vocab_size
-    if len(assets.tokenizer) > vocab:
-        raise ValueError(
-            f"the tokenizer has {len(assets.tokenizer)} tokens but the model's vocabulary only {vocab}: "
-            "model.path and assets.tokenizer_path do not belong together"
-        )
-    return assets
+    """The tokenizer (and its chat template); its vocabulary must fit the model's."""
+    return check_vocab(config.model, load_assets(config.model, config.assets))
 
 
 def model_factory(config: Config) -> Any:

@@ -2,8 +2,7 @@
 
     model_config.validate("model"); assets_config.validate("assets")    # before any model work
     model = load_causal_lm(model_config, runtime, parallel)            # loaded and parallelized
-    assets = load_assets(model_config, assets_config)                   # tokenizer + ids
-    check_vocab(model, assets)
+    assets = check_vocab(model_config, load_assets(model_config, assets_config))  # tokenizer + ids
     ...train...
     save_hf_model(model, assets, output_dir, runtime)                   # save_pretrained layout
 
@@ -14,6 +13,7 @@ imported. transformers (the `hf` extra) is imported inside functions only.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,7 +42,6 @@ __all__ = [
     "check_packed_attention",
     "unwrap",
     "save_hf_model",
-    "hf_flops_per_token",
 ]
 
 log = logging.getLogger("fntrain.models.hf")
@@ -253,14 +252,16 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def check_vocab(model: torch.nn.Module, assets: ModelAssets) -> None:
-    """A ValueError when the tokenizer has more tokens than the model's embedding table has rows."""
-    embeddings = unwrap(model).get_input_embeddings().weight.shape[0]  # a DTensor reports its full shape
-    if len(assets.tokenizer) > embeddings:
+def check_vocab(config: HFModelConfig, assets: ModelAssets) -> ModelAssets:
+    """`assets`, or a ValueError when the tokenizer has more tokens than the model's vocabulary (its
+    config.json's vocab_size: read without loading the model)."""
+    vocab = json.loads((Path(config.path).expanduser() / "config.json").read_text()).get("vocab_size")
+    if isinstance(vocab, int) and len(assets.tokenizer) > vocab:
         raise ValueError(
-            f"the tokenizer has {len(assets.tokenizer)} tokens but the model's embedding table only "
-            f"{embeddings} rows: model.path and assets.tokenizer_path do not belong together"
+            f"the tokenizer has {len(assets.tokenizer)} tokens but the model's vocabulary only {vocab}: "
+            "model.path and assets.tokenizer_path do not belong together"
         )
+    return assets
 
 
 def check_packed_attention(config: HFModelConfig, packing: bool, prefix: str = "model") -> None:
@@ -273,19 +274,6 @@ def check_packed_attention(config: HFModelConfig, packing: bool, prefix: str = "
             f"{prefix}.attn_implementation {config.attn_implementation!r} cannot take packed data's 4-D "
             "boolean attention mask: use 'sdpa' or turn data.packing off"
         )
-
-
-def hf_flops_per_token(model: torch.nn.Module, context: int) -> float | None:
-    """Analytic training FLOPs per token of a dense decoder, 6 N + 12 L d T (PaLM, appendix B; the
-    formula of `fntrain.hooks.throughput.dense_transformer_flops_per_token`, which this layer may not
-    import), from the HF config; None when the config lacks num_hidden_layers / hidden_size."""
-    inner = unwrap(model)
-    hf_config = getattr(inner, "config", None)
-    layers, width = getattr(hf_config, "num_hidden_layers", None), getattr(hf_config, "hidden_size", None)
-    if not (isinstance(layers, int) and isinstance(width, int)):
-        return None
-    params = sum(p.numel() for p in inner.parameters())  # a DTensor counts its full size
-    return 6.0 * params + 12.0 * layers * width * context
 
 
 def save_hf_model(

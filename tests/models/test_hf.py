@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ from fntrain.models.hf import (
     check_packed_attention,
     check_vocab,
     dtype_kwargs,
-    hf_flops_per_token,
     load_assets,
     load_causal_lm,
     load_pretrained,
@@ -159,8 +157,7 @@ def test_load_causal_lm_then_save_reloads_with_equal_logits(tiny_model_dir, tmp_
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
     torch.testing.assert_close(logits_of(model, IDS), logits_of(reference, IDS), atol=0, rtol=0)
 
-    assets = load_assets(config, AssetsConfig())
-    check_vocab(model, assets)
+    assets = check_vocab(config, load_assets(config, AssetsConfig()))
     out = save_hf_model(model, assets, tmp_path / "out", runtime)
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     reloaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
@@ -173,16 +170,14 @@ def test_bfloat16_dtype_is_passed_to_transformers(tiny_model_dir):
     assert next(model.parameters()).dtype == torch.bfloat16
 
 
-def test_check_vocab_and_flops_per_token(tiny_model_dir):
-    model = load_pretrained(HFModelConfig(path=str(tiny_model_dir)), "cpu")
-    rows = model.get_input_embeddings().weight.shape[0]
+def test_check_vocab_reads_the_models_vocabulary_without_loading_it(tiny_model_dir):
+    config = HFModelConfig(path=str(tiny_model_dir))
+    rows = load_pretrained(config, "cpu").get_input_embeddings().weight.shape[0]
+    fits = ModelAssets(tokenizer=[0] * rows, pad_id=0, eos_id=None, chat_template=None)
+    assert check_vocab(config, fits) is fits
     too_many = ModelAssets(tokenizer=[0] * (rows + 1), pad_id=0, eos_id=None, chat_template=None)
-    with pytest.raises(ValueError, match=f"the tokenizer has {rows + 1} tokens but .* only {rows} rows"):
-        check_vocab(model, too_many)
-    params = sum(p.numel() for p in model.parameters())
-    assert hf_flops_per_token(model, 16) == 6.0 * params + 12.0 * 2 * 32 * 16
-    assert hf_flops_per_token(torch.nn.Linear(2, 2), 16) is None  # no HF config: unknown
-    assert hf_flops_per_token(SimpleNamespace(config=None), 16) is None
+    with pytest.raises(ValueError, match=f"the tokenizer has {rows + 1} tokens but .* vocabulary only {rows}"):
+        check_vocab(config, too_many)
 
 
 def test_packing_needs_the_sdpa_kernel():
