@@ -114,21 +114,16 @@ def plan_report(recipe: Recipe, config: Any, world_size: int = 1) -> dict[str, A
 
 
 def run_recipe(spec: Any, config: Any) -> Any:
-    """Check `config` (a bad value is a `CommandError` naming the flag, before any work), run it with
-    `fntrain.job.run_job` and return its `TrainResult`. A preempted run raises `SystemExit` with its
-    exit status (checkpoint.preempt_exit_code) after its clean teardown."""
-    from fntrain.job import check_device_settings, check_job, run_job
+    """Run `config` with `fntrain.job.run_job` and return its `TrainResult`; a bad setting (which
+    run_job finds before any work, or while building: data smaller than one step) is a `CommandError`
+    naming the flag. A preempted run raises `SystemExit` with its exit status after its clean teardown."""
+    from fntrain.job import run_job
     from fntrain.logs import setup_console_logging
 
-    try:
-        check_job(config)
-        check_device_settings(config)
-    except (TypeError, ValueError, RuntimeError, OSError) as error:
-        raise _setting_error(error, type(config)) from None
     setup_console_logging()  # [rank r] prefixes; other ranks: warnings and errors only
     try:
         result = run_job(config, spec)
-    except ConfigError as error:  # found while building (e.g. the data is smaller than one step)
+    except ConfigError as error:
         raise _setting_error(error, type(config)) from None
     if result.exit_code:  # preempted or interrupted: saved, torn down; say so in one line
         print(f"{result.reason}; checkpoint saved, resume with --checkpoint.restore-from latest", file=sys.stderr)

@@ -734,7 +734,10 @@ def run_job(config: JobConfig, spec: RecipeSpec, *, state: TrainState | None = N
     from fntrain.runtime.setup import setup_runtime
 
     config = _starting_over(config)
-    checked = _check_before_work(config)
+    try:
+        checked = _check_before_work(config)
+    except (TypeError, ValueError, RuntimeError, OSError) as error:  # a setting: before any work
+        raise ConfigError(str(error)) from error
     started = time.monotonic()
     with (
         setup_runtime(config.runtime, config.parallel, seed=config.seed) as runtime,
