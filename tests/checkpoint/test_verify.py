@@ -41,18 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DATA = "__0_0.distcp"
 
 
-def two_checkpoints(root: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """step_2 and step_4 of one toy run; returns the weights at each."""
-    parts = toy.components()
-    data = toy.batches(4)
-    for ids in data[:2]:
-        toy.step(parts, ids)
-    save(root, TrainState(0, 2, 2), parts)
-    at_2 = toy.weights(parts)
-    for ids in data[2:]:
-        toy.step(parts, ids)
-    save(root, TrainState(0, 4, 4), parts)
-    return at_2, toy.weights(parts)
+two_checkpoints = toy.two_checkpoints
 
 
 def truncate(path: Path) -> str:

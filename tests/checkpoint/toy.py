@@ -59,3 +59,21 @@ def weights(parts: Components) -> dict[str, torch.Tensor]:
 def same_weights(a: Components, b: Components) -> bool:
     wa, wb = weights(a), weights(b)
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def two_checkpoints(root) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """step_2 and step_4 of one toy run saved under `root` (every rank calls it under a process group);
+    returns the weights at each."""
+    from fntrain.checkpoint import save
+    from fntrain.state import TrainState
+
+    parts = components()
+    data = batches(4)
+    for ids in data[:2]:
+        step(parts, ids)
+    save(root, TrainState(0, 2, 2), parts)
+    at_2 = weights(parts)
+    for ids in data[2:]:
+        step(parts, ids)
+    save(root, TrainState(0, 4, 4), parts)
+    return at_2, weights(parts)

@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fntrain.checkpoint import CheckpointDamagedError, restore, save, step_dir
-from fntrain.state import TrainState
+from fntrain.checkpoint import CheckpointDamagedError, restore, step_dir
 from tests.checkpoint import toy
 
 
@@ -40,16 +39,8 @@ def main(root: str, out: str) -> None:
     caught = _Warnings()
     logging.getLogger("fntrain.checkpoint").addHandler(caught)
     try:
-        parts = toy.components()
-        data = toy.batches(4)
-        for ids in data[:2]:
-            toy.step(parts, ids)
-        save(root, TrainState(0, 2, 2), parts)
-        at_2 = toy.weights(parts)
-        for ids in data[2:]:
-            toy.step(parts, ids)
-        newest = save(root, TrainState(0, 4, 4), parts)
-        target = newest / "__1_0.distcp"
+        at_2, _ = toy.two_checkpoints(root)
+        target = Path(root) / "step_4" / "__1_0.distcp"
         if rank == 0:
             blob = bytearray(target.read_bytes())
             if blob:
