@@ -171,7 +171,8 @@ class JobConfig:
         "loader.prefetch_depth", "loader.pin_memory", "parallel.strategy", "parallel.reshard_after_forward",
         "parallel.activation_checkpointing", "parallel.compile", "parallel.compile_backend",
         "parallel.ddp_bucket_cap_mb", "parallel.find_unused_parameters", "parallel.replicate",
-        "parallel.meta_init", "memory", "throughput", "metrics", "progress", "evaluate", "gc", "profiler",
+        "parallel.meta_init", "parallel.tp_size", "parallel.pp_size", "parallel.pp_schedule",
+        "parallel.loss_parallel", "memory", "throughput", "metrics", "progress", "evaluate", "gc", "profiler",
         "checkpoint", "watchdog",
     )  # fmt: skip
 
@@ -238,6 +239,10 @@ class RecipeSpec:
       accuracy), called at every evaluation on every rank, beside the validation loss.
     - `hooks(built)`: extra hooks, run after the standard ones and before the checkpoint hook.
     - `describe(config)`: extra lines for the plan printout.
+    - `tensor_parallel(model, tp_mesh, loss_parallel)`: the model family's tensor-parallel plan
+      (`fntrain.runtime.tensor_parallel.tensor_parallel_plan`); None: --parallel.tp-size must be 1.
+    - `pipeline`: where the model's pipeline stages are cut (`fntrain.runtime.pipeline.PipelineSplit`);
+      None: --parallel.pp-size must be 1. `build_model` passes both to `parallelize`.
     """
 
     config: type
@@ -253,6 +258,8 @@ class RecipeSpec:
     eval_metrics: Callable[[Any, Built], Callable[[], Mapping[str, float]]] | None = None
     hooks: Callable[[Built], Sequence[Hook]] | None = None
     describe: Callable[[Any], Mapping[str, Any]] | None = None
+    tensor_parallel: Callable[[Any, Any, bool], None] | None = None
+    pipeline: Any = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.config, type) and issubclass(self.config, JobConfig)):
@@ -295,6 +302,12 @@ def check_job(config: JobConfig, world_size: int | None = None) -> int:
         raise ConfigError(f"world size {world_size} is not divisible by tp x pp x cp = {model_parallel}")
     dp_size = world_size // model_parallel
     hsdp_shape(dp_size, config.parallel.replicate)
+    if config.parallel.strategy == "none" and dp_size > 1:
+        raise ConfigError(
+            f"--parallel.strategy none cannot train {dp_size} data-parallel ranks (their gradients would never "
+            "be combined): use --parallel.strategy ddp or fsdp2"
+        )
+
     train = config.train
     per_step = train.micro_batch_size * dp_size
     if train.global_batch_size % per_step:  # [S5]
@@ -303,6 +316,29 @@ def check_job(config: JobConfig, world_size: int | None = None) -> int:
             f"train.micro_batch_size ({train.micro_batch_size}) x data-parallel size ({dp_size}) = {per_step}"
         )
     return dp_size
+
+
+def check_model_parallel(config: JobConfig, spec: RecipeSpec, dp_size: int) -> None:
+    """Tensor and pipeline parallelism need the recipe's plan and split; a pipeline needs a step's
+    micro-batches to fill it under 1F1B. A `ConfigError` naming the flag."""
+    parallel = config.parallel
+    if parallel.tp_size > 1 and spec.tensor_parallel is None:
+        raise ConfigError(
+            f"--parallel.tp-size {parallel.tp_size}: this recipe has no tensor-parallel plan for its model"
+        )
+    if parallel.pp_size > 1:
+        if spec.pipeline is None or spec.model_factory is None:
+            raise ConfigError(
+                f"--parallel.pp-size {parallel.pp_size}: this recipe has no pipeline split for its model"
+            )
+        train = config.train
+        micro_batches = train.global_batch_size // (train.micro_batch_size * dp_size)
+        if parallel.pp_schedule == "1f1b" and micro_batches < parallel.pp_size:
+            raise ConfigError(
+                f"--parallel.pp-schedule 1f1b needs at least --parallel.pp-size ({parallel.pp_size}) micro-batches "
+                f"per step, got {micro_batches} (--train.global-batch-size / (--train.micro-batch-size x {dp_size} "
+                "data-parallel ranks)): lower --train.micro-batch-size or use --parallel.pp-schedule gpipe"
+            )
 
 
 def check_device_settings(config: JobConfig) -> None:
@@ -319,7 +355,7 @@ def check_device_settings(config: JobConfig) -> None:
     launch = read_launch_env()
     device = torch.device(resolve_device_type(config.runtime.device))
     early_hooks(config, Runtime(rank=launch.rank, world_size=launch.world_size, device=device,
-                                pp_size=config.parallel.pp_size))  # fmt: skip
+                                tp_size=config.parallel.tp_size, pp_size=config.parallel.pp_size))  # fmt: skip
 
 
 def _run_plan(config: JobConfig, dataset_len: int | None, dp_size: int) -> RunPlan:
@@ -353,6 +389,7 @@ def plan_job(config: JobConfig, spec: RecipeSpec, world_size: int = 1) -> dict[s
     if type(world_size) is not int or world_size < 1:
         raise ConfigError(f"--world-size must be a positive int, got {world_size!r}")
     dp_size = check_job(config, world_size)
+    check_model_parallel(config, spec, dp_size)
     if spec.dataset_sizes is not None:
         train_len, val_len = spec.dataset_sizes(config)
     else:
@@ -364,10 +401,21 @@ def plan_job(config: JobConfig, spec: RecipeSpec, world_size: int = 1) -> dict[s
         "run_dir": config.run_dir,
         **(spec.describe(config) if spec.describe else {}),
     }
+    # Built on the meta device (no weights, no device), for the model families with a tensor-parallel
+    # plan or a pipeline split: the layouts the estimate knows (a VLM's factory may write its model).
+    if spec.model_factory is not None and (spec.tensor_parallel is not None or spec.pipeline is not None):
+        from fntrain.memory_plan import plan_memory
+
+        try:
+            extra["memory_per_rank"] = plan_memory(config, spec.model_factory, world_size)
+        except (ValueError, NotImplementedError, OSError) as error:  # a model it cannot count on meta
+            extra["memory_per_rank"] = {"unavailable": str(error)}
+
     return describe_run_plan(
         _run_plan(config, train_len, dp_size),
         world_size=world_size,
         pp_size=config.parallel.pp_size,
+        parallel=config.parallel,
         device_type=config.runtime.device,
         dataset_len=train_len,
         profiler=profiler_config(config),
@@ -412,7 +460,7 @@ def build_job(config: JobConfig, spec: RecipeSpec, runtime: Any) -> Built:
         prefetch_depth=loader.prefetch_depth,
         pin_memory=loader.pin_memory and runtime.device.type != "cpu",
     )
-    optimizer = build_optimizer(config.optim, model).optimizer
+    optimizer = build_optimizer(config.optim, model, full_model=_full_model_of_stage(config, spec)).optimizer
     schedule = build_lr_schedule(config.schedule, plan, optimizer).scheduler
     components = Components(
         model=model,
@@ -466,6 +514,7 @@ def job_hooks(built: Built, spec: RecipeSpec, early: Any = None, *, attempt: int
     from fntrain.runtime.parallel import autocast_dtype, data_parallel_group
 
     config = built.config
+    eval_forward, eval_loss = _eval_functions(built, spec)
     return standard_hooks(
         config,
         built.runtime,
@@ -476,7 +525,8 @@ def job_hooks(built: Built, spec: RecipeSpec, early: Any = None, *, attempt: int
         val_dataset=built.val_dataset,
         eval_micro_batch_size=config.train.micro_batch_size,
         collate_fn=built.collate_fn,
-        forward=spec.forward,
+        forward=eval_forward,
+        eval_loss=eval_loss,
         autocast_dtype=autocast_dtype(config.parallel),
         dp_group=data_parallel_group(built.runtime),
         flops_per_token=_flops_per_token(built, spec),
@@ -485,6 +535,50 @@ def job_hooks(built: Built, spec: RecipeSpec, early: Any = None, *, attempt: int
         extra=list(spec.hooks(built)) if spec.hooks else (),
         attempt=attempt,
     )
+
+
+def _eval_functions(built: Built, spec: RecipeSpec) -> tuple[Callable, Callable | None]:
+    """(forward, loss) for evaluation: the spec's, run through the pipeline stages under pipeline
+    parallelism, the loss under torch's loss_parallel() when the logits are split over the vocabulary."""
+    from fntrain.runtime.parallel import loss_context, pipeline_layout
+
+    runtime, parallel = built.runtime, built.config.parallel
+    context = loss_context(runtime, parallel)
+    if runtime.pp_size > 1:
+        from fntrain.pipeline_step import make_pipeline_eval
+
+        layout = pipeline_layout(runtime, parallel)
+        return make_pipeline_eval(
+            built.components.model, built.components.loss_fn, layout, runtime.device, context
+        )
+    if context is contextlib.nullcontext:
+        return spec.forward, None
+    loss_fn = built.components.loss_fn
+
+    def eval_loss(output: Any, micro_batch: Mapping[str, Any]) -> Any:
+        with context():
+            return loss_fn(output, micro_batch)
+
+    return spec.forward, eval_loss
+
+
+def _full_model_of_stage(config: JobConfig, spec: RecipeSpec) -> Any:
+    """Under pipeline parallelism the whole model on the meta device (a stage holds only part of it);
+    else None."""
+    if config.parallel.pp_size == 1:
+        return None
+    from fntrain.runtime.materialize import build_on_meta
+
+    return build_on_meta(lambda: spec.model_factory(config))
+
+
+def _pipeline_ties(config: JobConfig, spec: RecipeSpec) -> list[dict[int, str]]:
+    """The weights of the recipe's model tied across pipeline stages (none without a pipeline)."""
+    if config.parallel.pp_size == 1:
+        return []
+    from fntrain.runtime.pipeline import stage_ties
+
+    return stage_ties(_full_model_of_stage(config, spec), spec.pipeline, config.parallel.pp_size)
 
 
 # ----------------------------------------------------------------------------- running
@@ -506,12 +600,12 @@ def _starting_over(config: JobConfig) -> JobConfig:
     return config
 
 
-def _check_before_work(config: JobConfig) -> Path | None:
+def _check_before_work(config: JobConfig, spec: RecipeSpec) -> Path | None:
     """Every check that needs no process group: values, device settings, the run directory, the
     settings of the run a resume continues; returns the checkpoint that check compared against."""
     from fntrain.run_dir import check_run_dir
 
-    check_job(config)
+    check_model_parallel(config, spec, check_job(config))
     try:
         check_device_settings(config)
     except (TypeError, ValueError, RuntimeError) as error:
@@ -650,6 +744,8 @@ def _prepare(config: JobConfig, spec: RecipeSpec, runtime: Any, early: Any, sour
         max_grad_norm=config.train.max_grad_norm,
         loss_weighting=config.train.loss_weighting,
         forward=spec.forward,
+        micro_batches=built.plan.micro_batches,
+        ties=_pipeline_ties(config, spec),
     )
     hooks = job_hooks(built, spec, early, attempt=attempt)
     if state is None:
@@ -671,10 +767,16 @@ def _export(config: JobConfig, spec: RecipeSpec, built: Built, state: TrainState
         written.append(spec.export(config, built, state))
     if config.checkpoint.export:
         from fntrain.checkpoint import export_safetensors
+        from fntrain.runtime.parallel import pipeline_group
 
         # A collective under FSDP2 (every rank gathers), written by rank 0.
         path = built.run_dir / "model.safetensors"
-        export_safetensors(built.components.model, path, metadata=state.as_dict())
+        export_safetensors(
+            built.components.model,
+            path,
+            metadata=state.as_dict(),
+            pipeline_group=pipeline_group(built.runtime),
+        )
         written.append(path)
     return [str(path) for path in written if path is not None]
 
@@ -735,7 +837,7 @@ def run_job(config: JobConfig, spec: RecipeSpec, *, state: TrainState | None = N
 
     config = _starting_over(config)
     try:
-        checked = _check_before_work(config)
+        checked = _check_before_work(config, spec)
     except (TypeError, ValueError, RuntimeError, OSError) as error:  # a setting: before any work
         raise ConfigError(str(error)) from error
     started = time.monotonic()

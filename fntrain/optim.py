@@ -71,19 +71,27 @@ class BuiltOptimizer:
 
 
 def _no_decay_names(model: torch.nn.Module) -> set[str]:
-    """Parameters excluded from weight decay: vectors (norms, biases) and embedding tables."""
+    """Parameters excluded from weight decay: vectors (norms, biases) and embedding tables, under every
+    name they have (an output head tied to the token embedding is the embedding table)."""
     names = {name for name, p in model.named_parameters() if p.ndim < 2}
     for module_name, module in model.named_modules():
         if isinstance(module, torch.nn.Embedding):
             for param_name, _ in module.named_parameters(recurse=False):
                 names.add(f"{module_name}.{param_name}" if module_name else param_name)
-    return names
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    return {alias for group in aliases.values() if names.intersection(group) for alias in group}
 
 
-def build_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> BuiltOptimizer:
-    """AdamW or SGD over `model`'s trainable parameters with weight-decay parameter groups."""
+def build_optimizer(
+    config: OptimizerConfig, model: torch.nn.Module, *, full_model: torch.nn.Module | None = None
+) -> BuiltOptimizer:
+    """AdamW or SGD over `model`'s trainable parameters with weight-decay parameter groups. When `model`
+    is one pipeline stage, `full_model` (the whole model, e.g. on the meta device) decides which names
+    decay, so a stage decays exactly what a one-rank run does."""
     config.validate()
-    no_decay = set() if config.decay_all else _no_decay_names(model)
+    no_decay = set() if config.decay_all else _no_decay_names(full_model if full_model is not None else model)
     decay, other = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
@@ -148,7 +156,9 @@ def lr_factor(step: int, *, kind: str, warmup_iters: int, horizon: int, min_lr_r
     return min_lr_ratio + (1.0 - min_lr_ratio) * shape
 
 
-def build_lr_schedule(config: ScheduleConfig, plan: RunPlan, optimizer: torch.optim.Optimizer) -> BuiltSchedule:
+def build_lr_schedule(
+    config: ScheduleConfig, plan: RunPlan, optimizer: torch.optim.Optimizer
+) -> BuiltSchedule:
     """A LambdaLR over `optimizer` with horizon `config.lr_schedule_iters` or the plan's [S8]."""
     config.validate()
     horizon = config.lr_schedule_iters if config.lr_schedule_iters is not None else plan.lr_schedule_iters

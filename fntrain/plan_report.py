@@ -1,9 +1,11 @@
 """The resolved run plan as plain data: what `fntrain plan` prints, computed without a model or a device.
 
-`describe_run_plan(plan, ...)` takes a `RunPlan` and the hook configs a recipe carries (profiler,
-memory, checkpoint; any may be absent) and returns a JSON-ready dict: run length, batch shape, the
-steps a fresh run checkpoints at, the profiler and memory windows in steps of this run, and which ranks
-record. `format_run_plan(report)` renders it for a terminal. Nothing here imports torch.
+`describe_run_plan(plan, ...)` takes a `RunPlan`, the parallel config and the hook configs a recipe
+carries (profiler, memory, checkpoint; any may be absent) and returns a JSON-ready dict: run length,
+batch shape, the device mesh (dims, a few ranks' coordinates and groups, the pipeline-stage leaders),
+the steps a fresh run checkpoints at, the profiler and memory windows in steps of this run, and which
+ranks record. A "memory_per_rank" entry of `extra` (`fntrain.memory_plan.plan_memory`) is rendered too.
+`format_run_plan(report)` renders it for a terminal. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
+from fntrain.memory_estimate import format_bytes
+from fntrain.mesh_layout import group_ranks, mesh_dims, rank_coordinates, stage_leaders
 from fntrain.state import RunPlan
 
 __all__ = ["describe_run_plan", "format_run_plan", "checkpoint_steps"]
 
 _LIST_LIMIT = 12  # longer step lists are shown as head ... tail
+_MESH_RANKS_ALL = 16  # larger worlds show the first and last _MESH_RANKS_EDGE ranks
+_MESH_RANKS_EDGE = 4
 
 
 def checkpoint_steps(
@@ -71,6 +77,40 @@ def _profiler_section(
             f"the window starts after the last step ({train_iters})",
         ]
     return section
+
+
+def _mesh_section(parallel: Any, world_size: int) -> dict:
+    """The runtime mesh's dims, the coordinates and groups of every rank (head and tail ranks of a
+    large world) and the first rank of each pipeline stage, from `fntrain.mesh_layout`."""
+    dims = mesh_dims(
+        world_size,
+        tp_size=parallel.tp_size,
+        pp_size=parallel.pp_size,
+        cp_size=getattr(parallel, "cp_size", 1),
+        replicate=getattr(parallel, "replicate", 1),
+    )
+    group_dims = [name for name, _ in dims if not name.startswith("dp")]
+    group_dims.insert(1 if dims[0][0] == "pp" else 0, "dp")
+    if getattr(parallel, "replicate", 1) > 1:
+        group_dims.insert(group_dims.index("dp") + 1, "dp_shard")  # FSDP2 shards over it
+    if world_size <= _MESH_RANKS_ALL:
+        shown = list(range(world_size))
+    else:
+        shown = [*range(_MESH_RANKS_EDGE), *range(world_size - _MESH_RANKS_EDGE, world_size)]
+    ranks = [
+        {
+            "rank": rank,
+            "coordinates": rank_coordinates(rank, dims),
+            "groups": {name: group_ranks(rank, dims, name) for name in group_dims},
+        }
+        for rank in shown
+    ]
+    return {
+        "dims": [[name, size] for name, size in dims],
+        "ranks": ranks,
+        "all_ranks_shown": len(shown) == world_size,
+        "stage_leaders": stage_leaders(world_size, parallel.pp_size),
+    }
 
 
 def _memory_section(config: Any, *, world_size: int, train_iters: int, device_type: str) -> dict:
@@ -144,6 +184,7 @@ def describe_run_plan(
     *,
     world_size: int = 1,
     pp_size: int = 1,
+    parallel: Any = None,
     device_type: str = "cpu",
     dataset_len: int | None = None,
     profiler: Any = None,
@@ -168,6 +209,8 @@ def describe_run_plan(
     }
     if extra:
         report.update(extra)
+    if parallel is not None:
+        report["mesh"] = _mesh_section(parallel, world_size)
     if checkpoint is not None:
         report["checkpoint"] = _checkpoint_section(checkpoint, plan)
     if profiler is not None:
@@ -201,6 +244,54 @@ def _ranks(ranks: Sequence[int], world_size: int) -> str:
     return "ranks " + _steps(ranks) if len(ranks) != 1 else f"rank {ranks[0]}"
 
 
+def _coordinates(coordinates: Mapping[str, int]) -> str:
+    text = []
+    for name, value in coordinates.items():
+        if name == "dp_replicate":
+            text.append(f"dp {coordinates['dp']} (replica {value}, shard {coordinates['dp_shard']})")
+        elif name not in ("dp_shard",) and not (name == "dp" and "dp_replicate" in coordinates):
+            text.append(f"{name} {value}")
+    return ", ".join(text)
+
+
+def _mesh_rows(mesh: Mapping[str, Any]) -> list[tuple[str, str]]:
+    dims = " x ".join(f"{name} {size}" for name, size in mesh["dims"])
+    rows = [("mesh", f"{dims} (row-major: the last dim's ranks are adjacent)")]
+    previous = -1
+    for entry in mesh["ranks"]:
+        if entry["rank"] != previous + 1:
+            rows.append(("  ...", f"ranks {previous + 1}..{entry['rank'] - 1} not shown"))
+        previous = entry["rank"]
+        groups = "; ".join(f"{name} group {_steps(ranks)}" for name, ranks in entry["groups"].items())
+        rows.append((f"  rank {entry['rank']}", f"{_coordinates(entry['coordinates'])}  [{groups}]"))
+    leaders = mesh["stage_leaders"]
+    rows.append(("  stage leaders", ("ranks " if len(leaders) > 1 else "rank ") + _steps(leaders)))
+    return rows
+
+
+def _memory_per_rank_rows(memory: Mapping[str, Any]) -> list[tuple[str, str]]:
+    if "unavailable" in memory:
+        return [("memory per rank", f"no estimate: {memory['unavailable']}")]
+    stage = f" (worst stage: {memory['stage']} of {memory['stages']})" if memory["stages"] > 1 else ""
+    parts = ", ".join(
+        f"{label} {format_bytes(memory[key])}"
+        for label, key in (("weights", "parameters"), ("grads", "gradients"), ("AdamW", "optimizer_state"),
+                           ("transient weights", "transient_weights"), ("activations", "activations"))
+    )  # fmt: skip
+    shape = (
+        f"micro-batch {memory['micro_batch_size']} x {memory['seq_len']} tokens"
+        if memory.get("seq_len")
+        else f"micro-batch {memory['micro_batch_size']}"
+    )
+    rows = [
+        ("memory per rank", f"{format_bytes(memory['total'])}{stage}: {parts}"),
+        ("  model", f"{memory['model_params']:,} parameters, {memory['params_per_rank']:,} per rank; "
+                    f"{shape}, {memory['mixed_precision']}; an estimate (fntrain.memory_estimate)"),
+    ]  # fmt: skip
+    rows.extend(("  note", note) for note in memory.get("notes", []))
+    return rows
+
+
 def format_run_plan(report: Mapping[str, Any]) -> str:
     """`report` (from `describe_run_plan`) as aligned text lines."""
     rows: list[tuple[str, str]] = []
@@ -227,6 +318,10 @@ def format_run_plan(report: Mapping[str, Any]) -> str:
             continue
         rows.append((key.replace("_", " "), str(value)))
 
+    if report.get("mesh") is not None:
+        rows.extend(_mesh_rows(report["mesh"]))
+    if report.get("memory_per_rank") is not None:
+        rows.extend(_memory_per_rank_rows(report["memory_per_rank"]))
     checkpoint = report.get("checkpoint")
     if checkpoint is not None:
         if checkpoint["enabled"]:
@@ -289,5 +384,6 @@ _SHOWN = frozenset(
         "micro_batch_size",
         "lr_schedule_iters",
         "sized",
+        "memory_per_rank",
     }
 )

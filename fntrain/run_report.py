@@ -48,12 +48,18 @@ def describe_start(built: Any) -> list[str]:
         model = getattr(getattr(built, "components", None), "model", None)
     if model is not None and hasattr(model, "parameters"):
         total, trainable = count_parameters(model)
-        lines.append(f"model: {total:,} parameters ({human_count(total)}), {trainable:,} trainable")
+        stages = int(getattr(built.runtime, "pp_size", 1))
+        stage = f" in pipeline stage {built.runtime.pp_rank} of {stages}" if stages > 1 else ""
+        lines.append(f"model: {total:,} parameters ({human_count(total)}){stage}, {trainable:,} trainable")
     runtime, config, plan = built.runtime, built.config, built.plan
     world = int(getattr(runtime, "world_size", 1))
-    parallel = getattr(getattr(config, "parallel", None), "strategy", None)
+    parallel = getattr(config, "parallel", None)
     where = f"world: {world} process{'es' if world != 1 else ''}, device {getattr(runtime, 'device', '?')}"
-    lines.append(where + (f", parallel {parallel}" if parallel else ""))
+    if parallel is not None:
+        where += f", parallel {parallel.strategy}"
+        where += f", tp {parallel.tp_size}" if parallel.tp_size > 1 else ""
+        where += f", pp {parallel.pp_size} ({parallel.pp_schedule})" if parallel.pp_size > 1 else ""
+    lines.append(where)
     epochs = f"{plan.epochs} epoch{'s' if plan.epochs != 1 else ''} of up to {plan.steps_per_epoch} steps"
     if not getattr(plan, "sized", True):
         epochs = "a stream of unknown length"

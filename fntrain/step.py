@@ -57,7 +57,9 @@ def causal_lm_loss(
     """Mean next-token cross-entropy over the valid tokens of one micro-batch; 0 when there are none.
 
     `output` is the logits tensor or an object with `.logits` (Hugging Face). Targets and validity per
-    [S22]; the cross-entropy is computed in fp32 whatever the logits' dtype.
+    [S22]; the cross-entropy is computed in fp32 whatever the logits' dtype. Logits that are a DTensor
+    sharded over the vocabulary (tensor parallelism) need torch's `loss_parallel()` context around this
+    call and the backward.
     """
     logits = output.logits if hasattr(output, "logits") else output
     targets, valid = loss_targets(micro_batch, ignore_index)
@@ -68,6 +70,10 @@ def causal_lm_loss(
         targets.reshape(-1).masked_fill(~valid.reshape(-1), 0),
         reduction="none",
     )
+    if hasattr(
+        per_token, "to_local"
+    ):  # vocabulary-parallel logits under loss_parallel(): a replicated DTensor
+        per_token = per_token.to_local()
     valid_flat = valid.reshape(-1)
     # Dividing by max(count, 1) keeps an all-ignored micro-batch at exactly 0 (a plain mean gives NaN).
     return (per_token * valid_flat).sum() / valid_flat.sum().clamp(min=1)
@@ -162,6 +168,7 @@ def make_train_step(
     grad_scaler: Any = None,
     nonfinite: str = "raise",
     ignore_index: int = IGNORE_INDEX,
+    loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> Callable[[TrainState, Sequence[Mapping[str, Any]]], dict[str, Any]]:
     """Build `step_fn(state, batch) -> {"loss", "grad_norm", "lr"}` for one optimizer step.
 
@@ -184,6 +191,8 @@ def make_train_step(
     (metrics gain "skipped"); deciding that on the host costs a sync per step. With several
     data-parallel ranks the decision follows the synced gradients' norm so every rank agrees; with a
     grad scaler it is left to the scaler.
+    `loss_context` wraps every forward, loss and backward (tensor parallelism's vocabulary-parallel loss
+    needs torch's `loss_parallel()` there).
     """
     _check_step_args(loss_weighting, nonfinite, max_grad_norm, dp_size, autocast_dtype)
     optimizers = (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
@@ -201,7 +210,7 @@ def make_train_step(
     # Each phase is a closure over its precomputed settings, built once here: the step itself only calls them.
     backward = _make_backward(
         model, loss_fn, forward, device, loss_weighting == "token", autocast_dtype, grad_scaler,
-        dp_size, dp_group, ignore_index,
+        dp_size, dp_group, ignore_index, loss_context,
     )  # fmt: skip
     unscale_and_clip = _make_unscale_and_clip(params, optimizers, max_grad_norm, grad_scaler)
     should_skip = _make_nonfinite_check(params, on_cpu, skip_mode, clip, grad_scaler, dp_size)
@@ -291,6 +300,7 @@ def _make_backward(
     dp_size: int,
     dp_group: Any,
     ignore_index: int,
+    loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> Callable[[TrainState, list[Mapping[str, Any]]], torch.Tensor]:
     """`backward(state, micro_batches) -> reported loss`: forward and backward of every micro-batch,
     each loss weighted by its token share (token mode) or 1/count (mean mode), gradients synced on the
@@ -307,7 +317,7 @@ def _make_backward(
             weights, total_tokens = token_weights(micro_batches)
         parts: list[torch.Tensor] = []
         raw_losses: list[torch.Tensor] = []
-        with _fsdp_accumulation(model, fsdp and count > 1):
+        with _fsdp_accumulation(model, fsdp and count > 1), loss_context():
             for index, micro_batch in enumerate(micro_batches):
                 last = index == count - 1
                 if fsdp and last and count > 1:

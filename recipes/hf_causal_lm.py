@@ -37,6 +37,7 @@ from fntrain.models.hf import (
     save_hf_model,
     set_offline,
 )
+from fntrain.models.hf_tp import hf_tensor_parallel
 from fntrain.models.lora import LoraConfig, apply_lora, check_lora_parallel, save_adapter_or_merged
 from fntrain.optim import OptimizerConfig, ScheduleConfig
 
@@ -68,7 +69,7 @@ class Config(JobConfig):
         super().validate()
         require_str("output_dir", self.output_dir, optional=True, non_empty=True)
         check_packed_attention(self.model, self.data.packing)
-        check_lora_parallel(self.lora, self.parallel.meta_init)
+        check_lora_parallel(self.lora, self.parallel.meta_init, tp_size=self.parallel.tp_size)
         if self.evaluate.enabled and not (self.data.val_path or self.data.val_fraction > 0):
             raise ValueError("evaluate needs validation data: set data.val_path or data.val_fraction > 0")
 
@@ -117,6 +118,7 @@ spec = RecipeSpec(
     ),
     model_factory=model_factory,
     export=export,
+    tensor_parallel=hf_tensor_parallel,
     describe=lambda config: {
         "strategy": config.parallel.strategy,
         "packing": config.data.packing,

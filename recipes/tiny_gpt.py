@@ -25,7 +25,7 @@ from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.job import JobConfig, RecipeSpec, TrainConfig
 from fntrain.models.gpt2 import export_gpt2
 from fntrain.optim import OptimizerConfig, ScheduleConfig
-from fntrain.runtime.materialize import build_seeded_model
+from fntrain.runtime import PipelineSplit, build_seeded_model, pipeline_group, tensor_parallel_plan
 
 # ----------------------------------------------------------------------------- configuration
 
@@ -94,6 +94,13 @@ class Config(JobConfig):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
+    def validate(self) -> None:
+        super().validate()
+        tp, pp, model = self.parallel.tp_size, self.parallel.pp_size, self.model
+        if model.n_head % tp or pp > model.n_layer:  # each tp rank holds whole heads, each stage a block
+            raise ValueError(f"parallel.tp_size ({tp}) must divide model.n_head ({model.n_head}) and "
+                             f"parallel.pp_size ({pp}) be at most model.n_layer ({model.n_layer})")  # fmt: skip
+
 
 # ----------------------------------------------------------------------------- model (nanoGPT-style)
 
@@ -101,21 +108,18 @@ class Config(JobConfig):
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.q, self.k, self.v = (nn.Linear(cfg.d_model, cfg.d_model) for _ in range(3))
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        q, k, v = (t.view(batch, seq, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        dropout_p = self.dropout if self.training else 0.0
-        if attn_mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-        else:  # a boolean mask that already holds causality (packed documents: block-diagonal causal)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        batch, seq, _ = x.shape  # under tensor parallelism q, k, v hold this rank's heads only
+        q, k, v = (p(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        # A boolean mask already holds causality (packed documents: block-diagonal causal).
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+                                           dropout_p=self.dropout if self.training else 0.0)  # fmt: skip
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class Block(nn.Module):
@@ -166,13 +170,15 @@ class TinyGPT(nn.Module):
         """Logits [batch, seq, vocab]. Packed sequences (fntrain.data.packing) pass `position_ids` that restart
         at each document and a 4-D boolean `attention_mask` [batch, 1, seq, seq] (True: may attend) that
         keeps attention inside each document; a 2-D padding mask is ignored (attention stays causal)."""
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.size(1), device=input_ids.device)
+        x = input_ids  # a pipeline stage after the first gets the previous stage's activations
+        if self.tok is not None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.size(1), device=input_ids.device)
+            x = self.drop(self.tok(input_ids) + self.pos(position_ids))
         attn_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 4 else None
-        x = self.drop(self.tok(input_ids) + self.pos(position_ids))
-        for block in self.blocks:
+        for block in self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks:
             x = block(x) if attn_mask is None else block(x, attn_mask)
-        return self.head(self.ln_f(x))
+        return self.head(self.ln_f(x)) if self.head is not None else x
 
 
 # ----------------------------------------------------------------------------- data
@@ -224,10 +230,18 @@ def model_config(config: Config) -> ModelConfig:
     return replace(config.model, vocab_size=max(config.model.vocab_size, vocab or 0))
 
 
+# Megatron's split: attention heads, the MLP's hidden units and the vocabulary over the tp ranks.
+TENSOR_PARALLEL = tensor_parallel_plan({
+    "tok": "embedding", "blocks.*.attn.[qkv]": "colwise", "blocks.*.attn.proj": "rowwise",
+    "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise", "head": "output",
+})  # fmt: skip
+PIPELINE = PipelineSplit(layers="blocks", first=("tok", "pos"), last=("ln_f", "head"))
+
+
 def build_model(config: Config, runtime: Any) -> nn.Module:
     """The GPT initialised from the seed and parallelized (eagerly, or on meta with parallel.meta_init)."""
-    factory = lambda: TinyGPT(model_config(config))  # noqa: E731
-    return build_seeded_model(factory, runtime, config.parallel, seed=config.seed, post_init=TinyGPT._init)
+    return build_seeded_model(lambda: TinyGPT(model_config(config)), runtime, config.parallel, seed=config.seed,
+                              post_init=TinyGPT._init, tensor_parallel=TENSOR_PARALLEL, pipeline=PIPELINE)  # fmt: skip
 
 
 spec = RecipeSpec(
@@ -236,12 +250,13 @@ spec = RecipeSpec(
     build_datasets=build_datasets,
     model_factory=lambda config: TinyGPT(model_config(config)),
     dataset_sizes=dataset_sizes,
+    tensor_parallel=TENSOR_PARALLEL,
+    pipeline=PIPELINE,
     export=lambda config, built, state: export_gpt2(  # <run_dir>/hf_model: a transformers GPT-2
-        built.components.model,
-        built.run_dir / "hf_model",
-        model_config(config),
+        built.components.model, built.run_dir / "hf_model", model_config(config),
         eos_id=read_index(config.data.shards).eos_id if config.data.shards else None,
-    ),
+        pipeline_group=pipeline_group(built.runtime),
+    ),  # fmt: skip
 )
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The benchmark harness's statistics (bench/harness.py): paired bootstrap intervals and goal verdicts."""
+"""The benchmark harness (bench/harness.py): paired block/process bootstrap intervals, goal verdicts, the speed
+yardstick, step shares, pinning and measuring in fresh processes."""
 
 from __future__ import annotations
 
@@ -7,16 +8,22 @@ import json
 import pytest
 
 from bench.harness import (
+    REFERENCE_YARDSTICK_S,
+    YARDSTICK,
     Interval,
     Target,
     Timing,
     bootstrap_median,
+    in_fresh_processes,
     interleave,
+    one_core,
     overhead_row,
     paired_ratio_row,
     rounds_to_decide,
+    share_row,
     verdict,
     write_json,
+    yardstick,
 )
 
 
@@ -121,3 +128,78 @@ def test_compare_reports_overlapping_intervals():
     assert set(records) == {"a", "b"}
     assert records["a"]["overlap"] and not records["a"]["medians_inside"]
     assert not records["b"]["overlap"]
+
+
+def test_slow_drift_widens_the_block_interval():
+    # a slow climb across the run: rounds next to each other agree, the run as a whole does not
+    drift = [1.0 + 0.1 * index + 0.01 * (index % 3) for index in range(25)]
+    blocks, rounds = bootstrap_median(drift), bootstrap_median(drift, block=1)
+    assert blocks.low <= blocks.median <= blocks.high
+    assert blocks.width > rounds.width
+
+
+def test_rounds_from_several_processes_are_resampled_by_process():
+    # two processes that each agree with themselves and disagree with each other
+    values = [1.0, 1.01, 0.99, 1.0, 2.0, 2.01, 1.99, 2.0]
+    one_process = bootstrap_median(values)
+    by_process = bootstrap_median(values, groups=[0, 0, 0, 0, 1, 1, 1, 1])
+    assert by_process.low <= 1.01 and by_process.high >= 1.99
+    assert by_process.width >= one_process.width
+
+
+def test_merged_timings_label_each_round_with_its_process():
+    first = Timing({"a": [1.0, 2.0]}, {"a": [0.1, 0.2]})
+    second = Timing({"a": [3.0]}, {"a": [0.3]})
+    merged = Timing.merge([first, second])
+    assert merged.samples["a"] == [1.0, 2.0, 3.0] and merged.outside["a"] == [0.1, 0.2, 0.3]
+    assert merged.groups == [0, 0, 1]
+
+
+def test_differences_at_reference_speed_scale_by_the_yardstick_of_their_round():
+    slow = 2 * REFERENCE_YARDSTICK_S
+    timing = Timing({"ours": [3e-6, 6e-6], "base": [1e-6, 2e-6], YARDSTICK: [REFERENCE_YARDSTICK_S, slow]})
+    # the second round ran on a machine twice as slow: its 4 us difference is 2 us at reference speed
+    assert timing.at_reference_speed(timing.paired("ours", "base")) == pytest.approx([2e-6, 2e-6])
+    row = overhead_row("r", timing, "ours", "base", goal_us=3, speed=True)
+    assert row.interval.median == pytest.approx(2.0) and row.verdict == "met"
+    assert "at reference speed" in row.difference and row.fntrain == "4.5 us"
+    with pytest.raises(ValueError, match="yardstick"):
+        Timing({"ours": [1.0], "base": [1.0]}).at_reference_speed([0.0])
+
+
+def test_share_row_divides_each_round_by_the_baseline_step_of_that_round():
+    timing = Timing(
+        {"ours": [10.0, 20.0, 30.0], "base": [10.0, 20.0, 30.0]},
+        {"ours": [0.2, 0.4, 0.6], "base": [0.1, 0.2, 0.3]},
+    )
+    row = share_row("r", timing, "ours", "base", goal_percent=None, outside=True)
+    assert row.interval.low == pytest.approx(1.0) and row.interval.high == pytest.approx(1.0)
+    assert row.unit == "% of the step" and row.verdict == "-"
+
+
+def test_yardstick_runs_as_one_more_variant():
+    assert yardstick(10) == 10
+    timing = interleave({"a": lambda: 1}, repeats=2, warmup=0, with_yardstick=True)
+    assert set(timing.samples) == {"a", YARDSTICK} and len(timing.samples[YARDSTICK]) == 2
+
+
+def test_one_core_pins_and_restores():
+    import os
+
+    import torch
+
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    with one_core() as core:
+        assert os.sched_getaffinity(0) == {core} and torch.get_num_threads() == 1
+    assert os.sched_getaffinity(0) == before and torch.get_num_threads() == threads
+
+
+def fixed_timing(value: float) -> Timing:
+    """Measured in a child process by the test below."""
+    return Timing({"ours": [value, value]}, {"ours": [value, value]})
+
+
+def test_fresh_processes_each_give_a_group_of_rounds():
+    assert in_fresh_processes(fixed_timing, 1, value=2.0).groups == []
+    merged = in_fresh_processes(fixed_timing, 2, value=2.0)
+    assert merged.samples["ours"] == [2.0] * 4 and merged.groups == [0, 0, 1, 1]

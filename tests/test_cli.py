@@ -26,6 +26,7 @@ from fntrain.hooks.profiler import ProfilerConfig
 from fntrain.job import plan_job
 from fntrain.plan_report import checkpoint_steps, describe_run_plan, format_run_plan
 from fntrain.recipes_registry import RecipeNotFound, available_recipes, load_recipe
+from fntrain.runtime.parallel import ParallelConfig
 from fntrain.state import loader_length, make_run_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ TINY += ["--evaluate.max-batches", "1"]  # keep the end-of-run evaluation to one
 def test_plan_for_two_ranks(capsys):
     report = dispatch(
         ["plan", "tiny_gpt", "--world-size", "2", "--train.global-batch-size", "32", "--train.micro-batch-size",
-         "8", "--train.train-iters", "100", "--runtime.device", "cuda",
+         "8", "--train.train-iters", "100", "--runtime.device", "cuda", "--parallel.strategy", "ddp",
          "--profiler.enabled", "--profiler.start-step", "3", "--profiler.stop-step", "5", "--profiler.rank-ids", "1",
          "--memory.enable", "--memory.start-step", "2", "--memory.end-step", "4", "--memory.dump-ranks", "0", "1"]
     )  # fmt: skip
@@ -68,7 +69,7 @@ def test_plan_for_two_ranks(capsys):
 
 
 def test_plan_json_output_and_default_profiler_ranks(capsys):
-    dispatch(["plan", "tiny_gpt", "--world-size", "2", "--json", "--profiler.enabled",
+    dispatch(["plan", "tiny_gpt", "--world-size", "2", "--parallel.strategy", "ddp", "--json", "--profiler.enabled",
               "--profiler.start-on-init", "--profiler.stop-step", "4"])  # fmt: skip
     report = json.loads(capsys.readouterr().out)
     assert report["world_size"] == 2
@@ -76,17 +77,96 @@ def test_plan_json_output_and_default_profiler_ranks(capsys):
     assert report["profiler"]["starts_at"] == "TRAIN_BEGIN" and report["profiler"]["steps"] == [1, 4]
 
 
+def test_plan_prints_the_mesh_and_its_stage_leaders(capsys):
+    dispatch(["plan", "tiny_gpt", "--world-size", "2", "--parallel.strategy", "ddp", "--json"])
+    assert json.loads(capsys.readouterr().out)["mesh"]["dims"] == [["dp", 2]]
+    plan = make_run_plan(
+        global_batch_size=32, micro_batch_size=8, train_iters=10, dataset_len=1000, dp_size=2
+    )
+    parallel = ParallelConfig(strategy="fsdp2", tp_size=2, pp_size=2)
+    profiler = ProfilerConfig(enabled=True, pipeline_stage_leaders=True)
+    report = describe_run_plan(plan, world_size=8, pp_size=2, parallel=parallel, profiler=profiler)
+    mesh = report["mesh"]
+    assert mesh["dims"] == [["pp", 2], ["dp", 2], ["tp", 2]]
+    assert [entry["rank"] for entry in mesh["ranks"]] == list(range(8)) and mesh["all_ranks_shown"]
+    rank5 = mesh["ranks"][5]
+    assert rank5["coordinates"] == {"pp": 1, "dp": 0, "tp": 1}
+    assert rank5["groups"] == {"pp": [1, 5], "dp": [5, 7], "tp": [4, 5]}
+    assert mesh["stage_leaders"] == [0, 4] == report["profiler"]["ranks"]  # the profiler agrees
+    text = format_run_plan(report)
+    assert "mesh                pp 2 x dp 2 x tp 2 (row-major" in text
+    assert "  rank 5            pp 1, dp 0, tp 1  [pp group 1, 5; dp group 5, 7; tp group 4, 5]" in text
+    assert "  stage leaders     ranks 0, 4" in text
+
+
+def test_plan_mesh_of_a_large_hsdp_world_shows_head_and_tail():
+    plan = make_run_plan(
+        global_batch_size=64, micro_batch_size=1, train_iters=10, dataset_len=1000, dp_size=32
+    )
+    parallel = ParallelConfig(strategy="fsdp2", tp_size=2, replicate=4)
+    report = describe_run_plan(plan, world_size=64, parallel=parallel)
+    mesh = report["mesh"]
+    assert mesh["dims"] == [["dp_replicate", 4], ["dp_shard", 8], ["tp", 2]]
+    assert [entry["rank"] for entry in mesh["ranks"]] == [0, 1, 2, 3, 60, 61, 62, 63]
+    last = mesh["ranks"][-1]
+    assert last["coordinates"] == {"dp_replicate": 3, "dp_shard": 7, "tp": 1, "dp": 31}
+    assert last["groups"]["dp_shard"] == list(range(49, 64, 2)) and last["groups"]["dp"] == list(
+        range(1, 64, 2)
+    )
+    text = format_run_plan(report)
+    assert "  ...               ranks 4..59 not shown" in text
+    assert (
+        "  rank 63           dp 31 (replica 3, shard 7), tp 1  [dp group 1, 3, 5, 7, 9, ..., 59, 61, 63; "
+        in text
+    )
+
+
+def test_plan_renders_the_memory_per_rank_estimate():
+    from fntrain.memory_plan import plan_memory
+
+    config = dataclasses.replace(tiny_gpt.Config(), parallel=ParallelConfig(strategy="ddp"))
+    plan = make_run_plan(
+        global_batch_size=32, micro_batch_size=16, train_iters=10, dataset_len=1000, dp_size=2
+    )
+    memory = plan_memory(config, tiny_gpt.spec.model_factory, world_size=2)
+    text = format_run_plan(describe_run_plan(plan, world_size=2, extra={"memory_per_rank": memory}))
+    assert "memory per rank     84.19 MiB: weights 3.21 MiB, grads 6.43 MiB, AdamW 6.43 MiB" in text
+    assert "842,496 parameters, 842,496 per rank; micro-batch 16 x 128 tokens, fp32" in text
+
+
 def test_plan_builds_no_model_reads_no_corpus_touches_no_device(monkeypatch, capsys):
     def forbidden(*args, **kwargs):
         raise AssertionError("plan must not build the model, read the corpus or set up the runtime")
 
     module = load_recipe("tiny_gpt").module
-    for name in ("TinyGPT", "build_datasets", "build_model"):
+    for name in ("build_datasets", "build_model"):
         monkeypatch.setattr(module, name, forbidden)
+    real_model = module.TinyGPT
+
+    def on_meta_only(*args, **kwargs):  # the memory estimate counts parameters on the meta device
+        import torch
+
+        if torch.empty(0).device.type != "meta":
+            forbidden()
+        return real_model(*args, **kwargs)
+
+    monkeypatch.setattr(module, "TinyGPT", on_meta_only)
+
     monkeypatch.setattr("fntrain.runtime.setup.setup_runtime", forbidden)
     monkeypatch.setattr(Path, "read_bytes", forbidden)
     report = dispatch(
-        ["plan", "tiny_gpt", "--world-size", "4", "--train.micro-batch-size", "8", "--runtime.device", "npu"]
+        [
+            "plan",
+            "tiny_gpt",
+            "--world-size",
+            "4",
+            "--train.micro-batch-size",
+            "8",
+            "--runtime.device",
+            "npu",
+            "--parallel.strategy",
+            "fsdp2",
+        ]
     )
     assert report["dp_size"] == 4
     assert "torch_npu" not in sys.modules
@@ -338,7 +418,9 @@ def test_installed_wheel_runs_plan_outside_the_checkout(tmp_path):
         assert result.returncode == 0, result.stderr
         return result.stdout
 
-    report = json.loads(fntrain("plan", "tiny_gpt", "--world-size", "2", "--json"))
+    report = json.loads(
+        fntrain("plan", "tiny_gpt", "--world-size", "2", "--parallel.strategy", "ddp", "--json")
+    )
     assert report["dp_size"] == 2 and report["dataset_len"] > 0  # the corpus ships as package data
     listed = fntrain("recipes")
     assert "fntrain_recipes.tiny_gpt" in listed and "fntrain_recipes.hf_causal_lm" in listed
@@ -409,7 +491,7 @@ def test_cp_copies_a_recipe_that_runs_from_its_new_place(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:  # never overwrites without --force
         dispatch(["cp", "tiny_gpt", str(dest)])
     assert exit_info.value.code == 2 and "--force" in capsys.readouterr().err
-    report = dispatch(["plan", str(dest), "--world-size", "2", "--json"])
+    report = dispatch(["plan", str(dest), "--world-size", "2", "--parallel.strategy", "ddp", "--json"])
     assert report["dp_size"] == 2 and report["dataset_len"] > 0  # the corpus is found through the package
     result = dispatch(["run", str(dest), "--run-dir", str(tmp_path / "a"), *TINY])
     assert result.state.global_step == 2

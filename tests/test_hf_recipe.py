@@ -161,13 +161,34 @@ def test_fine_tune_three_steps_then_reload_with_transformers(tiny_hf_model, tmp_
     longer = dataclasses.replace(
         config,
         train=dataclasses.replace(config.train, train_iters=4),
-        checkpoint=dataclasses.replace(config.checkpoint, restore_from="latest", allow_changes=("train.train_iters",)),
+        checkpoint=dataclasses.replace(
+            config.checkpoint, restore_from="latest", allow_changes=("train.train_iters",)
+        ),
     )
     assert run_job(longer, hf.spec).state.global_step == 4
     steps = [
         json.loads(line).get("step") for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     assert steps.count(4) >= 1 and steps.count(1) == 1  # resumed at step 3, not from scratch
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_trains_the_same_and_saves_a_cache_enabled_config(tiny_hf_model, tmp_path):
+    """Training runs the model without its KV cache (a recomputed forward would append to it again);
+    the saved model keeps use_cache on for generation."""
+    model_dir, data_path = tiny_hf_model
+    losses = []
+    for checkpointing in (False, True):
+        config = _config(model_dir, data_path, tmp_path / str(checkpointing))
+        config = dataclasses.replace(
+            config, parallel=dataclasses.replace(config.parallel, activation_checkpointing=checkpointing)
+        )
+        run_job(config, hf.spec)
+        rows = (tmp_path / str(checkpointing) / "metrics.jsonl").read_text().splitlines()
+        losses.append([json.loads(row)["loss"] for row in rows if "loss" in json.loads(row)])
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    saved = json.loads((tmp_path / "True" / "hf_model" / "config.json").read_text())
+    assert saved["use_cache"] is True
 
 
 @pytest.mark.slow
@@ -197,7 +218,9 @@ def test_plan_for_two_ranks_reads_no_weights(tiny_hf_model, monkeypatch, capsys)
     module = load_recipe("hf_causal_lm").module  # fntrain_recipes.hf_causal_lm when installed
     monkeypatch.setattr(module, "load_causal_lm", lambda *a, **k: pytest.fail("plan must not load the model"))
     report = dispatch(
-        ["plan", "hf_causal_lm", "--world-size", "2", "--model.path", str(model_dir), "--data.path", str(data_path),
+        ["plan", "hf_causal_lm", "--world-size", "2", "--parallel.strategy", "fsdp2", "--model.path", str(model_dir),
+         "--data.path", str(data_path),
+
          "--data.packing", "--data.max-length", "32", "--train.global-batch-size", "4", "--train.micro-batch-size", "1"]
     )  # fmt: skip
     assets = hf.build_assets(_config(model_dir, data_path, Path("unused")))
@@ -273,7 +296,9 @@ def test_two_rank_fsdp2_lora_saves_a_loadable_adapter(tiny_hf_model, tmp_path, m
 
     model_dir, data_path = tiny_hf_model
     lora = ["--lora.rank", "4", "--lora.target-modules", "q_proj", "v_proj", "--progress.no-enabled"]
-    out = _fsdp2_fine_tune(model_dir, data_path, tmp_path, *lora, *(["--lora.merge-on-export"] if merge else []))
+    out = _fsdp2_fine_tune(
+        model_dir, data_path, tmp_path, *lora, *(["--lora.merge-on-export"] if merge else [])
+    )
     before = load_file(model_dir / "model.safetensors")
     if merge:
         after = load_file(out / "model.safetensors")

@@ -162,7 +162,9 @@ def test_a_loss_with_bind_model_is_bound_once_to_the_built_model(tmp_path):
 
 def test_plan_job_resolves_without_building(tmp_path):
     config = toy(tmp_path, checkpoint=CheckpointConfig(save_every=3))
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, strategy="ddp"))
     report = plan_job(config, spec, world_size=2)
+
     assert (report["dp_size"], report["micro_batches"], report["train_iters"]) == (2, 1, 4)
     assert report["steps_per_epoch"] == 32 // 4 and report["checkpoint"]["steps"] == [3, 4]
     assert report["val_samples"] == 8 and not (tmp_path / "run").exists()

@@ -55,7 +55,9 @@ def test_bad_settings_are_one_line_naming_the_flag(tmp_path, capsys):
 
 def test_plan_needs_no_model(tmp_path):
     config = vlm.Config(run_dir=str(tmp_path), model=VLMModelConfig(cache_dir=str(tmp_path / "cache")))
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, strategy="ddp"))
     plan = plan_job(config, vlm.spec, world_size=2)
+
     text = json.dumps(plan)
     assert "generated shapes" in text and "4096" in text
     assert not (tmp_path / "cache").exists()
@@ -89,7 +91,10 @@ def test_three_steps_train_on_images_evaluate_accuracy_and_export(model_dir, tmp
     assert any(r.get("tflops", 0) > 0 for r in steps)  # FLOPs counted on a meta copy, images included
     evaluation = [r for r in records if "val_accuracy" in r][-1]
     assert 0.0 <= evaluation["val_accuracy"] <= 1.0 and evaluation["val_loss"] > 0
-    before, after = load_file(model_dir / "model.safetensors"), load_file(tmp_path / "run/hf_model/model.safetensors")
+    before, after = (
+        load_file(model_dir / "model.safetensors"),
+        load_file(tmp_path / "run/hf_model/model.safetensors"),
+    )
     vision = [name for name in after if "vision_tower" in name]
     assert vision and any(not torch.equal(before[n], after[n]) for n in vision)  # the images were seen
     assert (tmp_path / "run" / "hf_model" / "processor_config.json").exists()
@@ -99,7 +104,9 @@ def test_three_steps_train_on_images_evaluate_accuracy_and_export(model_dir, tmp
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
     return env
@@ -138,7 +145,7 @@ def test_the_default_learns_the_shapes_and_the_export_answers_with_transformers(
         text = processor.apply_chat_template(row["messages"][:1], add_generation_prompt=True, tokenize=False)
         inputs = processor(text=[text], images=[row["image"]], return_tensors="pt")
         output = model.generate(**inputs, max_new_tokens=2, do_sample=False)
-        said = processor.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).split()
+        said = processor.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).split()
         right += said[:1] == [row["messages"][1]["content"]]
     assert right / len(held_out) >= 0.7, right
 
@@ -159,6 +166,7 @@ def test_two_rank_fsdp2_matches_one_rank(model_dir, tmp_path):
     assert one.returncode == 0, one.stderr[-4000:]
     two = _driver(tmp_path / "two", "none", [*args, "--parallel.strategy", "fsdp2"], ranks=2)
     assert two.returncode == 0, two.stderr[-4000:]
+
     def logged(out: Path) -> torch.Tensor:  # the loss reduced over the ranks, as metrics.jsonl logs it
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return torch.tensor([r["loss"] for r in records if "loss" in r], dtype=torch.float64)

@@ -19,20 +19,46 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from fntrain.checkpoint import _dist
 
-__all__ = ["export_safetensors", "set_usual_mode"]
+__all__ = ["export_safetensors", "full_model_state", "set_usual_mode"]
+
+
+def full_model_state(model: torch.nn.Module, pipeline_group: Any = None) -> dict[str, torch.Tensor]:
+    """`model`'s full (unsharded) state dict on CPU at rank 0 (others may get an empty or partial one);
+    a collective: every rank calls it. Under pipeline parallelism (`pipeline_group`: this rank's group of
+    stages) each stage holds part of the model: the parts are gathered and merged (names never collide,
+    tied copies are equal)."""
+    if pipeline_group is None:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    import torch.distributed as dist
+
+    # Without cpu_offload every rank gets the full tensors of its stage (cpu_offload keeps them on
+    # global rank 0 only, which holds the first stage alone).
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    state = {key: tensor.detach().cpu() for key, tensor in state.items()}
+    leader = dist.get_rank(pipeline_group) == 0
+    parts: list[Any] | None = [None] * dist.get_world_size(pipeline_group) if leader else None
+    dist.gather_object(state, parts, group=pipeline_group, group_dst=0)
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts or [state]:
+        merged.update(part)
+    return merged
 
 
 def export_safetensors(
-    model: torch.nn.Module, path: str | os.PathLike, *, metadata: Mapping[str, Any] | None = None
+    model: torch.nn.Module,
+    path: str | os.PathLike,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    pipeline_group: Any = None,
 ) -> Path | None:
     """Write `model`'s weights to `path` (rank 0); return the path on rank 0, None elsewhere.
 
-    `metadata` (JSON-able) is stored in the file's string header under "fntrain".
+    `metadata` (JSON-able) is stored in the file's string header under "fntrain"; `pipeline_group` as for
+    `full_model_state`.
     """
     from safetensors.torch import save_file
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
+    state = full_model_state(model, pipeline_group)
     if _dist.rank() != 0:
         return None
     seen: set[int] = set()

@@ -243,9 +243,10 @@ def restore(
     weights_only: bool = False,
     device: torch.device | str | None = None,
     process_group: Any = None,
+    model_part: bool = False,
 ) -> TrainState:
     """Restore `source` ("none" | "auto" | "latest" | a path) into `components` and `hooks`; return its
-    TrainState.
+    TrainState. `model_part`: the model is one pipeline stage of the saved one.
 
     weights_only: load the model weights alone and return a fresh `TrainState()` (optimizer, schedulers,
     RNG and hook states keep their fresh values). Every rank must call this (it is a collective).
@@ -263,18 +264,24 @@ def restore(
     live_tensors = {dcp_key(p): leaf for p, leaf in leaves(live) if isinstance(leaf, torch.Tensor)}
     sections = {key: key.split(".", 1)[0] for key in live_tensors}
     missing = {key for key in live_tensors if key not in metadata}
-    _check_live_tensors(path, live_tensors, metadata, missing, sections)
+    aliased = _tied_aliases(missing, metadata, meta.get("tied", []))  # live key -> the key it was saved under
+    missing -= set(aliased)
+    _check_live_tensors(path, live_tensors, metadata, missing, sections, model_part)
 
     skip: set[str] = set()
     if not weights_only:
-        skip = _check_optional_sections(path, live, metadata, saved_values, missing, sections)
+        skip = _check_optional_sections(
+            path, live, metadata, saved_values, missing, sections, meta.get("tied", [])
+        )
     if "optimizer" in skip:
         # Starting fresh means no state at all: the zero-lr initialisation would otherwise count as a step.
         for optimizer, was_stateless in zip(optimizers, stateless, strict=True):
             if was_stateless:
                 optimizer.state.clear()
     to_load = {
-        key: leaf for key, leaf in live_tensors.items() if key not in missing and sections[key] not in skip
+        aliased.get(key, key): leaf
+        for key, leaf in live_tensors.items()
+        if key not in missing and sections[key] not in skip
     }
     _load_tensors(path, to_load, process_group)
     state_tree = _set_live_state(components, optimizers, live, saved_values, skip, weights_only)
@@ -301,16 +308,18 @@ def _check_live_tensors(
     metadata: dict[str, Any],
     missing: set[str],
     sections: dict[str, str],
+    model_part: bool = False,
 ) -> None:
-    """Missing model keys are a MissingKeysError, extra model keys a warning, and a saved tensor whose
-    shape differs from the live one a ValueError."""
+    """Missing model keys are a MissingKeysError, extra model keys a warning (unless the live model is
+    one pipeline stage: the other stages' keys), and a saved tensor whose shape differs from the live
+    one a ValueError."""
     missing_model = {key for key in missing if sections[key] == "model"}
     if missing_model:
         raise MissingKeysError(
             f"checkpoint {path} lacks model keys the model needs: {_names(missing_model, 'model.')}"
         )
     unexpected = {key for key in metadata if key.startswith("model.") and key not in live_tensors}
-    if unexpected:
+    if unexpected and not model_part:
         log.warning(
             "checkpoint %s has model keys the model does not: %s (ignored)",
             path,
@@ -352,6 +361,8 @@ def _set_live_state(
     def merged(tree_path: tuple[Any, ...], leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor) or tree_path not in saved_values:
             return leaf  # tensors were loaded in place (or keep their fresh values)
+        if tree_path[:2] == ("optimizer", "param_groups") and tree_path[3:4] == ("params",):
+            return leaf  # group members checked equal (`_same_groups`); meta.json lists rank 0's stage only
         return saved_values[tree_path]
 
     state_tree = rebuild(live, merged)
@@ -386,6 +397,51 @@ def _section_saved(section: str, metadata: dict[str, Any], saved_values: dict[tu
     )
 
 
+def _tied_aliases(missing: set[str], metadata: dict[str, Any], tied: list[list[str]]) -> dict[str, str]:
+    """For missing optimizer keys of a tied weight (a pipeline stage holds the output head under its own
+    name; a one-rank run saved its state under the embedding's), the saved key of the same state."""
+    found: dict[str, str] = {}
+    for key in missing:
+        if not key.startswith("optimizer.state."):
+            continue
+        for names in tied:
+            for name in names:
+                prefix = f"optimizer.state.{name}."
+                if key.startswith(prefix):
+                    field = key[len(prefix) :]
+                    saved = next(
+                        (
+                            f"optimizer.state.{a}.{field}"
+                            for a in names
+                            if f"optimizer.state.{a}.{field}" in metadata
+                        ),
+                        None,
+                    )
+                    if saved is not None:
+                        found[key] = saved
+    return found
+
+
+def _same_groups(
+    live: list[list[str]], saved: list[list[str] | None], path: Path, tied: list[list[str]] = ()
+) -> bool:
+    """Whether the live optimizer's parameter groups are those saved. Under pipeline parallelism every
+    stage saved its own groups (in its rank file; meta.json holds rank 0's), and a run at another layout
+    holds another part of the model: each live group must lie within the union of the same group over
+    every saved stage, and the groups must be as many."""
+    merged = [set(group or ()) for group in saved]
+    for rank_file in sorted(path.glob("rank_*.json")):
+        for index, group in enumerate(json.loads(rank_file.read_text()).get("optimizer_groups", [])):
+            if index >= len(merged):
+                return False
+            merged[index].update(group)
+    for names in tied:  # a tied weight is in a group under any of its names
+        for group in merged:
+            if group & set(names):
+                group.update(names)
+    return len(live) == len(merged) and all(set(group or ()) <= merged[i] for i, group in enumerate(live))
+
+
 def _check_optional_sections(
     path: Path,
     live: dict[str, Any],
@@ -393,6 +449,7 @@ def _check_optional_sections(
     saved_values: dict[tuple[Any, ...], Any],
     missing: set[str],
     sections: dict[str, str],
+    tied: list[list[str]] = (),
 ) -> set[str]:
     """Warn about optimizer / scheduler / scaler state the checkpoint lacks; return sections to skip."""
     skip = set()
@@ -410,7 +467,7 @@ def _check_optional_sections(
                 and tree_path[3] == "params"
             ):
                 saved_groups.setdefault(tree_path[2], []).append(value)
-        if [saved_groups.get(i) for i in range(len(saved_groups))] != live_groups:
+        if not _same_groups(live_groups, [saved_groups.get(i) for i in range(len(saved_groups))], path, tied):
             warnings.warn(
                 f"checkpoint {path}: the optimizer's parameter groups differ from the saved ones; "
                 "optimizer state not restored (it starts fresh)",

@@ -156,16 +156,19 @@ def _prepare(
         path.mkdir(parents=True)
     _dist.barrier(process_group)
 
-    tensors, values = split(app_state(components))
-    write_json_atomic(
-        path / f"rank_{rank}.json",
-        {
-            "rank": rank,
-            "world_size": world,
-            "rng": rng_state(_device_of(components, device)),
-            "hooks": _json_hook_states(_hooks(hooks)),
-        },
-    )
+    tree = app_state(components)
+    tensors, values = split(tree)
+    rank_state = {
+        "rank": rank,
+        "world_size": world,
+        "rng": rng_state(_device_of(components, device)),
+        "hooks": _json_hook_states(_hooks(hooks)),
+    }
+    if "optimizer" in tree:  # each pipeline stage's own groups (meta.json's values are rank 0's)
+        rank_state["optimizer_groups"] = [
+            list(g["params"]) for g in tree["optimizer"].get("param_groups", [])
+        ]
+    write_json_atomic(path / f"rank_{rank}.json", rank_state)
     if rank == 0:
         write_json_atomic(
             path / "meta.json",
@@ -180,9 +183,20 @@ def _prepare(
                 "num_threads": torch.get_num_threads(),
                 "saved_at": time.time(),
                 "temporary": temporary,
+                "tied": _tied_names(components.model),
             },
         )
     return path, tensors
+
+
+def _tied_names(model: torch.nn.Module) -> list[list[str]]:
+    """The names of each weight the model holds under several (a tied output head): a pipeline stage
+    that holds it under another name than the one its optimizer state was saved under restores it."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    names: dict[int, list[str]] = {}
+    for name, param in inner.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def _writer(path: Path, thread_count: int) -> dcp.FileSystemWriter:

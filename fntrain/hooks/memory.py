@@ -506,6 +506,8 @@ def _peak_reporter(allocator: Any, device: Any, runtime: Runtime) -> _PeakReport
     """Functions that log this rank's peak memory at a control point (resetting the device peaks) and its
     memory use after an epoch."""
     ranks = f"rank={runtime.rank} local_rank={runtime.local_rank} dp_rank={runtime.dp_rank}"
+    ranks += f" tp_rank={runtime.tp_rank}" if runtime.tp_size > 1 else ""
+    ranks += f" pp_stage={runtime.pp_rank}" if runtime.pp_size > 1 else ""
     reporter = _ReporterMemory()
 
     if allocator is not None:

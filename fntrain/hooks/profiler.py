@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 from fntrain.config import require_bool, require_int, require_str
 from fntrain.loop import Event, Hook
+from fntrain.mesh_layout import stage_leaders
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
 
@@ -474,8 +475,8 @@ def _stage_leaders(world_size: int, pp_size: int, prefix: str) -> list[int]:
             f"{prefix}.pipeline_stage_leaders: the world size ({world_size}) must be divisible by the "
             f"number of pipeline stages ({stages})"
         )
-    per_stage = world_size // stages
-    return [stage * per_stage for stage in range(stages)]
+    # The same rank -> coordinates arithmetic as the runtime mesh and the plan printout (pp outermost).
+    return stage_leaders(world_size, stages)
 
 
 def _distributed_args(runtime: Runtime) -> dict[str, Any]:

@@ -96,6 +96,7 @@ def standard_hooks(
     flops_per_token: Any = None,
     run_config: dict[str, Any] | None = None,
     forward: Callable[[Any, Any], Any] | None = None,
+    eval_loss: Callable[[Any, Any], Any] | None = None,
     extra_eval: Callable[[], Mapping[str, float]] | None = None,
     extra: Sequence[Any] = (),
     attempt: int = 0,
@@ -105,8 +106,8 @@ def standard_hooks(
     saves the state of every stateful hook in the returned list (itself included) and `run_config`, and
     handles the preemption signals itself (a preemption ends the run with outcome "preempted"); the
     watchdog goes last so that its silence covers every other hook's work (saves, evaluation). `forward`
-    (model, micro-batch) -> output is the recipe's forward, used by evaluation too (None: the default);
-    `extra_eval()` adds metrics to each evaluation (called on every rank). `extra` hooks go just before
+    (model, micro-batch) -> output is the recipe's forward, used by evaluation too (None: the default),
+    and `eval_loss` the loss evaluation uses (None: the components' loss); `extra_eval()` adds metrics to each evaluation (called on every rank). `extra` hooks go just before
     the checkpoint hook. `attempt` (which launch of the run this is) tags each metrics record."""
     early = early or early_hooks(config, runtime)
     last = plan.train_iters
@@ -124,7 +125,7 @@ def standard_hooks(
     if config.evaluate.enabled and val_dataset is not None and len(val_dataset) > 0:
         eval_fn = make_eval_fn(
             components.model,
-            components.loss_fn,
+            eval_loss or components.loss_fn,
             val_dataset,
             micro_batch_size=config.evaluate.micro_batch_size or eval_micro_batch_size,
             runtime=runtime,
@@ -181,4 +182,5 @@ def restore_run(
         hooks=hooks,
         weights_only=checkpoint.weights_only,
         device=runtime.device,
+        model_part=runtime.pp_size > 1,
     )

@@ -4,7 +4,7 @@
     AutoModelForCausalLM.from_pretrained("runs/tiny/hf_model")   # a GPT2LMHeadModel, the same logits
 
 The tiny GPT is architecturally GPT-2: learned token and position embeddings, pre-norm LayerNorm blocks
-(eps 1e-5), one fused qkv projection, a 4x GELU MLP, a final LayerNorm and an output head tied to the
+(eps 1e-5), query/key/value projections (fused into GPT-2's c_attn on export), a 4x GELU MLP, a final LayerNorm and an output head tied to the
 token embedding. Its `nn.GELU()` is the exact (erf) GELU, so the config names `"gelu"`, not GPT-2's
 tanh approximation `"gelu_new"`. GPT-2 stores its projections as `Conv1D` weights [in, out], the
 transpose of `nn.Linear`'s [out, in]; the tied head is not stored (GPT-2 ties it on load). Writing needs
@@ -31,12 +31,13 @@ _RENAMES: tuple[tuple[str, str, bool], ...] = (
     (r"ln_f\.(weight|bias)", r"transformer.ln_f.\1", False),
     (r"blocks\.(\d+)\.ln1\.(weight|bias)", r"transformer.h.\1.ln_1.\2", False),
     (r"blocks\.(\d+)\.ln2\.(weight|bias)", r"transformer.h.\1.ln_2.\2", False),
-    (r"blocks\.(\d+)\.attn\.qkv\.(weight|bias)", r"transformer.h.\1.attn.c_attn.\2", True),
     (r"blocks\.(\d+)\.attn\.proj\.(weight|bias)", r"transformer.h.\1.attn.c_proj.\2", True),
     (r"blocks\.(\d+)\.mlp\.0\.(weight|bias)", r"transformer.h.\1.mlp.c_fc.\2", True),
     (r"blocks\.(\d+)\.mlp\.2\.(weight|bias)", r"transformer.h.\1.mlp.c_proj.\2", True),
 )
 _TIED_HEAD = "head.weight"
+# Separate q, k, v projections (so tensor parallelism can split them by head) are one c_attn in GPT-2.
+_QKV = re.compile(r"blocks\.(\d+)\.attn\.([qkv])\.(weight|bias)")
 
 
 def gpt2_config(config: Any, *, eos_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:
@@ -71,8 +72,13 @@ def gpt2_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     """The tiny GPT's full state dict renamed (and projections transposed) to GPT2LMHeadModel's; the
     tied head is dropped. A key it does not know is a ValueError naming it."""
     out: dict[str, torch.Tensor] = {}
+    qkv: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
         if key == _TIED_HEAD:
+            continue
+        if match := _QKV.fullmatch(key):
+            layer, which, kind = match.groups()
+            qkv.setdefault(f"transformer.h.{layer}.attn.c_attn.{kind}", {})[which] = tensor.detach().cpu()
             continue
         for pattern, name, transpose in _RENAMES:
             if re.fullmatch(pattern, key):
@@ -83,22 +89,32 @@ def gpt2_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
                 break
         else:
             raise ValueError(f"export_gpt2: {key!r} is not a tiny GPT weight with a GPT-2 counterpart")
+    for name, parts in qkv.items():
+        if sorted(parts) != ["k", "q", "v"]:
+            raise ValueError(f"export_gpt2: {name} needs q, k and v, got only {sorted(parts)}")
+        fused = torch.cat([parts["q"], parts["k"], parts["v"]])
+        out[name] = (fused.t() if fused.ndim == 2 else fused).contiguous()
     return out
 
 
 def export_gpt2(
-    model: torch.nn.Module, out_dir: str | os.PathLike, config: Any, *, eos_id: int | None = None
+    model: torch.nn.Module,
+    out_dir: str | os.PathLike,
+    config: Any,
+    *,
+    eos_id: int | None = None,
+    pipeline_group: Any = None,
 ) -> Path:
-    """Write `model` (a tiny GPT, possibly under DDP/FSDP2) to `out_dir` as a Hugging Face GPT-2:
-    model.safetensors and config.json (modes 0666 less the umask). Under a process group every rank
-    must call it (the full weights are gathered); rank 0 writes. Returns `out_dir`."""
+    """Write `model` (a tiny GPT, possibly under DDP/FSDP2/tensor or pipeline parallelism) to `out_dir`
+    as a Hugging Face GPT-2: model.safetensors and config.json (modes 0666 less the umask). Under a
+    process group every rank must call it (the full weights are gathered, from every pipeline stage of
+    `pipeline_group`); rank 0 writes. Returns `out_dir`."""
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from fntrain.checkpoint import _dist
-    from fntrain.checkpoint.export import set_usual_mode
+    from fntrain.checkpoint.export import full_model_state, set_usual_mode
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = full_model_state(model, pipeline_group)
     out = Path(out_dir).expanduser()
     if _dist.rank() != 0:
         return out

@@ -24,6 +24,7 @@ import torch
 
 from fntrain.checkpoint.hf_load import OFFLINE_SWITCHES, set_offline
 from fntrain.config import require_choice, require_str
+from fntrain.models.hf_tp import hf_tensor_parallel
 from fntrain.runtime import Runtime
 from fntrain.runtime.parallel import ParallelConfig
 
@@ -182,6 +183,10 @@ def dtype_kwargs(dtype: torch.dtype | str | None) -> dict[str, Any]:
     return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
 
 
+# _TRAINING_CONFIG: training runs the model without its KV cache (use_cache=False): a forward that fills a
+# cache is wasted work, and activation checkpointing's recomputed forward would append to it a second time.
+
+
 def load_pretrained(config: HFModelConfig, device: torch.device | str) -> torch.nn.Module:
     """The causal LM from the local directory `config.path` (config + safetensors), on `device`,
     not parallelized."""
@@ -196,6 +201,7 @@ def load_pretrained(config: HFModelConfig, device: torch.device | str) -> torch.
         attn_implementation=config.attn_implementation,
         **dtype_kwargs("auto" if config.dtype == "auto" else DTYPES[config.dtype]),
     )
+    model.config.use_cache = False  # see _TRAINING_CONFIG
     return model.to(device)
 
 
@@ -209,6 +215,7 @@ def _load_on_meta(config: HFModelConfig, runtime: Runtime, parallel: ParallelCon
 
     directory = _require_model_dir("model.path", config.path)
     hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    hf_config.use_cache = False  # see _TRAINING_CONFIG
     saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     dtype = DTYPES.get(config.dtype) or saved  # auto: the checkpoint's, as from_pretrained does
     kwargs = dtype_kwargs(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
@@ -218,7 +225,9 @@ def _load_on_meta(config: HFModelConfig, runtime: Runtime, parallel: ParallelCon
             hf_config, attn_implementation=config.attn_implementation, **kwargs
         )
 
-    return build_model(factory, runtime, parallel, fill=hf_weights(directory))
+    return build_model(
+        factory, runtime, parallel, fill=hf_weights(directory), tensor_parallel=hf_tensor_parallel
+    )
 
 
 def load_causal_lm(
@@ -242,7 +251,8 @@ def load_causal_lm(
     from fntrain.runtime.parallel import parallelize
 
     model = load_pretrained(config, runtime.device)
-    return parallelize(wrap(model) if wrap is not None else model, runtime, parallel)
+    model = wrap(model) if wrap is not None else model
+    return parallelize(model, runtime, parallel, tensor_parallel=hf_tensor_parallel)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -293,7 +303,11 @@ def save_hf_model(
         )
     if runtime.is_main:
         output.mkdir(parents=True, exist_ok=True)
-        inner.save_pretrained(str(output), state_dict=state_dict)
+        inner.config.use_cache = True  # the saved model generates with its KV cache, as it was loaded
+        try:
+            inner.save_pretrained(str(output), state_dict=state_dict)
+        finally:
+            inner.config.use_cache = False
         assets.tokenizer.save_pretrained(str(output))
         log.info("saved the model and tokenizer to %s", output)
     return output

@@ -81,11 +81,18 @@ class LoraConfig:
             )
 
 
-def check_lora_parallel(config: LoraConfig, meta_init: bool, prefix: str = "lora") -> None:
+def check_lora_parallel(config: LoraConfig, meta_init: bool, prefix: str = "lora", *, tp_size: int = 1) -> None:
     """A ValueError when LoRA meets a model built on the meta device (its loader fills the base model's
-    own parameter names; adapters are applied to a loaded model). Call it from a recipe's validate."""
+    own parameter names; adapters are applied to a loaded model) or tensor parallelism (the model
+    family's plan splits the base projections, not peft's adapter layers). Call it from a recipe's
+    validate."""
     if config.enabled and meta_init:
         raise ValueError(f"{prefix}.rank > 0 cannot be combined with parallel.meta_init yet: turn one off")
+    if config.enabled and tp_size > 1:
+        raise ValueError(
+            f"{prefix}.rank > 0 cannot be combined with parallel.tp_size={tp_size} yet: use fsdp2 data "
+            "parallelism for LoRA"
+        )
 
 
 def _peft_config(config: LoraConfig) -> Any:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from fntrain.runtime.parallel import ParallelConfig, _as_config, parallelize
+from fntrain.runtime.pipeline import PipelineSplit
 from fntrain.runtime.runtime import Runtime
 
 __all__ = [
@@ -249,24 +250,28 @@ def build_model(
     *,
     fill: Callable[[nn.Module], None],
     blocks: Callable[[nn.Module], Sequence[nn.Module]] | None = None,
+    tensor_parallel: Callable[[nn.Module, Any, bool], None] | None = None,
+    pipeline: PipelineSplit | None = None,
 ) -> nn.Module:
     """Build `factory()` on the meta device, parallelize it, materialize it on `runtime.device` and
     `fill` it (`seeded_init(...)`, or a weight loader such as `fntrain.checkpoint.hf_load.hf_weights`).
 
     fsdp2: parallelize -> materialize -> fill (only local shards ever get storage); ddp / none:
     materialize -> fill -> parallelize. `blocks(model)` names the repeated blocks (default:
-    `parallel.transformer_blocks`). Returns what `parallelize` returns (the DDP wrapper under ddp)."""
+    `parallel.transformer_blocks`). `tensor_parallel` and `pipeline` go to `parallelize`. Returns what
+    `parallelize` returns (the DDP wrapper under ddp)."""
     config = _as_config(parallel)
     model = build_on_meta(factory)
     chosen = list(blocks(model)) if blocks is not None else None
+    how = {"blocks": chosen, "tensor_parallel": tensor_parallel, "pipeline": pipeline}
     if config.strategy == "fsdp2":
-        model = parallelize(model, runtime, config, blocks=chosen)
+        model = parallelize(model, runtime, config, **how)
         materialize(model, runtime.device)
         fill(model)
         return model
     materialize(model, runtime.device)
     fill(model)
-    return parallelize(model, runtime, config, blocks=chosen)
+    return parallelize(model, runtime, config, **how)
 
 
 def local_numel(model: nn.Module) -> int:
@@ -286,12 +291,16 @@ def build_seeded_model(
     *,
     seed: int,
     post_init: Callable[[nn.Module], None] | None = None,
+    tensor_parallel: Callable[[nn.Module, Any, bool], None] | None = None,
+    pipeline: PipelineSplit | None = None,
 ) -> nn.Module:
     """`factory()` initialised from `seed` and parallelized, on `runtime.device`: built eagerly after
     `torch.manual_seed(seed)`, or with `parallel.meta_init` on the meta device and filled by
-    `seeded_init(seed, post_init=post_init)` to the same weights (only local shards under fsdp2)."""
+    `seeded_init(seed, post_init=post_init)` to the same weights (only local shards under fsdp2).
+    Every rank builds the same full model first, whatever tensor or pipeline parallelism then keeps."""
     config = _as_config(parallel)
+    how = {"tensor_parallel": tensor_parallel, "pipeline": pipeline}
     if config.meta_init:
-        return build_model(factory, runtime, config, fill=seeded_init(seed, post_init=post_init))
+        return build_model(factory, runtime, config, fill=seeded_init(seed, post_init=post_init), **how)
     torch.manual_seed(seed)
-    return parallelize(factory().to(runtime.device), runtime, config)
+    return parallelize(factory().to(runtime.device), runtime, config, **how)

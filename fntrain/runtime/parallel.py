@@ -9,8 +9,9 @@ torchtitan does).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fntrain.config import require_bool, require_choice, require_int, require_str
+from fntrain.runtime.pipeline import PP_SCHEDULES, PipelineSplit, split_stage
 from fntrain.runtime.runtime import Runtime
 
 __all__ = [
@@ -33,6 +35,10 @@ __all__ = [
     "check_supported_sizes",
     "hsdp_shape",
     "HSDP_DIMS",
+    "loss_context",
+    "pipeline_layout",
+    "pipeline_group",
+    "parallel_train_step",
 ]
 
 log = logging.getLogger(__name__)
@@ -42,8 +48,6 @@ MIXED_PRECISIONS = ("fp32", "bf16", "fp16")
 _LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HSDP_DIMS = ("dp_replicate", "dp_shard")  # the runtime mesh's dims under HSDP, flattened into "dp"
 _UNSUPPORTED = {
-    "tp_size": "tensor parallelism",
-    "pp_size": "pipeline parallelism",
     "cp_size": "context parallelism",
     "ep_size": "expert parallelism",
 }
@@ -70,9 +74,13 @@ class ParallelConfig:
     find_unused_parameters: bool = False
     """ddp: tolerate parameters that get no gradient in some steps (costs a graph traversal per step)."""
     tp_size: int = 1
-    """Tensor-parallel degree (only 1 is supported yet)."""
+    """Tensor-parallel degree: each block's matrices split over this many ranks (within a node); the recipe must have a tensor-parallel plan."""
     pp_size: int = 1
-    """Pipeline-parallel degree (only 1 is supported yet)."""
+    """Pipeline stages: the blocks split by count over this many ranks; needs fixed-shape micro-batches and a recipe with a pipeline split."""
+    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    """Pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b (one forward, one backward: fewer activations held)."""
+    loss_parallel: bool = True
+    """Tensor parallelism: compute the cross-entropy on the vocabulary shards instead of gathering the full logits."""
     cp_size: int = 1
     """Context-parallel degree (only 1 is supported yet)."""
     ep_size: int = 1
@@ -91,15 +99,38 @@ class ParallelConfig:
         require_str(f"{prefix}.compile_backend", self.compile_backend, non_empty=True)
         require_int(f"{prefix}.ddp_bucket_cap_mb", self.ddp_bucket_cap_mb, min=1)
         require_bool(f"{prefix}.find_unused_parameters", self.find_unused_parameters)
-        for name in _UNSUPPORTED:
+        for name in ("tp_size", "pp_size", *_UNSUPPORTED):
             require_int(f"{prefix}.{name}", getattr(self, name), min=1)
+        require_choice(f"{prefix}.pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        require_bool(f"{prefix}.loss_parallel", self.loss_parallel)
         require_int(f"{prefix}.replicate", self.replicate, min=1)
+        self._validate_model_parallel(prefix)
         if self.replicate > 1 and self.strategy != "fsdp2":
             raise ValueError(
                 f"{prefix}.replicate={self.replicate} needs {prefix}.strategy 'fsdp2' (HSDP), "
                 f"got {self.strategy!r}"
             )
         require_bool(f"{prefix}.meta_init", self.meta_init)
+
+    def _validate_model_parallel(self, prefix: str) -> None:
+        """The combinations tensor and pipeline parallelism support."""
+        model_parallel = [
+            f"{prefix}.{n}={getattr(self, n)}" for n in ("tp_size", "pp_size") if getattr(self, n) > 1
+        ]
+        if not model_parallel:
+            return
+        if self.strategy == "ddp":
+            raise ValueError(
+                f"{prefix}.strategy 'ddp' cannot be combined with {' and '.join(model_parallel)}: "
+                f"use {prefix}.strategy fsdp2 for the data-parallel dimension"
+            )
+        if self.pp_size > 1 and self.mixed_precision == "fp16":
+            raise ValueError(
+                f"{prefix}.mixed_precision 'fp16' needs a gradient scaler, which pipeline schedules do not "
+                f"apply: use bf16 with {prefix}.pp_size={self.pp_size}"
+            )
+        if self.pp_size > 1 and self.meta_init:
+            raise ValueError(f"{prefix}.meta_init is not supported with {prefix}.pp_size={self.pp_size} yet")
 
 
 def hsdp_shape(dp_size: int, replicate: int, prefix: str = "parallel") -> tuple[int, int]:
@@ -110,13 +141,13 @@ def hsdp_shape(dp_size: int, replicate: int, prefix: str = "parallel") -> tuple[
 
 
 def check_supported_sizes(sizes: dict[str, int], prefix: str = "parallel") -> None:
-    """Reject tp/pp/cp/ep degrees other than 1: they are carried for reporting, not implemented."""
+    """Reject cp/ep degrees other than 1: they are carried for reporting, not implemented."""
     for name, what in _UNSUPPORTED.items():
         size = sizes.get(name, 1)
         if size != 1:
             raise NotImplementedError(
-                f"{prefix}.{name}={size}: {what} is not supported yet; fntrain parallelizes with "
-                f"data parallelism only (parallel.strategy ddp or fsdp2 with {name}=1)"
+                f"{prefix}.{name}={size}: {what} is not supported yet; fntrain parallelizes with data, "
+                f"tensor and pipeline parallelism (set {name}=1)"
             )
 
 
@@ -135,10 +166,11 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
         found = [m for m in model.modules() if m is not model and type(m).__name__ in no_split]
         if found:
             return found
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    lists = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) > 0]
     if not lists:
         return []
-    return list(max(lists, key=len))
+    longest = max(lists, key=len)  # a pipeline stage keeps its blocks in a ModuleDict (names unchanged)
+    return list(longest.values() if isinstance(longest, nn.ModuleDict) else longest)
 
 
 def data_parallel_group(runtime: Runtime) -> Any:
@@ -265,34 +297,36 @@ def parallelize(
     strategy: str | ParallelConfig = "none",
     *,
     blocks: Sequence[nn.Module] | None = None,
+    tensor_parallel: Callable[[nn.Module, Any, bool], None] | None = None,
+    pipeline: PipelineSplit | None = None,
 ) -> nn.Module:
     """Return `model` ready to train under `strategy` (a name or a full `ParallelConfig`).
 
     The model must already sit on `runtime.device`, or under fsdp2 have its parameters on the meta
-    device (`fntrain.runtime.materialize.build_model` then materializes only the shards). With
-    `replicate` > 1, fsdp2 shards over the runtime's 2-D (dp_replicate, dp_shard) mesh (HSDP). `blocks` are the repeated submodules that get
-    checkpointed, compiled and sharded one by one (default: `transformer_blocks(model)`). Under
-    fsdp2 the model is modified in place and returned; under ddp the returned wrapper must be used
-    for training (and given to the optimizer builder). tp/pp/cp/ep degrees other than 1, in the
-    config or in the runtime, are rejected as not supported yet.
+    device (`fntrain.runtime.materialize.build_model` then materializes only the shards). Order (what
+    torchtitan does): pipeline split (`runtime.pp_size` > 1: this rank keeps its stage, cut by
+    `pipeline`) -> tensor parallelism (`runtime.tp_size` > 1: `tensor_parallel(model, tp_mesh,
+    loss_parallel)`) -> activation checkpointing -> compile -> data parallelism. With `replicate` > 1,
+    fsdp2 shards over the runtime's 2-D (dp_replicate, dp_shard) mesh (HSDP). `blocks` are the
+    repeated submodules that get checkpointed, compiled and sharded one by one (default:
+    `transformer_blocks(model)`). Under fsdp2 the model is modified in place and returned; under ddp
+    the returned wrapper must be used for training (and given to the optimizer builder).
     """
     config = _as_config(strategy)
     config.validate("parallel")
     check_supported_sizes({name: getattr(config, name) for name in _UNSUPPORTED}, "parallel")
     check_supported_sizes({name: getattr(runtime, name) for name in _UNSUPPORTED}, "runtime")
-    if config.strategy == "none":
-        if runtime.dp_size > 1:
-            raise ValueError(
-                f"parallel.strategy 'none' cannot train with {runtime.dp_size} data-parallel ranks "
-                "(their gradients would never be combined): use ddp or fsdp2"
-            )
-    elif not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            f"parallel.strategy {config.strategy!r} needs an initialized process group: launch with "
-            "torchrun (e.g. torchrun --nproc_per_node=2 -m recipes.tiny_gpt ...) and build the runtime "
-            "with setup_runtime"
-        )
-    blocks = list(blocks) if blocks is not None else transformer_blocks(model)
+    _check_strategy(config, runtime)
+    if runtime.pp_size > 1:
+        if pipeline is None:
+            raise ValueError(f"--parallel.pp-size {runtime.pp_size}: this model has no pipeline split")
+        split_stage(model, pipeline, stage=runtime.pp_rank, stages=runtime.pp_size)
+    if runtime.tp_size > 1:
+        if tensor_parallel is None:
+            raise ValueError(f"--parallel.tp-size {runtime.tp_size}: this model has no tensor-parallel plan")
+        tensor_parallel(model, runtime.mesh["tp"], config.loss_parallel)
+    present = {id(module) for module in model.modules()}
+    blocks = [b for b in blocks if id(b) in present] if blocks is not None else transformer_blocks(model)
     if (config.activation_checkpointing or config.compile or config.strategy == "fsdp2") and not blocks:
         log.warning("no repeated blocks found in %s: wrapping the whole model only", type(model).__name__)
     if config.activation_checkpointing:
@@ -306,6 +340,71 @@ def parallelize(
     return model
 
 
+def _check_strategy(config: ParallelConfig, runtime: Runtime) -> None:
+    if config.strategy == "none":
+        if runtime.dp_size > 1:
+            raise ValueError(
+                f"parallel.strategy 'none' cannot train with {runtime.dp_size} data-parallel ranks "
+                "(their gradients would never be combined): use ddp or fsdp2"
+            )
+    elif not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"parallel.strategy {config.strategy!r} needs an initialized process group: launch with "
+            "torchrun (e.g. torchrun --nproc_per_node=2 -m recipes.tiny_gpt ...) and build the runtime "
+            "with setup_runtime"
+        )
+    if (runtime.tp_size > 1 or runtime.pp_size > 1) and runtime.mesh is None:
+        raise RuntimeError("tensor and pipeline parallelism need the runtime's DeviceMesh: use setup_runtime")
+
+
+def pipeline_group(runtime: Runtime) -> Any:
+    """This rank's pipeline group (its peers in the other stages); None without pipeline parallelism."""
+    return runtime.mesh.get_group("pp") if runtime.pp_size > 1 else None
+
+
+def loss_context(runtime: Runtime, config: ParallelConfig) -> Callable[[], contextlib.AbstractContextManager]:
+    """The context the loss and its backward run in: torch's `loss_parallel()` when the logits are
+    split over the vocabulary (tensor parallelism with `loss_parallel`), else a no-op."""
+    if runtime.tp_size > 1 and config.loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel
+    return contextlib.nullcontext
+
+
+def pipeline_layout(runtime: Runtime, config: ParallelConfig, ties: Sequence[Mapping[int, str]] = ()) -> Any:
+    """This rank's `PipelineLayout`: stage, pipeline group, schedule, and for each weight tied across
+    stages (`fntrain.runtime.pipeline.stage_ties`) this stage's name for it and the group of its holders."""
+    from fntrain.pipeline_step import PipelineLayout
+
+    group = pipeline_group(runtime)
+    here: list[tuple[str, Any]] = []
+    counted: list[bool] = []
+    for holders in ties:
+        tie_group = _holders_group(runtime, sorted(holders), group)
+        if runtime.pp_rank in holders:
+            here.append((holders[runtime.pp_rank], tie_group))
+            counted.append(runtime.pp_rank == min(holders))
+    return PipelineLayout(
+        runtime.pp_rank, runtime.pp_size, group, config.pp_schedule, tuple(here), tuple(counted)
+    )
+
+
+def _holders_group(runtime: Runtime, stages: list[int], pp_group: Any) -> Any:
+    """The process group joining `stages` of this rank's pipeline. Every rank must call this for every
+    tie in the same order (`dist.new_group` is collective); all stages: the pipeline group itself."""
+    if len(stages) == runtime.pp_size:
+        return pp_group
+    pp_dim = runtime.mesh.mesh_dim_names.index("pp")
+    slices = runtime.mesh.mesh.movedim(pp_dim, -1).reshape(-1, runtime.pp_size).tolist()
+    mine = None
+    for ranks in slices:
+        group = dist.new_group([ranks[stage] for stage in stages])
+        if runtime.rank in ranks:
+            mine = group
+    return mine
+
+
 def parallel_train_step(
     components: Any,
     runtime: Runtime,
@@ -314,12 +413,25 @@ def parallel_train_step(
     max_grad_norm: float,
     loss_weighting: str,
     forward: Callable[[nn.Module, Any], Any] | None = None,
+    micro_batches: int = 1,
+    ties: Sequence[Mapping[int, str]] = (),
 ) -> Any:
-    """`make_train_step` over `components`, wired to this runtime: its device, data-parallel size and
-    group, the autocast dtype `config` implies and the components' grad scaler. `forward(model,
-    micro_batch)` replaces the default `model(**micro_batch)` (e.g. to pass images)."""
+    """The step over `components`, wired to this runtime: its device, data-parallel size and group,
+    the autocast dtype `config` implies and the components' grad scaler. `forward(model, micro_batch)`
+    replaces the default `model(**micro_batch)` (e.g. to pass images). Under pipeline parallelism, a
+    `make_pipeline_step` over `micro_batches` per step, adding the gradients of the cross-stage `ties`."""
     from fntrain.step import default_forward, make_train_step  # the step sits above the runtime
 
+    if runtime.pp_size > 1:
+        from fntrain.pipeline_step import make_pipeline_step
+
+        return make_pipeline_step(
+            components.model, components.loss_fn, components.optimizers, components.schedulers,
+            pipeline_layout(runtime, config, ties), micro_batches=micro_batches, max_grad_norm=max_grad_norm,
+            loss_weighting=loss_weighting, device=runtime.device, dp_size=runtime.dp_size,
+            dp_group=data_parallel_group(runtime), autocast_dtype=autocast_dtype(config),
+            loss_context=loss_context(runtime, config),
+        )  # fmt: skip
     return make_train_step(
         components.model,
         components.loss_fn,
@@ -333,4 +445,5 @@ def parallel_train_step(
         autocast_dtype=autocast_dtype(config),
         grad_scaler=components.grad_scaler,
         forward=forward or default_forward,
+        loss_context=loss_context(runtime, config),
     )

@@ -14,8 +14,9 @@ __all__ = ["Runtime"]
 class Runtime:
     """Ranks, device and parallel sizes of this process. Constructible by keywords for tests.
 
-    `dp_rank`/`dp_size` are this process's data-parallel coordinates (the data shard it reads);
-    tp/pp/cp/ep sizes are carried so hooks can report them. `mesh` is the DeviceMesh when one was built.
+    `dp_rank`/`dp_size` are this process's data-parallel coordinates (the data shard it reads),
+    `tp_rank`/`pp_rank` its tensor-parallel rank and pipeline stage; cp/ep sizes are carried so hooks can
+    report them. `mesh` is the DeviceMesh when one was built.
     """
 
     rank: int = 0
@@ -28,6 +29,8 @@ class Runtime:
     cp_size: int = 1
     ep_size: int = 1
     dp_rank: int = 0
+    tp_rank: int = 0
+    pp_rank: int = 0
     backend: str | None = None
     mesh: Any = None
     seed: int = 42

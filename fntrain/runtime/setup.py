@@ -321,9 +321,17 @@ def _build_mesh(device_type: str, sizes: dict[str, int], replicate: int = 1) -> 
     return mesh
 
 
-def _dp_rank(rank: int, sizes: dict[str, int]) -> int:
-    # Row-major layout over (pp, dp, cp, tp), the same as the mesh's.
-    return (rank // (sizes["cp_size"] * sizes["tp_size"])) % sizes["dp_size"]
+def _coordinates(rank: int, sizes: dict[str, int]) -> dict[str, int]:
+    """This rank's (pp, dp, tp) coordinates in the row-major (pp, dp, cp, tp) layout the mesh has."""
+    tp, cp, dp = sizes["tp_size"], sizes["cp_size"], sizes["dp_size"]
+    return {"tp": rank % tp, "dp": (rank // (cp * tp)) % dp, "pp": rank // (dp * cp * tp)}
+
+
+def _mesh_rank(mesh: Any, name: str, fallback: int) -> int:
+    """This rank's coordinate along mesh dim `name`; `fallback` when the mesh has no such dim (size 1)."""
+    if mesh is None or name not in (mesh.mesh_dim_names or ()):
+        return fallback
+    return mesh.get_local_rank(name)
 
 
 def teardown_runtime(runtime: Runtime, *, clean: bool = True, owns_group: bool = True) -> None:
@@ -439,7 +447,13 @@ def _make_runtime(
         )
     replicate = parallel.replicate if parallel is not None else 1
     mesh = _build_mesh(device.type, sizes, replicate) if distributed else None
-    dp_rank = mesh.get_local_rank("dp") if mesh is not None else _dp_rank(launch.rank, sizes)
+    coordinates = _coordinates(launch.rank, sizes)
+    dp_rank = mesh.get_local_rank("dp") if mesh is not None else coordinates["dp"]
+    from_mesh = {dim: _mesh_rank(mesh, dim, coordinates[dim]) for dim in ("tp", "pp")} | {"dp": dp_rank}
+    if from_mesh != coordinates:  # the plan printout and the profiler's stage leaders use the arithmetic
+        raise RuntimeError(
+            f"rank {launch.rank}: mesh coordinates {from_mesh} differ from the layout's {coordinates}"
+        )
     runtime = Runtime(
         rank=launch.rank,
         local_rank=launch.local_rank,
@@ -451,6 +465,8 @@ def _make_runtime(
         cp_size=sizes["cp_size"],
         ep_size=sizes["ep_size"],
         dp_rank=dp_rank,
+        tp_rank=from_mesh["tp"],
+        pp_rank=from_mesh["pp"],
         backend=(dist.get_backend() if not owns_group else backend) if distributed else None,
         mesh=mesh,
         seed=seed,
@@ -458,9 +474,9 @@ def _make_runtime(
     )
     if runtime.is_main:
         log.info(
-            "runtime: world %d, device %s, backend %s, dp %d (rank %d), seed %d%s",
-            runtime.world_size, device, runtime.backend, runtime.dp_size, runtime.dp_rank,
-            runtime.seed, ", deterministic" if config.deterministic else "",
+            "runtime: world %d, device %s, backend %s, dp %d (rank %d), tp %d, pp %d, seed %d%s",
+            runtime.world_size, device, runtime.backend, runtime.dp_size, runtime.dp_rank, runtime.tp_size,
+            runtime.pp_size, runtime.seed, ", deterministic" if config.deterministic else "",
         )  # fmt: skip
     return runtime
 

@@ -261,3 +261,20 @@ def test_preemption_signal_saves_stops_and_resumes(tmp_path, corpus, ranks):
     assert read_meta(find_latest(run_dir / "checkpoints"))["train_state"]["global_step"] == expected_stop
     finish(launch(run_dir, "none", args, corpus, ranks=ranks), killed=False)
     assert_same_run(tmp_path / "reference", run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pipeline_kill_and_resume(tmp_path, corpus):
+    """A 2-stage pipeline (1F1B, dropout on, async saves, 2 loader workers) killed inside a step and
+    inside a save resumes to the same losses and weights as an uninterrupted 2-stage run, bit for bit:
+    each stage restores its own part of the model and optimizer and its own RNG state."""
+    pipeline = ["--parallel.pp-size", "2", "--model.n-layer", "2"]
+    finish(launch(tmp_path / "reference", "none", [*fsdp_args(strategy="none"), *pipeline], corpus, ranks=2),
+           killed=False)  # fmt: skip
+    run_dir = tmp_path / "run"
+    args = [*fsdp_args(strategy="none"), *pipeline, *WORKERS, "--checkpoint.async-save"]
+    kill_and_resume(run_dir, ["optimizer:5", "marker:8"], args, corpus, ranks=2)
+    assert_same_run(tmp_path / "reference", run_dir)
+    meta = read_meta(find_latest(run_dir / "checkpoints"))
+    assert meta["world_size"] == 2 and meta["config"]["parallel"]["pp_size"] == 2

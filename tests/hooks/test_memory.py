@@ -614,6 +614,15 @@ def test_mem_info_without_history_logs_and_resets_peaks(caplog):
     assert fake.calls[:3] == [("max_reserved", CUDA), ("max_allocated", CUDA), ("reset_peaks", CUDA)]
 
 
+def test_mem_info_names_the_tensor_parallel_rank_and_pipeline_stage(caplog):
+    runtime = Runtime(rank=5, world_size=8, dp_rank=0, tp_size=2, tp_rank=1, pp_size=2, pp_rank=1)
+    hook = memory_hook(MemoryConfig(mem_info=True), runtime)
+    with caplog.at_level(logging.INFO, logger="fntrain.hooks.memory"):
+        run_events(hook, 1)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory step=")]
+    assert lines and all("rank=5 local_rank=0 dp_rank=0 tp_rank=1 pp_stage=1" in line for line in lines)
+
+
 def test_mem_info_on_cpu_reports_peak_rss(caplog):
     hook = memory_hook(MemoryConfig(mem_info=True), Runtime())
     with caplog.at_level(logging.INFO, logger="fntrain.hooks.memory"):

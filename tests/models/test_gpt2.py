@@ -29,7 +29,8 @@ def test_every_weight_maps_and_projections_are_transposed():
     mapped = gpt2_state_dict(model.state_dict())
     assert "lm_head.weight" not in mapped and len(mapped) == 4 + 12 * SHAPE.n_layer
     assert torch.equal(mapped["transformer.wte.weight"], model.tok.weight)
-    qkv = model.blocks[1].attn.qkv.weight
+    attn = model.blocks[1].attn
+    qkv = torch.cat([attn.q.weight, attn.k.weight, attn.v.weight])
     assert mapped["transformer.h.1.attn.c_attn.weight"].shape == (32, 96)
     assert torch.equal(mapped["transformer.h.1.attn.c_attn.weight"], qkv.t())
     assert torch.equal(mapped["transformer.h.0.mlp.c_fc.weight"], model.blocks[0].mlp[0].weight.t())

@@ -176,7 +176,9 @@ def test_check_vocab_reads_the_models_vocabulary_without_loading_it(tiny_model_d
     fits = ModelAssets(tokenizer=[0] * rows, pad_id=0, eos_id=None, chat_template=None)
     assert check_vocab(config, fits) is fits
     too_many = ModelAssets(tokenizer=[0] * (rows + 1), pad_id=0, eos_id=None, chat_template=None)
-    with pytest.raises(ValueError, match=f"the tokenizer has {rows + 1} tokens but .* vocabulary only {rows}"):
+    with pytest.raises(
+        ValueError, match=f"the tokenizer has {rows + 1} tokens but .* vocabulary only {rows}"
+    ):
         check_vocab(config, too_many)
 
 

@@ -62,6 +62,9 @@ def test_meta_init_is_refused_with_lora():
     check_lora_parallel(LoraConfig(rank=4), meta_init=False)
     with pytest.raises(ValueError, match="lora.rank > 0 cannot be combined with parallel.meta_init"):
         check_lora_parallel(LoraConfig(rank=4), meta_init=True)
+    check_lora_parallel(LoraConfig(), meta_init=False, tp_size=2)
+    with pytest.raises(ValueError, match=r"lora.rank > 0 cannot be combined with parallel.tp_size=2"):
+        check_lora_parallel(LoraConfig(rank=4), meta_init=False, tp_size=2)
 
 
 # ----------------------------------------------------------------------------- slow: real peft

@@ -104,10 +104,7 @@ def test_parallel_config_validation_names_the_field():
         ParallelConfig(compile="yes").validate()
 
 
-@pytest.mark.parametrize(
-    ("field", "what"),
-    [("tp_size", "tensor"), ("pp_size", "pipeline"), ("cp_size", "context"), ("ep_size", "expert")],
-)
+@pytest.mark.parametrize(("field", "what"), [("cp_size", "context"), ("ep_size", "expert")])
 def test_parallelize_rejects_model_parallel_degrees(field, what):
     with pytest.raises(
         NotImplementedError, match=rf"parallel.{field}=2: {what} parallelism is not supported yet"
@@ -118,6 +115,24 @@ def test_parallelize_rejects_model_parallel_degrees(field, what):
         NotImplementedError, match=rf"runtime.{field}=2: {what} parallelism is not supported yet"
     ):
         parallelize(make_stack(), Runtime(**{field: 2}), "none")
+
+
+@pytest.mark.parametrize("field", ["tp_size", "pp_size"])
+def test_tensor_and_pipeline_parallelism_need_the_mesh(field):
+    with pytest.raises(RuntimeError, match="need the runtime's DeviceMesh: use setup_runtime"):
+        parallelize(make_stack(), Runtime(**{field: 2}), "none")
+
+
+def test_tensor_and_pipeline_parallelism_refuse_ddp_fp16_and_meta_init():
+    with pytest.raises(ValueError, match=r"parallel.strategy 'ddp' cannot be combined with parallel.tp_size=2"):
+        ParallelConfig(strategy="ddp", tp_size=2).validate()
+    with pytest.raises(ValueError, match=r"'fp16' needs a gradient scaler.*use bf16 with parallel.pp_size=2"):
+        ParallelConfig(pp_size=2, mixed_precision="fp16").validate()
+    with pytest.raises(ValueError, match=r"parallel.meta_init is not supported with parallel.pp_size=2"):
+        ParallelConfig(pp_size=2, meta_init=True).validate()
+    with pytest.raises(ValueError, match=r"parallel.pp_schedule must be one of"):
+        ParallelConfig(pp_size=2, pp_schedule="zb").validate()  # type: ignore[arg-type]
+    ParallelConfig(strategy="fsdp2", tp_size=2, pp_size=2, mixed_precision="bf16").validate()
 
 
 def test_none_with_several_data_parallel_ranks_is_rejected():

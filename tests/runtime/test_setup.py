@@ -16,7 +16,7 @@ from fntrain.runtime import setup as runtime_setup
 from fntrain.runtime.parallel import ParallelConfig
 from fntrain.runtime.setup import (
     RuntimeConfig,
-    _dp_rank,
+    _coordinates,
     _parallel_sizes,
     choose_cpu_threads,
     read_launch_env,
@@ -96,7 +96,10 @@ def test_data_parallel_size_is_what_model_parallelism_leaves():
     assert sizes == {"tp_size": 2, "pp_size": 2, "cp_size": 1, "ep_size": 1, "dp_size": 2}
     assert _parallel_sizes(None, 4)["dp_size"] == 4
     # rank = ((pp * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
-    assert [_dp_rank(rank, sizes) for rank in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    coords = [_coordinates(rank, sizes) for rank in range(8)]
+    assert [c["dp"] for c in coords] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [c["tp"] for c in coords] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert [c["pp"] for c in coords] == [0, 0, 0, 0, 1, 1, 1, 1]
     with pytest.raises(ValueError, match="world size 6 must be divisible by .* = 4"):
         _parallel_sizes(ParallelConfig(tp_size=4), 6)
     with pytest.raises(ValueError, match=r"parallel.ep_size \(3\) must divide"):

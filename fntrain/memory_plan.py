@@ -1,0 +1,271 @@
+"""From torch models and job configs to `fntrain.memory_estimate`'s inputs: the torch side of it.
+
+`layout_from_module(model)` counts a model's parameters by part (embedding, each block, head; split by
+what tensor parallelism shards) on any device, meta included. `plan_memory(config, model_factory,
+world_size)` builds the bare model on the meta device and returns the plan's "memory per rank" section.
+`python -m fntrain.memory_plan --table` prints the tables of docs/distributed.md (`doc_tables()`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from fntrain.memory_estimate import (
+    BatchShape,
+    ModelLayout,
+    ParallelLayout,
+    PartParams,
+    estimate_stages,
+    llama_layout,
+    memory_table,
+)
+
+__all__ = ["layout_from_module", "plan_memory", "doc_tables"]
+
+_SHAPE_NAMES = {
+    "vocab_size": ("vocab_size",),
+    "hidden": ("hidden_size", "d_model", "n_embd"),
+    "heads": ("num_attention_heads", "n_head", "n_heads"),
+    "kv_heads": ("num_key_value_heads", "n_kv_heads"),
+    "intermediate": ("intermediate_size", "n_inner", "d_ff"),
+}
+
+
+def tp_sharded(module: Any, name: str) -> bool:
+    """The default split: the weights of Linear and Embedding layers are sharded over tp; norms and
+    biases stay whole (a column-wise bias is in fact sharded: counted whole, a slight overestimate)."""
+    from torch import nn
+
+    return name == "weight" and isinstance(module, (nn.Linear, nn.Embedding))
+
+
+def layout_from_module(model: Any, *, sharded: Callable[[Any, str], bool] = tp_sharded) -> ModelLayout:
+    """The exact `ModelLayout` of a decoder-only `model`: parameters registered before its first block
+    (`fntrain.runtime.parallel.transformer_blocks`) are the embedding part, those after its last the
+    head part; a parameter in both (a tied embedding) is `tied`. Shape numbers come from `model.config`
+    or `model.cfg` (Hugging Face / nanoGPT names), else from the first embedding's weight."""
+    from fntrain.runtime.parallel import transformer_blocks
+
+    blocks = transformer_blocks(model)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no transformer blocks to count")
+    block_of = {id(sub): index for index, block in enumerate(blocks) for sub in block.modules()}
+    parts: dict[Any, dict[int, int]] = {}  # part -> {id(param): numel}, per split kind
+    seen_blocks = False
+    where: dict[str, Any] = {}
+    for module in model.modules():
+        index = block_of.get(id(module))
+        if index is not None:
+            seen_blocks, part = True, index
+        else:
+            part = "head" if seen_blocks else "embedding"
+        for name, param in module.named_parameters(recurse=False):
+            kind = "sharded" if sharded(module, name) else "replicated"
+            parts.setdefault((part, kind), {})[id(param)] = param.numel()
+            where.setdefault(id(param), set()).add(part)
+
+    def count(part: Any) -> PartParams:
+        return PartParams(
+            sum(parts.get((part, "sharded"), {}).values()), sum(parts.get((part, "replicated"), {}).values())
+        )
+
+    tied = PartParams(*(
+        sum(n for pid, n in parts.get(("head", kind), {}).items() if "embedding" in where[pid])
+        for kind in ("sharded", "replicated")
+    ))  # fmt: skip
+    return ModelLayout(
+        **_shape_numbers(model),
+        embedding=count("embedding"),
+        blocks=tuple(count(index) for index in range(len(blocks))),
+        head=count("head"),
+        tied=tied,
+        gated_mlp=any("gate" in name for name, _ in blocks[0].named_parameters()),
+    )
+
+
+def _shape_numbers(model: Any) -> dict[str, int]:
+    from torch import nn
+
+    sources = [s for s in (getattr(model, "config", None), getattr(model, "cfg", None)) if s is not None]
+    found: dict[str, int] = {}
+    for key, names in _SHAPE_NAMES.items():
+        for source in sources:
+            value = next(
+                (getattr(source, n) for n in names if isinstance(getattr(source, n, None), int)), None
+            )
+            if value is not None:
+                found[key] = value
+                break
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is not None:
+        found.setdefault("vocab_size", embedding.num_embeddings)
+        found.setdefault("hidden", embedding.embedding_dim)
+    if "hidden" not in found or "vocab_size" not in found:
+        raise ValueError(f"cannot tell the hidden size and vocabulary of {type(model).__name__}")
+    found.setdefault("heads", max(1, found["hidden"] // 64))
+    found.setdefault("kv_heads", found["heads"])
+    found.setdefault("intermediate", 4 * found["hidden"])
+    return found
+
+
+def parallel_layout(parallel: Any, world_size: int) -> ParallelLayout:
+    """The `ParallelLayout` of a `ParallelConfig` over `world_size` ranks (sequence parallelism off)."""
+    return ParallelLayout(
+        world_size=world_size,
+        strategy=parallel.strategy,
+        tp_size=parallel.tp_size,
+        pp_size=parallel.pp_size,
+        replicate=parallel.replicate,
+        mixed_precision=parallel.mixed_precision,
+        activation_checkpointing=parallel.activation_checkpointing,
+        reshard_after_forward=parallel.reshard_after_forward,
+        pp_schedule=getattr(parallel, "pp_schedule", "1f1b"),
+        loss_parallel=getattr(parallel, "loss_parallel", True),
+    )
+
+
+def _sequence_length(config: Any) -> int | None:
+    for section, name in (
+        ("model", "context"),
+        ("data", "max_length"),
+        ("data", "seq_len"),
+        ("model", "max_length"),
+    ):
+        value = getattr(getattr(config, section, None), name, None)
+        if type(value) is int and value > 0:
+            return value
+    return None
+
+
+def plan_memory(config: Any, model_factory: Callable[[Any], Any], world_size: int) -> dict[str, Any]:
+    """The plan's "memory per rank" section: `model_factory(config)` built on the meta device (no
+    weights), counted, and estimated for `config.parallel` over `world_size` ranks with the config's
+    micro-batch and sequence length (`model.context` or `data.max_length`; none found: activations 0,
+    said in a note). Byte counts are ints; the worst pipeline stage's, plus every stage's total."""
+    import torch
+
+    with torch.device("meta"):
+        model = model_factory(config)
+    model_layout = layout_from_module(model)
+    parallel = parallel_layout(config.parallel, world_size)
+    seq_len = _sequence_length(config)
+    train = config.train
+    micro_batches = max(1, train.global_batch_size // (train.micro_batch_size * parallel.dp_size))
+    attn = getattr(getattr(config, "model", None), "attn_implementation", None)
+    dropout = getattr(getattr(config, "model", None), "dropout", 0.0)
+    batch = BatchShape(
+        micro_batch_size=train.micro_batch_size,
+        seq_len=seq_len or 0,
+        micro_batches=micro_batches,
+        flash_attention=attn != "eager",
+        dropout=isinstance(dropout, float) and dropout > 0,
+    )
+    stages = estimate_stages(model_layout, parallel, batch)
+    worst = max(stages, key=lambda estimate: estimate.total)
+    section: dict[str, Any] = {
+        "model_params": model_layout.total_params,
+        "params_per_rank": worst.params_per_rank,
+        "stage": worst.stage,
+        "stages": len(stages),
+        **{name: getattr(worst, name) for name in
+           ("parameters", "gradients", "optimizer_state", "transient_weights", "activations", "total")},
+        "stage_totals": [estimate.total for estimate in stages],
+        "seq_len": seq_len,
+        "micro_batch_size": train.micro_batch_size,
+        "mixed_precision": parallel.mixed_precision,
+    }  # fmt: skip
+    if seq_len is None:
+        section["notes"] = ["activations not estimated: the config names no sequence length"]
+    return section
+
+
+# ----------------------------------------------------------------------------- the doc's tables
+
+LLAMA3_8B = dict(vocab_size=128256, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8)
+_TINY_LAYOUTS = (  # world, strategy, tp, pp, extras
+    (1, "none", 1, 1, {}),
+    (2, "ddp", 1, 1, {}),
+    (2, "fsdp2", 1, 1, {}),
+    (2, "none", 2, 1, {}),
+    (2, "none", 1, 2, {"pp_schedule": "gpipe"}),
+    (2, "none", 1, 2, {}),
+    (4, "fsdp2", 2, 1, {}),
+    (4, "none", 2, 2, {}),
+)
+_LLAMA_LAYOUTS = (
+    (8, "ddp", 1, 1, {}),
+    (8, "fsdp2", 1, 1, {}),
+    (8, "fsdp2", 1, 1, {"activation_checkpointing": True}),
+    (8, "fsdp2", 2, 1, {}),
+    (8, "none", 8, 1, {}),
+    (8, "fsdp2", 2, 2, {}),
+    (64, "fsdp2", 1, 1, {}),
+    (64, "fsdp2", 1, 1, {"replicate": 8}),
+    (64, "fsdp2", 1, 1, {"replicate": 8, "activation_checkpointing": True}),
+    (64, "fsdp2", 8, 1, {}),
+    (64, "fsdp2", 4, 2, {}),
+    (64, "fsdp2", 4, 2, {"pp_schedule": "gpipe"}),
+    (64, "fsdp2", 8, 4, {"activation_checkpointing": True}),
+)
+
+
+def _layouts(rows: Any, mixed_precision: str) -> list[ParallelLayout]:
+    return [
+        ParallelLayout(
+            world_size=world,
+            strategy=strategy,
+            tp_size=tp,
+            pp_size=pp,
+            mixed_precision=mixed_precision,
+            **extras,
+        )
+        for world, strategy, tp, pp, extras in rows
+    ]
+
+
+def doc_tables() -> str:
+    """The per-rank memory tables of docs/distributed.md, as markdown (tiny GPT counted from the
+    recipe's model on meta; Llama-3-8B from `llama_layout`)."""
+    import torch
+
+    from recipes.tiny_gpt import Config, TinyGPT, model_config
+
+    tiny_config = Config()
+    with torch.device("meta"):
+        tiny = layout_from_module(TinyGPT(model_config(tiny_config)))
+    train = tiny_config.train
+
+    def tiny_batch(parallel: ParallelLayout) -> BatchShape:
+        per_step = train.global_batch_size // (train.micro_batch_size * parallel.dp_size)
+        return BatchShape(train.micro_batch_size, tiny_config.model.context, per_step)
+
+    llama = llama_layout(**LLAMA3_8B)
+    return "\n".join([
+        f"Tiny GPT defaults ({tiny.total_params:,} parameters; fp32; micro-batch {train.micro_batch_size} x "
+        f"{tiny_config.model.context} tokens, global batch {train.global_batch_size}):",
+        "",
+        memory_table(tiny, _layouts(_TINY_LAYOUTS, "fp32"), tiny_batch),
+        "",
+        f"Llama-3-8B shape ({llama.total_params:,} parameters; bf16 compute, fp32 master weights; "
+        "micro-batch 1 x 8192 tokens, 8 micro-batches per step):",
+        "",
+        memory_table(llama, _layouts(_LLAMA_LAYOUTS, "bf16"), lambda parallel: BatchShape(1, 8192, 8)),
+    ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m fntrain.memory_plan", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--table", action="store_true", help="print the tables of docs/distributed.md")
+    args = parser.parse_args(argv)
+    if args.table:
+        print(doc_tables())
+    else:
+        parser.print_help()
+
+
+if __name__ == "__main__":
+    main()
