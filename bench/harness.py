@@ -4,8 +4,12 @@ and a seeded bootstrap 95% interval.
 
 These machines are noisy, so absolute times mean little. Pairing within a round cancels the slow drift
 (another process starting, the clock changing) that moves both variants alike; the interval then says how
-far the remaining round-to-round variation leaves the median uncertain. A goal is "met" only when the
-whole interval is within it, "NOT met" only when the whole interval is past it, and "undecided" otherwise.
+far the remaining round-to-round variation leaves the median uncertain. It resamples blocks of consecutive
+rounds, so drift that pairing leaves (a slow patch longer than a round) widens it. Where a difference
+scales with the machine's speed it is normalised by something measured in the same round: a fixed
+pure-Python yardstick (`at_reference_speed`) or the step's own time (`share_row`). A goal is "met" only
+when the whole interval is within it, "NOT met" only when the whole interval is past it, and "undecided"
+otherwise.
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ import math
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -24,14 +31,18 @@ import numpy as np
 
 __all__ = [
     "Row", "Timing", "Interval", "interleave", "bootstrap_median", "verdict", "rounds_to_decide",
-    "overhead_row", "ratio_row", "paired_ratio_row", "format_table", "append_results", "machine",
-    "machine_info", "write_json",
+    "overhead_row", "share_row", "ratio_row", "paired_ratio_row", "format_table", "append_results", "machine",
+    "machine_info", "write_json", "one_core", "yardstick", "in_fresh_processes", "YARDSTICK", "REFERENCE_YARDSTICK_S",
 ]  # fmt: skip
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 CONFIDENCE = 0.95
 RESAMPLES = 4000
 SEED = 0
+YARDSTICK = "yardstick"
+# The yardstick's CPU time per unit on the 2-core AMD EPYC VM these figures were taken on, with nothing of
+# ours beside it (median of 200 calls, December 2026): "us at reference speed" are microseconds of that.
+REFERENCE_YARDSTICK_S = 0.61e-6
 
 
 @dataclass(frozen=True)
@@ -49,10 +60,23 @@ class Interval:
 
 
 def bootstrap_median(
-    samples: Sequence[float], *, confidence: float = CONFIDENCE, resamples: int = RESAMPLES, seed: int = SEED
+    samples: Sequence[float],
+    *,
+    confidence: float = CONFIDENCE,
+    resamples: int = RESAMPLES,
+    seed: int = SEED,
+    block: int | None = None,
+    groups: Sequence[int] | None = None,
 ) -> Interval:
-    """The median of `samples` with a percentile-bootstrap interval (resampling with replacement, seeded:
-    the same samples always give the same interval). One sample gives a zero-width interval."""
+    """The median of `samples` (in round order) with a percentile-bootstrap interval; seeded, so the same
+    samples always give the same interval, which always holds the median.
+
+    Rounds measured in more than one process (`groups`: each round's process) are resampled in two stages,
+    processes with replacement and then rounds within each, so what differs from one process to the next
+    (memory layout, hash seeds, the machine's state) widens the interval. Rounds of one process are
+    resampled as a circular block bootstrap: blocks of `block` consecutive rounds (default ceil(sqrt(n)))
+    picked with replacement, so rounds that drift together move together; `block=1` is the ordinary
+    bootstrap. One sample gives a zero-width interval."""
     values = np.asarray(samples, dtype=float)
     if values.size == 0:
         raise ValueError("bootstrap_median needs at least one sample, got none")
@@ -60,10 +84,34 @@ def bootstrap_median(
     if values.size == 1:
         return Interval(median, median, median, 1)
     rng = np.random.default_rng(seed)
-    medians = np.median(values[rng.integers(0, values.size, size=(resamples, values.size))], axis=1)
+    if groups is not None and len(set(groups)) > 1:
+        medians = _two_stage_medians(values, np.asarray(groups), rng, resamples)
+    else:
+        medians = _block_medians(values, block or math.ceil(math.sqrt(values.size)), rng, resamples)
     tail = (1.0 - confidence) / 2 * 100
     low, high = np.percentile(medians, [tail, 100 - tail])
-    return Interval(median, float(low), float(high), int(values.size))
+    return Interval(median, min(median, float(low)), max(median, float(high)), int(values.size))
+
+
+def _block_medians(values: np.ndarray, block: int, rng: np.random.Generator, resamples: int) -> np.ndarray:
+    n = values.size
+    length = max(1, min(n, block))
+    starts = rng.integers(0, n, size=(resamples, -(-n // length)))
+    indices = (starts[:, :, None] + np.arange(length)).reshape(resamples, -1)[:, :n] % n
+    return np.median(values[indices], axis=1)
+
+
+def _two_stage_medians(
+    values: np.ndarray, groups: np.ndarray, rng: np.random.Generator, resamples: int
+) -> np.ndarray:
+    members = [values[groups == group] for group in np.unique(groups)]
+    medians = np.empty(resamples)
+    for index in range(resamples):
+        picked = rng.integers(0, len(members), size=len(members))
+        medians[index] = np.median(
+            np.concatenate([rng.choice(members[group], size=members[group].size) for group in picked])
+        )
+    return medians
 
 
 def verdict(interval: Interval, goal: float | None, *, lower_is_better: bool = True) -> str:
@@ -114,10 +162,25 @@ class Row:
 class Timing:
     """Per-variant samples (seconds per unit of work), one per round, in round order: `samples` the whole
     call, `outside` the per-unit time the callable measured itself outside the step (or the whole call's
-    when it measured none)."""
+    when it measured none); `groups` the process each round ran in (empty: all in one)."""
 
     samples: dict[str, list[float]] = field(default_factory=dict)
     outside: dict[str, list[float]] = field(default_factory=dict)
+    groups: list[int] = field(default_factory=list)
+
+    def interval(self, values: Sequence[float], *, resamples: int = RESAMPLES) -> Interval:
+        """`bootstrap_median` of per-round `values`, resampling processes first when there are several."""
+        return bootstrap_median(values, resamples=resamples, groups=self.groups or None)
+
+    @staticmethod
+    def merge(timings: Sequence[Timing]) -> Timing:
+        """The rounds of several processes' timings, in order, each round labelled with its process."""
+        names = list(timings[0].samples)
+        return Timing(
+            {name: [v for timing in timings for v in timing.samples[name]] for name in names},
+            {name: [v for timing in timings for v in timing.outside[name]] for name in names},
+            [index for index, timing in enumerate(timings) for _ in timing.samples[names[0]]],
+        )
 
     def median(self, name: str) -> float:
         return statistics.median(self.samples[name])
@@ -131,22 +194,83 @@ class Timing:
         """variant / baseline, round by round."""
         return [v / b for v, b in zip(self.samples[variant], self.samples[baseline], strict=True)]
 
+    def at_reference_speed(self, values: Sequence[float]) -> list[float]:
+        """Per-round `values` scaled by REFERENCE_YARDSTICK_S / the yardstick's time in the same round: what
+        they would be on the machine where the yardstick takes its reference time (needs `interleave(...,
+        with_yardstick=True)`)."""
+        if YARDSTICK not in self.samples:
+            raise ValueError("at_reference_speed needs the yardstick's rounds (interleave with_yardstick=True)")
+        return [v * REFERENCE_YARDSTICK_S / y for v, y in zip(values, self.samples[YARDSTICK], strict=True)]
+
+    def share_of(self, values: Sequence[float], step: str) -> list[float]:
+        """Per-round `values` divided by variant `step`'s whole time per unit in the same round."""
+        return [v / s for v, s in zip(values, self.samples[step], strict=True)]
+
 
 @dataclass(frozen=True)
 class Target:
-    """A comparison to run rounds for until its interval is narrower than `width` (seconds per unit, or a
-    ratio when `ratio`)."""
+    """A comparison to run rounds for until its interval is narrower than `width`: in seconds per unit (at
+    reference speed when `speed`), as a share of the baseline's step when `share`, or a ratio when
+    `ratio`."""
 
     variant: str
     baseline: str
     width: float
     outside: bool = False
     ratio: bool = False
+    speed: bool = False
+    share: bool = False
+
+    def values(self, timing: Timing) -> list[float]:
+        if self.ratio:
+            return timing.ratios(self.variant, self.baseline)
+        values = timing.paired(self.variant, self.baseline, outside=self.outside)
+        if self.share:
+            return timing.share_of(values, self.baseline)
+        return timing.at_reference_speed(values) if self.speed else values
 
     def interval(self, timing: Timing) -> Interval:
-        if self.ratio:
-            return bootstrap_median(timing.ratios(self.variant, self.baseline), resamples=500)
-        return bootstrap_median(timing.paired(self.variant, self.baseline, outside=self.outside), resamples=500)
+        return timing.interval(self.values(timing), resamples=500)
+
+
+@dataclass(frozen=True)
+class _Record:
+    before: int
+    after: int
+
+
+def yardstick(units: int = 2000) -> int:
+    """A fixed piece of pure-Python work shaped like a loop's per-step bookkeeping (a small frozen record,
+    a dict store and load, attribute reads), `units` times; returns `units`. Timed in every round by
+    `interleave(..., with_yardstick=True)`, it says how fast this machine runs such code at that moment."""
+    slots: dict[int, _Record] = {}
+    total = 0
+    for index in range(units):
+        record = _Record(index, index + 1)
+        slots[index & 31] = record
+        total += slots[index & 31].after - record.before
+    return units
+
+
+@contextmanager
+def one_core() -> Iterator[int]:
+    """Pin this process to one core (the last it may use) and torch to one thread, restoring both on exit;
+    yields the core. A competing process then gets the other cores rather than time slices and migrations
+    of ours. Where affinity cannot be set, only the thread count changes."""
+    import torch
+
+    threads = torch.get_num_threads()
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else None
+    core = max(allowed) if allowed else -1
+    torch.set_num_threads(1)
+    if allowed:
+        os.sched_setaffinity(0, {core})
+    try:
+        yield core
+    finally:
+        if allowed:
+            os.sched_setaffinity(0, allowed)
+        torch.set_num_threads(threads)
 
 
 def interleave(
@@ -158,6 +282,7 @@ def interleave(
     budget_s: float = 0.0,
     max_repeats: int = 200,
     clock: Callable[[], float] = time.perf_counter,
+    with_yardstick: bool = False,
 ) -> Timing:
     """Run every variant once per round, rotating the order every round so drift hits all alike.
 
@@ -168,8 +293,11 @@ def interleave(
 
     `clock` times each call: wall time by default; `time.thread_time` (or `time.process_time`) for work
     that runs on this thread (process) only, so that time the scheduler gives to other processes on a
-    loaded machine is not counted (the budget stays in wall time).
+    loaded machine is not counted (the budget stays in wall time). `with_yardstick`: `yardstick()` runs as
+    one more variant, named YARDSTICK, for `Timing.at_reference_speed`.
     """
+    if with_yardstick:
+        variants = {**variants, YARDSTICK: yardstick}
     names = list(variants)
     for _ in range(warmup):
         for name in names:
@@ -195,6 +323,34 @@ def interleave(
             return timing
 
 
+def in_fresh_processes(function: Callable[..., Timing], count: int, **kwargs) -> Timing:
+    """Call module-level `function(**kwargs)`, which returns a Timing, in `count` fresh interpreters one
+    after another (with this process's core affinity), and merge their rounds grouped by process; with
+    `count` 1, call it here. Effects fixed for a process's life (memory layout, hash seeds) then vary between
+    groups, and `Timing.interval` counts them. The children's stderr is passed through; stdout is theirs."""
+    if count == 1:
+        return function(**kwargs)
+    module = function.__module__
+    if module == "__main__":  # run as `python -m bench.NAME`: the child imports it by that name
+        module = sys.modules["__main__"].__spec__.name
+    code = (
+        "import json, sys\n"
+        f"from {module} import {function.__name__} as measure\n"
+        "timing = measure(**json.loads(sys.argv[1]))\n"
+        "print(json.dumps({'samples': timing.samples, 'outside': timing.outside}))\n"
+    )
+    root = str(Path(__file__).resolve().parent.parent)
+    timings = []
+    for _ in range(count):
+        done = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(kwargs)], cwd=root, stdout=subprocess.PIPE, text=True,
+            check=True,
+        )  # fmt: skip
+        record = json.loads(done.stdout.strip().splitlines()[-1])
+        timings.append(Timing(record["samples"], record["outside"]))
+    return Timing.merge(timings)
+
+
 def _sign(value: float) -> str:
     return f"{value:+.1f}" if abs(value) < 1e4 else f"{value:+.4g}"
 
@@ -207,24 +363,63 @@ def overhead_row(
     *,
     goal_us: float | None,
     outside: bool = False,
+    speed: bool = False,
     note: str = "",
 ) -> Row:
     """Per-unit overhead of `variant` over `baseline` in microseconds: the median of the per-round paired
-    differences with its bootstrap interval (`outside`: of the time outside the excluded step)."""
+    differences with its bootstrap interval (`outside`: of the time outside the excluded step; `speed`: at
+    reference speed, `Timing.at_reference_speed`). The two medians shown are as measured."""
     source = timing.outside if outside else timing.samples
     ours, base = statistics.median(source[variant]) * 1e6, statistics.median(source[baseline]) * 1e6
-    interval = bootstrap_median([d * 1e6 for d in timing.paired(variant, baseline, outside=outside)])
+    target = Target(variant, baseline, 0.0, outside=outside, speed=speed)
+    interval = timing.interval([d * 1e6 for d in target.values(timing)])
     result = verdict(interval, goal_us)
     note = _undecided_note(interval, goal_us, result, note)
+    unit = "us at reference speed" if speed else "us"
     return Row(
         measure=measure,
         fntrain=f"{ours:.1f} us",
         baseline=f"{base:.1f} us",
-        difference=f"{_sign(interval.median)} us [{_sign(interval.low)}, {_sign(interval.high)}]",
+        difference=f"{_sign(interval.median)} {unit} [{_sign(interval.low)}, {_sign(interval.high)}]",
         goal="-" if goal_us is None else f"<= {goal_us:g} us",
         verdict=result,
         interval=interval,
-        unit="us",
+        unit=unit,
+        rounds=interval.n,
+        note=note,
+    )
+
+
+def share_row(
+    measure: str,
+    timing: Timing,
+    variant: str,
+    baseline: str,
+    *,
+    goal_percent: float | None,
+    outside: bool = False,
+    note: str = "",
+) -> Row:
+    """Per-unit overhead of `variant` over `baseline` as a percentage of the baseline's whole time per unit
+    in the same round (its step): for costs that grow and shrink with the step's own speed. The two medians
+    shown are the measured times (`outside`: outside the excluded step)."""
+    source = timing.outside if outside else timing.samples
+    ours, base = statistics.median(source[variant]) * 1e6, statistics.median(source[baseline]) * 1e6
+    target = Target(variant, baseline, 0.0, outside=outside, share=True)
+    interval = timing.interval([share * 100 for share in target.values(timing)])
+    result = verdict(interval, goal_percent)
+    note = _undecided_note(interval, goal_percent, result, note)
+    step = statistics.median(timing.samples[baseline]) * 1e6
+    return Row(
+        measure=measure,
+        fntrain=f"{ours:.1f} us",
+        baseline=f"{base:.1f} us",
+        difference=f"{interval.median:+.3f}% of a {step:.4g} us step "
+        f"[{interval.low:+.3f}, {interval.high:+.3f}]",
+        goal="-" if goal_percent is None else f"<= {goal_percent:g}%",
+        verdict=result,
+        interval=interval,
+        unit="% of the step",
         rounds=interval.n,
         note=note,
     )
@@ -246,11 +441,8 @@ def paired_ratio_row(
     """The per-round ratio of `variant`'s time to `baseline`'s (or, `higher_is_better`, of the baseline's
     time to the variant's: a throughput ratio), median and bootstrap interval. The two medians show as
     time x `scale`, or with `rate` as `rate` / time (work per second)."""
-    if higher_is_better:
-        ratios = [b / v for v, b in zip(timing.samples[variant], timing.samples[baseline], strict=True)]
-    else:
-        ratios = timing.ratios(variant, baseline)
-    interval = bootstrap_median(ratios)
+    ratios = timing.ratios(baseline, variant) if higher_is_better else timing.ratios(variant, baseline)
+    interval = timing.interval(ratios)
     result = verdict(interval, goal_ratio, lower_is_better=not higher_is_better)
     note = _undecided_note(interval, goal_ratio, result, note)
     sign = ">=" if higher_is_better else "<="

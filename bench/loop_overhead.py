@@ -8,7 +8,10 @@ Lightning Trainer, each against the plain hand-written loop, as a reference poin
 
 The goal rows measure in situ: every variant runs the same step object on the same tensors, and what is
 compared is the time between consecutive steps of a run (the step itself, and its variation, left out),
-in CPU time of this thread, paired round by round (bench/RESULTS.md, Method).
+in CPU time of this thread, paired round by round, the process pinned to one core (bench/RESULTS.md,
+Method). Rows on the MLP and the trivial step are in microseconds at reference speed (scaled by a
+pure-Python yardstick timed in the same round); rows on the GPT step, where the loop runs with the caches
+the step left and its cost moves with the step's, are a share of the step.
 Run: `python -m bench.loop_overhead [--quick]`.
 """
 
@@ -26,14 +29,26 @@ from typing import Any
 
 import torch
 
-from bench.harness import Row, Target, bench_main, interleave, overhead_row, quiet
+from bench.harness import (
+    Row,
+    Target,
+    Timing,
+    bench_main,
+    in_fresh_processes,
+    interleave,
+    one_core,
+    overhead_row,
+    quiet,
+    share_row,
+)
 from fntrain import RunPlan, TrainState, train
 from fntrain.step import make_train_step
 
-torch.set_num_threads(1)
 LOG_EVERY = 10
 LR = 1e-4
 WIDTH = 0.5  # rounds continue until each goal row's interval is narrower than this fraction of its goal
+GPT_WIDTH = 5e-4  # ... and each GPT row's until narrower than 0.05% of the step
+PROCESSES = 3  # full runs measure in this many fresh processes, one after another
 # CPU time of this thread (torch runs on it: one thread): what another process takes is not counted.
 CLOCK = time.thread_time
 
@@ -288,10 +303,15 @@ def _idle_window_hooks() -> dict[str, Callable[[], list]]:
     return factories
 
 
-def _isolated_rows(quick: bool, run_dir: str) -> list[Row]:
+def measure_trivial(repeats: int, budget_s: float) -> Timing:
     """The loop's and the default hooks' own per-step cost, with a trivial step (a ready metrics dict
     holding a 0-d tensor): what remains when the step's own time and its run-to-run variation are gone."""
-    steps, repeats = (2000, 3) if quick else (2000, 30)
+    with one_core():
+        quiet()
+        return _trivial_timing(2000, repeats, budget_s, tempfile.mkdtemp(prefix="fntrain-bench-"))
+
+
+def _trivial_timing(steps: int, repeats: int, budget_s: float, run_dir: str) -> Timing:
     metrics = {"loss": torch.tensor(1.0), "grad_norm": 0.0, "lr": LR}
     batches = [[{"x": torch.zeros(1)}]] * steps
     plan = RunPlan(train_iters=steps, steps_per_epoch=steps, epochs=1)
@@ -325,7 +345,7 @@ def _isolated_rows(quick: bool, run_dir: str) -> list[Row]:
 
         return run_train
 
-    timing = interleave(
+    return interleave(
         {
             "plain loop": plain_loop,
             "plain loop, logging every 10": plain_loop_logging,
@@ -334,96 +354,150 @@ def _isolated_rows(quick: bool, run_dir: str) -> list[Row]:
         },
         repeats=repeats,
         targets=[
-            Target("train(), no hooks", "plain loop", WIDTH * 10e-6),
-            Target("train(), default hooks", "plain loop, logging every 10", WIDTH * 30e-6),
+            Target("train(), no hooks", "plain loop", WIDTH * 10e-6, speed=True),
+            Target("train(), default hooks", "plain loop, logging every 10", WIDTH * 30e-6, speed=True),
         ],
-        budget_s=0 if quick else 30,
+        budget_s=budget_s,
         clock=CLOCK,
+        with_yardstick=True,
     )
+
+
+def _trivial_rows(timing: Timing) -> list[Row]:
     return [
         overhead_row(
             "P1 loop alone (trivial step): train(), no hooks vs plain loop", timing, "train(), no hooks",
-            "plain loop", goal_us=10, note="the loop's own Python per step, free of the step's variation.",
+            "plain loop", goal_us=10, speed=True,
+            note="the loop's own Python per step, free of the step's variation.",
         ),
         overhead_row(
             "P1 hooks alone (trivial step): train(), default hooks vs plain loop logging on the same steps",
-            timing, "train(), default hooks", "plain loop, logging every 10", goal_us=30,
+            timing, "train(), default hooks", "plain loop, logging every 10", goal_us=30, speed=True,
             note="the default hooks' own per-step cost, logging steps included, free of the step's variation.",
         ),
     ]  # fmt: skip
 
 
 def run(quick: bool = False) -> list[Row]:
-    # Long runs amortise per-run set-up (a progress bar, a metrics file, a profiler import at TRAIN_BEGIN):
-    # the goals are per-step costs.
-    steps, repeats = (20, 3) if quick else (200, 15)
-    quiet()
-    rows: list[Row] = []
-    workloads = [("tiny MLP", _mlp_workload(), _forward_x), ("tiny GPT", _gpt_workload(), _forward_ids)]
-    run_dir = tempfile.mkdtemp(prefix="fntrain-bench-")
-    for label, (model, batches, loss_fn), forward in workloads:
-        n_steps = steps if label == "tiny MLP" else steps // 10
-        hooks = _idle_window_hooks() if label == "tiny MLP" else {}
-        hooks["default hooks"] = _default_hooks(n_steps, run_dir)
-        variants = _variants(model, batches, loss_fn, forward, n_steps, hooks)
-        lightning_variants = (
-            _lightning_variants(model, batches, loss_fn, forward, n_steps, run_dir) if label == "tiny MLP" else {}
-        )
-        variants.update(lightning_variants)
+    """Every row. Full runs measure in PROCESSES fresh processes one after another (the budgets split
+    between them) so that what is fixed for a process's life shows in the intervals; quick runs in this one.
+    Long runs amortise per-run set-up (a progress bar, a metrics file, a profiler import at TRAIN_BEGIN):
+    the goals are per-step costs."""
+    processes, steps, repeats = (1, 20, 3) if quick else (PROCESSES, 200, 15 // PROCESSES)
+    budget = (lambda seconds: 0.0) if quick else (lambda seconds: seconds / PROCESSES)
+    mlp = in_fresh_processes(measure_mlp, processes, steps=steps, repeats=repeats, budget_s=budget(90))
+    gpt = in_fresh_processes(measure_gpt, processes, steps=steps // 10, repeats=repeats, budget_s=budget(90))
+    trivial = in_fresh_processes(
+        measure_trivial, processes, repeats=3 if quick else 30 // PROCESSES, budget_s=budget(30)
+    )
+    return _mlp_rows(mlp) + _gpt_rows(gpt) + _trivial_rows(trivial)
+
+
+def measure_mlp(steps: int, repeats: int, budget_s: float) -> Timing:
+    """The tiny MLP's variants (Lightning's too, when installed), interleaved, with the yardstick."""
+    with one_core():
+        quiet()
+        run_dir = tempfile.mkdtemp(prefix="fntrain-bench-")
+        model, batches, loss_fn = _mlp_workload()
+        hooks = _idle_window_hooks()
+        hooks["default hooks"] = _default_hooks(steps, run_dir)
+        variants = _variants(model, batches, loss_fn, _forward_x, steps, hooks)
+        variants.update(_lightning_variants(model, batches, loss_fn, _forward_x, steps, run_dir))
         targets = [
-            Target("train(), no hooks", "plain loop", WIDTH * 10e-6, outside=True),
-            Target("train(), default hooks", "plain loop, logging every 10", WIDTH * 30e-6, outside=True),
+            Target("train(), no hooks", "plain loop", WIDTH * 10e-6, outside=True, speed=True),
+            Target("train(), default hooks", "plain loop, logging every 10", WIDTH * 30e-6, outside=True,
+                   speed=True),
         ] + [
-            Target(f"train(), {name}", "train(), no hooks", WIDTH * 5e-6, outside=True)
-            for name in hooks if name != "default hooks"
+            Target(f"train(), {name}", "train(), no hooks", WIDTH * 5e-6, outside=True, speed=True)
+            for name in IDLE_HOOKS if name in hooks
         ]  # fmt: skip
-        timing = interleave(variants, repeats=repeats, targets=targets, budget_s=0 if quick else 90, clock=CLOCK)
-        rows.append(
-            overhead_row(
-                f"P1 {label}: train(), no hooks vs plain loop", timing, "train(), no hooks", "plain loop",
-                goal_us=10, outside=True,
-                note="the loop's own Python work per step (two event dispatches, one state and one StepInfo).",
-            )
-        )  # fmt: skip
-        rows.append(
-            overhead_row(
-                f"P1 {label}: make_train_step vs hand-written step", timing, "plain loop",
-                "plain loop, hand-written step", goal_us=None,
-                note="token/loss bookkeeping and the finite check the library step does and a bare step skips.",
-            )
-        )  # fmt: skip
-        rows.append(
-            overhead_row(
-                f"P1 {label}: train(), default hooks vs plain loop logging on the same steps", timing,
-                "train(), default hooks", "plain loop, logging every 10", goal_us=30, outside=True,
-                note="progress bar, metrics every 10 steps (one reduction, a log line, a JSON record) and "
-                "throughput; non-logging steps do a few integer operations per hook.",
-            )
-        )  # fmt: skip
-        for name in hooks:
-            if name == "default hooks":
-                continue
-            rows.append(
-                overhead_row(
-                    f"P1 {label}: train(), {name} vs no hooks", timing, f"train(), {name}", "train(), no hooks",
-                    goal_us=5, outside=True, note="a hook outside its window costs a call and an integer comparison.",
-                )
-            )  # fmt: skip
-        notes = {
-            "Lightning Fabric": "Fabric's module/optimizer wrappers and backward dispatch around the same step, "
-            "a reference point for a thin launcher.",
-            "Lightning Trainer": "the Trainer's loop, hooks, batch transfer, optimizer closure and per-epoch "
-            "loader reset around the same step (automatic optimization), a reference point for a full trainer.",
-        }
-        for name in lightning_variants:
-            rows.append(
-                overhead_row(
-                    f"P1 {label}: {name} vs plain loop (hand-written step)", timing, name,
-                    "plain loop, hand-written step", goal_us=None, note=notes[name],
-                )
-            )  # fmt: skip
-    rows.extend(_isolated_rows(quick, run_dir))
+        return interleave(
+            variants, repeats=repeats, targets=targets, budget_s=budget_s, clock=CLOCK, with_yardstick=True
+        )
+
+
+def _mlp_rows(timing: Timing) -> list[Row]:
+    """The tiny MLP's rows in microseconds at reference speed: its steps and the loop are Python-bound."""
+    rows = [
+        overhead_row(
+            "P1 tiny MLP: train(), no hooks vs plain loop", timing, "train(), no hooks", "plain loop",
+            goal_us=10, outside=True, speed=True, note=LOOP_NOTE,
+        ),
+        overhead_row(
+            "P1 tiny MLP: make_train_step vs hand-written step", timing, "plain loop",
+            "plain loop, hand-written step", goal_us=None, speed=True, note=STEP_NOTE,
+        ),
+        overhead_row(
+            "P1 tiny MLP: train(), default hooks vs plain loop logging on the same steps", timing,
+            "train(), default hooks", "plain loop, logging every 10", goal_us=30, outside=True, speed=True,
+            note=HOOKS_NOTE,
+        ),
+    ]  # fmt: skip
+    rows += [
+        overhead_row(
+            f"P1 tiny MLP: train(), {name} vs no hooks", timing, f"train(), {name}", "train(), no hooks",
+            goal_us=5, outside=True, speed=True, note=IDLE_HOOK_NOTE,
+        )
+        for name in IDLE_HOOKS if f"train(), {name}" in timing.samples
+    ]  # fmt: skip
+    rows += [
+        overhead_row(
+            f"P1 tiny MLP: {name} vs plain loop (hand-written step)", timing, name,
+            "plain loop, hand-written step", goal_us=None, speed=True, note=note,
+        )
+        for name, note in LIGHTNING_NOTES.items() if name in timing.samples
+    ]  # fmt: skip
     return rows
+
+
+def measure_gpt(steps: int, repeats: int, budget_s: float) -> Timing:
+    """The tiny GPT's variants, interleaved."""
+    with one_core():
+        quiet()
+        model, batches, loss_fn = _gpt_workload()
+        hooks = {"default hooks": _default_hooks(steps, tempfile.mkdtemp(prefix="fntrain-bench-"))}
+        variants = _variants(model, batches, loss_fn, _forward_ids, steps, hooks)
+        targets = [
+            Target("train(), no hooks", "plain loop", GPT_WIDTH, outside=True, share=True),
+            Target("train(), default hooks", "plain loop, logging every 10", GPT_WIDTH, outside=True, share=True),
+        ]
+        return interleave(variants, repeats=repeats, targets=targets, budget_s=budget_s, clock=CLOCK)
+
+
+def _gpt_rows(timing: Timing) -> list[Row]:
+    """The tiny GPT's rows as a share of its step: between 10 ms steps the loop's Python runs with the caches
+    the step left, so its microseconds move with the machine's memory load as the step's own do."""
+    return [
+        share_row(
+            "P1 tiny GPT: train(), no hooks vs plain loop", timing, "train(), no hooks", "plain loop",
+            goal_percent=None, outside=True, note=LOOP_NOTE,
+        ),
+        share_row(
+            "P1 tiny GPT: make_train_step vs hand-written step", timing, "plain loop",
+            "plain loop, hand-written step", goal_percent=None, note=STEP_NOTE,
+        ),
+        share_row(
+            "P1 tiny GPT: train(), default hooks vs plain loop logging on the same steps", timing,
+            "train(), default hooks", "plain loop, logging every 10", goal_percent=None, outside=True,
+            note=HOOKS_NOTE,
+        ),
+    ]  # fmt: skip
+
+
+LOOP_NOTE = "the loop's own Python work per step (two event dispatches, one state and one StepInfo)."
+STEP_NOTE = "token/loss bookkeeping and the finite check the library step does and a bare step skips."
+HOOKS_NOTE = (
+    "progress bar, metrics every 10 steps (one reduction, a log line, a JSON record) and throughput; "
+    "non-logging steps do a few integer operations per hook."
+)
+IDLE_HOOK_NOTE = "a hook outside its window costs a call and an integer comparison."
+IDLE_HOOKS = ("idle profiler", "memory hook (disabled)")
+LIGHTNING_NOTES = {
+    "Lightning Fabric": "Fabric's module/optimizer wrappers and backward dispatch around the same step, "
+    "a reference point for a thin launcher.",
+    "Lightning Trainer": "the Trainer's loop, hooks, batch transfer, optimizer closure and per-epoch "
+    "loader reset around the same step (automatic optimization), a reference point for a full trainer.",
+}
 
 
 if __name__ == "__main__":
