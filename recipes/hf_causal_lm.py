@@ -31,6 +31,7 @@ from fntrain.models.hf import (
     AssetsConfig,
     HFModelConfig,
     check_packed_attention,
+    check_tensor_parallel,
     check_vocab,
     load_assets,
     load_causal_lm,
@@ -70,6 +71,7 @@ class Config(JobConfig):
         require_str("output_dir", self.output_dir, optional=True, non_empty=True)
         check_packed_attention(self.model, self.data.packing)
         check_lora_parallel(self.lora, self.parallel.meta_init, tp_size=self.parallel.tp_size)
+        check_tensor_parallel(self.model, self.parallel.tp_size)
         if self.evaluate.enabled and not (self.data.val_path or self.data.val_fraction > 0):
             raise ValueError("evaluate needs validation data: set data.val_path or data.val_fraction > 0")
 

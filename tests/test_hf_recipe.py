@@ -58,7 +58,12 @@ def test_bad_settings_are_one_line_naming_the_flag(tiny_files, capsys):
         (["--model.path", str(model_dir), "--data.path", "nope.jsonl"], "--data.path 'nope.jsonl' does not exist"),
         (["--model.path", str(model_dir), "--data.path", str(data_path), "--data.packing",
           "--model.attn-implementation", "eager"], "--model.attn-implementation"),
+        (["--model.path", str(model_dir), "--data.path", str(data_path), "--parallel.tp-size", "3"],
+         "--parallel.tp-size (3) must divide the model's num_attention_heads (4)"),
+        (["--model.path", str(model_dir), "--data.path", str(data_path), "--parallel.tp-size", "2",
+          "--lora.rank", "4"], "--lora.rank > 0 cannot be combined with --parallel.tp-size=2"),
     ):  # fmt: skip
+        (model_dir / "config.json").write_text('{"num_attention_heads": 4, "num_key_value_heads": 2}')
         with pytest.raises(SystemExit) as exit_info:
             dispatch(["run", "hf_causal_lm", *args])
         err = capsys.readouterr().err
@@ -262,6 +267,43 @@ def test_two_rank_fsdp2_fine_tune_saves_a_loadable_model(tiny_hf_model, tmp_path
     assert all(after[name].shape == before[name].shape for name in before)  # full tensors, not shards
     assert any(not torch.equal(before[name], after[name]) for name in before)
     AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_rank_tensor_parallel_fine_tune_matches_one_process(tiny_hf_model, tmp_path):
+    """tp 2 (the model's declared transformers plan, vocabulary-parallel loss) trains like one process:
+    the same losses, and the exported model has full tensors equal to the one-process run's (SGD: Adam
+    would blow float-level gradient differences up to lr-sized ones where the gradient is near 0)."""
+    from safetensors.torch import load_file
+
+    model_dir, data_path = tiny_hf_model
+    (tmp_path / "tp").mkdir()
+    out = _fsdp2_fine_tune(
+        model_dir, data_path, tmp_path / "tp", "--parallel.strategy", "none", "--parallel.tp-size", "2", "--optim.name", "sgd"
+    )
+    command = [
+        sys.executable, "-m", "fntrain", "run", "hf_causal_lm", "--run-dir", str(tmp_path / "one"),
+        "--model.path", str(model_dir), "--data.path", str(data_path), "--data.max-length", "48",
+        "--train.train-iters", "2", "--train.global-batch-size", "4", "--train.micro-batch-size", "1",
+        "--optim.lr", "1e-2", "--log-every", "1", "--optim.name", "sgd",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    def losses(run_dir: Path) -> list[float]:
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [row["loss"] for row in rows if "loss" in row]
+
+    assert losses(tmp_path / "tp" / "run") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    tp, one = (
+        load_file(out / "model.safetensors"),
+        load_file(tmp_path / "one" / "hf_model" / "model.safetensors"),
+    )
+    assert tp.keys() == one.keys()
+    for name in one:
+        torch.testing.assert_close(tp[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 # ----------------------------------------------------------------------------- LoRA (the `lora` extra)

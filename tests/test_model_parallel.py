@@ -218,7 +218,17 @@ def test_pipeline_checkpoints_change_layout_with_their_adam_state(tmp_path):
     """AdamW moments survive a change of pipeline layout both ways (pp 2 -> 1 and pp 1 -> 2), including
     the tied output head, which the last stage holds under its own name: the resumed steps equal those
     of an uninterrupted one-rank run."""
-    adam = ["--optim.name", "adamw", "--optim.lr", "0.003", "--checkpoint.save-every", "3"]
+    # A constant learning rate: a run stopped at step 3 then resumed follows the 5-step run's schedule.
+    adam = [
+        "--optim.name",
+        "adamw",
+        "--optim.lr",
+        "0.003",
+        "--schedule.kind",
+        "constant",
+        "--checkpoint.save-every",
+        "3",
+    ]
     longer = ["--checkpoint.allow-changes", "train.train_iters", "--train.train-iters", "5"]
     straight = tmp_path / "straight"
     _run(straight, 1, *adam)

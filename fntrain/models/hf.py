@@ -286,6 +286,25 @@ def check_packed_attention(config: HFModelConfig, packing: bool, prefix: str = "
         )
 
 
+def check_tensor_parallel(config: HFModelConfig, tp_size: int) -> None:
+    """A ValueError when `tp_size` does not divide the attention heads or the key/value heads in the
+    model's config.json (read without loading the model): each rank holds whole heads. Call it from a
+    recipe's validate; `fntrain.models.hf_tp` checks the loaded model again."""
+    if tp_size == 1:
+        return
+    saved = json.loads((Path(config.path).expanduser() / "config.json").read_text())
+    text = saved.get("text_config") or saved  # multimodal configs nest the language model's
+    heads = text.get("num_attention_heads")
+    for name, count in (
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", text.get("num_key_value_heads") or heads),
+    ):
+        if isinstance(count, int) and count % tp_size:
+            raise ValueError(
+                f"parallel.tp_size ({tp_size}) must divide the model's {name} ({count}): each rank holds whole heads"
+            )
+
+
 def save_hf_model(
     model: torch.nn.Module, assets: ModelAssets, output_dir: str | Path, runtime: Runtime
 ) -> Path:
