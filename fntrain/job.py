@@ -331,6 +331,12 @@ def check_model_parallel(config: JobConfig, spec: RecipeSpec, dp_size: int) -> N
             raise ConfigError(
                 f"--parallel.pp-size {parallel.pp_size}: this recipe has no pipeline split for its model"
             )
+        from fntrain.runtime.pipeline import stage_layers  # the split, counted on the meta device
+
+        try:
+            stage_layers(len(_full_model_of_stage(config, spec).get_submodule(spec.pipeline.layers)), parallel.pp_size)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         train = config.train
         micro_batches = train.global_batch_size // (train.micro_batch_size * dp_size)
         if parallel.pp_schedule == "1f1b" and micro_batches < parallel.pp_size:
