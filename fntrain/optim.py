@@ -78,10 +78,9 @@ def _no_decay_names(model: torch.nn.Module) -> set[str]:
         if isinstance(module, torch.nn.Embedding):
             for param_name, _ in module.named_parameters(recurse=False):
                 names.add(f"{module_name}.{param_name}" if module_name else param_name)
-    aliases: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(param), []).append(name)
-    return {alias for group in aliases.values() if names.intersection(group) for alias in group}
+    from fntrain.runtime.pipeline import tied_names
+
+    return names | {alias for group in tied_names(model) if names.intersection(group) for alias in group}
 
 
 def build_optimizer(

@@ -192,11 +192,9 @@ def _prepare(
 def _tied_names(model: torch.nn.Module) -> list[list[str]]:
     """The names of each weight the model holds under several (a tied output head): a pipeline stage
     that holds it under another name than the one its optimizer state was saved under restores it."""
-    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    names: dict[int, list[str]] = {}
-    for name, param in inner.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
+    from fntrain.runtime.pipeline import tied_names
+
+    return tied_names(model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model)
 
 
 def _writer(path: Path, thread_count: int) -> dcp.FileSystemWriter:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["PipelineSplit", "stage_layers", "split_stage", "stage_ties", "PP_SCHEDULES"]
+__all__ = ["PipelineSplit", "stage_layers", "split_stage", "stage_ties", "tied_names", "PP_SCHEDULES"]
 
 PP_SCHEDULES = ("gpipe", "1f1b")
 
@@ -85,16 +85,22 @@ def split_stage(model: nn.Module, split: PipelineSplit, *, stage: int, stages: i
     return model
 
 
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter the model holds under several (tied weights: an output head sharing
+    the token embedding), in registration order."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
 def stage_ties(model: nn.Module, split: PipelineSplit, stages: int) -> list[dict[int, str]]:
     """Tied weights of the full `model` that land on more than one stage: for each, {stage: the name
     that stage holds it under} (e.g. {0: "tok.weight", 1: "head.weight"})."""
     layers = len(model.get_submodule(split.layers))
     ranges = stage_layers(layers, stages)
-    by_tensor: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_tensor.setdefault(id(param), []).append(name)
     ties = []
-    for names in by_tensor.values():
+    for names in tied_names(model):
         holders: dict[int, str] = {}
         for name in names:
             for owner in _holders(name, split, ranges):

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fntrain.runtime.pipeline import tied_names
+
 __all__ = [
     "TP_STYLES", "TensorParallelPlan", "tensor_parallel_plan", "parallel_style", "replicate_remaining", "is_dtensor",
 ]  # fmt: skip
@@ -56,14 +58,6 @@ def parallel_style(name: str, loss_parallel: bool) -> Any:
             return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
         return ColwiseParallel(output_layouts=Replicate())
     raise ValueError(f"tensor-parallel style must be one of {TP_STYLES}, got {name!r}")
-
-
-def _tied_groups(model: nn.Module) -> list[list[str]]:
-    """Names of the parameters that are one tensor under several names (tied weights)."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
 
 
 def _retie(model: nn.Module, groups: list[list[str]]) -> None:
@@ -135,7 +129,7 @@ def tensor_parallel_plan(styles: Mapping[str, str]) -> TensorParallelPlan:
     def plan(model: nn.Module, tp_mesh: Any, loss_parallel: bool) -> None:
         from torch.distributed.tensor.parallel import parallelize_module
 
-        tied = _tied_groups(model)
+        tied = tied_names(model)
         present = {p: parallel_style(s, loss_parallel) for p, s in styles.items() if _matches(model, p)}
         parallelize_module(model, tp_mesh, present)
         _retie(model, tied)
