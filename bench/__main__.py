@@ -28,7 +28,9 @@ BENCHMARKS = [
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="few repeats: checks the harness, not the figures")
+    parser.add_argument(
+        "--quick", action="store_true", help="few repeats: checks the harness, not the figures"
+    )
     parser.add_argument("--record", action="store_true", help="append the table to bench/RESULTS.md")
     parser.add_argument("--json", default="", help="also write the rows and the machine as JSON to this file")
     parser.add_argument("--only", default="", help="comma-separated module names (e.g. loop_overhead)")
@@ -53,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             failed.append(name)
     print(format_table(rows))
+    uncalibrated = [row.measure for row in rows if row.interval and not row.interval.spread]
+    if uncalibrated and not args.quick:
+        print(f"no run-to-run spread recorded for {len(uncalibrated)} rows (their intervals are this run's alone; "
+              f"recalibrate with python -m bench.calibrate): {'; '.join(uncalibrated)}", file=sys.stderr)  # fmt: skip
     if args.record:
         append_results("Benchmark suite" + (" (quick)" if args.quick else ""), rows)
     if args.json:

@@ -4,8 +4,9 @@ settings, each in a fresh subprocess (OpenMP reads its environment once, at star
     python -m bench.contention [--quick] [--json FILE]
 
 Settings: torch's default (one thread per core), the runtime's automatic choice (`cpu_threads=0`),
-threads = the cores left free by the competitor, one thread, and OMP_WAIT_POLICY=passive (threads asleep
-rather than spinning while they wait) with the default and the automatic threads.
+threads = the cores left free by the competitor, one thread, OMP_WAIT_POLICY=passive (threads asleep
+rather than spinning while they wait) with the default and the automatic threads, and fntrain's defaults as
+a user gets them (`import fntrain` before torch, which sets the passive policy, and the automatic threads).
 The competitor is a pure-Python busy loop started and stopped here, bounded in time whatever happens.
 Not part of `python -m bench`: its figures are about load, not about fntrain against a baseline.
 """
@@ -24,11 +25,15 @@ import time
 BUSY_LOOP = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
 
 
-def _worker(steps: int, threads: int, automatic: bool) -> None:
-    """Time `steps` steps of the recipe (after 2 warm-up steps); print one JSON line."""
+def _worker(steps: int, threads: int, automatic: bool, fntrain_first: bool) -> None:
+    """Time `steps` steps of the recipe (after 2 warm-up steps); print one JSON line. `fntrain_first`:
+    import fntrain before torch, as the `fntrain` command and the recipes do."""
     import dataclasses
     import logging
 
+    if fntrain_first:
+        import fntrain  # noqa: F401  (its environment defaults must precede torch's OpenMP start-up)
+    policy = os.environ.get("OMP_WAIT_POLICY", "")  # what libgomp reads when torch loads it, just below
     import torch
 
     import recipes.tiny_gpt as recipe
@@ -49,7 +54,9 @@ def _worker(steps: int, threads: int, automatic: bool) -> None:
         config = dataclasses.replace(config, evaluate=dataclasses.replace(config.evaluate, eval_every=0))
         built = build_job(config, recipe.spec, Runtime())
         parts = built.components
-        step_fn = make_train_step(parts.model, parts.loss_fn, parts.optimizers, parts.schedulers, max_grad_norm=1.0)
+        step_fn = make_train_step(
+            parts.model, parts.loss_fn, parts.optimizers, parts.schedulers, max_grad_norm=1.0
+        )
         iterator = batches(built.data, 0, 0)
         state, times = TrainState(), []
         for index in range(steps + 2):
@@ -58,7 +65,8 @@ def _worker(steps: int, threads: int, automatic: bool) -> None:
             float(step_fn(state, batch)["loss"])
             if index >= 2:
                 times.append(time.perf_counter() - started)
-    print(json.dumps({"threads": torch.get_num_threads(), "step_s": statistics.median(times), "times": times}))
+    print(json.dumps({"threads": torch.get_num_threads(), "policy": policy, "step_s": statistics.median(times),
+                      "times": times}))  # fmt: skip
 
 
 SETTINGS = {
@@ -68,6 +76,7 @@ SETTINGS = {
     "one thread": ({}, ["--threads", "1"]),
     "default threads, OMP_WAIT_POLICY=passive": ({"OMP_WAIT_POLICY": "passive"}, ["--threads", "0"]),
     "automatic, OMP_WAIT_POLICY=passive": ({"OMP_WAIT_POLICY": "passive"}, ["--automatic"]),
+    "fntrain defaults (import fntrain first, automatic threads)": ({}, ["--automatic", "--fntrain-first"]),
 }
 
 
@@ -80,8 +89,12 @@ def measure(steps: int, busy: int, env: dict[str, str], args: list[str], timeout
     ]
     try:
         time.sleep(0.2 * busy)
-        child_env = {**os.environ, **env}
-        child_env.pop("OMP_NUM_THREADS", None) if "OMP_NUM_THREADS" not in env else None
+        child_env = {
+            key: value
+            for key, value in os.environ.items()
+            if key not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")
+        }
+        child_env.update(env)
         out = subprocess.run(
             [sys.executable, "-m", "bench.contention", "--worker", "--steps", str(steps), *args],
             env=child_env, capture_output=True, text=True, timeout=timeout_s, check=True,
@@ -108,13 +121,17 @@ def run_all(quick: bool, only: str = "") -> list[dict]:
 
 
 def format_table(results: list[dict]) -> str:
-    lines = ["| setting | threads (idle / 1 busy) | step, idle | step, 1 busy process | slowdown |", "|---|---|---|---|---|"]
+    lines = [
+        "| setting | threads (idle / 1 busy) | OpenMP wait | step, idle | step, 1 busy process | slowdown |",
+        "|---|---|---|---|---|---|",
+    ]
     for name in dict.fromkeys(r["setting"] for r in results):
         idle = next(r for r in results if r["setting"] == name and r["busy"] == 0)
         busy = next(r for r in results if r["setting"] == name and r["busy"] == 1)
+        policy = idle.get("policy") or "libgomp default (spins)"
         lines.append(
-            f"| {name} | {idle['threads']} / {busy['threads']} | {idle['step_s']:.3f} s | {busy['step_s']:.3f} s "
-            f"| {busy['step_s'] / idle['step_s']:.1f}x |"
+            f"| {name} | {idle['threads']} / {busy['threads']} | {policy} | {idle['step_s']:.3f} s "
+            f"| {busy['step_s']:.3f} s | {busy['step_s'] / idle['step_s']:.1f}x |"
         )
     return "\n".join(lines)
 
@@ -128,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--automatic", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fntrain-first", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        _worker(args.steps, args.threads, args.automatic)
+        _worker(args.steps, args.threads, args.automatic, args.fntrain_first)
         return 0
     results = run_all(args.quick, args.only)
     print(format_table(results))

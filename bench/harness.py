@@ -7,13 +7,16 @@ These machines are noisy, so absolute times mean little. Pairing within a round 
 far the remaining round-to-round variation leaves the median uncertain. It resamples blocks of consecutive
 rounds, so drift that pairing leaves (a slow patch longer than a round) widens it. Where a difference
 scales with the machine's speed it is normalised by something measured in the same round: a fixed
-pure-Python yardstick (`at_reference_speed`) or the step's own time (`share_row`). A goal is "met" only
-when the whole interval is within it, "NOT met" only when the whole interval is past it, and "undecided"
-otherwise.
+pure-Python yardstick (`at_reference_speed`) or the step's own time (`share_row`). What one run cannot
+see at all (the machine's state from one run to the next, a busy neighbour) is added from earlier runs:
+each row's run-to-run spread, recorded in bench/run_to_run.json by `python -m bench.calibrate`, widens its
+interval (`with_run_to_run`). A goal is "met" only when the whole interval is within it, "NOT met" only
+when the whole interval is past it, and "undecided" otherwise.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -31,11 +34,14 @@ import numpy as np
 
 __all__ = [
     "Row", "Timing", "Interval", "interleave", "bootstrap_median", "verdict", "rounds_to_decide",
+    "with_run_to_run", "run_to_run_spread", "RUN_TO_RUN", "Z95",
     "overhead_row", "share_row", "ratio_row", "paired_ratio_row", "format_table", "append_results", "machine",
     "machine_info", "write_json", "one_core", "yardstick", "in_fresh_processes", "YARDSTICK", "REFERENCE_YARDSTICK_S",
 ]  # fmt: skip
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
+RUN_TO_RUN = Path(__file__).with_name("run_to_run.json")  # written by `python -m bench.calibrate`
+Z95 = 1.96  # a normal spread's 95% half-width, in standard deviations
 CONFIDENCE = 0.95
 RESAMPLES = 4000
 SEED = 0
@@ -47,12 +53,14 @@ REFERENCE_YARDSTICK_S = 0.61e-6
 
 @dataclass(frozen=True)
 class Interval:
-    """The median of paired samples and its bootstrap interval, from `n` rounds."""
+    """The median of paired samples and its bootstrap interval, from `n` rounds; `spread`: the run-to-run
+    standard deviation already added to it (0: the interval is the bootstrap's alone)."""
 
     median: float
     low: float
     high: float
     n: int
+    spread: float = 0.0
 
     @property
     def width(self) -> float:
@@ -125,22 +133,60 @@ def verdict(interval: Interval, goal: float | None, *, lower_is_better: bool = T
 
 
 def rounds_to_decide(interval: Interval, goal: float) -> int | None:
-    """About how many rounds in all would make an undecided interval clear `goal`, taking its half-width
-    to shrink as 1/sqrt(rounds) around the same median; None when the median sits on the goal."""
+    """About how many rounds in all would make an undecided interval clear `goal`, taking its bootstrap
+    half-width to shrink as 1/sqrt(rounds) around the same median (its run-to-run part does not shrink);
+    None when no number of rounds would: the median sits on the goal, or the run-to-run spread alone
+    reaches it."""
     distance = abs(goal - interval.median)
-    if distance == 0 or interval.n < 2:
+    floor = Z95 * interval.spread
+    if distance == 0 or interval.n < 2 or floor >= distance:
         return None
     # The interval may be lopsided: the side facing the goal is the one that has to shrink.
     reach = interval.high - interval.median if goal > interval.median else interval.median - interval.low
     if reach <= distance:
         return interval.n
-    return math.ceil(interval.n * (reach / distance) ** 2)
+    statistical = reach**2 - floor**2  # the run-to-run part was added in quadrature (with_run_to_run)
+    return math.ceil(interval.n * statistical / (distance**2 - floor**2))
+
+
+@functools.cache
+def _run_to_run_spreads() -> dict[str, float]:
+    if not RUN_TO_RUN.is_file():
+        return {}
+    return {measure: float(value) for measure, value in json.loads(RUN_TO_RUN.read_text())["spread"].items()}
+
+
+def run_to_run_spread(measure: str) -> float:
+    """The standard deviation of `measure`'s median between earlier runs (bench/run_to_run.json), in the
+    row's unit; 0 for a row never calibrated."""
+    return _run_to_run_spreads().get(measure, 0.0)
+
+
+def with_run_to_run(interval: Interval, spread: float) -> Interval:
+    """`interval` widened by a run-to-run standard deviation `spread`: each side's half-width and Z95 *
+    spread are added in quadrature (independent sources of error), around the same median."""
+    if spread <= 0:
+        return interval
+    extra = Z95 * spread
+    low = interval.median - math.hypot(interval.median - interval.low, extra)
+    high = interval.median + math.hypot(interval.high - interval.median, extra)
+    return Interval(interval.median, low, high, interval.n, spread)
+
+
+def _intervals(
+    measure: str, values: Sequence[float], timing: Timing, spread: float | None
+) -> tuple[Interval, Interval]:
+    """(within the run, final): the bootstrap interval of per-round `values`, and the same with the row's
+    run-to-run spread added (`spread`, or the one recorded for `measure`)."""
+    within = timing.interval(values)
+    return within, with_run_to_run(within, run_to_run_spread(measure) if spread is None else spread)
 
 
 @dataclass(frozen=True)
 class Row:
-    """One line of the results table. `interval` is the paired median and its bounds in `unit` (or a ratio);
-    rows measured once (sizes, counts) have none."""
+    """One line of the results table. `interval` is the paired median and its bounds in `unit` (or a ratio),
+    the run-to-run spread included; `within_run` the same from this run's rounds alone. Rows measured once
+    (sizes, counts) have neither."""
 
     measure: str
     fntrain: str
@@ -152,6 +198,7 @@ class Row:
     unit: str = ""
     rounds: int = 0
     note: str = ""
+    within_run: Interval | None = None
 
     @property
     def met(self) -> bool | None:
@@ -199,7 +246,9 @@ class Timing:
         they would be on the machine where the yardstick takes its reference time (needs `interleave(...,
         with_yardstick=True)`)."""
         if YARDSTICK not in self.samples:
-            raise ValueError("at_reference_speed needs the yardstick's rounds (interleave with_yardstick=True)")
+            raise ValueError(
+                "at_reference_speed needs the yardstick's rounds (interleave with_yardstick=True)"
+            )
         return [v * REFERENCE_YARDSTICK_S / y for v, y in zip(values, self.samples[YARDSTICK], strict=True)]
 
     def share_of(self, values: Sequence[float], step: str) -> list[float]:
@@ -365,6 +414,7 @@ def overhead_row(
     outside: bool = False,
     speed: bool = False,
     note: str = "",
+    spread: float | None = None,
 ) -> Row:
     """Per-unit overhead of `variant` over `baseline` in microseconds: the median of the per-round paired
     differences with its bootstrap interval (`outside`: of the time outside the excluded step; `speed`: at
@@ -372,7 +422,7 @@ def overhead_row(
     source = timing.outside if outside else timing.samples
     ours, base = statistics.median(source[variant]) * 1e6, statistics.median(source[baseline]) * 1e6
     target = Target(variant, baseline, 0.0, outside=outside, speed=speed)
-    interval = timing.interval([d * 1e6 for d in target.values(timing)])
+    within, interval = _intervals(measure, [d * 1e6 for d in target.values(timing)], timing, spread)
     result = verdict(interval, goal_us)
     note = _undecided_note(interval, goal_us, result, note)
     unit = "us at reference speed" if speed else "us"
@@ -387,6 +437,7 @@ def overhead_row(
         unit=unit,
         rounds=interval.n,
         note=note,
+        within_run=within,
     )
 
 
@@ -399,6 +450,7 @@ def share_row(
     goal_percent: float | None,
     outside: bool = False,
     note: str = "",
+    spread: float | None = None,
 ) -> Row:
     """Per-unit overhead of `variant` over `baseline` as a percentage of the baseline's whole time per unit
     in the same round (its step): for costs that grow and shrink with the step's own speed. The two medians
@@ -406,7 +458,7 @@ def share_row(
     source = timing.outside if outside else timing.samples
     ours, base = statistics.median(source[variant]) * 1e6, statistics.median(source[baseline]) * 1e6
     target = Target(variant, baseline, 0.0, outside=outside, share=True)
-    interval = timing.interval([share * 100 for share in target.values(timing)])
+    within, interval = _intervals(measure, [share * 100 for share in target.values(timing)], timing, spread)
     result = verdict(interval, goal_percent)
     note = _undecided_note(interval, goal_percent, result, note)
     step = statistics.median(timing.samples[baseline]) * 1e6
@@ -422,6 +474,7 @@ def share_row(
         unit="% of the step",
         rounds=interval.n,
         note=note,
+        within_run=within,
     )
 
 
@@ -437,12 +490,13 @@ def paired_ratio_row(
     higher_is_better: bool = False,
     rate: float = 0.0,
     note: str = "",
+    spread: float | None = None,
 ) -> Row:
     """The per-round ratio of `variant`'s time to `baseline`'s (or, `higher_is_better`, of the baseline's
     time to the variant's: a throughput ratio), median and bootstrap interval. The two medians show as
     time x `scale`, or with `rate` as `rate` / time (work per second)."""
     ratios = timing.ratios(baseline, variant) if higher_is_better else timing.ratios(variant, baseline)
-    interval = timing.interval(ratios)
+    within, interval = _intervals(measure, ratios, timing, spread)
     result = verdict(interval, goal_ratio, lower_is_better=not higher_is_better)
     note = _undecided_note(interval, goal_ratio, result, note)
     sign = ">=" if higher_is_better else "<="
@@ -462,6 +516,7 @@ def paired_ratio_row(
         unit="x",
         rounds=interval.n,
         note=note,
+        within_run=within,
     )
 
 
@@ -495,7 +550,14 @@ def _undecided_note(interval: Interval, goal: float | None, result: str, note: s
     if result != "undecided" or goal is None:
         return note
     more = rounds_to_decide(interval, goal)
-    say = "the median sits on the goal" if more is None else f"about {more} rounds in all would decide it"
+    if more is not None:
+        say = f"about {more} rounds in all would decide it"
+    elif interval.median != goal and Z95 * interval.spread >= abs(goal - interval.median):
+        say = (
+            "the run-to-run spread alone reaches the goal, so no number of rounds decides it on this machine"
+        )
+    else:
+        say = "the median sits on the goal"
     return f"undecided after {interval.n} rounds: {say}. {note}".strip()
 
 
@@ -518,7 +580,9 @@ def machine_info() -> dict:
         "machine": platform.machine(),
         "processor": platform.processor(),
         "cpu_count": os.cpu_count(),
-        "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cores_available": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -551,7 +615,9 @@ def write_json(path: str | Path, rows: Sequence[Row], **extra) -> None:
     Path(path).write_text(json.dumps(payload, indent=1) + "\n")
 
 
-def append_results(title: str, rows: Sequence[Row], *, notes: Sequence[str] = (), path: Path = RESULTS) -> None:
+def append_results(
+    title: str, rows: Sequence[Row], *, notes: Sequence[str] = (), path: Path = RESULTS
+) -> None:
     """Append a dated section with the table and one sentence per row on what limits it."""
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     parts = [f"\n## {title} ({stamp})\n", f"Machine: {machine()}\n", format_table(rows), ""]

@@ -203,3 +203,82 @@ def test_fresh_processes_each_give_a_group_of_rounds():
     assert in_fresh_processes(fixed_timing, 1, value=2.0).groups == []
     merged = in_fresh_processes(fixed_timing, 2, value=2.0)
     assert merged.samples["ours"] == [2.0] * 4 and merged.groups == [0, 0, 1, 1]
+
+
+def test_run_to_run_spread_widens_each_side_in_quadrature_around_the_same_median():
+    from bench.harness import Z95, with_run_to_run
+
+    within = Interval(1.0, 0.97, 1.01, 12)
+    wide = with_run_to_run(within, 0.01)
+    assert wide.median == 1.0 and wide.n == 12 and wide.spread == 0.01
+    assert wide.low == pytest.approx(1.0 - (0.03**2 + (Z95 * 0.01) ** 2) ** 0.5)
+    assert wide.high == pytest.approx(1.0 + (0.01**2 + (Z95 * 0.01) ** 2) ** 0.5)
+    assert with_run_to_run(within, 0.0) is within
+
+
+def test_rows_keep_the_within_run_interval_and_judge_the_widened_one(tmp_path):
+    timing = Timing({"ours": [1.04, 1.05, 1.06, 1.05, 1.04], "base": [1.0] * 5})
+    narrow = paired_ratio_row("r", timing, "ours", "base", goal_ratio=1.06, spread=0.0)
+    wide = paired_ratio_row("r", timing, "ours", "base", goal_ratio=1.06, spread=0.02)
+    assert narrow.verdict == "met" and narrow.interval == narrow.within_run
+    assert wide.within_run == narrow.interval and wide.interval.high > 1.06
+    assert wide.verdict == "undecided"
+    assert "the run-to-run spread alone reaches the goal" in wide.note
+    write_json(tmp_path / "r.json", [wide])
+    row = json.loads((tmp_path / "r.json").read_text())["rows"][0]
+    assert row["interval"]["spread"] == 0.02 and row["within_run"]["high"] < row["interval"]["high"]
+
+
+def test_rounds_to_decide_lets_only_the_bootstrap_part_shrink():
+    from bench.harness import Z95, with_run_to_run
+
+    # bootstrap half-width 4 toward a goal 2 away; a run-to-run part of 1 does not shrink with rounds
+    wide = with_run_to_run(Interval(8.0, 4.0, 12.0, 10), 1.0 / Z95)
+    assert rounds_to_decide(wide, 10.0) == 54  # 10 * 16 / (4 - 1), rounded up
+    assert rounds_to_decide(with_run_to_run(Interval(8.0, 7.0, 9.0, 10), 2.5 / Z95), 10.0) is None
+
+
+def test_calibrate_records_the_spread_of_each_rows_median_across_runs(tmp_path):
+    from bench import calibrate
+
+    def run(median_a, median_b=None, quick=False):
+        rows = [{"measure": "a", "interval": {"median": median_a, "low": 0, "high": 9, "n": 5}},
+                {"measure": "once", "interval": None}]  # fmt: skip
+        if median_b is not None:
+            rows.append({"measure": "b", "interval": {"median": median_b, "low": 0, "high": 9, "n": 5}})
+        return {"time": "t", "quick": quick, "machine": {"load_average": [1, 1, 1]}, "rows": rows}
+
+    assert calibrate.spreads([run(1.0, 5.0), run(3.0)]) == {"a": pytest.approx(2**0.5)}
+    paths = []
+    for index, payload in enumerate([run(1.0), run(2.0), run(3.0)]):
+        paths.append(tmp_path / f"{index}.json")
+        paths[-1].write_text(json.dumps(payload))
+    out = tmp_path / "run_to_run.json"
+    assert calibrate.main([*map(str, paths), "--output", str(out)]) == 0
+    recorded = json.loads(out.read_text())
+    assert recorded["spread"] == {"a": pytest.approx(1.0)} and len(recorded["runs"]) == 3
+    paths[0].write_text(json.dumps(run(1.0, quick=True)))
+    assert calibrate.main([*map(str, paths), "--output", str(out)]) == 2
+
+
+def test_the_recorded_calibration_comes_from_several_runs():
+    """bench/run_to_run.json is what the full suite's rows are widened by (`python -m bench` names on stderr
+    any interval row it has no spread for)."""
+    from bench.harness import RUN_TO_RUN
+
+    recorded = json.loads(RUN_TO_RUN.read_text())
+    assert len(recorded["runs"]) >= 4
+    assert all(value > 0 for value in recorded["spread"].values())
+
+
+def test_compare_within_run_reads_each_runs_own_interval(tmp_path):
+    from bench.compare import _load
+
+    row = {"measure": "a", "verdict": "-", "interval": {"median": 1.0, "low": 0.5, "high": 1.5, "n": 5},
+           "within_run": {"median": 1.0, "low": 0.9, "high": 1.1, "n": 5}}  # fmt: skip
+    old = {"measure": "b", "verdict": "-", "interval": {"median": 2.0, "low": 1.9, "high": 2.1, "n": 5}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"rows": [row, old]}))
+    assert _load(str(path))["a"]["interval"]["low"] == 0.5
+    within = _load(str(path), within_run=True)
+    assert within["a"]["interval"]["low"] == 0.9 and within["b"]["interval"]["low"] == 1.9
