@@ -139,7 +139,7 @@ def rounds_to_decide(interval: Interval, goal: float) -> int | None:
     reaches it."""
     distance = abs(goal - interval.median)
     floor = Z95 * interval.spread
-    if distance == 0 or interval.n < 2 or floor >= distance:
+    if distance == 0 or interval.n < 2 or _run_to_run_reaches(interval, goal):
         return None
     # The interval may be lopsided: the side facing the goal is the one that has to shrink.
     reach = interval.high - interval.median if goal > interval.median else interval.median - interval.low
@@ -147,6 +147,12 @@ def rounds_to_decide(interval: Interval, goal: float) -> int | None:
         return interval.n
     statistical = reach**2 - floor**2  # the run-to-run part was added in quadrature (with_run_to_run)
     return math.ceil(interval.n * statistical / (distance**2 - floor**2))
+
+
+def _run_to_run_reaches(interval: Interval, goal: float) -> bool:
+    """Whether the interval's run-to-run part alone reaches `goal` from its median (more rounds cannot
+    move the interval off the goal)."""
+    return interval.median != goal and Z95 * interval.spread >= abs(goal - interval.median)
 
 
 @functools.cache
@@ -552,7 +558,7 @@ def _undecided_note(interval: Interval, goal: float | None, result: str, note: s
     more = rounds_to_decide(interval, goal)
     if more is not None:
         say = f"about {more} rounds in all would decide it"
-    elif interval.median != goal and Z95 * interval.spread >= abs(goal - interval.median):
+    elif _run_to_run_reaches(interval, goal):
         say = (
             "the run-to-run spread alone reaches the goal, so no number of rounds decides it on this machine"
         )
