@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from fntrain.config import ConfigError, as_flags
-from fntrain.config_file import CONFIG_HELP, config_to_dict, dump_toml, load_config, split_config_args
-from fntrain.preemption import INTERRUPT_EXIT_CODE
-from fntrain.recipes_registry import Recipe, RecipeNotFound, available_recipes, load_recipe
+from fntrain.hooks.signals import INTERRUPT_EXIT_CODE
+from fntrain.run.config_file import CONFIG_HELP, config_to_dict, dump_toml, load_config, split_config_args
+from fntrain.run.recipes import Recipe, RecipeNotFound, available_recipes, load_recipe
 
 __all__ = ["main", "dispatch", "resolve_config", "plan_report", "run_recipe", "recipe_main"]
 
@@ -97,15 +97,15 @@ def _describe(recipe: Recipe) -> str:
 
 def _setting_error(error: BaseException, config_cls: type) -> CommandError:
     """A bad setting as the one line the user sees: the fields it names written as their flags."""
-    from fntrain.job import config_fields
+    from fntrain.run.job import config_fields
 
     message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return CommandError(as_flags(message, config_fields(config_cls)))
 
 
 def plan_report(recipe: Recipe, config: Any, world_size: int = 1) -> dict[str, Any]:
-    """The recipe's plan for `world_size` ranks (`fntrain.job.plan_job`), with the recipe's name."""
-    from fntrain.job import plan_job
+    """The recipe's plan for `world_size` ranks (`fntrain.run.job.plan_job`), with the recipe's name."""
+    from fntrain.run.job import plan_job
 
     try:
         return {"recipe": recipe.name, **plan_job(config, recipe.spec, world_size)}
@@ -114,11 +114,11 @@ def plan_report(recipe: Recipe, config: Any, world_size: int = 1) -> dict[str, A
 
 
 def run_recipe(spec: Any, config: Any) -> Any:
-    """Run `config` with `fntrain.job.run_job` and return its `TrainResult`; a bad setting (which
+    """Run `config` with `fntrain.run.job.run_job` and return its `TrainResult`; a bad setting (which
     run_job finds before any work, or while building: data smaller than one step) is a `CommandError`
     naming the flag. A preempted run raises `SystemExit` with its exit status after its clean teardown."""
-    from fntrain.job import run_job
-    from fntrain.logs import setup_console_logging
+    from fntrain.run.job import run_job
+    from fntrain.run.logs import setup_console_logging
 
     setup_console_logging()  # [rank r] prefixes; other ranks: warnings and errors only
     try:
@@ -218,7 +218,7 @@ def _plan(args: list[str]) -> dict[str, Any]:
     if parsed.json:
         print(json.dumps(report, indent=2, default=str))
     else:
-        from fntrain.plan_report import format_run_plan
+        from fntrain.plan.report import format_run_plan
 
         print(format_run_plan(report))
     return report
@@ -247,7 +247,7 @@ def _plot(args: list[str]) -> Any:
 
     import tyro
 
-    plot_module = importlib.import_module("fntrain.plot")  # looked up when called (tests stub it)
+    plot_module = importlib.import_module("fntrain.run.plot")  # looked up when called (tests stub it)
 
     def plot(run_dir: str, out_dir: str | None = None) -> Any:
         return plot_module.plot_run(run_dir, out_dir)

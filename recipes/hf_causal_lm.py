@@ -26,7 +26,6 @@ from fntrain.config import require_str
 from fntrain.data.sft import SFTDataConfig, build_sft_datasets, make_sft_collate
 from fntrain.hooks.checkpoint import CheckpointConfig
 from fntrain.hooks.standard import under_run_dir
-from fntrain.job import JobConfig, RecipeSpec, TrainConfig
 from fntrain.models.hf import (
     AssetsConfig,
     HFModelConfig,
@@ -41,6 +40,7 @@ from fntrain.models.hf import (
 from fntrain.models.hf_tp import hf_tensor_parallel
 from fntrain.models.lora import LoraConfig, apply_lora, check_lora_parallel, save_adapter_or_merged
 from fntrain.optim import OptimizerConfig, ScheduleConfig
+from fntrain.run.job import JobConfig, RecipeSpec, TrainConfig
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
     python -m recipes.tiny_gpt --help
     fntrain tokenize my_corpus.txt --output shards && fntrain run tiny_gpt --data.shards shards
 
-The recipe is a spec: the model, the data and the defaults. fntrain.job runs it (runtime, hooks,
+The recipe is a spec: the model, the data and the defaults. fntrain.run.job runs it (runtime, hooks,
 checkpoints, evaluation, export). Copy it with `fntrain cp tiny_gpt my_gpt.py` to make it your own.
 """
 
@@ -22,9 +22,9 @@ from fntrain.config import require_float, require_int, require_str
 from fntrain.data.corpora import corpus_path
 from fntrain.data.shards import INDEX_NAME, TokenWindows, read_index, split_windows
 from fntrain.hooks.evaluate import EvaluateConfig
-from fntrain.job import JobConfig, RecipeSpec, TrainConfig
 from fntrain.models.gpt2 import export_gpt2
 from fntrain.optim import OptimizerConfig, ScheduleConfig
+from fntrain.run.job import JobConfig, RecipeSpec, TrainConfig
 from fntrain.runtime import PipelineSplit, build_seeded_model, pipeline_group, tensor_parallel_plan
 
 # ----------------------------------------------------------------------------- configuration

@@ -29,7 +29,6 @@ from fntrain.data.vlm import VLMDataConfig, build_vlm_datasets, make_vlm_collate
 from fntrain.hooks.checkpoint import CheckpointConfig
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.standard import under_run_dir
-from fntrain.job import JobConfig, RecipeSpec, TrainConfig
 from fntrain.models.vlm import (
     VLMModelConfig,
     answer_accuracy,
@@ -41,6 +40,7 @@ from fntrain.models.vlm import (
     vlm_from_config,
 )
 from fntrain.optim import OptimizerConfig, ScheduleConfig
+from fntrain.run.job import JobConfig, RecipeSpec, TrainConfig
 
 
 @dataclass(frozen=True)

@@ -78,8 +78,8 @@ def main(argv: list[str]) -> None:
         return [recorder]
 
     from fntrain.cli import _reporting, run_recipe
-    from fntrain.config_file import parse_config_cli
-    from fntrain.logs import setup_console_logging
+    from fntrain.run.config_file import parse_config_cli
+    from fntrain.run.logs import setup_console_logging
 
     setup_console_logging()
     try:

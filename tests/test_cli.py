@@ -19,13 +19,13 @@ import pytest
 
 import recipes.tiny_gpt as tiny_gpt
 from fntrain.cli import dispatch, main, recipe_main, resolve_config
-from fntrain.config_file import load_config, read_config_file
 from fntrain.hooks.checkpoint import CheckpointConfig
 from fntrain.hooks.memory import MemoryConfig
 from fntrain.hooks.profiler import ProfilerConfig
-from fntrain.job import plan_job
-from fntrain.plan_report import checkpoint_steps, describe_run_plan, format_run_plan
-from fntrain.recipes_registry import RecipeNotFound, available_recipes, load_recipe
+from fntrain.plan.report import checkpoint_steps, describe_run_plan, format_run_plan
+from fntrain.run.config_file import load_config, read_config_file
+from fntrain.run.job import plan_job
+from fntrain.run.recipes import RecipeNotFound, available_recipes, load_recipe
 from fntrain.runtime.parallel import ParallelConfig
 from fntrain.state import loader_length, make_run_plan
 
@@ -122,7 +122,7 @@ def test_plan_mesh_of_a_large_hsdp_world_shows_head_and_tail():
 
 
 def test_plan_renders_the_memory_per_rank_estimate():
-    from fntrain.memory_plan import plan_memory
+    from fntrain.plan.memory import plan_memory
 
     config = dataclasses.replace(tiny_gpt.Config(), parallel=ParallelConfig(strategy="ddp"))
     plan = make_run_plan(
@@ -279,7 +279,7 @@ def test_recipes_resolve_by_name_dotted_path_and_entry_point(monkeypatch):
     assert {"tiny_gpt", "hf_causal_lm"} <= set(available_recipes())
 
     entry = importlib.metadata.EntryPoint(name="mine", value="recipes.tiny_gpt", group="fntrain.recipes")
-    monkeypatch.setattr("fntrain.recipes_registry._entry_points", lambda: {"mine": entry})
+    monkeypatch.setattr("fntrain.run.recipes._entry_points", lambda: {"mine": entry})
     assert load_recipe("mine").module.__name__ == "recipes.tiny_gpt"
     assert available_recipes()["mine"] == "recipes.tiny_gpt"
 
@@ -290,7 +290,7 @@ def test_a_module_without_a_spec_is_not_a_recipe(monkeypatch):
     module.run = lambda config: None
     monkeypatch.setitem(sys.modules, "fake_pkg", package)
     monkeypatch.setitem(sys.modules, "fake_pkg.not_a_recipe", module)
-    with pytest.raises(RecipeNotFound, match="must define `spec = fntrain.job.RecipeSpec"):
+    with pytest.raises(RecipeNotFound, match="must define `spec = fntrain.run.job.RecipeSpec"):
         load_recipe("fake_pkg.not_a_recipe")
     with pytest.raises(RecipeNotFound, match="known recipes: .*tiny_gpt"):
         load_recipe("no_such_recipe")
@@ -333,7 +333,7 @@ def test_plot_calls_plot_run_lazily(monkeypatch, tmp_path, capsys):
         calls.append((run_dir, out_dir))
         return [Path(out_dir or run_dir) / "loss.png"]
 
-    monkeypatch.setitem(sys.modules, "fntrain.plot", SimpleNamespace(plot_run=plot_run))
+    monkeypatch.setitem(sys.modules, "fntrain.run.plot", SimpleNamespace(plot_run=plot_run))
     paths = dispatch(["plot", str(tmp_path), "--out-dir", str(tmp_path / "plots")])
     assert calls == [(str(tmp_path), str(tmp_path / "plots"))]
     assert paths == [tmp_path / "plots" / "loss.png"]
@@ -341,7 +341,7 @@ def test_plot_calls_plot_run_lazily(monkeypatch, tmp_path, capsys):
 
 
 def test_fntrain_import_stays_light():
-    code = "import sys, fntrain, fntrain.cli, fntrain.config_file, fntrain.recipes_registry, fntrain.plan_report; " \
+    code = "import sys, fntrain, fntrain.cli, fntrain.run.config_file, fntrain.run.recipes, fntrain.plan.report; " \
            "print(sorted(m for m in ('torch', 'tyro', 'tqdm', 'matplotlib', 'transformers') if m in sys.modules))"  # fmt: skip
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
@@ -505,11 +505,11 @@ def test_cp_copies_a_recipe_that_runs_from_its_new_place(tmp_path, capsys):
 
 
 def test_layers_only_import_downwards():
-    """Nothing below the hooks imports fntrain.hooks, fntrain.cli, fntrain.job or recipes; state.py,
+    """Nothing below the hooks imports fntrain.hooks, fntrain.cli, fntrain.run.job or recipes; state.py,
     loop.py and stateful.py import only the standard library (and each other)."""
     import ast
 
-    forbidden = ("fntrain.hooks", "fntrain.cli", "fntrain.job", "recipes", "fntrain_recipes")
+    forbidden = ("fntrain.hooks", "fntrain.cli", "fntrain.run.job", "recipes", "fntrain_recipes")
     lower = ["state.py", "loop.py", "stateful.py", "config.py", "data", "checkpoint", "runtime", "models"]
     for entry in lower:
         for path in (

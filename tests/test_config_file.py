@@ -11,7 +11,7 @@ from typing import Literal
 
 import pytest
 
-from fntrain.config_file import (
+from fntrain.run.config_file import (
     ConfigFileError,
     _toml_module,
     config_from_dict,

@@ -30,9 +30,9 @@ from fntrain.hooks.profiler import ProfilerConfig
 from fntrain.hooks.progress import ProgressConfig
 from fntrain.hooks.throughput import ThroughputConfig
 from fntrain.hooks.watchdog import WatchdogConfig
-from fntrain.job import LoaderConfig, TrainConfig
 from fntrain.models.hf import AssetsConfig, HFModelConfig
 from fntrain.optim import OptimizerConfig, ScheduleConfig
+from fntrain.run.job import LoaderConfig, TrainConfig
 from fntrain.runtime.parallel import ParallelConfig
 from fntrain.runtime.setup import RuntimeConfig
 

@@ -22,10 +22,10 @@ from fntrain.data.tokens import IGNORE_INDEX
 from fntrain.hooks.checkpoint import CheckpointConfig
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
-from fntrain.job import TrainConfig, run_job
 from fntrain.models.hf import AssetsConfig, HFModelConfig
 from fntrain.models.lora import LoraConfig
 from fntrain.optim import OptimizerConfig
+from fntrain.run.job import TrainConfig, run_job
 from recipes import hf_causal_lm as hf
 from tests.hf_helpers import CHATS, TEMPLATE, save_tiny_llama
 
@@ -157,7 +157,7 @@ def test_fine_tune_three_steps_then_reload_with_transformers(tiny_hf_model, tmp_
         r.get("loss", 1) > 0 for r in records
     )
     assert any("val_loss" in r for r in records)
-    from fntrain.config_file import load_config
+    from fntrain.run.config_file import load_config
 
     assert load_config(hf.Config, tmp_path / "run" / "config.json") == config
 
@@ -217,7 +217,7 @@ def test_real_tokenizer_masks_prompt_tokens(tiny_hf_model):
 @pytest.mark.slow
 def test_plan_for_two_ranks_reads_no_weights(tiny_hf_model, monkeypatch, capsys):
     from fntrain.cli import dispatch
-    from fntrain.recipes_registry import load_recipe
+    from fntrain.run.recipes import load_recipe
 
     model_dir, data_path = tiny_hf_model
     module = load_recipe("hf_causal_lm").module  # fntrain_recipes.hf_causal_lm when installed

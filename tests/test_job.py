@@ -1,4 +1,4 @@
-"""`fntrain.job`: the run skeleton driven by a spec written here, as a user would write a recipe.
+"""`fntrain.run.job`: the run skeleton driven by a spec written here, as a user would write a recipe.
 
 The recipe below (config, model, data, a custom forward) is the ~40 lines a user writes; everything else
 (runtime, hooks, checkpoints, evaluation, export, plans, the one-line errors) comes from the job."""
@@ -19,7 +19,7 @@ from fntrain.config import ConfigError, require_int
 from fntrain.hooks.checkpoint import CheckpointConfig
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
-from fntrain.job import JobConfig, RecipeSpec, TrainConfig, check_job, plan_job, run_job
+from fntrain.run.job import JobConfig, RecipeSpec, TrainConfig, check_job, plan_job, run_job
 from fntrain.runtime.materialize import build_seeded_model
 
 # ----------------------------------------------------------------------------- a recipe in ~40 lines

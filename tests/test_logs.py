@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from fntrain.logs import launch_world_size, setup_console_logging
+from fntrain.run.logs import launch_world_size, setup_console_logging
 
 
 @pytest.fixture

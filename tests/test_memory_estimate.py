@@ -1,5 +1,5 @@
-"""Per-rank memory estimates (fntrain.memory_estimate) and the parameter counts they rest on
-(fntrain.memory_plan): counts equal the real modules', the activation terms equal Korthikanti et al.
+"""Per-rank memory estimates (fntrain.plan.estimate) and the parameter counts they rest on
+(fntrain.plan.memory): counts equal the real modules', the activation terms equal Korthikanti et al.
 2022's formulas, sharding divides what it should, and docs/distributed.md's tables are the function's
 current output."""
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fntrain.memory_estimate import (
+from fntrain.plan.estimate import (
     BatchShape,
     ParallelLayout,
     PartParams,
@@ -25,7 +25,7 @@ from fntrain.memory_estimate import (
     llama_layout,
     stage_blocks,
 )
-from fntrain.memory_plan import LLAMA3_8B, doc_tables, layout_from_module, plan_memory
+from fntrain.plan.memory import LLAMA3_8B, doc_tables, layout_from_module, plan_memory
 from fntrain.runtime.parallel import ParallelConfig
 from recipes.tiny_gpt import Config, ModelConfig, TinyGPT, spec
 
@@ -186,12 +186,12 @@ def test_plan_memory_builds_on_meta_and_counts_the_recipe_model():
 
 
 def test_doc_tables_are_the_functions_output():
-    """docs/distributed.md's memory tables are `python -m fntrain.memory_plan --table`: regenerate
+    """docs/distributed.md's memory tables are `python -m fntrain.plan.memory --table`: regenerate
     them with that command when the estimate changes."""
     assert doc_tables() in DOC.read_text()
 
 
 def test_estimate_and_plan_modules_import_no_torch():
-    code = "import sys, fntrain.memory_estimate, fntrain.mesh_layout, fntrain.plan_report; print('torch' in sys.modules)"
+    code = "import sys, fntrain.plan.estimate, fntrain.mesh_layout, fntrain.plan.report; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

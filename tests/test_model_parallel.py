@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from fntrain.config import ConfigError
-from fntrain.job import plan_job
+from fntrain.run.job import plan_job
 from fntrain.runtime.pipeline import PipelineSplit, split_stage, stage_layers, stage_ties
 from fntrain.runtime.tensor_parallel import tensor_parallel_plan
 from recipes.tiny_gpt import PIPELINE, Config, ModelConfig, TinyGPT

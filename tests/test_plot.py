@@ -1,4 +1,4 @@
-"""Plots of a run: loss.png and throughput.png from metrics.jsonl (`python -m fntrain.plot RUN_DIR`)."""
+"""Plots of a run: loss.png and throughput.png from metrics.jsonl (`python -m fntrain.run.plot RUN_DIR`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fntrain.plot import main, plot_run, read_metrics, series
+from fntrain.run.plot import main, plot_run, read_metrics, series
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -84,7 +84,7 @@ def test_missing_matplotlib_is_a_clear_error(tmp_path, monkeypatch, capsys):
 def test_module_command_line(tmp_path):
     write_run(tmp_path / "run", sample_records())
     result = subprocess.run(
-        [sys.executable, "-m", "fntrain.plot", str(tmp_path / "run")],
+        [sys.executable, "-m", "fntrain.run.plot", str(tmp_path / "run")],
         capture_output=True,
         text=True,
         check=True,

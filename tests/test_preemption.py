@@ -21,14 +21,14 @@ from fntrain.checkpoint import find_latest, list_checkpoints, read_meta
 from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
-from fntrain.job import run_job
-from fntrain.loop import Event
-from fntrain.preemption import (
+from fntrain.hooks.signals import (
     DEFAULT_EXIT_CODE,
     Preemption,
     preemption_reason,
     signal_numbers,
 )
+from fntrain.loop import Event
+from fntrain.run.job import run_job
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
 from recipes import tiny_gpt
@@ -83,7 +83,7 @@ def test_second_signal_terminates_at_once():
     script = textwrap.dedent(
         """
         import os, signal, sys, time
-        from fntrain.preemption import Preemption
+        from fntrain.hooks.signals import Preemption
         preemption = Preemption(("SIGTERM", "SIGUSR1"))
         preemption.install()
         os.kill(os.getpid(), signal.SIGTERM)

@@ -19,8 +19,8 @@ from fntrain.config import ConfigError
 from fntrain.hooks.checkpoint import CheckpointConfig
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
-from fntrain.job import run_job
-from fntrain.plot import read_metrics
+from fntrain.run.job import run_job
+from fntrain.run.plot import read_metrics
 from recipes import tiny_gpt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,7 +199,7 @@ def test_a_second_ctrl_c_ends_the_process_at_once(tmp_path):
     while it is busy, as a shell reports (killed by SIGINT)."""
     code = (
         "import os, signal, time\n"
-        "from fntrain.preemption import Preemption\n"
+        "from fntrain.hooks.signals import Preemption\n"
         "p = Preemption((), interrupt=True); p.install()\n"
         "os.kill(os.getpid(), signal.SIGINT)\n"
         "assert p.requested\n"

@@ -18,8 +18,8 @@ import fntrain
 from fntrain import TrainState
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
-from fntrain.logs import RankFormatter, launch_rank, rank_log_path, rank_logs, setup_console_logging
-from fntrain.run_metadata import METADATA_FILE, git_state, record_start, write_run_metadata
+from fntrain.run.logs import RankFormatter, launch_rank, rank_log_path, rank_logs, setup_console_logging
+from fntrain.run.metadata import METADATA_FILE, git_state, record_start, write_run_metadata
 from fntrain.runtime.runtime import Runtime
 from recipes import tiny_gpt
 
@@ -170,7 +170,7 @@ def test_recipe_run_writes_metadata_and_rank_log(tmp_path):
         evaluate=EvaluateConfig(eval_every=0, at_end=False),
         progress=ProgressConfig(enabled=False),
     )
-    from fntrain.job import run_job
+    from fntrain.run.job import run_job
 
     run_job(config, tiny_gpt.spec)
     run_dir = tmp_path / "run"

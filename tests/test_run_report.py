@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from fntrain.run_report import count_parameters, describe_start, human_count
+from fntrain.run.report import count_parameters, describe_start, human_count
 from fntrain.runtime.parallel import ParallelConfig
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import make_run_plan

@@ -1,5 +1,5 @@
 """A run ends with no thread and no child process it started: after a full recipe run through
-`fntrain.job.run_job` (normal end, abort, StopTraining, progress bar, prefetch, async checkpoints)
+`fntrain.run.job.run_job` (normal end, abort, StopTraining, progress bar, prefetch, async checkpoints)
 `threading.enumerate()` is the set it was before the run."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from fntrain import Event, StopTraining
 from fntrain.hooks.checkpoint import CheckpointConfig
 from fntrain.hooks.progress import ProgressConfig
-from fntrain.job import LoaderConfig, run_job
+from fntrain.run.job import LoaderConfig, run_job
 
 tiny_gpt = pytest.importorskip("recipes.tiny_gpt")
 

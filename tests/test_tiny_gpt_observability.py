@@ -9,8 +9,8 @@ import math
 
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
-from fntrain.job import run_job
-from fntrain.plot import main as plot_main
+from fntrain.run.job import run_job
+from fntrain.run.plot import main as plot_main
 from recipes import tiny_gpt
 
 

@@ -21,9 +21,9 @@ from fntrain.cli import dispatch
 from fntrain.data.vlm import ShapesQA, VLMDataConfig
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
-from fntrain.job import TrainConfig, plan_job, run_job
 from fntrain.models.vlm import VLMModelConfig
 from fntrain.optim import OptimizerConfig
+from fntrain.run.job import TrainConfig, plan_job, run_job
 from recipes import vlm
 from tests.vlm_helpers import tiny_model_dir
 

@@ -45,14 +45,14 @@ from fntrain.components import Components
 from fntrain.config import require_bool, require_float, require_int, require_str
 from fntrain.hooks.base import StatefulHook, stateful
 from fntrain.hooks.preemption import Agreement, group_timeout, make_agreement
-from fntrain.loop import Event, Hook, StopTraining
-from fntrain.preemption import (
+from fntrain.hooks.signals import (
     DEFAULT_EXIT_CODE,
     INTERRUPT_EXIT_CODE,
     Preemption,
     preemption_reason,
     signal_numbers,
 )
+from fntrain.loop import Event, Hook, StopTraining
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
 

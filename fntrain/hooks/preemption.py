@@ -6,7 +6,7 @@ handlers, starts the timer), `decide(state) -> Decision(preempt, save_due)` at e
 `restart_timer()` after every save, `end()` at TRAIN_END / ABORT (removes the handlers). The agreement
 only decides; saving and stopping are the checkpoint hook's.
 
-- preempt: a configured signal (`fntrain.preemption.Preemption`) only sets a flag; `decide` reads it
+- preempt: a configured signal (`fntrain.hooks.signals.Preemption`) only sets a flag; `decide` reads it
   at the next step boundary. A second signal terminates the process at once (the handler gives the
   signal back to the kernel's default).
 - save_due: `save_every_minutes` passed since the last save (or `begin`). Rank 0's clock decides
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fntrain.preemption import Preemption
+from fntrain.hooks.signals import Preemption
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from fntrain import StepInfo, StopTraining, TrainState
 from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook
+from fntrain.hooks.signals import Preemption
 from fntrain.loop import Event
-from fntrain.preemption import Preemption
 from fntrain.runtime.runtime import Runtime
 from tests.checkpoint import toy
 

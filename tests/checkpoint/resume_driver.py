@@ -55,8 +55,8 @@ def main(argv: list[str]) -> None:
 
     import fntrain.checkpoint.saver as save_module
     import recipes.tiny_gpt as recipe
-    from fntrain.config_file import parse_config_cli
     from fntrain.loop import Event
+    from fntrain.run.config_file import parse_config_cli
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -132,7 +132,7 @@ def main(argv: list[str]) -> None:
 
         checkpoint_package.export_safetensors = killing_export
 
-    from fntrain.job import run_job
+    from fntrain.run.job import run_job
 
     result = run_job(parse_config_cli(recipe.Config, recipe_args), spec)
     if result.exit_code:

@@ -24,7 +24,7 @@ from fntrain.checkpoint.hf_export import (
 )
 from fntrain.checkpoint.safe_reader import read_dcp_metadata
 from fntrain.components import Components
-from fntrain.config_file import config_to_dict
+from fntrain.run.config_file import config_to_dict
 from fntrain.state import TrainState
 from recipes.tiny_gpt import Config, ModelConfig, TinyGPT
 

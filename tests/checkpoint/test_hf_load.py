@@ -168,7 +168,7 @@ def test_recipe_meta_init_trains_exactly_like_the_transformers_load(tiny_hf_mode
     import json
 
     import fntrain.models.hf as hf_models
-    from fntrain.job import run_job
+    from fntrain.run.job import run_job
     from fntrain.runtime.parallel import ParallelConfig
     from recipes import hf_causal_lm as hf
     from tests.test_hf_recipe import _config

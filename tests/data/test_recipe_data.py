@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from fntrain import Event
-from fntrain.job import LoaderConfig, run_job
+from fntrain.run.job import LoaderConfig, run_job
 
 tiny_gpt = pytest.importorskip("recipes.tiny_gpt")
 

@@ -15,8 +15,8 @@ from fntrain.checkpoint import find_latest, list_checkpoints, read_meta, restore
 from fntrain.checkpoint.layout import LATEST
 from fntrain.hooks.base import hook_states, load_hook_states
 from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook, checkpoint_root
+from fntrain.hooks.signals import Preemption
 from fntrain.loop import Event, run_training
-from fntrain.preemption import Preemption
 from fntrain.runtime.runtime import Runtime
 from tests.checkpoint import toy
 

@@ -773,7 +773,7 @@ def _tiny_config(tmp_path, memory: MemoryConfig):
 
 
 def test_recipe_enable_on_cpu_fails_before_the_model_is_built(tmp_path, monkeypatch):
-    import fntrain.job as job
+    import fntrain.run.job as job
     from fntrain.config import ConfigError
 
     tiny_gpt, cfg = _tiny_config(tmp_path, MemoryConfig(enable=True))
@@ -793,7 +793,7 @@ def test_recipe_puts_the_memory_hook_first_with_save_path_under_run_dir(tmp_path
 
     import fntrain.hooks.standard as standard
     import fntrain.loop as loop
-    from fntrain.job import run_job
+    from fntrain.run.job import run_job
 
     real_run_training = loop.run_training
 

@@ -8,7 +8,7 @@ import signal
 
 from fntrain import TrainState
 from fntrain.hooks.preemption import Decision, make_agreement
-from fntrain.preemption import Preemption
+from fntrain.hooks.signals import Preemption
 from fntrain.runtime.runtime import Runtime
 
 

@@ -767,7 +767,7 @@ def test_tiny_gpt_recipe_rejects_a_bad_profiler_setting_before_building(tmp_path
     import dataclasses as dc
 
     from fntrain.config import ConfigError
-    from fntrain.job import run_job
+    from fntrain.run.job import run_job
     from recipes import tiny_gpt
 
     config = tiny_gpt.Config(run_dir=str(tmp_path / "run"))

@@ -91,9 +91,9 @@ def _config(model_dir: Path, data_path: Path, run_dir: Path, *, iters: int = 3, 
     from fntrain.data.sft import SFTDataConfig
     from fntrain.hooks.checkpoint import CheckpointConfig
     from fntrain.hooks.progress import ProgressConfig
-    from fntrain.job import TrainConfig
     from fntrain.models.hf import HFModelConfig
     from fntrain.optim import OptimizerConfig, ScheduleConfig
+    from fntrain.run.job import TrainConfig
     from recipes import hf_causal_lm as hf
 
     return hf.Config(
@@ -112,7 +112,7 @@ def _config(model_dir: Path, data_path: Path, run_dir: Path, *, iters: int = 3, 
 
 @pytest.mark.slow
 def test_only_the_adapter_trains_and_has_optimizer_state(tiny_llama):
-    from fntrain.job import build_job
+    from fntrain.run.job import build_job
     from fntrain.runtime import Runtime
     from recipes import hf_causal_lm as hf
 
@@ -144,7 +144,7 @@ def test_train_resume_bitwise_and_export_the_adapter(tiny_llama, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from fntrain.job import build_job, run_job
+    from fntrain.run.job import build_job, run_job
     from fntrain.runtime import Runtime
     from recipes import hf_causal_lm as hf
 

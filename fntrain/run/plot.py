@@ -1,4 +1,4 @@
-"""Plots of a run from its metrics.jsonl: `python -m fntrain.plot RUN_DIR`.
+"""Plots of a run from its metrics.jsonl: `python -m fntrain.run.plot RUN_DIR`.
 
 Writes `loss.png` (training loss and, when present, validation loss against the step) and
 `throughput.png` (tokens/s and, when known, MFU or TFLOP/s per device, against the step) into the run
@@ -17,7 +17,7 @@ from typing import Any
 
 __all__ = ["plot_run", "plot_command", "read_metrics", "series", "main"]
 
-_MATPLOTLIB_MISSING = "fntrain.plot needs matplotlib: pip install 'fntrain[plot]' (or pip install matplotlib)"
+_MATPLOTLIB_MISSING = "fntrain.run.plot needs matplotlib: pip install 'fntrain[plot]' (or pip install matplotlib)"
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -141,7 +141,7 @@ def plot_command(run_dir: str, out_dir: str | None = None) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fntrain.plot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fntrain.run.plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="run directory holding metrics.jsonl")
     parser.add_argument(
         "--out", default=None, help="directory for the PNG files (default: the run directory)"

@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
-log = logging.getLogger("fntrain.logs")
+log = logging.getLogger("fntrain.run.logs")
 
 
 def launch_rank(env: Mapping[str, str] | None = None) -> int:

@@ -45,7 +45,7 @@ __all__ = [
     "git_state",
 ]
 
-log = logging.getLogger("fntrain.run_metadata")
+log = logging.getLogger("fntrain.run.metadata")
 
 METADATA_FILE = "run_metadata.json"
 _LAUNCH_ENV = (

@@ -40,7 +40,7 @@ __all__ = [
     "signal_numbers",
 ]
 
-log = logging.getLogger("fntrain.preemption")
+log = logging.getLogger("fntrain.hooks.signals")
 
 DEFAULT_EXIT_CODE = 143  # 128 + SIGTERM: what a shell reports for a process ended by SIGTERM
 INTERRUPT_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a process ended by Ctrl-C

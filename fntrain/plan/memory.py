@@ -1,9 +1,9 @@
-"""From torch models and job configs to `fntrain.memory_estimate`'s inputs: the torch side of it.
+"""From torch models and job configs to `fntrain.plan.estimate`'s inputs: the torch side of it.
 
 `layout_from_module(model)` counts a model's parameters by part (embedding, each block, head; split by
 what tensor parallelism shards) on any device, meta included. `plan_memory(config, model_factory,
 world_size)` builds the bare model on the meta device and returns the plan's "memory per rank" section.
-`python -m fntrain.memory_plan --table` prints the tables of docs/distributed.md (`doc_tables()`).
+`python -m fntrain.plan.memory --table` prints the tables of docs/distributed.md (`doc_tables()`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from fntrain.memory_estimate import (
+from fntrain.plan.estimate import (
     BatchShape,
     ModelLayout,
     ParallelLayout,
@@ -257,7 +257,7 @@ def doc_tables() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m fntrain.memory_plan", description=__doc__.splitlines()[0]
+        prog="python -m fntrain.plan.memory", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--table", action="store_true", help="print the tables of docs/distributed.md")
     args = parser.parse_args(argv)

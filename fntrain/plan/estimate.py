@@ -2,9 +2,9 @@
 
 `estimate_memory(model, parallel, batch)` is arithmetic on three frozen inputs and returns the bytes one
 rank of the worst pipeline stage holds: parameters, gradients, optimizer state, transient weight copies
-and activations. Nothing here imports torch: `fntrain.memory_plan` counts a torch model into a
+and activations. Nothing here imports torch: `fntrain.plan.memory` counts a torch model into a
 `ModelLayout` exactly, and `llama_layout` does it for Llama-shaped numbers (tested equal to
-transformers' model). `python -m fntrain.memory_estimate --table` prints the tables of
+transformers' model). `python -m fntrain.plan.estimate --table` prints the tables of
 docs/distributed.md.
 
 What is assumed (the torch machinery fntrain uses, `fntrain.runtime.parallel`):

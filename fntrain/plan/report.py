@@ -4,7 +4,7 @@
 carries (profiler, memory, checkpoint; any may be absent) and returns a JSON-ready dict: run length,
 batch shape, the device mesh (dims, a few ranks' coordinates and groups, the pipeline-stage leaders),
 the steps a fresh run checkpoints at, the profiler and memory windows in steps of this run, and which
-ranks record. A "memory_per_rank" entry of `extra` (`fntrain.memory_plan.plan_memory`) is rendered too.
+ranks record. A "memory_per_rank" entry of `extra` (`fntrain.plan.memory.plan_memory`) is rendered too.
 `format_run_plan(report)` renders it for a terminal. Nothing here imports torch.
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from fntrain.memory_estimate import format_bytes
 from fntrain.mesh_layout import group_ranks, mesh_dims, rank_coordinates, stage_leaders
+from fntrain.plan.estimate import format_bytes
 from fntrain.state import RunPlan
 
 __all__ = ["describe_run_plan", "format_run_plan", "checkpoint_steps"]
@@ -286,7 +286,7 @@ def _memory_per_rank_rows(memory: Mapping[str, Any]) -> list[tuple[str, str]]:
     rows = [
         ("memory per rank", f"{format_bytes(memory['total'])}{stage}: {parts}"),
         ("  model", f"{memory['model_params']:,} parameters, {memory['params_per_rank']:,} per rank; "
-                    f"{shape}, {memory['mixed_precision']}; an estimate (fntrain.memory_estimate)"),
+                    f"{shape}, {memory['mixed_precision']}; an estimate (fntrain.plan.estimate)"),
     ]  # fmt: skip
     rows.extend(("  note", note) for note in memory.get("notes", []))
     return rows

@@ -59,7 +59,7 @@ __all__ = [
     "config_fields",
 ]
 
-log = logging.getLogger("fntrain.job")
+log = logging.getLogger("fntrain.run.job")
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -390,7 +390,7 @@ def plan_job(config: JobConfig, spec: RecipeSpec, world_size: int = 1) -> dict[s
     shape, checkpoint steps, profiler and memory windows and the ranks that record. Builds no model and
     touches no device; reads the data only when the spec has no `dataset_sizes`."""
     from fntrain.hooks.standard import memory_config, profiler_config
-    from fntrain.plan_report import describe_run_plan
+    from fntrain.plan.report import describe_run_plan
 
     if type(world_size) is not int or world_size < 1:
         raise ConfigError(f"--world-size must be a positive int, got {world_size!r}")
@@ -410,7 +410,7 @@ def plan_job(config: JobConfig, spec: RecipeSpec, world_size: int = 1) -> dict[s
     # Built on the meta device (no weights, no device), for the model families with a tensor-parallel
     # plan or a pipeline split: the layouts the estimate knows (a VLM's factory may write its model).
     if spec.model_factory is not None and (spec.tensor_parallel is not None or spec.pipeline is not None):
-        from fntrain.memory_plan import plan_memory
+        from fntrain.plan.memory import plan_memory
 
         try:
             extra["memory_per_rank"] = plan_memory(config, spec.model_factory, world_size)
@@ -515,8 +515,8 @@ def _flops_per_token(built: Built, spec: RecipeSpec) -> Callable[[], float] | No
 def job_hooks(built: Built, spec: RecipeSpec, early: Any = None, *, attempt: int = 0) -> list[Hook]:
     """The standard hook list (memory, throughput, metrics, progress, evaluate, gc, profiler, the
     spec's extra hooks, checkpoint, watchdog), wired to what `build_job` made."""
-    from fntrain.config_file import config_to_dict
     from fntrain.hooks.standard import standard_hooks
+    from fntrain.run.config_file import config_to_dict
     from fntrain.runtime.parallel import autocast_dtype, data_parallel_group
 
     config = built.config
@@ -609,7 +609,7 @@ def _starting_over(config: JobConfig) -> JobConfig:
 def _check_before_work(config: JobConfig, spec: RecipeSpec) -> Path | None:
     """Every check that needs no process group: values, device settings, the run directory, the
     settings of the run a resume continues; returns the checkpoint that check compared against."""
-    from fntrain.run_dir import check_run_dir
+    from fntrain.run.directory import check_run_dir
 
     check_model_parallel(config, spec, check_job(config))
     try:
@@ -633,8 +633,8 @@ def _resume_changes(config: JobConfig, path: Path | None) -> dict[str, Any]:
     `checkpoint.allow_changes` ({field: [old, new]}); any other change of a field that changes the
     numbers is a `ConfigError` listing them. A weights-only restore starts a new run: any change goes."""
     from fntrain.checkpoint import read_meta
-    from fntrain.config_file import config_to_dict
-    from fntrain.run_dir import config_changes
+    from fntrain.run.config_file import config_to_dict
+    from fntrain.run.directory import config_changes
 
     checkpoint = config.checkpoint
     if path is None or checkpoint.weights_only:
@@ -700,9 +700,9 @@ def _checkpoint_to_resume(config: JobConfig, runtime: Any, checked: Path | None)
 def _open_run_dir(config: JobConfig, runtime: Any, logs: contextlib.ExitStack) -> int:
     """Move an old run aside (--overwrite; rank 0, the others wait), open the per-rank logs, write
     run_metadata.json; return which launch of this run this is (tags the metrics records)."""
-    from fntrain.logs import rank_logs
-    from fntrain.run_dir import holds_run, move_aside
-    from fntrain.run_metadata import read_attempt, write_run_metadata
+    from fntrain.run.directory import holds_run, move_aside
+    from fntrain.run.logs import rank_logs
+    from fntrain.run.metadata import read_attempt, write_run_metadata
 
     root = checkpoint_root(config.checkpoint, config.run_dir)
     # A torchrun restart of this job finds the run its first launch started: that one is kept.
@@ -731,11 +731,11 @@ def _prepare(config: JobConfig, spec: RecipeSpec, runtime: Any, early: Any, sour
              attempt: int) -> _Ready:  # fmt: skip
     """Build, write config.json, wire the step and hooks, restore `source` (unless `state` is given) and
     rewind the metrics log to the restored step."""
-    from fntrain.config_file import write_config
     from fntrain.hooks.metrics import rewind_metrics
     from fntrain.hooks.standard import restore_run
-    from fntrain.run_metadata import record_start
-    from fntrain.run_report import describe_start
+    from fntrain.run.config_file import write_config
+    from fntrain.run.metadata import record_start
+    from fntrain.run.report import describe_start
     from fntrain.runtime.parallel import parallel_train_step
 
     built = build_job(config, spec, runtime)
@@ -838,7 +838,7 @@ def run_job(config: JobConfig, spec: RecipeSpec, *, state: TrainState | None = N
 
     from fntrain.hooks.metrics import metrics_writer
     from fntrain.hooks.standard import early_hooks
-    from fntrain.run_metadata import record_outcome
+    from fntrain.run.metadata import record_outcome
     from fntrain.runtime.setup import setup_runtime
 
     config = _starting_over(config)

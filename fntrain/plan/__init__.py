@@ -1,0 +1,2 @@
+"""The plan from configs alone, no weights: the printout (report.py) and the memory estimate
+(memory.py: the model's layout on the meta device; estimate.py: the arithmetic)."""
