@@ -38,7 +38,7 @@ def _worker(steps: int, threads: int, automatic: bool, fntrain_first: bool) -> N
 
     import recipes.tiny_gpt as recipe
     from fntrain.data.pipeline import batches
-    from fntrain.run.job import build_job
+    from fntrain.run.build import build_job
     from fntrain.runtime import Runtime
     from fntrain.runtime.setup import RuntimeConfig, choose_cpu_threads
     from fntrain.state import TrainState

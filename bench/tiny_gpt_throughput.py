@@ -34,7 +34,7 @@ PROCESSES = 3  # full runs measure in this many fresh processes, one after anoth
 
 
 def _config(run_dir: str):
-    from fntrain.run.job import TrainConfig
+    from fntrain.run.config import TrainConfig
     from recipes.tiny_gpt import Config, ModelConfig
 
     return Config(
@@ -74,7 +74,7 @@ def measure(steps: int, repeats: int, budget_s: float) -> Timing:
 
 def _timing(steps: int, repeats: int, budget_s: float) -> Timing:
     import recipes.tiny_gpt as recipe
-    from fntrain.run.job import build_job
+    from fntrain.run.build import build_job
     from fntrain.runtime import Runtime
 
     with tempfile.TemporaryDirectory() as tmp:

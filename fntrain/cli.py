@@ -97,7 +97,7 @@ def _describe(recipe: Recipe) -> str:
 
 def _setting_error(error: BaseException, config_cls: type) -> CommandError:
     """A bad setting as the one line the user sees: the fields it names written as their flags."""
-    from fntrain.run.job import config_fields
+    from fntrain.run.config import config_fields
 
     message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return CommandError(as_flags(message, config_fields(config_cls)))
@@ -114,10 +114,10 @@ def plan_report(recipe: Recipe, config: Any, world_size: int = 1) -> dict[str, A
 
 
 def run_recipe(spec: Any, config: Any) -> Any:
-    """Run `config` with `fntrain.run.job.run_job` and return its `TrainResult`; a bad setting (which
-    run_job finds before any work, or while building: data smaller than one step) is a `CommandError`
-    naming the flag. A preempted run raises `SystemExit` with its exit status after its clean teardown."""
-    from fntrain.run.job import run_job
+    """Run `config` with `fntrain.run.job.run_job` and return its `TrainResult`. A bad setting is a
+    `CommandError` naming the flag; a run that failed, or was interrupted or preempted, ends the process
+    with its one line on stderr and its exit status (1, 130, or the preemption's) after its teardown."""
+    from fntrain.run.job import RunAborted, run_job
     from fntrain.run.logs import setup_console_logging
 
     setup_console_logging()  # [rank r] prefixes; other ranks: warnings and errors only
@@ -125,10 +125,24 @@ def run_recipe(spec: Any, config: Any) -> Any:
         result = run_job(config, spec)
     except ConfigError as error:
         raise _setting_error(error, type(config)) from None
+    except RunAborted as aborted:
+        _show_traceback(aborted.__cause__)
+        print(aborted.line, file=sys.stderr)
+        raise SystemExit(aborted.exit_code) from None
     if result.exit_code:  # preempted or interrupted: saved, torn down; say so in one line
         print(f"{result.reason}; checkpoint saved, resume with --checkpoint.restore-from latest", file=sys.stderr)
         raise SystemExit(result.exit_code)
     return result
+
+
+def _show_traceback(error: BaseException | None) -> None:
+    """The full traceback on stderr, when FNTRAIN_TRACEBACK=1 asks for it (it is always in the log)."""
+    import os
+
+    if error is not None and os.environ.get("FNTRAIN_TRACEBACK", "") not in ("", "0"):
+        import traceback
+
+        traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
 
 
 def recipe_main(spec: Any, argv: Sequence[str] | None = None) -> None:

@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 from fntrain.data.device import to_device
 from fntrain.data.tokens import IGNORE_INDEX
+from fntrain.runtime.parallel import pipeline_group
+from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
 from fntrain.step import (
     _autocast_context,
@@ -41,7 +43,7 @@ from fntrain.step import (
     _make_update,
 )
 
-__all__ = ["PipelineLayout", "make_pipeline_step", "make_pipeline_eval", "build_schedule"]
+__all__ = ["PipelineLayout", "pipeline_layout", "make_pipeline_step", "make_pipeline_eval", "build_schedule"]
 
 
 @dataclass(frozen=True)
@@ -283,3 +285,34 @@ def make_pipeline_eval(
         return loss
 
     return forward, pipeline_loss
+
+
+def pipeline_layout(runtime: Runtime, config: Any, ties: Sequence[Mapping[int, str]] = ()) -> Any:
+    """This rank's `PipelineLayout`: stage, pipeline group, schedule, and for each weight tied across
+    stages (`fntrain.runtime.pipeline.stage_ties`) this stage's name for it and the group of its holders."""
+    group = pipeline_group(runtime)
+    here: list[tuple[str, Any]] = []
+    counted: list[bool] = []
+    for holders in ties:
+        tie_group = _holders_group(runtime, sorted(holders), group)
+        if runtime.pp_rank in holders:
+            here.append((holders[runtime.pp_rank], tie_group))
+            counted.append(runtime.pp_rank == min(holders))
+    return PipelineLayout(
+        runtime.pp_rank, runtime.pp_size, group, config.pp_schedule, tuple(here), tuple(counted)
+    )
+
+
+def _holders_group(runtime: Runtime, stages: list[int], pp_group: Any) -> Any:
+    """The process group joining `stages` of this rank's pipeline. Every rank must call this for every
+    tie in the same order (`dist.new_group` is collective); all stages: the pipeline group itself."""
+    if len(stages) == runtime.pp_size:
+        return pp_group
+    pp_dim = runtime.mesh.mesh_dim_names.index("pp")
+    slices = runtime.mesh.mesh.movedim(pp_dim, -1).reshape(-1, runtime.pp_size).tolist()
+    mine = None
+    for ranks in slices:
+        group = dist.new_group([ranks[stage] for stage in stages])
+        if runtime.rank in ranks:
+            mine = group
+    return mine

@@ -1,4 +1,4 @@
-"""Built-in recipes: each a spec (`fntrain.run.job.RecipeSpec`) that `fntrain run NAME` runs.
+"""Built-in recipes: each a spec (`fntrain.run.config.RecipeSpec`) that `fntrain run NAME` runs.
 
 fntrain is imported first so that its process-wide settings (the OpenMP wait policy) precede torch.
 """

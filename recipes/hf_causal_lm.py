@@ -40,7 +40,7 @@ from fntrain.models.hf import (
 from fntrain.models.hf_tp import hf_tensor_parallel
 from fntrain.models.lora import LoraConfig, apply_lora, check_lora_parallel, save_adapter_or_merged
 from fntrain.optim import OptimizerConfig, ScheduleConfig
-from fntrain.run.job import JobConfig, RecipeSpec, TrainConfig
+from fntrain.run.config import JobConfig, RecipeSpec, TrainConfig
 
 
 @dataclass(frozen=True)

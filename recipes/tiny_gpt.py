@@ -24,7 +24,7 @@ from fntrain.data.shards import INDEX_NAME, TokenWindows, read_index, split_wind
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.models.gpt2 import export_gpt2
 from fntrain.optim import OptimizerConfig, ScheduleConfig
-from fntrain.run.job import JobConfig, RecipeSpec, TrainConfig
+from fntrain.run.config import JobConfig, RecipeSpec, TrainConfig
 from fntrain.runtime import PipelineSplit, build_seeded_model, pipeline_group, tensor_parallel_plan
 
 # ----------------------------------------------------------------------------- configuration

@@ -40,7 +40,7 @@ from fntrain.models.vlm import (
     vlm_from_config,
 )
 from fntrain.optim import OptimizerConfig, ScheduleConfig
-from fntrain.run.job import JobConfig, RecipeSpec, TrainConfig
+from fntrain.run.config import JobConfig, RecipeSpec, TrainConfig
 
 
 @dataclass(frozen=True)

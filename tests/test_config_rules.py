@@ -32,7 +32,7 @@ from fntrain.hooks.throughput import ThroughputConfig
 from fntrain.hooks.watchdog import WatchdogConfig
 from fntrain.models.hf import AssetsConfig, HFModelConfig
 from fntrain.optim import OptimizerConfig, ScheduleConfig
-from fntrain.run.job import LoaderConfig, TrainConfig
+from fntrain.run.config import LoaderConfig, TrainConfig
 from fntrain.runtime.parallel import ParallelConfig
 from fntrain.runtime.setup import RuntimeConfig
 

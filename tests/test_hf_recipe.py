@@ -25,7 +25,8 @@ from fntrain.hooks.progress import ProgressConfig
 from fntrain.models.hf import AssetsConfig, HFModelConfig
 from fntrain.models.lora import LoraConfig
 from fntrain.optim import OptimizerConfig
-from fntrain.run.job import TrainConfig, run_job
+from fntrain.run.config import TrainConfig
+from fntrain.run.job import run_job
 from recipes import hf_causal_lm as hf
 from tests.hf_helpers import CHATS, TEMPLATE, save_tiny_llama
 

@@ -19,7 +19,9 @@ from fntrain.config import ConfigError, require_int
 from fntrain.hooks.checkpoint import CheckpointConfig
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
-from fntrain.run.job import JobConfig, RecipeSpec, TrainConfig, check_job, plan_job, run_job
+from fntrain.run.checks import check_values
+from fntrain.run.config import JobConfig, RecipeSpec, TrainConfig
+from fntrain.run.job import plan_job, run_job
 from fntrain.runtime.materialize import build_seeded_model
 
 # ----------------------------------------------------------------------------- a recipe in ~40 lines
@@ -196,7 +198,7 @@ def test_plan_job_resolves_without_building(tmp_path):
 def test_every_bad_value_fails_before_any_file_or_model(tmp_path, changes, message):
     config = toy(tmp_path, **changes)
     with pytest.raises((ValueError, TypeError)) as caught:
-        check_job(config)
+        check_values(config, 1)
     assert message in str(caught.value)
     with pytest.raises((ValueError, TypeError)):
         run_job(config, dataclasses.replace(spec, build_model=lambda *a: pytest.fail("built a model")))

@@ -104,9 +104,7 @@ def test_a_run_dir_holding_only_a_failed_start_is_not_a_run(tmp_path):
     )
     with pytest.raises(ConfigError, match="one complete optimizer step"):
         run_job(small, tiny_gpt.spec)  # the data holds fewer samples than one step
-    metadata = json.loads((tmp_path / "run" / "run_metadata.json").read_text())
-    assert metadata["outcome"] == "failed before training" and metadata["config_file"] is None
-    assert "one complete optimizer step" in metadata["error"]
+    assert not (tmp_path / "run").exists()  # found before any file was written
     assert run_job(config, tiny_gpt.spec).state.global_step == 6  # no --overwrite needed
 
 
@@ -189,9 +187,15 @@ def test_ctrl_c_saves_at_the_next_boundary_exits_130_and_resumes_exactly(tmp_pat
 
 
 def test_ctrl_c_without_saving_is_one_line_and_status_130(tmp_path):
+    """A plain Ctrl-C after the first step: the summary line, exit status 130, and the outcome recorded."""
     stopped = fntrain(tmp_path, "--run-dir", str(tmp_path / "run"), driver="sigint:0:2")
     assert stopped.returncode == 130 and "Traceback" not in stopped.stderr
-    assert last_line(stopped) == "fntrain run: interrupted"
+    line = last_line(stopped)
+    assert line.startswith("run interrupted at step ") and line.endswith(
+        "no checkpoint was saved (set --checkpoint.save-every to make one)"
+    ), line
+    metadata = json.loads((tmp_path / "run" / "run_metadata.json").read_text())
+    assert metadata["outcome"] == "interrupted" and metadata["summary"] == line
 
 
 def test_a_second_ctrl_c_ends_the_process_at_once(tmp_path):

@@ -14,7 +14,8 @@ import pytest
 from fntrain import Event, StopTraining
 from fntrain.hooks.checkpoint import CheckpointConfig
 from fntrain.hooks.progress import ProgressConfig
-from fntrain.run.job import LoaderConfig, run_job
+from fntrain.run.config import LoaderConfig
+from fntrain.run.job import RunAborted, run_job
 
 tiny_gpt = pytest.importorskip("recipes.tiny_gpt")
 
@@ -43,8 +44,9 @@ def run_and_compare(config, spec=tiny_gpt.spec, *, raises: type[BaseException] |
     if raises is None:
         result = run_job(config, spec)
     else:
-        with pytest.raises(raises):
+        with pytest.raises(RunAborted) as aborted:  # a failed run: its one line, raised from the error
             run_job(config, spec)
+        assert isinstance(aborted.value.__cause__, raises)
         result = None
     left = set(threading.enumerate()) - threads
     assert not left, f"threads left behind: {sorted(t.name for t in left)}"

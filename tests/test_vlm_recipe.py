@@ -23,7 +23,8 @@ from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
 from fntrain.models.vlm import VLMModelConfig
 from fntrain.optim import OptimizerConfig
-from fntrain.run.job import TrainConfig, plan_job, run_job
+from fntrain.run.config import TrainConfig
+from fntrain.run.job import plan_job, run_job
 from recipes import vlm
 from tests.vlm_helpers import tiny_model_dir
 

@@ -23,11 +23,10 @@ from fntrain.checkpoint.layout import (
     is_temporary,
     list_checkpoints,
     move_aside,
-    remove_superseded_temporary,
-    retain,
     step_dir,
 )
 from fntrain.checkpoint.restorer import MissingKeysError, read_meta, resolve_source, restore
+from fntrain.checkpoint.retention import remove_superseded_temporary, retain
 from fntrain.checkpoint.rng import rng_state, set_rng_state
 from fntrain.checkpoint.saver import (
     PendingSave,

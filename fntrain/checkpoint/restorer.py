@@ -244,14 +244,16 @@ def restore(
     device: torch.device | str | None = None,
     process_group: Any = None,
     model_part: bool = False,
+    verified: bool = False,
 ) -> TrainState:
     """Restore `source` ("none" | "auto" | "latest" | a path) into `components` and `hooks`; return its
-    TrainState. `model_part`: the model is one pipeline stage of the saved one.
+    TrainState. `model_part`: the model is one pipeline stage of the saved one. `verified`: `source` is
+    a checkpoint `resolve_source` already verified (its files are not read twice).
 
     weights_only: load the model weights alone and return a fresh `TrainState()` (optimizer, schedulers,
     RNG and hook states keep their fresh values). Every rank must call this (it is a collective).
     """
-    path = resolve_source(source, root, process_group)
+    path = Path(source) if verified else resolve_source(source, root, process_group)
     if path is None:
         return TrainState()
     meta = read_meta(path)

@@ -45,13 +45,12 @@ from fntrain.checkpoint import _dist
 from fntrain.checkpoint.layout import (
     is_complete,
     move_aside,
-    remove_superseded_temporary,
-    retain,
     step_dir,
     write_json_atomic,
     write_latest,
     write_marker,
 )
+from fntrain.checkpoint.retention import remove_superseded_temporary, retain
 from fntrain.checkpoint.rng import rng_state
 from fntrain.checkpoint.tree import split
 from fntrain.checkpoint.verify import write_manifest

@@ -3,12 +3,11 @@
 `layout_from_module(model)` counts a model's parameters by part (embedding, each block, head; split by
 what tensor parallelism shards) on any device, meta included. `plan_memory(config, model_factory,
 world_size)` builds the bare model on the meta device and returns the plan's "memory per rank" section.
-`python -m fntrain.plan.memory --table` prints the tables of docs/distributed.md (`doc_tables()`).
+`doc_tables(config, model_factory)` returns the tables of docs/distributed.md for a recipe's defaults.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from typing import Any
 
@@ -225,16 +224,13 @@ def _layouts(rows: Any, mixed_precision: str) -> list[ParallelLayout]:
     ]
 
 
-def doc_tables() -> str:
-    """The per-rank memory tables of docs/distributed.md, as markdown (tiny GPT counted from the
-    recipe's model on meta; Llama-3-8B from `llama_layout`)."""
+def doc_tables(tiny_config: Any, model_factory: Callable[[Any], Any]) -> str:
+    """The per-rank memory tables of docs/distributed.md, as markdown: the tiny GPT counted from its
+    spec's `model_factory(tiny_config)` on meta (a recipe's defaults), Llama-3-8B from `llama_layout`."""
     import torch
 
-    from recipes.tiny_gpt import Config, TinyGPT, model_config
-
-    tiny_config = Config()
     with torch.device("meta"):
-        tiny = layout_from_module(TinyGPT(model_config(tiny_config)))
+        tiny = layout_from_module(model_factory(tiny_config))
     train = tiny_config.train
 
     def tiny_batch(parallel: ParallelLayout) -> BatchShape:
@@ -254,18 +250,3 @@ def doc_tables() -> str:
         memory_table(llama, _layouts(_LLAMA_LAYOUTS, "bf16"), lambda parallel: BatchShape(1, 8192, 8)),
     ])  # fmt: skip
 
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m fntrain.plan.memory", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--table", action="store_true", help="print the tables of docs/distributed.md")
-    args = parser.parse_args(argv)
-    if args.table:
-        print(doc_tables())
-    else:
-        parser.print_help()
-
-
-if __name__ == "__main__":
-    main()

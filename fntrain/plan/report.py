@@ -46,6 +46,7 @@ def checkpoint_steps(
 def _profiler_section(
     config: Any, *, world_size: int, pp_size: int, device_type: str, train_iters: int
 ) -> dict:
+    # Imported here, not above: `fntrain plan` and `import fntrain.plan.report` stay free of torch.
     from fntrain.hooks.profiler import check_profiler_config, profiled_ranks
     from fntrain.runtime.runtime import Runtime
 

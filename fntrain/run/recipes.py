@@ -1,6 +1,6 @@
 """Finding recipes by name or path: installed entry points, the built-in package, a checkout, a file.
 
-A recipe is a module that exposes `spec`, a `fntrain.run.job.RecipeSpec` (its config class and its own
+A recipe is a module that exposes `spec`, a `fntrain.run.config.RecipeSpec` (its config class and its own
 parts); `fntrain run`, `plan` and `config` run it through `fntrain.run.job`.
 
 Names resolve in this order: an entry point in the group `fntrain.recipes` (how the wheel ships the
@@ -34,7 +34,7 @@ class RecipeNotFound(LookupError):
 
 @dataclass(frozen=True)
 class Recipe:
-    """A loaded recipe: its name, module and spec (`fntrain.run.job.RecipeSpec`)."""
+    """A loaded recipe: its name, module and spec (`fntrain.run.config.RecipeSpec`)."""
 
     name: str
     module: ModuleType
@@ -131,12 +131,12 @@ def _import_file(path: Path) -> ModuleType:
 
 
 def _recipe_spec(module: ModuleType) -> Any:
-    from fntrain.run.job import RecipeSpec
+    from fntrain.run.config import RecipeSpec
 
     spec = getattr(module, "spec", None)
     if not isinstance(spec, RecipeSpec):
         raise RecipeNotFound(
-            f"{module.__name__} is not a recipe: it must define `spec = fntrain.run.job.RecipeSpec(...)`"
+            f"{module.__name__} is not a recipe: it must define `spec = fntrain.run.config.RecipeSpec(...)`"
         )
     return spec
 

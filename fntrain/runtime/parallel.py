@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,9 +36,7 @@ __all__ = [
     "hsdp_shape",
     "HSDP_DIMS",
     "loss_context",
-    "pipeline_layout",
     "pipeline_group",
-    "parallel_train_step",
 ]
 
 log = logging.getLogger(__name__)
@@ -370,80 +368,3 @@ def loss_context(runtime: Runtime, config: ParallelConfig) -> Callable[[], conte
 
         return loss_parallel
     return contextlib.nullcontext
-
-
-def pipeline_layout(runtime: Runtime, config: ParallelConfig, ties: Sequence[Mapping[int, str]] = ()) -> Any:
-    """This rank's `PipelineLayout`: stage, pipeline group, schedule, and for each weight tied across
-    stages (`fntrain.runtime.pipeline.stage_ties`) this stage's name for it and the group of its holders."""
-    from fntrain.pipeline_step import PipelineLayout
-
-    group = pipeline_group(runtime)
-    here: list[tuple[str, Any]] = []
-    counted: list[bool] = []
-    for holders in ties:
-        tie_group = _holders_group(runtime, sorted(holders), group)
-        if runtime.pp_rank in holders:
-            here.append((holders[runtime.pp_rank], tie_group))
-            counted.append(runtime.pp_rank == min(holders))
-    return PipelineLayout(
-        runtime.pp_rank, runtime.pp_size, group, config.pp_schedule, tuple(here), tuple(counted)
-    )
-
-
-def _holders_group(runtime: Runtime, stages: list[int], pp_group: Any) -> Any:
-    """The process group joining `stages` of this rank's pipeline. Every rank must call this for every
-    tie in the same order (`dist.new_group` is collective); all stages: the pipeline group itself."""
-    if len(stages) == runtime.pp_size:
-        return pp_group
-    pp_dim = runtime.mesh.mesh_dim_names.index("pp")
-    slices = runtime.mesh.mesh.movedim(pp_dim, -1).reshape(-1, runtime.pp_size).tolist()
-    mine = None
-    for ranks in slices:
-        group = dist.new_group([ranks[stage] for stage in stages])
-        if runtime.rank in ranks:
-            mine = group
-    return mine
-
-
-def parallel_train_step(
-    components: Any,
-    runtime: Runtime,
-    config: ParallelConfig,
-    *,
-    max_grad_norm: float,
-    loss_weighting: str,
-    forward: Callable[[nn.Module, Any], Any] | None = None,
-    micro_batches: int = 1,
-    ties: Sequence[Mapping[int, str]] = (),
-) -> Any:
-    """The step over `components`, wired to this runtime: its device, data-parallel size and group,
-    the autocast dtype `config` implies and the components' grad scaler. `forward(model, micro_batch)`
-    replaces the default `model(**micro_batch)` (e.g. to pass images). Under pipeline parallelism, a
-    `make_pipeline_step` over `micro_batches` per step, adding the gradients of the cross-stage `ties`."""
-    from fntrain.step import default_forward, make_train_step  # the step sits above the runtime
-
-    if runtime.pp_size > 1:
-        from fntrain.pipeline_step import make_pipeline_step
-
-        return make_pipeline_step(
-            components.model, components.loss_fn, components.optimizers, components.schedulers,
-            pipeline_layout(runtime, config, ties), micro_batches=micro_batches, max_grad_norm=max_grad_norm,
-            loss_weighting=loss_weighting, device=runtime.device, dp_size=runtime.dp_size,
-            dp_group=data_parallel_group(runtime), autocast_dtype=autocast_dtype(config),
-            loss_context=loss_context(runtime, config),
-        )  # fmt: skip
-    return make_train_step(
-        components.model,
-        components.loss_fn,
-        components.optimizers,
-        components.schedulers,
-        max_grad_norm=max_grad_norm,
-        loss_weighting=loss_weighting,
-        device=runtime.device,
-        dp_size=runtime.dp_size,
-        dp_group=data_parallel_group(runtime),
-        autocast_dtype=autocast_dtype(config),
-        grad_scaler=components.grad_scaler,
-        forward=forward or default_forward,
-        loss_context=loss_context(runtime, config),
-    )

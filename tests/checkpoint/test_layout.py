@@ -17,13 +17,13 @@ from fntrain.checkpoint.layout import (
     find_latest,
     is_complete,
     list_checkpoints,
-    retain,
     step_dir,
     step_of,
     write_json_atomic,
     write_latest,
     write_marker,
 )
+from fntrain.checkpoint.retention import retain
 from fntrain.checkpoint.verify import write_manifest
 
 

@@ -792,17 +792,17 @@ def test_recipe_puts_the_memory_hook_first_with_save_path_under_run_dir(tmp_path
         return built_hooks[-1]
 
     import fntrain.hooks.standard as standard
-    import fntrain.loop as loop
+    import fntrain.run.job as job
     from fntrain.run.job import run_job
 
-    real_run_training = loop.run_training
+    real_run_training = job.run_training
 
     def spy_train(state, step_fn, hooks, **kw):
         hook_lists.append(list(hooks))
         return real_run_training(state, step_fn, hooks, **kw)
 
     monkeypatch.setattr(standard, "memory_hook", spy)
-    monkeypatch.setattr(loop, "run_training", spy_train)
+    monkeypatch.setattr(job, "run_training", spy_train)
     with pytest.raises(ValueError, match="memory.end_step"):
         run_job(
             _tiny_config(tmp_path, MemoryConfig(start_step=3, end_step=1))[1], tiny_gpt.spec

@@ -93,7 +93,7 @@ def _config(model_dir: Path, data_path: Path, run_dir: Path, *, iters: int = 3, 
     from fntrain.hooks.progress import ProgressConfig
     from fntrain.models.hf import HFModelConfig
     from fntrain.optim import OptimizerConfig, ScheduleConfig
-    from fntrain.run.job import TrainConfig
+    from fntrain.run.config import TrainConfig
     from recipes import hf_causal_lm as hf
 
     return hf.Config(
@@ -112,7 +112,7 @@ def _config(model_dir: Path, data_path: Path, run_dir: Path, *, iters: int = 3, 
 
 @pytest.mark.slow
 def test_only_the_adapter_trains_and_has_optimizer_state(tiny_llama):
-    from fntrain.run.job import build_job
+    from fntrain.run.build import build_job
     from fntrain.runtime import Runtime
     from recipes import hf_causal_lm as hf
 
@@ -144,7 +144,8 @@ def test_train_resume_bitwise_and_export_the_adapter(tiny_llama, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from fntrain.run.job import build_job, run_job
+    from fntrain.run.build import build_job
+    from fntrain.run.job import run_job
     from fntrain.runtime import Runtime
     from recipes import hf_causal_lm as hf
 

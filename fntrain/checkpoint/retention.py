@@ -1,0 +1,96 @@
+"""Retention: which checkpoints may go. A checkpoint is deleted (or counted toward keep_last) only
+once it verifies against its manifest; a damaged one is moved aside, one without a manifest is kept.
+
+    remove_superseded_temporary(root, newest)   time-based temporary checkpoints a newer one replaced
+    retain(root, keep_last, ...)                keep the newest keep_last verified checkpoints
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from fntrain.checkpoint.layout import is_complete, is_temporary, list_checkpoints, move_aside, step_of
+from fntrain.checkpoint.verify import damage, verified
+
+__all__ = ["remove_superseded_temporary", "retain"]
+
+log = logging.getLogger("fntrain.checkpoint")
+
+
+def _deletable(path: Path, why: str) -> bool:
+    """Whether `path` verifies against its manifest, so that it may be deleted. A damaged checkpoint is
+    moved aside (`.damaged`) with a warning; one without a manifest is left alone. Never raises."""
+    try:
+        status = verified(path)
+    except Exception as error:  # noqa: BLE001 - when in doubt, keep the data
+        log.warning("could not verify checkpoint %s (%r); keeping it", path, error)
+        return False
+    if status is True:
+        return True
+    if status is None:
+        log.info("checkpoint %s has no manifest (saved by an older fntrain): not %s", path, why)
+        return False
+    problem = damage(path)
+    try:
+        moved = move_aside(path, "damaged")
+    except OSError as error:
+        log.warning("checkpoint %s is damaged (%s); not %s, and it could not be moved aside: %r",
+                    path, problem, why, error)  # fmt: skip
+        return False
+    log.warning("checkpoint %s is damaged (%s); not %s, moved aside to %s", path, problem, why, moved.name)
+    return False
+
+
+def remove_superseded_temporary(root: str | os.PathLike, newest: str | os.PathLike) -> list[Path]:
+    """Delete the complete temporary checkpoints under `root` with a step below `newest`'s (the
+    checkpoint just completed, never removed itself); return what was removed. Only checkpoints that
+    verify are deleted (see the module docstring)."""
+    newest = Path(newest)
+    newest_step = step_of(newest)
+    if newest_step is None or not is_complete(newest):
+        return []
+    superseded = [
+        path
+        for path in list_checkpoints(root)
+        if path != newest and (step_of(path) or 0) < newest_step and is_temporary(path)
+    ]
+    doomed = [path for path in superseded if _deletable(path, "deleted")]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("removed temporary checkpoint %s (superseded by %s)", path, newest.name)
+    return doomed
+
+
+def retain(
+    root: str | os.PathLike, keep_last: int, *, protect: str | os.PathLike | None = None
+) -> list[Path]:
+    """Delete all but the newest `keep_last` verified checkpoints (0 keeps all); return what was removed.
+
+    Only checkpoints that verify against their manifest count toward `keep_last`, and only those are
+    deleted: a damaged one is moved aside (`.damaged`), one without a manifest is left alone.
+    `protect` (the checkpoint just saved, which `latest` names) is never removed, even when checkpoints
+    with higher steps exist (left by an earlier run that went further before this one resumed from an
+    older step). Partial directories are left alone here: one may be an asynchronous save in flight.
+    """
+    if keep_last <= 0:
+        return []
+    protect = Path(protect) if protect is not None else None
+    kept, doomed = 0, []
+    for path in reversed(list_checkpoints(root)):  # newest first
+        if path == protect:
+            kept += 1  # written and verified just now
+            continue
+        if not _deletable(path, "counted toward keep_last"):
+            continue
+        if kept < keep_last:
+            kept += 1
+        else:
+            doomed.append(path)
+    doomed.reverse()
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("removed old checkpoint %s (keep_last=%d)", path, keep_last)
+    return doomed

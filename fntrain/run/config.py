@@ -1,0 +1,281 @@
+"""The shared job config and the recipe's spec: what every run has, and what only a recipe knows.
+
+    TrainConfig, LoaderConfig     run length and batch shape; how samples are read
+    JobConfig                     every section a run has (a recipe's config subclasses it)
+    ExportingJobConfig            a JobConfig whose recipe writes its model to `output_dir` itself
+    RecipeSpec                    the recipe's parts (model, datasets, collate, loss, forward, export, ...)
+    Built                         what the build made, for hooks, exports and tests
+
+Each section's `validate(prefix)` holds its value rules, checked once, in the run's first phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from fntrain.config import require_bool, require_choice, require_float, require_int, require_str
+from fntrain.hooks.checkpoint import CheckpointConfig
+from fntrain.hooks.evaluate import EvaluateConfig
+from fntrain.hooks.gc import GCConfig
+from fntrain.hooks.memory import MemoryConfig
+from fntrain.hooks.metrics import MetricsConfig
+from fntrain.hooks.profiler import ProfilerConfig
+from fntrain.hooks.progress import ProgressConfig
+from fntrain.hooks.standard import under_run_dir
+from fntrain.hooks.throughput import ThroughputConfig
+from fntrain.hooks.watchdog import WatchdogConfig
+from fntrain.loop import Hook
+from fntrain.optim import OptimizerConfig, ScheduleConfig
+from fntrain.runtime.parallel import ParallelConfig
+from fntrain.runtime.setup import RuntimeConfig
+from fntrain.state import RunPlan, TrainState
+from fntrain.step import causal_lm_loss, default_forward
+
+__all__ = [
+    "TrainConfig", "LoaderConfig", "JobConfig", "ExportingJobConfig", "require_validation", "config_fields",
+    "RecipeSpec", "Built",
+]  # fmt: skip
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Run length and batch shape."""
+
+    train_iters: int | None = 400
+    """Optimizer steps to run (exclusive with train_samples)."""
+    train_samples: int | None = None
+    """Samples to train on; train_iters = train_samples // global_batch_size."""
+    global_batch_size: int = 32
+    """Samples per optimizer step, over all data-parallel ranks."""
+    micro_batch_size: int = 16
+    """Samples per forward/backward."""
+    max_grad_norm: float = 1.0
+    """Clip the gradient norm to this (0 disables clipping)."""
+    loss_weighting: Literal["token", "mean"] = "token"
+    """token: token-weighted global mean; mean: plain mean over micro-batches and ranks."""
+
+    def validate(self, prefix: str = "train") -> None:
+        if self.train_iters is not None:
+            require_int(f"{prefix}.train_iters", self.train_iters, min=1)
+        if self.train_samples is not None:
+            require_int(f"{prefix}.train_samples", self.train_samples, min=1)
+        if (self.train_iters is None) == (self.train_samples is None):
+            raise ValueError(f"set exactly one of {prefix}.train_iters and {prefix}.train_samples")
+        require_int(f"{prefix}.global_batch_size", self.global_batch_size, min=1)
+        require_int(f"{prefix}.micro_batch_size", self.micro_batch_size, min=1)
+        if self.train_samples is not None and self.train_samples < self.global_batch_size:
+            raise ValueError(
+                f"{prefix}.train_samples ({self.train_samples}) must be >= {prefix}.global_batch_size "
+                f"({self.global_batch_size}): it would give no optimizer step"
+            )
+        require_float(f"{prefix}.max_grad_norm", self.max_grad_norm, min=0.0)
+        require_choice(f"{prefix}.loss_weighting", self.loss_weighting, ("token", "mean"))
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """How samples are read: order, worker processes, background prefetch, pinned memory."""
+
+    shuffle: bool = True
+    """Shuffle the sample order each epoch (seeded by seed and epoch)."""
+    num_workers: int = 0
+    """DataLoader worker processes (0 reads in the training process); results do not depend on it."""
+    prefetch: bool = False
+    """Read the next steps' batches on a background thread; results do not depend on it."""
+    prefetch_depth: int = 1
+    """Steps the prefetch thread may read ahead."""
+    pin_memory: bool = True
+    """Page-lock host batches in the background when training on an accelerator (ignored on CPU)."""
+
+    def validate(self, prefix: str = "loader") -> None:
+        for name in ("shuffle", "prefetch", "pin_memory"):
+            require_bool(f"{prefix}.{name}", getattr(self, name))
+        require_int(f"{prefix}.num_workers", self.num_workers, min=0)
+        require_int(f"{prefix}.prefetch_depth", self.prefetch_depth, min=1)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """What every run has: where it writes, its seed, runtime, parallelism, length, optimizer, schedule,
+    data loading and the standard hooks. A recipe's config subclasses it, adding its own sections
+    (`model`, `data`, ...) and overriding defaults; every section with a `validate(prefix)` is checked."""
+
+    run_dir: str = "runs/job"
+    """Directory for the resolved config, metrics.jsonl, logs, checkpoints and artifacts."""
+    overwrite: bool = False
+    """Start over in a run_dir that already holds a run (the old run moves aside whole, nothing deleted)."""
+    seed: int = 42
+    """Seed for initialisation, dropout and data order (python, numpy and torch)."""
+    log_every: int = 10
+    """Log metrics every N steps (0 = never)."""
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """Device, distributed backend, determinism."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Data parallelism (none / ddp / fsdp2 under torchrun), mixed precision, activation checkpointing, compile."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Allocator-history snapshots and peak-memory logs; a relative save_path is under run_dir."""
+    throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
+    """Step time, tokens/s, TFLOP/s and MFU (FLOPs per token measured on a meta copy of the model)."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Where the metrics logged every log_every steps go: <run_dir>/metrics.jsonl, TensorBoard."""
+    progress: ProgressConfig = field(default_factory=ProgressConfig)
+    """The progress bar on rank 0."""
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    """Validation loss and perplexity on the recipe's validation split."""
+    gc: GCConfig = field(default_factory=GCConfig)
+    """Python gc and device-cache cadence."""
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    """A window of steps traced into <output_path>/profile/rank_<rank>/ (output_path: run_dir, or under it)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints under <run_dir>/checkpoints (or checkpoint.dir): cadence, retention, async, restore, export."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Hang watchdog: a silence far longer than recent steps dumps stacks to <run_dir>/stacks and aborts."""
+
+    # Fields a resumed run may change freely: they do not change the numbers it computes (cadences,
+    # reporting, where files go, how data is loaded, how the model is spread over devices). Any other
+    # change needs checkpoint.allow_changes. A recipe's config may add its own (e.g. an output path).
+    FREE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "run_dir", "overwrite", "log_every", "runtime", "loader.num_workers", "loader.prefetch",
+        "loader.prefetch_depth", "loader.pin_memory", "parallel.strategy", "parallel.reshard_after_forward",
+        "parallel.activation_checkpointing", "parallel.compile", "parallel.compile_backend",
+        "parallel.ddp_bucket_cap_mb", "parallel.find_unused_parameters", "parallel.replicate",
+        "parallel.meta_init", "parallel.tp_size", "parallel.pp_size", "parallel.pp_schedule",
+        "parallel.loss_parallel", "memory", "throughput", "metrics", "progress", "evaluate", "gc", "profiler",
+        "checkpoint", "watchdog",
+    )  # fmt: skip
+
+    def validate(self) -> None:
+        """Value rules, each error naming the dotted field; no file, model or device work. A recipe's
+        config may override this to add rules across its sections (calling this first)."""
+        require_str("run_dir", self.run_dir, non_empty=True)
+        require_int("seed", self.seed, min=0)
+        require_int("log_every", self.log_every, min=0)
+        require_bool("overwrite", self.overwrite)
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            if dataclasses.is_dataclass(value) and hasattr(value, "validate"):
+                value.validate(item.name)
+
+
+@dataclass(frozen=True)
+class ExportingJobConfig(JobConfig):
+    """A job whose recipe writes the trained model itself (a Hugging Face `save_pretrained` directory)
+    to `output_dir`: no `model.safetensors` besides it by default, and `output_dir` free to change on a
+    resume."""
+
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(export=False))
+    """Resumable checkpoints under <run_dir>/checkpoints; the fine-tuned model itself always goes to output_dir in save_pretrained layout."""
+    output_dir: str | None = None
+    """Where the fine-tuned model is saved (None: <run_dir>/hf_model)."""
+
+    FREE_FIELDS: ClassVar[tuple[str, ...]] = (*JobConfig.FREE_FIELDS, "output_dir")
+
+    def validate(self) -> None:
+        super().validate()
+        require_str("output_dir", self.output_dir, optional=True, non_empty=True)
+
+    def output_path(self) -> Path:
+        """Where the trained model goes: `output_dir` (relative: under run_dir), else <run_dir>/hf_model."""
+        return Path(under_run_dir(self.run_dir, self.output_dir, "hf_model"))
+
+
+def require_validation(config: JobConfig, has_validation: bool, how: str) -> None:
+    """Evaluation needs a validation split: a `ValueError` saying `how` to get one when evaluation is
+    on and `has_validation` is false."""
+    if config.evaluate.enabled and not has_validation:
+        raise ValueError(f"evaluate needs validation data: {how}")
+
+
+def config_fields(config_cls: type) -> list[str]:
+    """Every dotted field name of a (nested) config dataclass, for messages that name flags."""
+    names: list[str] = []
+    hints = typing.get_type_hints(config_cls)
+    for item in dataclasses.fields(config_cls):
+        names.append(item.name)
+        hint = hints.get(item.name)
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            names.extend(f"{item.name}.{sub}" for sub in config_fields(hint))
+    return names
+
+
+# ----------------------------------------------------------------------------- the recipe's parts
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    """What a recipe knows and the job does not; every callable takes the recipe's config first.
+
+    - `config`: the recipe's config class, a `JobConfig` subclass (its flags are the CLI).
+    - `build_model(config, runtime)`: the model on `runtime.device`, initialised or loaded, already
+      parallelized (`fntrain.runtime.materialize.build_seeded_model` does it for a model class).
+    - `build_datasets(config, assets)`: (train, validation or None), map-style or iterable datasets.
+    - `build_assets(config)`: what datasets and export need besides the config (a tokenizer), or None.
+    - `collate(config, assets)`: the collate function of a list of samples (None: torch's default).
+    - `loss(output, micro_batch)`: the mean loss over the micro-batch's valid tokens.
+    - `forward(model, micro_batch)`: the model's output; used by the step, evaluation and FLOP counting.
+    - `model_factory(config)`: the bare model, built on the meta device to count FLOPs per token with
+      a real micro-batch (None: throughput reports no FLOPs).
+    - `dataset_sizes(config)`: (train, validation) sample counts without reading the data, for plans.
+    - `export(config, built, state)`: write the trained model after a run that was not preempted
+      (besides `<run_dir>/model.safetensors`, written when checkpoint.export is set).
+    - `eval_metrics(config, built)`: a function returning extra validation metrics (e.g. answer
+      accuracy), called at every evaluation on every rank, beside the validation loss.
+    - `hooks(built)`: extra hooks, run after the standard ones and before the checkpoint hook.
+    - `describe(config)`: extra lines for the plan printout.
+    - `check(config, assets)`: the recipe's own checks before any file, model or device work, after its
+      data was read (a model directory's contents, LoRA targets on a meta copy of the model); raises
+      `ConfigError` naming the field.
+    - `tensor_parallel(model, tp_mesh, loss_parallel)`: the model family's tensor-parallel plan
+      (`fntrain.runtime.tensor_parallel.tensor_parallel_plan`); None: --parallel.tp-size must be 1.
+    - `pipeline`: where the model's pipeline stages are cut (`fntrain.runtime.pipeline.PipelineSplit`);
+      None: --parallel.pp-size must be 1. `build_model` passes both to `parallelize`.
+    """
+
+    config: type
+    build_model: Callable[[Any, Any], Any]
+    build_datasets: Callable[[Any, Any], tuple[Any, Any]]
+    build_assets: Callable[[Any], Any] | None = None
+    collate: Callable[[Any, Any], Callable[[list[Any]], Any]] | None = None
+    loss: Callable[[Any, Mapping[str, Any]], Any] = causal_lm_loss
+    forward: Callable[[Any, Mapping[str, Any]], Any] = default_forward
+    model_factory: Callable[[Any], Any] | None = None
+    dataset_sizes: Callable[[Any], tuple[int, int]] | None = None
+    export: Callable[[Any, Built, TrainState], Any] | None = None
+    eval_metrics: Callable[[Any, Built], Callable[[], Mapping[str, float]]] | None = None
+    hooks: Callable[[Built], Sequence[Hook]] | None = None
+    describe: Callable[[Any], Mapping[str, Any]] | None = None
+    check: Callable[[Any, Any], None] | None = None
+    tensor_parallel: Callable[[Any, Any, bool], None] | None = None
+    pipeline: Any = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.config, type) and issubclass(self.config, JobConfig)):
+            raise TypeError(f"RecipeSpec.config must be a JobConfig subclass, got {self.config!r}")
+
+
+@dataclass(frozen=True)
+class Built:
+    """Everything `build_job` made, for hooks, exports and tests."""
+
+    config: Any
+    runtime: Any
+    plan: RunPlan
+    components: Any
+    assets: Any
+    data: Any
+    val_dataset: Any
+    collate_fn: Any
+    run_dir: Path
+
+

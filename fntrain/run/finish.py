@@ -1,0 +1,136 @@
+"""How a run ends: the exports, one summary line, one recorded outcome, for every ending.
+
+    export(config, spec, built, state)      the spec's export and model.safetensors (checkpoint.export)
+    summary_line(...)                       steps, tokens, wall time, losses, where the weights went
+    record_end(...)                         the summary to the log, the trackers and run_metadata.json
+    RunAborted                              a run that ended by a failure or Ctrl-C: its one line and
+                                            exit status (1, or 130), raised from the original error
+    failure_line(error, step, log)          "run failed at step N: <what>; full traceback in <log>"
+    keep_traceback(error, rank)             a failure before the first step leaves the run directory as
+                                            it was: its traceback goes to a file in the temp directory
+
+Set FNTRAIN_TRACEBACK=1 to have the CLI print the full traceback too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from fntrain.checkpoint import export_safetensors
+from fntrain.hooks.metrics import metrics_writer, summarize_metrics
+from fntrain.loop import TrainResult
+from fntrain.run.config import Built, JobConfig, RecipeSpec
+from fntrain.run.metadata import record_outcome
+from fntrain.runtime.parallel import pipeline_group
+from fntrain.state import TrainState
+
+__all__ = ["RunAborted", "export", "summary_line", "record_end", "failure_line", "keep_traceback", "append_traceback", "what_happened"]
+
+log = logging.getLogger("fntrain.run.job")
+
+TRACEBACK_ENV = "FNTRAIN_TRACEBACK"
+
+
+class RunAborted(Exception):
+    """A run ended by a failure (exit status 1) or a Ctrl-C that saved nothing (130), after its outcome
+    was recorded; `line` is what the user reads, `__cause__` the original error."""
+
+    def __init__(self, line: str, exit_code: int = 1):
+        super().__init__(line)
+        self.line, self.exit_code = line, exit_code
+
+
+def export(config: JobConfig, spec: RecipeSpec, built: Built, state: TrainState) -> list[str]:
+    """The spec's export, and <run_dir>/model.safetensors when checkpoint.export is set; where they went."""
+    written = []
+    if spec.export is not None:
+        written.append(spec.export(config, built, state))
+    if config.checkpoint.export:
+        path = built.run_dir / "model.safetensors"  # a collective under FSDP2 (every rank gathers), rank 0 writes
+        export_safetensors(built.components.model, path, metadata=state.as_dict(),
+                           pipeline_group=pipeline_group(built.runtime))  # fmt: skip
+        written.append(path)
+    return [str(path) for path in written if path is not None]
+
+
+def summary_line(config: JobConfig, outcome: str, step: int | None, seconds: float, *,
+                 exported: list[str] = (), ending: str = "") -> str:  # fmt: skip
+    """One line saying how the run ended: steps, tokens, wall time, losses, where the weights went (or
+    `ending`: how to go on)."""
+    facts = summarize_metrics(Path(config.run_dir).expanduser() / config.metrics.jsonl_name)
+    parts = [f"run {outcome} at step {step}" if step is not None else f"run {outcome} before its first step"]
+    if "consumed_tokens" in facts:
+        parts.append(f"{facts['consumed_tokens']:,} tokens")
+    parts.append(f"{seconds:.1f} s")
+    if "loss" in facts:
+        parts.append(f"final loss {facts['loss']:.4g}")
+    if "best_val_loss" in facts:
+        parts.append(f"best val_loss {facts['best_val_loss']:.4g} (step {facts['best_val_step']})")
+    if exported:
+        parts.append("weights in " + ", ".join(exported))
+    elif ending:
+        parts.append(ending)
+    return "; ".join(parts)
+
+
+def resume_hint(config: JobConfig) -> str:
+    """How to go on after a run that stopped early."""
+    if config.checkpoint.enabled or config.checkpoint.save_on_interrupt:
+        return "resume with --checkpoint.restore-from latest"
+    return "no checkpoint was saved (set --checkpoint.save-every to make one)"
+
+
+def record_end(config: JobConfig, runtime: Any, hooks: list[Any], outcome: str, summary: str, started: float,
+               **details: Any) -> None:  # fmt: skip
+    """The summary line on the main rank's log, the trackers' end of the story, and the outcome in
+    run_metadata.json."""
+    if runtime.is_main:
+        (log.info if outcome in ("completed", "stopped") else log.warning)("%s", summary)
+    writer = metrics_writer(hooks)
+    if writer is not None:
+        writer.summary({"outcome": outcome, "wall_s": round(time.monotonic() - started, 1),
+                        "exported": ", ".join(details.get("exported") or ())})  # fmt: skip
+    record_outcome(config.run_dir, runtime, outcome, summary=summary, **details)
+
+
+def what_happened(error: BaseException) -> str:
+    """The error in a few words: its type and the first line of its message."""
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def failure_line(error: BaseException, step: int | None, traceback_at: Path | str) -> str:
+    """The one line a failed run leaves on the terminal."""
+    where = f"at step {step}" if step is not None else "before its first step"
+    return f"run failed {where}: {what_happened(error)}; full traceback in {traceback_at}"
+
+
+def _traceback_text(error: BaseException) -> str:
+    return "".join(traceback.format_exception(type(error), error, error.__traceback__))
+
+
+def append_traceback(path: Path, error: BaseException) -> None:
+    """Append `error`'s traceback to the log file `path`."""
+    with open(path, "a", encoding="utf-8") as file:
+        file.write(_traceback_text(error))
+
+
+def keep_traceback(error: BaseException, rank: int) -> Path:
+    """Write `error`'s traceback to a file in the temp directory (the run directory is being put back
+    as it was); return its path."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    fd, name = tempfile.mkstemp(prefix=f"fntrain-failed-{stamp}-rank{rank}-", suffix=".log")
+    with os.fdopen(fd, "w", encoding="utf-8") as file:
+        file.write(_traceback_text(error))
+    return Path(name)
+
+
+def completed(result: TrainResult) -> bool:
+    """Whether the run ended by reaching its length (or a hook's stop), not by a notice."""
+    return result.outcome not in ("preempted", "interrupted")
