@@ -31,6 +31,7 @@ from fntrain.data.stream import is_iterable_dataset
 from fntrain.hooks.checkpoint import checkpoint_root
 from fntrain.hooks.standard import early_hooks
 from fntrain.run.config import JobConfig, RecipeSpec
+from fntrain.run.directory import check_run_dir
 from fntrain.run.resume import Resume, decide_resume
 from fntrain.runtime.device import resolve_device_type
 from fntrain.runtime.materialize import build_on_meta
@@ -166,12 +167,12 @@ def check_model_parallel(config: JobConfig, spec: RecipeSpec, dp_size: int) -> N
 def check_device_settings(config: JobConfig, launch: LaunchEnv) -> None:
     """The device itself and the memory and profiler hooks' backends and rank lists, checked by
     building those hooks for a stand-in runtime of this launch: building starts nothing [S9]."""
-    device = torch.device(resolve_device_type(config.runtime.device))
-    stand_in = Runtime(rank=launch.rank, world_size=launch.world_size, device=device,
-                       tp_size=config.parallel.tp_size, pp_size=config.parallel.pp_size)  # fmt: skip
     try:
+        device = torch.device(resolve_device_type(config.runtime.device))
+        stand_in = Runtime(rank=launch.rank, world_size=launch.world_size, device=device,
+                           tp_size=config.parallel.tp_size, pp_size=config.parallel.pp_size)  # fmt: skip
         early_hooks(config, stand_in)
-    except RuntimeError as error:  # a device without what a hook needs: a setting of this machine
+    except RuntimeError as error:  # a device this machine lacks, or without what a hook needs
         raise ConfigError(str(error)) from None
 
 
@@ -211,10 +212,12 @@ def _check_writable_dir(field: str, path: str | os.PathLike) -> None:
 
 
 def check_paths(config: JobConfig) -> None:
-    """The run directory, the checkpoint root and (when the recipe has one) output_dir."""
+    """The run directory (one run per directory: a second one neither resumes nor starts over), the
+    checkpoint root and (when the recipe has one) output_dir are writable directories."""
     _check_writable_dir("run_dir", config.run_dir)
     root = checkpoint_root(config.checkpoint, config.run_dir)
     _check_writable_dir("checkpoint.dir" if config.checkpoint.dir else "run_dir", root)
+    check_run_dir(config.run_dir, root, restore_from=config.checkpoint.restore_from, overwrite=config.overwrite)
     if getattr(config, "output_dir", None):
         _check_writable_dir("output_dir", config.output_path())
 
@@ -252,7 +255,7 @@ def check_windows(config: JobConfig, plan: RunPlan) -> None:
     last = plan.train_iters
     windows = (
         ("profiler.start_step", config.profiler.enabled, config.profiler.start_step),
-        ("memory.start_step", config.memory.enable, config.memory.start_step),
+        ("memory.start_step", config.memory.enable or config.memory.mem_info, config.memory.start_step),
     )
     for field, enabled, start in windows:
         if enabled and start > last:

@@ -83,11 +83,11 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _toml_module() -> Any:
     if sys.version_info >= (3, 11):
-        import tomllib
+        import tomllib  # the standard library's TOML reader from 3.11
 
         return tomllib
     try:
-        import tomli
+        import tomli  # optional: TOML before 3.11
     except ImportError as error:
         raise ConfigFileError(
             "reading TOML on Python < 3.11 needs the tomli package (pip install tomli)"
@@ -97,7 +97,7 @@ def _toml_module() -> Any:
 
 def _yaml_module() -> Any:
     try:
-        import yaml
+        import yaml  # optional (extra `yaml`)
     except ImportError as error:
         raise ConfigFileError("reading YAML needs PyYAML: pip install 'fntrain[yaml]'") from error
     return yaml
@@ -387,7 +387,7 @@ def parse_config_cli(
     prog: str | None = None,
 ) -> T:
     """tyro's CLI for `cls`, with defaults seeded by any `--config FILE` in `argv` (None: sys.argv)."""
-    import tyro
+    import tyro  # import time: reading a config file needs no CLI parser
 
     argv = sys.argv[1:] if argv is None else list(argv)
     paths, rest = split_config_args(argv)

@@ -97,7 +97,7 @@ def _device_name(device: torch.device) -> str:
         if device.type == "cuda":
             return torch.cuda.get_device_name(device)
         if device.type == "npu":
-            from fntrain.runtime.device import device_module
+            from fntrain.runtime.device import device_module  # torch_npu is imported only on npu
 
             return str(device_module("npu").get_device_name(device.index or 0))
         if device.type == "cpu":
@@ -119,7 +119,7 @@ def _this_rank(runtime: Runtime) -> dict[str, Any]:
 
 
 def _versions() -> dict[str, Any]:
-    import fntrain
+    import fntrain  # the package itself, for its version (a module-level import would read as a cycle)
 
     versions: dict[str, Any] = {
         "fntrain": getattr(fntrain, "__version__", None),
@@ -144,7 +144,7 @@ def collect_run_metadata(
 ) -> dict[str, Any]:
     """The metadata of this launch as a JSON-ready dict (see the module docstring). `ranks`: every
     rank's entry (default: this rank's alone); `argv` defaults to `sys.argv`."""
-    import fntrain
+    import fntrain  # the package itself, for its source directory (see _versions)
 
     now = time.time()
     ranks = list(ranks) if ranks is not None else [_this_rank(runtime)]

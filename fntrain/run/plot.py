@@ -49,8 +49,8 @@ def series(records: Sequence[dict[str, Any]], name: str) -> tuple[list[int], lis
 
 def _figure() -> Any:
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # optional (extra `plot`)
+        from matplotlib.figure import Figure  # optional (extra `plot`)
     except ImportError as error:
         raise ImportError(_MATPLOTLIB_MISSING) from error
     # The object API with the Agg canvas: no pyplot, no global backend switch, no display needed.

@@ -131,7 +131,7 @@ def _import_file(path: Path) -> ModuleType:
 
 
 def _recipe_spec(module: ModuleType) -> Any:
-    from fntrain.run.config import RecipeSpec
+    from fntrain.run.config import RecipeSpec  # import time: listing recipes imports no torch
 
     spec = getattr(module, "spec", None)
     if not isinstance(spec, RecipeSpec):
