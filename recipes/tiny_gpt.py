@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fntrain.config import require_float, require_int, require_str
+from fntrain.data.byte_windows import byte_window_counts, byte_windows
 from fntrain.data.corpora import corpus_path
 from fntrain.data.shards import INDEX_NAME, TokenWindows, read_index, split_windows
 from fntrain.hooks.evaluate import EvaluateConfig
@@ -68,7 +69,7 @@ class DataConfig:
 
     def validate(self, prefix: str = "data") -> None:
         require_str(f"{prefix}.path", self.path, optional=True, non_empty=True)
-        if self.path is not None and not Path(self.path).expanduser().is_file():
+        if self.path is not None and not Path(self.path).expanduser().exists():
             raise FileNotFoundError(f"{prefix}.path {self.path!r} does not exist")
         require_str(f"{prefix}.shards", self.shards, optional=True, non_empty=True)
         if self.path is not None and self.shards is not None:
@@ -94,6 +95,8 @@ class Config(JobConfig):
 
     def validate(self) -> None:
         super().validate()
+        if not self.data.shards and self.model.vocab_size < 256:  # byte data: every byte is a token
+            raise ValueError(f"model.vocab_size must be >= 256 for byte-level data, got {self.model.vocab_size}")
         if self.model.n_head % self.parallel.tp_size:  # each tp rank holds whole heads
             raise ValueError(f"parallel.tp_size ({self.parallel.tp_size}) must divide model.n_head ({self.model.n_head})")
 
@@ -180,44 +183,22 @@ class TinyGPT(nn.Module):
 # ----------------------------------------------------------------------------- data
 
 
-class ByteChunks(torch.utils.data.Dataset):
-    """Non-overlapping `context`-byte windows of a byte tensor; labels equal the inputs (shifted in the loss)."""
-
-    def __init__(self, data: torch.Tensor, context: int):
-        self.data, self.context = data, context
-
-    def __len__(self) -> int:
-        return len(self.data) // self.context
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        chunk = self.data[index * self.context : (index + 1) * self.context].long()
-        return {"input_ids": chunk, "labels": chunk}
-
-
 def _corpus(config: Config) -> Path:
     return Path(config.data.path).expanduser() if config.data.path else corpus_path("shakespeare")
-
-
-def _split_point(corpus_bytes: int, config: Config) -> int:
-    return int(corpus_bytes * (1.0 - config.data.val_fraction))
 
 
 def dataset_sizes(config: Config) -> tuple[int, int]:
     """(train, validation) sample counts from the corpus file's size (or the shard index) alone."""
     if config.data.shards:
         return tuple(map(len, build_datasets(config)))  # nothing is mapped or read
-    size = _corpus(config).stat().st_size
-    split = _split_point(size, config)
-    return split // config.model.context, (size - split) // config.model.context
+    return byte_window_counts(_corpus(config), config.model.context, config.data.val_fraction)
 
 
-def build_datasets(config: Config, assets: Any = None) -> tuple[ByteChunks, ByteChunks]:
+def build_datasets(config: Config, assets: Any = None) -> tuple[Any, Any]:
     """(train, validation): the corpus as bytes (or the shards' token windows), its tail held out."""
     if config.data.shards:
         return split_windows(TokenWindows(config.data.shards, config.model.context), config.data.val_fraction)
-    raw = torch.frombuffer(bytearray(_corpus(config).read_bytes()), dtype=torch.uint8)
-    split = _split_point(len(raw), config)
-    return ByteChunks(raw[:split], config.model.context), ByteChunks(raw[split:], config.model.context)
+    return byte_windows(_corpus(config), config.model.context, config.data.val_fraction)
 
 
 def model_config(config: Config) -> ModelConfig:

@@ -133,7 +133,10 @@ def read_index(directory: str | os.PathLike[str]) -> ShardIndex:
             f"no token shards at {str(directory)!r}: {INDEX_NAME} is missing (not written by `fntrain "
             "tokenize`, or the tokenization did not finish)"
         )
-    raw = json.loads(path.read_text())
+    try:
+        raw = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:  # ValueError: JSONDecodeError and bad UTF-8
+        raise ValueError(f"{path} is not a token-shard index (not JSON: {error})") from None
     if not isinstance(raw, Mapping) or raw.get("format") != FORMAT:
         raise ValueError(f"{path} is not a token-shard index (format must be {FORMAT!r})")
     if raw.get("version") != VERSION:
