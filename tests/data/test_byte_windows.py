@@ -1,0 +1,26 @@
+"""fntrain.data.byte_windows: a text file as byte windows, its tail held out, sizes from the file alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from fntrain.config import ConfigError
+from fntrain.data.byte_windows import byte_window_counts, byte_windows
+
+
+def test_windows_split_the_tail_off_and_counts_match(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(bytes(range(100)))
+    train, val = byte_windows(path, context=8, val_fraction=0.2)
+    assert (len(train), len(val)) == byte_window_counts(path, 8, 0.2) == (10, 2)
+    assert train[1]["input_ids"].tolist() == list(range(8, 16)) == train[1]["labels"].tolist()
+    assert val[0]["input_ids"].tolist() == list(range(80, 88))
+
+
+@pytest.mark.parametrize("make, needle", [(lambda p: p.write_bytes(b""), "is empty"), (lambda p: p.mkdir(), "directory")])
+def test_an_empty_file_or_a_directory_names_the_field(tmp_path, make, needle):
+    path = tmp_path / "corpus.txt"
+    make(path)
+    for read in (byte_windows, byte_window_counts):
+        with pytest.raises(ConfigError, match=f"data.path .*corpus.txt.* {needle}"):
+            read(path, 8, 0.1)
