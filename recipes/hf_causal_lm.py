@@ -20,12 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from fntrain.config import require_str
 from fntrain.data.sft import SFTDataConfig, build_sft_datasets, make_sft_collate
-from fntrain.hooks.checkpoint import CheckpointConfig
-from fntrain.hooks.standard import under_run_dir
 from fntrain.models.hf import (
     AssetsConfig,
     HFModelConfig,
@@ -40,11 +37,11 @@ from fntrain.models.hf import (
 from fntrain.models.hf_tp import hf_tensor_parallel
 from fntrain.models.lora import LoraConfig, apply_lora, check_lora_parallel, save_adapter_or_merged
 from fntrain.optim import OptimizerConfig, ScheduleConfig
-from fntrain.run.config import JobConfig, RecipeSpec, TrainConfig
+from fntrain.run.config import ExportingJobConfig, RecipeSpec, TrainConfig, require_validation
 
 
 @dataclass(frozen=True)
-class Config(JobConfig):
+class Config(ExportingJobConfig):
     """Fine-tune a local Hugging Face causal LM and save it in save_pretrained layout."""
 
     run_dir: str = "runs/hf_causal_lm"
@@ -54,31 +51,19 @@ class Config(JobConfig):
     )
     optim: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=2e-5, weight_decay=0.0))
     schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(warmup_iters=0, min_lr_ratio=0.1))
-    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(export=False))
-    """Resumable checkpoints under <run_dir>/checkpoints; the fine-tuned model itself always goes to output_dir in save_pretrained layout."""
-    output_dir: str | None = None
-    """Where the fine-tuned model, config and tokenizer are saved (None: <run_dir>/hf_model)."""
     model: HFModelConfig = field(default_factory=HFModelConfig)
     assets: AssetsConfig = field(default_factory=AssetsConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters through peft (lora.rank > 0; the `lora` extra): only the adapters train, and output_dir receives the adapter (PEFT layout) or, with lora.merge_on_export, the merged model."""
 
-    FREE_FIELDS: ClassVar[tuple[str, ...]] = (*JobConfig.FREE_FIELDS, "output_dir")
-
     def validate(self) -> None:
         super().validate()
-        require_str("output_dir", self.output_dir, optional=True, non_empty=True)
         check_packed_attention(self.model, self.data.packing)
         check_lora_parallel(self.lora, self.parallel.meta_init, tp_size=self.parallel.tp_size)
         check_tensor_parallel(self.model, self.parallel.tp_size)
-        if self.evaluate.enabled and not (self.data.val_path or self.data.val_fraction > 0):
-            raise ValueError("evaluate needs validation data: set data.val_path or data.val_fraction > 0")
-
-
-def output_dir(config: Config) -> Path:
-    """Where the fine-tuned model goes: `output_dir`, else <run_dir>/hf_model."""
-    return Path(under_run_dir(config.run_dir, config.output_dir, "hf_model"))
+        require_validation(self, bool(self.data.val_path or self.data.val_fraction > 0),
+                           "set data.val_path or data.val_fraction > 0")
 
 
 def build_assets(config: Config) -> Any:
@@ -105,9 +90,9 @@ def export(config: Config, built: Any, state: Any) -> Path:
     """The fine-tuned model (or LoRA adapter) and its tokenizer in save_pretrained layout (every rank
     takes part)."""
     if config.lora.enabled:
-        return save_adapter_or_merged(built.components.model, config.lora, output_dir(config), built.runtime,
+        return save_adapter_or_merged(built.components.model, config.lora, config.output_path(), built.runtime,
                                       built.assets)  # fmt: skip
-    return save_hf_model(built.components.model, built.assets, output_dir(config), built.runtime)
+    return save_hf_model(built.components.model, built.assets, config.output_path(), built.runtime)
 
 
 spec = RecipeSpec(
@@ -126,7 +111,7 @@ spec = RecipeSpec(
         "packing": config.data.packing,
         "max_length": config.data.max_length,
         "lora_rank": config.lora.rank,
-        "output_dir": str(output_dir(config)),
+        "output_dir": str(config.output_path()),
     },
 )
 

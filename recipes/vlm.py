@@ -23,12 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from fntrain.config import require_int, require_str
+from fntrain.config import require_int
 from fntrain.data.sft import read_jsonl
 from fntrain.data.vlm import VLMDataConfig, build_vlm_datasets, make_vlm_collate, shapes_texts
-from fntrain.hooks.checkpoint import CheckpointConfig
 from fntrain.hooks.evaluate import EvaluateConfig
-from fntrain.hooks.standard import under_run_dir
 from fntrain.models.vlm import (
     VLMModelConfig,
     answer_accuracy,
@@ -40,11 +38,11 @@ from fntrain.models.vlm import (
     vlm_from_config,
 )
 from fntrain.optim import OptimizerConfig, ScheduleConfig
-from fntrain.run.config import JobConfig, RecipeSpec, TrainConfig
+from fntrain.run.config import ExportingJobConfig, RecipeSpec, TrainConfig, require_validation
 
 
 @dataclass(frozen=True)
-class Config(JobConfig):
+class Config(ExportingJobConfig):
     """Fine-tune a local image-text-to-text model (or the tiny built-in LLaVA) on images and chat."""
 
     run_dir: str = "runs/vlm"
@@ -56,39 +54,30 @@ class Config(JobConfig):
     schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(warmup_iters=20, min_lr_ratio=0.1))
     evaluate: EvaluateConfig = field(default_factory=lambda: EvaluateConfig(eval_every=100, at_end=True))
     """Validation loss and answer accuracy on the held-out split."""
-    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(export=False))
-    """Resumable checkpoints under <run_dir>/checkpoints; the fine-tuned model itself always goes to output_dir in save_pretrained layout."""
-    output_dir: str | None = None
-    """Where the fine-tuned model and its processor are saved (None: <run_dir>/hf_model)."""
     answer_tokens: int = 2
     """Tokens generated greedily per held-out question for val_accuracy (0: no accuracy)."""
     model: VLMModelConfig = field(default_factory=VLMModelConfig)
     data: VLMDataConfig = field(default_factory=VLMDataConfig)
 
-    FREE_FIELDS: ClassVar[tuple[str, ...]] = (*JobConfig.FREE_FIELDS, "output_dir", "answer_tokens", "model.cache_dir")
+    FREE_FIELDS: ClassVar[tuple[str, ...]] = (*ExportingJobConfig.FREE_FIELDS, "answer_tokens", "model.cache_dir")
 
     def validate(self) -> None:
         super().validate()
-        require_str("output_dir", self.output_dir, optional=True, non_empty=True)
         require_int("answer_tokens", self.answer_tokens, min=0)
         if self.data.path and not self.model.path:
             raise ValueError("data.path needs model.path: the tiny built-in model only knows the generated set")
         if self.parallel.meta_init:
             raise ValueError("parallel.meta_init is not supported by the vlm recipe: leave it off")
-        if self.evaluate.enabled and self.data.path and not (self.data.val_path or self.data.val_fraction > 0):
-            raise ValueError("evaluate needs validation data: set data.val_path or data.val_fraction > 0")
-        if self.evaluate.enabled and not self.data.path and self.data.val_samples == 0:
-            raise ValueError("evaluate needs validation data: set data.val_samples > 0")
+        if self.data.path:
+            require_validation(self, bool(self.data.val_path or self.data.val_fraction > 0),
+                               "set data.val_path or data.val_fraction > 0")
+        else:
+            require_validation(self, self.data.val_samples > 0, "set data.val_samples > 0")
 
 
 def model_dir(config: Config) -> Path:
     """model.path, or the tiny built-in LLaVA (built under model.cache_dir on first use)."""
     return resolve_model_dir(config.model, shapes_texts())
-
-
-def output_dir(config: Config) -> Path:
-    """Where the fine-tuned model goes: `output_dir`, else <run_dir>/hf_model."""
-    return Path(under_run_dir(config.run_dir, config.output_dir, "hf_model"))
 
 
 def dataset_sizes(config: Config) -> tuple[int, int]:
@@ -139,14 +128,14 @@ spec = RecipeSpec(
     model_factory=lambda config: vlm_from_config(model_dir(config), config.model.attn_implementation),
     dataset_sizes=dataset_sizes,
     export=lambda config, built, state: save_vlm(
-        built.components.model, built.assets, output_dir(config), built.runtime
+        built.components.model, built.assets, config.output_path(), built.runtime
     ),
     eval_metrics=eval_metrics,
     describe=lambda config: {
         "model": config.model.path or f"tiny built-in LLaVA (cache {config.model.cache_dir})",
         "data": config.data.path or "generated shapes",
         "strategy": config.parallel.strategy,
-        "output_dir": str(output_dir(config)),
+        "output_dir": str(config.output_path()),
     },
 )
 

@@ -47,8 +47,8 @@ def test_config_validation_names_fields_and_checks_paths(tiny_files):
         dataclasses.replace(base, data=SFTDataConfig(path=str(data_path) + ".missing")).validate()
     with pytest.raises(ValueError, match="evaluate needs validation data"):
         dataclasses.replace(base, evaluate=EvaluateConfig(eval_every=5)).validate()
-    assert hf.output_dir(base) == Path("runs/hf_causal_lm/hf_model")
-    assert hf.output_dir(dataclasses.replace(base, output_dir="/abs/out")) == Path("/abs/out")
+    assert base.output_path() == Path("runs/hf_causal_lm/hf_model")
+    assert dataclasses.replace(base, output_dir="/abs/out").output_path() == Path("/abs/out")
 
 
 def test_bad_settings_are_one_line_naming_the_flag(tiny_files, capsys):
