@@ -260,21 +260,24 @@ def _lightning_variants(model, batches, loss_fn, forward, steps: int, run_dir: s
 
 def _default_hooks(steps: int, run_dir: str) -> Callable[[], list]:
     """Progress bar, metrics every 10 steps (log line + metrics.jsonl) and throughput, as recipes use them."""
-    from fntrain.hooks.metrics import MetricBoard, MetricsConfig, metrics_hook, metrics_log
+    from fntrain.hooks.metrics import MetricsConfig, metrics_hook
+    from fntrain.hooks.metrics_log import metrics_log
     from fntrain.hooks.progress import ProgressConfig, progress_hook
-    from fntrain.hooks.throughput import ThroughputConfig, throughput_hook
+    from fntrain.hooks.throughput import ThroughputConfig, throughput_meter
     from fntrain.runtime import Runtime
 
     runtime = Runtime()
     bar_file = open(os.devnull, "w")  # noqa: SIM115 - the bar is drawn (and paid for), but not into the table
 
     def factory() -> list:
-        board = MetricBoard()
         writer = metrics_log(MetricsConfig(), runtime, run_dir)
+        meter = throughput_meter(ThroughputConfig(), runtime)
         return [
-            throughput_hook(ThroughputConfig(), runtime, log_every=LOG_EVERY, board=board, last_step=steps),
-            metrics_hook(runtime, log_every=LOG_EVERY, writer=writer, board=board, last_step=steps),
-            progress_hook(ProgressConfig(), runtime, total=steps, board=board, file=bar_file),
+            meter.hook,
+            metrics_hook(
+                runtime, log_every=LOG_EVERY, writer=writer, sources=(meter.figures,), last_step=steps
+            ),
+            progress_hook(ProgressConfig(), runtime, total=steps, latest=writer.latest, file=bar_file),
         ]
 
     return factory

@@ -25,7 +25,7 @@ from bench.harness import (
 from fntrain import TrainState, train
 from fntrain.data.pipeline import data_fn
 from fntrain.data.tokens import count_batch
-from fntrain.hooks.standard import standard_hooks
+from fntrain.hooks.standard import HookInputs, standard_hooks
 from fntrain.hooks.throughput import measure_flops_per_token
 from fntrain.step import causal_lm_loss, make_train_step
 
@@ -98,7 +98,8 @@ def _timing(steps: int, repeats: int, budget_s: float) -> Timing:
             # Each round is a run of `steps` steps with the recipe's hooks, built anew (FLOPs counted once
             # above rather than at every round's TRAIN_BEGIN: a once-per-run cost, not a per-step one).
             plan = dataclasses.replace(built.plan, train_iters=state["state"].global_step + steps)
-            hooks = standard_hooks(config, runtime, plan, comp, run_dir=built.run_dir, flops_per_token=flops)
+            inputs = HookInputs(config, runtime, plan, comp, run_dir=built.run_dir, flops_per_token=flops)
+            hooks = standard_hooks(inputs)
             state["state"] = train(
                 state["state"], step_fn, hooks, data=data_fn(built.data), plan=plan, count_batch=count_batch
             )

@@ -19,6 +19,7 @@ import pytest
 
 import recipes.tiny_gpt as tiny_gpt
 from fntrain.cli import dispatch, main, recipe_main, resolve_config
+from fntrain.config import ConfigError
 from fntrain.hooks.checkpoint import CheckpointConfig
 from fntrain.hooks.memory import MemoryConfig
 from fntrain.hooks.profiler import ProfilerConfig
@@ -174,11 +175,12 @@ def test_plan_builds_no_model_reads_no_corpus_touches_no_device(monkeypatch, cap
 
 def test_plan_notes_normalised_and_impossible_windows():
     plan = make_run_plan(global_batch_size=4, micro_batch_size=2, train_iters=6, dataset_len=100)
-    profiler = ProfilerConfig(enabled=True, start_step=5, stop_step=3)
+    with pytest.raises(ConfigError, match="profiler.stop_step"):  # a reversed window is refused
+        describe_run_plan(plan, world_size=2, device_type="cpu", profiler=ProfilerConfig(enabled=True, start_step=5, stop_step=3))
+    profiler = ProfilerConfig(enabled=True, start_step=5, stop_step=9)
     memory = MemoryConfig(enable=True, start_step=4, end_step=9, dump_ranks=[3])
     report = describe_run_plan(plan, world_size=2, device_type="cpu", profiler=profiler, memory=memory)
-    assert report["profiler"]["steps"] == [1, 6] and report["profiler"]["partial"]  # normalised to 1..10
-    assert any("start_step" in note for note in report["profiler"]["notes"])
+    assert report["profiler"]["steps"] == [5, 6] and report["profiler"]["partial"]  # the run ends at 6
     assert report["memory"]["recorded_steps"] == [4, 6]
     assert report["memory"]["writes_at"] == "at TRAIN_END (partial window)"
     notes = " ".join(report["memory"]["notes"])

@@ -128,7 +128,13 @@ def _losses(out: Path) -> list[str]:
 @pytest.mark.slow
 def test_the_default_learns_the_shapes_and_the_export_answers_with_transformers(tmp_path):
     """`fntrain run vlm` as the README shows it (300 steps), with a temporary cache: held-out answer
-    accuracy >= 0.8 (chance 0.25); the exported model, reloaded with transformers, answers."""
+    accuracy >= 0.85 (chance 0.25); the exported model, reloaded with transformers, answers >= 0.8 of
+    32 other held-out questions.
+
+    Measured with `--seed S` on 2 shared x86 CPU cores (val_accuracy on 128 rows; right of the 32 rows
+    below): 0: 0.961 (32), 1: 0.969 (32), 2: 1.000 (31), 3: 0.984 (30), 4: 0.984 (32), 5: 0.969 (29),
+    42 (the default, run here): 0.992 (32). The bars sit about 0.1 below the worst seed: another
+    machine's float rounding moves the trajectory (seed 42 once gave 0.836 on one VM, 0.797 on another)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     run_dir = tmp_path / "run"
@@ -136,7 +142,7 @@ def test_the_default_learns_the_shapes_and_the_export_answers_with_transformers(
               "--progress.no-enabled", "--train.train-iters", "300"])  # fmt: skip
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     accuracy = [r["val_accuracy"] for r in records if "val_accuracy" in r][-1]
-    assert accuracy >= 0.8, accuracy
+    assert accuracy >= 0.85, accuracy
 
     model = AutoModelForImageTextToText.from_pretrained(run_dir / "hf_model", local_files_only=True)
     processor = AutoProcessor.from_pretrained(run_dir / "hf_model", local_files_only=True)
@@ -148,7 +154,7 @@ def test_the_default_learns_the_shapes_and_the_export_answers_with_transformers(
         output = model.generate(**inputs, max_new_tokens=2, do_sample=False)
         said = processor.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).split()
         right += said[:1] == [row["messages"][1]["content"]]
-    assert right / len(held_out) >= 0.7, right
+    assert right / len(held_out) >= 0.8, right
 
 
 SMALL = ["--data.train-samples", "32", "--data.val-samples", "8", "--train.global-batch-size", "8",

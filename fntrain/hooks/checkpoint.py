@@ -43,7 +43,7 @@ import torch.distributed as dist
 from fntrain.checkpoint import PendingSave, make_stager, save, save_async
 from fntrain.components import Components
 from fntrain.config import require_bool, require_float, require_int, require_str
-from fntrain.hooks.base import StatefulHook, stateful
+from fntrain.hooks.base import StatefulHook, chain, every, every_epoch, on, stateful
 from fntrain.hooks.preemption import Agreement, group_timeout, make_agreement
 from fntrain.hooks.signals import (
     DEFAULT_EXIT_CODE,
@@ -203,9 +203,6 @@ def checkpoint_hook(
             _poll(memory)
         elif event is Event.STEP_END:
             _step_end(setup, memory, state)
-        elif event is Event.EPOCH_END:
-            if config.save_epochs and (state.epoch + 1) % config.save_epochs == 0:
-                _save_now(setup, memory, state, background=config.async_save)
         elif event is Event.TRAIN_END:
             _train_end(setup, memory, state)
         elif event is Event.ABORT:
@@ -218,7 +215,30 @@ def checkpoint_hook(
     def load_state_dict(saved: Mapping[str, Any]) -> None:
         memory.last_saved = int(saved.get("last_saved_step", -1))
 
-    return stateful("checkpoint", hook, state_dict, load_state_dict)
+    return stateful("checkpoint", chain(*_cadence_saves(setup, memory), hook), state_dict, load_state_dict)
+
+
+def _cadence_saves(setup: _Setup, memory: _CheckpointMemory) -> list[Hook]:
+    """The hooks that go before the main one: at STEP_END the save in flight is polled (a failed
+    background save surfaces first), then the `save_every` save, and only then the main hook takes the
+    preemption and timed-save decisions, so a preemption at a saved step does not save it twice; at
+    EPOCH_END the `save_epochs` save. Nothing happens outside TRAIN_BEGIN .. TRAIN_END / ABORT."""
+    config = setup.config
+
+    def poll(state: TrainState, info: Any) -> None:
+        if memory.started:
+            _poll(memory)
+
+    def save(state: TrainState, info: Any) -> None:
+        if memory.started:
+            _save_now(setup, memory, state, background=config.async_save)
+
+    parts: list[Hook] = [on(Event.STEP_END, poll)]
+    if config.save_every:
+        parts.append(every(config.save_every, on(Event.STEP_END, save)))
+    if config.save_epochs:
+        parts.append(every_epoch(config.save_epochs, on(Event.EPOCH_END, save)))
+    return parts
 
 
 def _settle(memory: _CheckpointMemory) -> None:
@@ -294,9 +314,6 @@ def _begin(setup: _Setup, memory: _CheckpointMemory, state: TrainState) -> None:
 
 def _step_end(setup: _Setup, memory: _CheckpointMemory, state: TrainState) -> None:
     config = setup.config
-    _poll(memory)
-    if config.save_every and state.global_step % config.save_every == 0:
-        _save_now(setup, memory, state, background=config.async_save)
     decision = setup.agreement.decide(state)
     if decision.preempt:
         _stop_for_preemption(setup, memory, state)

@@ -27,8 +27,8 @@ from torch.utils.data import default_collate
 from fntrain.config import require_bool, require_int
 from fntrain.data.device import to_device
 from fntrain.data.tokens import IGNORE_INDEX, count_loss_tokens
-from fntrain.hooks.base import StatefulHook, stateful
-from fntrain.hooks.metrics import RESERVED, MetricsLog, format_record
+from fntrain.hooks.base import StatefulHook, cadence, chain, every_epoch, on, on_steps, stateful
+from fntrain.hooks.metrics_log import RESERVED, MetricsLog, format_record
 from fntrain.loop import Event
 from fntrain.runtime.collectives import exact_dtype, reduce_scalars
 from fntrain.runtime.runtime import Runtime
@@ -180,11 +180,9 @@ def evaluate_hook(
     config.validate()
     if config.at_end and last_step is None:
         raise ValueError("evaluate.at_end needs the run's last step (last_step=plan.train_iters)")
-    every, epochs = config.eval_every, config.eval_epochs
-    end = last_step if config.at_end else None
     memory = _EvaluateMemory()
 
-    def evaluate(state: TrainState) -> None:
+    def evaluate(state: TrainState, info: Any) -> None:
         if state.global_step == memory.evaluated:
             return
         memory.evaluated = state.global_step
@@ -200,14 +198,11 @@ def evaluate_hook(
         elif runtime.rank == 0:
             log.info("%s", format_record(state.global_step, state.epoch, metrics))
 
-    def hook(event: Event, state: TrainState, info: Any) -> None:
-        if event is Event.STEP_END:
-            step = state.global_step
-            if (every and step % every == 0) or step == end:
-                evaluate(state)
-        elif event is Event.EPOCH_END:
-            if epochs and (state.epoch + 1) % epochs == 0:
-                evaluate(state)
+    steps_due = cadence(config.eval_every, last_step if config.at_end else None)
+    parts = [on_steps(steps_due, on(Event.STEP_END, evaluate))]
+    if config.eval_epochs:
+        parts.append(every_epoch(config.eval_epochs, on(Event.EPOCH_END, evaluate)))
+    hook = chain(*parts)
 
     def state_dict() -> dict[str, Any]:
         return {"last_step": memory.evaluated}

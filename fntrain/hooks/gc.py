@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fntrain.config import require_bool, require_int
+from fntrain.hooks.base import chain, every, on
 from fntrain.loop import Event, Hook
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
@@ -81,14 +82,8 @@ def gc_hook(config: GCConfig, runtime: Runtime) -> Hook:
         log.info("gc.empty_cache_every is ignored on cpu (no caching allocator)")
     memory = _GCMemory()
 
-    def hook(event: Event, state: TrainState, info: Any) -> None:
-        if event is Event.STEP_END:
-            step = state.global_step
-            if collect_every and step % collect_every == 0:
-                gc.collect(generation)
-            if cache_every and step % cache_every == 0:
-                memory.empty_cache()
-        elif event is Event.TRAIN_BEGIN:
+    def automatic(event: Event, state: TrainState, info: Any) -> None:
+        if event is Event.TRAIN_BEGIN:
             if cache_every:
                 memory.empty_cache = _empty_cache_fn(runtime.device)
             if config.disable_automatic and gc.isenabled():
@@ -97,4 +92,9 @@ def gc_hook(config: GCConfig, runtime: Runtime) -> Hook:
         elif event is Event.TRAIN_END or event is Event.ABORT:
             _restore(memory)
 
-    return hook
+    parts: list[Hook] = [automatic]
+    if collect_every:
+        parts.append(every(collect_every, on(Event.STEP_END, lambda state, info: gc.collect(generation))))
+    if cache_every:
+        parts.append(every(cache_every, on(Event.STEP_END, lambda state, info: memory.empty_cache())))
+    return chain(*parts)

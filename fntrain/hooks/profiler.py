@@ -42,7 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from fntrain.config import require_bool, require_int, require_str
+from fntrain.config import ConfigError, require_bool, require_int, require_str
+from fntrain.hooks.base import on_ranks
 from fntrain.loop import Event, Hook
 from fntrain.mesh_layout import stage_leaders
 from fntrain.runtime.runtime import Runtime
@@ -108,6 +109,8 @@ class ProfilerConfig:
             require_bool(f"{prefix}.{name}", getattr(self, name))
         require_int(f"{prefix}.start_step", self.start_step)
         require_int(f"{prefix}.stop_step", self.stop_step)
+        if self.enabled is True and 1 <= self.stop_step < self.start_step:  # steps < 1 are normalised later
+            _reversed_window(prefix, self.start_step, self.stop_step)
         require_str(f"{prefix}.output_path", self.output_path, optional=True)
         if self.rank_ids is not None:
             if not isinstance(self.rank_ids, (list, tuple)):
@@ -118,6 +121,11 @@ class ProfilerConfig:
             raise TypeError(f"{prefix}.level must be an int (0, 1 or 2) or None, got {self.level!r}")
 
 
+def _reversed_window(prefix: str, start: int, stop: int) -> None:
+    """A window that ends before it starts records nothing: a setting error, as for the memory hook."""
+    raise ConfigError(f"{prefix}.stop_step must be >= {prefix}.start_step ({start}), got {stop}")
+
+
 def check_profiler_config(
     config: ProfilerConfig, runtime: Runtime, *, prefix: str = "profiler"
 ) -> ProfilerConfig:
@@ -125,8 +133,9 @@ def check_profiler_config(
 
     Types are checked even when disabled (`TypeError` naming the dotted field); the rest only when
     enabled: rank ids in [0, world_size) and a world size divisible by the pipeline stages (`ValueError`),
-    a device other than cpu/cuda/npu (`RuntimeError`), mstx off NPU (`ValueError`). Out-of-range windows,
-    `start_on_init` with a later start and bad levels are normalised with a `UserWarning`.
+    a device other than cpu/cuda/npu (`RuntimeError`), mstx off NPU (`ValueError`), a window whose stop
+    is before its start (`ConfigError`). Steps < 1, `start_on_init` with a later start and bad levels
+    are normalised with a `UserWarning`.
     """
     if not isinstance(config, ProfilerConfig):
         raise TypeError(f"{prefix} must be a ProfilerConfig, got {type(config).__name__}")
@@ -160,12 +169,8 @@ def check_profiler_config(
     if stop < 1:
         _warn(f"{prefix}.stop_step must be >= 1, got {stop}; using {_DEFAULT_STOP}")
         stop = _DEFAULT_STOP
-    if start > stop:
-        _warn(
-            f"{prefix}.start_step ({start}) is after {prefix}.stop_step ({stop}); "
-            f"using the default window {_DEFAULT_START}..{_DEFAULT_STOP}"
-        )
-        start, stop = _DEFAULT_START, _DEFAULT_STOP
+    if start > stop:  # a window a user typed backwards, or a start past the default stop
+        _reversed_window(prefix, start, stop)
     start_on_init = config.start_on_init
     if start_on_init and start != 1:
         _warn(f"{prefix}.start_on_init needs {prefix}.start_step 1, got {start}; turning start_on_init off")
@@ -197,9 +202,10 @@ def profiler_hook(config: ProfilerConfig, runtime: Runtime) -> Hook:
     selected, the hook does nothing: no backend is resolved and no profiler module imported.
     """
     config = check_profiler_config(config, runtime)
-    if not config.enabled or runtime.rank not in profiled_ranks(config, runtime.world_size, runtime.pp_size):
+    if not config.enabled:
         return _inactive
-    return _make_profiler_hook(config, runtime)
+    ranks = profiled_ranks(config, runtime.world_size, runtime.pp_size)
+    return on_ranks(ranks, runtime.rank, _make_profiler_hook(config, runtime))  # building it resolves nothing
 
 
 def _inactive(event: Event, state: TrainState, info: Any) -> None:

@@ -2,11 +2,11 @@
 
 The bar counts optimizer steps of the whole run: total = `train_iters`, initial = the global step the run
 starts from (a resumed run starts part-way). Its postfix (loss, grad_norm, lr, tokens/s, step time) comes
-from the metrics hook's last record (`MetricBoard.last`, so the progress hook goes after the metrics
-hook) and is refreshed only on the steps that record is made; on other steps the hook advances the bar by
-one and reads nothing from the device. The bar opens at TRAIN_BEGIN and closes once, at TRAIN_END or
-ABORT. tqdm is imported when the hook is built on rank 0, never by `import fntrain`; without tqdm the hook
-warns once and shows no bar. While the bar is open, log records are routed through `tqdm.write` so they
+from the metrics log's last record (`latest`, e.g. `MetricsLog.latest`: the progress hook goes after the
+metrics hook) and is refreshed only on the steps that record is made; on other steps the hook advances
+the bar by one and reads nothing from the device. The bar opens at TRAIN_BEGIN and closes once, at
+TRAIN_END or ABORT. tqdm is imported when the hook is built on rank 0, never by `import fntrain`; without
+tqdm the hook warns once and shows no bar. While the bar is open, log records are routed through `tqdm.write` so they
 do not break it.
 
 Without a terminal (stderr redirected to a file or a pipe) there is no bar: the metrics hook's log lines,
@@ -19,12 +19,12 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 from fntrain.config import require_bool, require_float, require_int
-from fntrain.hooks.metrics import MetricBoard
+from fntrain.hooks.base import cadence
 from fntrain.loop import Event, Hook
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
@@ -82,14 +82,15 @@ def progress_hook(
     runtime: Runtime,
     *,
     total: int,
-    board: MetricBoard | None = None,
+    latest: Callable[[], Mapping[str, Any]] | None = None,
     log_every: int = 0,
     file: TextIO | None = None,
 ) -> Hook:
     """The progress bar hook: rank 0 only, `total` = the plan's train_iters.
 
-    The postfix is refreshed from `board.last` on the steps the metrics hook logged; without a board, on
-    every `log_every`-th step from the step's own metrics (rank 0's values, read on those steps only).
+    The postfix is refreshed from `latest()`, the last metrics record (with its "step"), on the steps it
+    was made; without `latest`, on every `log_every`-th step from the step's own metrics (rank 0's
+    values, read on those steps only).
     `file` is where the bar is drawn (None: stderr, and then only when stderr is a terminal). Turns the
     third-party progress bars on or off with `config.enabled` (see `set_library_progress_bars`).
     """
@@ -102,7 +103,7 @@ def progress_hook(
     if file is None and not _stderr_is_terminal():
         return _inactive  # the periodic metrics log lines stand in for the bar
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # import time: only a rank-0 bar on a terminal pays for tqdm
     except ImportError:
         warnings.warn(
             "progress: tqdm is not installed; training runs without a progress bar", UserWarning, stacklevel=2
@@ -110,34 +111,24 @@ def progress_hook(
         return _inactive
     redirect: Any = None
     if config.redirect_logging:
-        from tqdm.contrib.logging import logging_redirect_tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm  # import time, as tqdm above
 
         redirect = logging_redirect_tqdm
     memory = _ProgressMemory()
+    due = cadence(log_every)
 
     def progress(event: Event, state: TrainState, info: Any) -> None:
         if event is Event.STEP_END:
             if memory.bar is not None:
-                _refresh(memory.bar, board, log_every, state, info)  # before the update, which redraws
+                _refresh(memory.bar, latest, due, state, info)  # before the update, which redraws
                 memory.bar.update(1)
         elif event is Event.EPOCH_BEGIN:
             if memory.bar is not None:
                 memory.bar.set_description(f"epoch {state.epoch}", refresh=False)
         elif event is Event.TRAIN_BEGIN:
             _close(memory)  # a previous run on this hook that neither ended nor aborted
-            if redirect is not None:
-                memory.redirecting = redirect()
-                memory.redirecting.__enter__()
-            memory.bar = tqdm(
-                total=total,
-                initial=state.global_step,
-                desc=f"epoch {state.epoch}",
-                unit="step",
-                file=file,
-                leave=config.leave,
-                mininterval=config.mininterval,
-                dynamic_ncols=True,
-            )
+            bar_options = dict(total=total, file=file, leave=config.leave, mininterval=config.mininterval)
+            _open(memory, tqdm, redirect, state, bar_options)
         elif event is Event.TRAIN_END or event is Event.ABORT:
             _close(memory)
 
@@ -187,6 +178,15 @@ class _ProgressMemory:
     redirecting: Any = None  # the entered logging_redirect_tqdm context, if any
 
 
+def _open(memory: _ProgressMemory, tqdm: Any, redirect: Any, state: TrainState, options: dict) -> None:
+    """Enter the logging redirection (when `redirect`) and open the bar at the run's current step."""
+    if redirect is not None:
+        memory.redirecting = redirect()
+        memory.redirecting.__enter__()
+    memory.bar = tqdm(initial=state.global_step, desc=f"epoch {state.epoch}", unit="step", dynamic_ncols=True,
+                      **options)  # fmt: skip
+
+
 def _close(memory: _ProgressMemory) -> None:
     """Close the bar and leave the logging redirection, once."""
     opened, memory.bar = memory.bar, None
@@ -210,14 +210,17 @@ def _stop_monitor(bar_cls: Any) -> None:
         monitor.exit()
 
 
-def _refresh(bar: Any, board: MetricBoard | None, every: int, state: TrainState, info: Any) -> None:
-    """Set the postfix from the board's record of this step, or from the step's own metrics on every
-    `every`-th step when there is no board; otherwise leave it."""
-    if board is not None:
-        record = board.last
+def _refresh(
+    bar: Any, latest: Callable[[], Mapping[str, Any]] | None, due: Callable[[int], bool], state: TrainState,
+    info: Any,
+) -> None:  # fmt: skip
+    """Set the postfix from the latest record when it is this step's, or from the step's own metrics on
+    the steps `due` when there is no `latest`; otherwise leave it."""
+    if latest is not None:
+        record = latest()
         if record.get("step") != state.global_step:
             return
-    elif every and state.global_step % every == 0:
+    elif due(state.global_step):
         record = info.metrics  # format_postfix reads only the names it shows, with float()
     else:
         return

@@ -1,10 +1,18 @@
-"""The standard hook list a recipe composes, in the dispatch order of [S27]:
-memory, throughput, metrics, progress, evaluate, gc, profiler, checkpoint (+ any extra hooks, before the
-checkpoint so that it saves what they reached).
+"""The standard hook list, built from small factories of the built run, in the dispatch order of [S27]:
+memory, throughput, metrics, progress, evaluate, gc, profiler, the spec's extra hooks (before the
+checkpoint, so that it saves what they reached), checkpoint, and the hang watchdog last (its silence
+covers every other hook's work).
+
+`standard_hooks(HookInputs(...))` runs the factories of `STANDARD_FACTORIES` in order. A factory is
+`f(inputs, wiring) -> Hook | None` (None: the hook is off for this run; a tuple for the extra hooks).
+What hooks share is passed explicitly in one `Wiring`: the metrics log (the metrics hook and evaluation
+write it, the progress bar reads its latest record), the throughput meter (its figures are a source of
+the metrics hook), and the list itself (what each checkpoint saves the states of). Adding a hook to the
+standard list is one factory and one entry in `STANDARD_FACTORIES`, here.
 
 A recipe's config is expected to carry the hook sections under these names (`memory`, `throughput`,
-`metrics`, `progress`, `evaluate`, `gc`, `profiler`, `checkpoint`) plus `run_dir` and `log_every`; this
-module only wires them together, so each recipe keeps composing builders rather than re-deriving them.
+`metrics`, `progress`, `evaluate`, `gc`, `profiler`, `checkpoint`, `watchdog`) plus `run_dir` and
+`log_every`.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,22 +29,27 @@ from fntrain.hooks.checkpoint import checkpoint_hook, checkpoint_root
 from fntrain.hooks.evaluate import evaluate_hook, make_eval_fn
 from fntrain.hooks.gc import gc_hook
 from fntrain.hooks.memory import MemoryConfig, memory_hook
-from fntrain.hooks.metrics import MetricBoard, metrics_hook, metrics_log
+from fntrain.hooks.metrics import metrics_hook
+from fntrain.hooks.metrics_log import MetricsLog, metrics_log
 from fntrain.hooks.profiler import ProfilerConfig, profiler_hook
-from fntrain.hooks.progress import progress_hook
-from fntrain.hooks.throughput import throughput_hook
+from fntrain.hooks.progress import progress_hook, set_library_progress_bars
+from fntrain.hooks.throughput import ThroughputMeter, throughput_meter
 from fntrain.hooks.watchdog import watchdog_hook
+from fntrain.loop import Hook
 from fntrain.runtime import Runtime
-from fntrain.state import RunPlan, TrainState
+from fntrain.state import RunPlan
 
 __all__ = [
     "EarlyHooks",
+    "HookInputs",
+    "Wiring",
+    "STANDARD_FACTORIES",
+    "make_wiring",
     "under_run_dir",
     "memory_config",
     "profiler_config",
     "early_hooks",
     "standard_hooks",
-    "restore_run",
 ]
 
 
@@ -80,79 +93,151 @@ def early_hooks(config: Any, runtime: Runtime) -> EarlyHooks:
     )
 
 
-def standard_hooks(
-    config: Any,
-    runtime: Runtime,
-    plan: RunPlan,
-    components: Components,
-    *,
-    run_dir: Path,
-    early: EarlyHooks | None = None,
-    val_dataset: Any = None,
-    eval_micro_batch_size: int = 1,
-    collate_fn: Callable[[list[Any]], Any] | None = None,
-    autocast_dtype: Any = None,
-    dp_group: Any = None,
-    flops_per_token: Any = None,
-    run_config: dict[str, Any] | None = None,
-    forward: Callable[[Any, Any], Any] | None = None,
-    eval_loss: Callable[[Any, Any], Any] | None = None,
-    extra_eval: Callable[[], Mapping[str, float]] | None = None,
-    extra: Sequence[Any] = (),
-    attempt: int = 0,
-) -> list[Any]:
-    """The hook list in [S27] order, then the hang watchdog. Throughput, metrics and progress share
-    `log_every` and one `MetricBoard`; evaluation writes through the same metrics log; the checkpoint hook
-    saves the state of every stateful hook in the returned list (itself included) and `run_config`, and
-    handles the preemption signals itself (a preemption ends the run with outcome "preempted"); the
-    watchdog goes last so that its silence covers every other hook's work (saves, evaluation). `forward`
-    (model, micro-batch) -> output is the recipe's forward, used by evaluation too (None: the default),
-    and `eval_loss` the loss evaluation uses (None: the components' loss); `extra_eval()` adds metrics to each evaluation (called on every rank). `extra` hooks go just before
-    the checkpoint hook. `attempt` (which launch of the run this is) tags each metrics record."""
-    early = early or early_hooks(config, runtime)
-    last = plan.train_iters
-    board = MetricBoard()
-    writer = metrics_log(config.metrics, runtime, run_dir, attempt=attempt, run_config=run_config)
-    hooks: list[Any] = [
-        early.memory,
-        throughput_hook(
-            config.throughput, runtime, log_every=config.log_every, board=board, last_step=last,
-            flops_per_token=flops_per_token,
-        ),
-        metrics_hook(runtime, log_every=config.log_every, writer=writer, board=board, last_step=last),
-        progress_hook(config.progress, runtime, total=last, board=board, log_every=config.log_every),
-    ]  # fmt: skip
-    if config.evaluate.enabled and val_dataset is not None and len(val_dataset) > 0:
-        eval_fn = make_eval_fn(
-            components.model,
-            eval_loss or components.loss_fn,
-            val_dataset,
-            micro_batch_size=config.evaluate.micro_batch_size or eval_micro_batch_size,
-            runtime=runtime,
-            collate_fn=collate_fn,
-            forward=forward,
-            max_batches=config.evaluate.max_batches,
-            autocast_dtype=autocast_dtype,
-            group=dp_group,
-        )
-        if extra_eval is not None:
-            eval_fn = _merged(eval_fn, extra_eval)
-        hooks.append(evaluate_hook(config.evaluate, eval_fn, runtime, writer=writer, last_step=last))
-    hooks.append(gc_hook(config.gc, runtime))
-    hooks.append(early.profiler)
-    hooks.extend(extra)
-    hooks.append(
-        checkpoint_hook(
-            config.checkpoint,
-            components,
-            runtime,
-            directory=checkpoint_root(config.checkpoint, run_dir),
-            hooks=lambda: hooks,  # every stateful hook's state goes into each checkpoint
-            run_config=run_config,
-        )
+@dataclass(frozen=True)
+class HookInputs:
+    """What the standard hooks are built from: the job config and the built run."""
+
+    config: Any  # the job config: the hook sections, run_dir, log_every
+    runtime: Runtime
+    plan: RunPlan
+    components: Components
+    run_dir: Path
+    early: EarlyHooks | None = None  # the memory and profiler hooks built before the model (None: here)
+    val_dataset: Any = None  # map-style validation split (None or empty: no evaluation)
+    eval_micro_batch_size: int = 1  # when evaluate.micro_batch_size is 0
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    forward: Callable[[Any, Any], Any] | None = None  # (model, micro-batch) -> output for evaluation
+    eval_loss: Callable[[Any, Any], Any] | None = None  # evaluation's loss (None: the components' loss)
+    autocast_dtype: Any = None
+    dp_group: Any = None  # the group evaluation reduces over
+    flops_per_token: Any = None  # a number or a callable measured at TRAIN_BEGIN (see throughput_meter)
+    extra_eval: Callable[[], Mapping[str, float]] | None = None  # more metrics per evaluation (every rank)
+    run_config: dict[str, Any] | None = None  # the resolved config: trackers and checkpoints get it
+    extra: Sequence[Hook] = ()  # the spec's hooks, just before the checkpoint hook
+    attempt: int = 0  # which launch of the run this is; tags each metrics record
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """What the standard hooks share, built once per list and handed to every factory."""
+
+    writer: MetricsLog  # the metrics records: the metrics hook and evaluation write, progress reads
+    throughput: ThroughputMeter  # its figures go into the metrics hook's records
+    hooks: list[Hook] = field(default_factory=list)  # the list as built: the checkpoint saves their states
+
+
+Factory = Callable[[HookInputs, Wiring], "Hook | tuple[Hook, ...] | None"]
+
+
+def _memory(inputs: HookInputs, wiring: Wiring) -> Hook | None:
+    config = inputs.config.memory
+    if not (config.enable or config.mem_info):
+        return None
+    return inputs.early.memory if inputs.early else memory_hook(memory_config(inputs.config), inputs.runtime)
+
+
+def _throughput(inputs: HookInputs, wiring: Wiring) -> Hook | None:
+    return wiring.throughput.hook if inputs.config.throughput.enabled else None
+
+
+def _metrics(inputs: HookInputs, wiring: Wiring) -> Hook:
+    """Never None: it also ends the metrics log (the trackers' summary) at TRAIN_END / ABORT."""
+    sources = (wiring.throughput.figures,) if inputs.config.throughput.enabled else ()
+    return metrics_hook(inputs.runtime, log_every=inputs.config.log_every, writer=wiring.writer,
+                        sources=sources, last_step=inputs.plan.train_iters)  # fmt: skip
+
+
+def _progress(inputs: HookInputs, wiring: Wiring) -> Hook | None:
+    config = inputs.config.progress
+    if not config.enabled:
+        set_library_progress_bars(False)  # progress off turns the other libraries' bars off too
+        return None
+    return progress_hook(config, inputs.runtime, total=inputs.plan.train_iters, latest=wiring.writer.latest)
+
+
+def _evaluate(inputs: HookInputs, wiring: Wiring) -> Hook | None:
+    config, components = inputs.config.evaluate, inputs.components
+    if not config.enabled or inputs.val_dataset is None or len(inputs.val_dataset) == 0:
+        return None
+    eval_fn = make_eval_fn(
+        components.model,
+        inputs.eval_loss or components.loss_fn,
+        inputs.val_dataset,
+        micro_batch_size=config.micro_batch_size or inputs.eval_micro_batch_size,
+        runtime=inputs.runtime,
+        collate_fn=inputs.collate_fn,
+        forward=inputs.forward,
+        max_batches=config.max_batches,
+        autocast_dtype=inputs.autocast_dtype,
+        group=inputs.dp_group,
     )
-    hooks.append(watchdog_hook(config.watchdog, runtime, run_dir))
-    return hooks
+    if inputs.extra_eval is not None:
+        eval_fn = _merged(eval_fn, inputs.extra_eval)
+    return evaluate_hook(config, eval_fn, inputs.runtime, writer=wiring.writer,
+                         last_step=inputs.plan.train_iters)  # fmt: skip
+
+
+def _gc(inputs: HookInputs, wiring: Wiring) -> Hook | None:
+    config = inputs.config.gc
+    if not (config.gc_every or config.empty_cache_every or config.disable_automatic):
+        return None
+    return gc_hook(config, inputs.runtime)
+
+
+def _profiler(inputs: HookInputs, wiring: Wiring) -> Hook | None:
+    if not inputs.config.profiler.enabled:
+        return None
+    if inputs.early:
+        return inputs.early.profiler
+    return profiler_hook(profiler_config(inputs.config), inputs.runtime)
+
+
+def _extra(inputs: HookInputs, wiring: Wiring) -> tuple[Hook, ...]:
+    return tuple(inputs.extra)
+
+
+def _checkpoint(inputs: HookInputs, wiring: Wiring) -> Hook | None:
+    """Saves the state of every stateful hook of the list (itself included) and `run_config`; handles
+    the preemption signals itself (a preemption ends the run with outcome "preempted")."""
+    config = inputs.config.checkpoint
+    if not (config.enabled or config.save_on_interrupt):
+        return None
+    return checkpoint_hook(config, inputs.components, inputs.runtime,
+                           directory=checkpoint_root(config, inputs.run_dir),
+                           hooks=lambda: wiring.hooks, run_config=inputs.run_config)  # fmt: skip
+
+
+def _watchdog(inputs: HookInputs, wiring: Wiring) -> Hook | None:
+    config = inputs.config.watchdog
+    return watchdog_hook(config, inputs.runtime, inputs.run_dir) if config.enabled else None
+
+
+STANDARD_FACTORIES: tuple[Factory, ...] = (
+    _memory, _throughput, _metrics, _progress, _evaluate, _gc, _profiler, _extra, _checkpoint, _watchdog,
+)
+"""The standard list, in dispatch order: one factory per hook."""
+
+
+def make_wiring(inputs: HookInputs) -> Wiring:
+    """The shared parts of the standard hooks of `inputs`, with an empty list (opens nothing)."""
+    config, runtime = inputs.config, inputs.runtime
+    return Wiring(
+        writer=metrics_log(config.metrics, runtime, inputs.run_dir, attempt=inputs.attempt,
+                           run_config=inputs.run_config),
+        throughput=throughput_meter(config.throughput, runtime, flops_per_token=inputs.flops_per_token),
+    )  # fmt: skip
+
+
+def standard_hooks(inputs: HookInputs) -> list[Hook]:
+    """The standard hook list of the run `inputs` describes: each factory of `STANDARD_FACTORIES` in
+    order, those that return None left out. Builds no file and opens nothing: the metrics log and the
+    hooks open what they write at TRAIN_BEGIN or their first record."""
+    wiring = make_wiring(inputs)
+    for factory in STANDARD_FACTORIES:
+        made = factory(inputs, wiring)
+        if made is not None:
+            wiring.hooks.extend(made if isinstance(made, tuple) else (made,))
+    return wiring.hooks
 
 
 def _merged(*eval_fns: Callable[[], Mapping[str, float]]) -> Callable[[], dict[str, float]]:
@@ -165,22 +250,3 @@ def _merged(*eval_fns: Callable[[], Mapping[str, float]]) -> Callable[[], dict[s
         return metrics
 
     return evaluate
-
-
-def restore_run(
-    config: Any, components: Components, runtime: Runtime, run_dir: Path, hooks: list[Any]
-) -> TrainState:
-    """Restore `config.checkpoint.restore_from` (none | latest | a path) into the components and the
-    hooks' states [S36]; return the TrainState to train from."""
-    from fntrain.checkpoint import restore
-
-    checkpoint = config.checkpoint
-    return restore(
-        checkpoint.restore_from,
-        components,
-        root=checkpoint_root(checkpoint, run_dir),
-        hooks=hooks,
-        weights_only=checkpoint.weights_only,
-        device=runtime.device,
-        model_part=runtime.pp_size > 1,
-    )

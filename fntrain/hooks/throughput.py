@@ -1,10 +1,10 @@
 """Throughput meter [S28]: step time, tokens/s, samples/s, TFLOP/s per device, MFU, peak memory, consumed counts.
 
 Per step the hook adds the step's host time, samples and tokens to its interval (a few integer and float
-additions; a token count that is a device tensor is kept by reference, not summed). On a logging step
-(the metrics hook's cadence), on every rank, it synchronises the device (the wait is added to the step
-time, so queued device work is counted), reduces the interval with one collective and posts to the
-`MetricBoard` for the metrics hook, which must come after it in the hook list:
+additions; a token count that is a device tensor is kept by reference, not summed). The meter's
+`figures()` closes the interval: it synchronises the device (the wait is added to the step time, so
+queued device work is counted), reduces the interval with one collective and returns its figures. The
+metrics hook calls it on its logging steps, on every rank (it is one of its sources), after the hook:
 
 - `step_time_s`: time inside the step function (host time, plus the device drain at the logging step),
   averaged over the interval's steps, max over ranks. Data loading and hook time (evaluation,
@@ -39,7 +39,6 @@ import torch
 from fntrain.config import require_bool, require_float
 from fntrain.data.tokens import count_tokens
 from fntrain.hooks.base import StatefulHook, stateful
-from fntrain.hooks.metrics import MetricBoard, is_logging_step
 from fntrain.loop import Event
 from fntrain.runtime.collectives import exact_dtype, reduce_scalars
 from fntrain.runtime.runtime import Runtime
@@ -48,7 +47,8 @@ from fntrain.step import default_forward
 
 __all__ = [
     "ThroughputConfig",
-    "throughput_hook",
+    "ThroughputMeter",
+    "throughput_meter",
     "PEAK_FLOPS",
     "peak_flops_for_name",
     "device_peak_flops",
@@ -103,7 +103,7 @@ PEAK_FLOPS: tuple[tuple[str, float], ...] = (
 
 @dataclass(frozen=True)
 class ThroughputConfig:
-    """What the throughput meter reports. Its cadence is the recipe's `log_every`."""
+    """What the throughput meter reports. Its cadence is the metrics hook's (the recipe's `log_every`)."""
 
     enabled: bool = True
     """Report throughput on logging steps (off: the hook does nothing and keeps no counts)."""
@@ -240,9 +240,6 @@ class _Setup:
 
     config: ThroughputConfig
     device: torch.device
-    every: int
-    last: int | None
-    board: MetricBoard
     flops_per_token: float | Callable[[], float] | None
     scale: int  # mean over ranks x dp_size = sum over the data-parallel replicas
     world: int
@@ -267,58 +264,71 @@ class _ThroughputMemory:
     module: Any = None  # torch.cuda / torch.npu ..., None on cpu
 
 
-def throughput_hook(
+@dataclass(frozen=True)
+class ThroughputMeter:
+    """The built meter: `hook` (goes in the hook list, before the metrics hook) counts each step;
+    `figures()` closes the interval and returns its figures (on every rank, on the same steps: it syncs
+    the device and takes one collective), e.g. as a source of the metrics hook."""
+
+    hook: StatefulHook
+    figures: Callable[[], dict[str, float]]
+
+
+def _no_figures() -> dict[str, float]:
+    return {}
+
+
+def throughput_meter(
     config: ThroughputConfig,
     runtime: Runtime,
     *,
-    log_every: int,
-    board: MetricBoard,
-    last_step: int | None = None,
     flops_per_token: float | Callable[[], float] | None = None,
-) -> StatefulHook:
-    """The throughput meter, posting to `board` on the logging steps of `log_every` (and `last_step`).
+) -> ThroughputMeter:
+    """The throughput meter for `runtime`.
 
     `flops_per_token` is a number or a callable measured once at TRAIN_BEGIN (e.g. a partial of
     `measure_flops_per_token`); `config.flops_per_token` overrides both, `config.measure_flops=False`
     skips the callable. A failed measurement is a warning (no TFLOP/s, no MFU), never a failed run.
     State (name "throughput"): consumed tokens/samples, plus the counts of steps not yet reduced.
+    Disabled: a hook that does nothing and keeps no state, and no figures.
     """
     config.validate()
-    if type(log_every) is not int or log_every < 0:
-        raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
     if not config.enabled:
-        return stateful("throughput", _inactive, dict, lambda saved: None)
+        return ThroughputMeter(stateful("throughput", _inactive, dict, lambda saved: None), _no_figures)
     setup = _Setup(
-        config, runtime.device, log_every, last_step, board, flops_per_token,
+        config, runtime.device, flops_per_token,
         scale=runtime.dp_size, world=runtime.world_size, reduce_dtype=exact_dtype(runtime.device),
     )  # fmt: skip
     memory = _ThroughputMemory()
-    every, last, token_tensors = log_every, last_step, memory.token_tensors
 
     def throughput(event: Event, state: TrainState, info: Any) -> None:
         if event is Event.STEP_END:
-            memory.busy += info.step_time_s
-            memory.steps += 1
-            memory.samples += info.samples
-            count = info.tokens
-            if count.__class__ is int:
-                memory.tokens += count
-            elif isinstance(count, torch.Tensor):
-                token_tensors.append(count)
-                if len(token_tensors) >= _FOLD_AT:  # a device op, no sync: only when nothing logs for long
-                    folded = torch.stack(token_tensors).sum()
-                    token_tensors.clear()
-                    token_tensors.append(folded)
-            else:
-                memory.tokens += int(count)
-            if is_logging_step(state.global_step, every, last):
-                _flush(setup, memory, state.global_step)
+            _count(memory, info)
         elif event is Event.TRAIN_BEGIN:
             _train_begin(setup, memory)
 
-    return stateful(
+    hook = stateful(
         "throughput", throughput, lambda: _state_dict(memory), lambda saved: _load_state_dict(memory, saved)
     )
+    return ThroughputMeter(hook, lambda: _flush(setup, memory))
+
+
+def _count(memory: _ThroughputMemory, info: Any) -> None:
+    """Add one step to the interval (no device op: a tensor token count is kept by reference)."""
+    memory.busy += info.step_time_s
+    memory.steps += 1
+    memory.samples += info.samples
+    count, token_tensors = info.tokens, memory.token_tensors
+    if count.__class__ is int:
+        memory.tokens += count
+    elif isinstance(count, torch.Tensor):
+        token_tensors.append(count)
+        if len(token_tensors) >= _FOLD_AT:  # a device op, no sync: only when nothing logs for long
+            folded = torch.stack(token_tensors).sum()
+            token_tensors.clear()
+            token_tensors.append(folded)
+    else:
+        memory.tokens += int(count)
 
 
 def _resolve(setup: _Setup, memory: _ThroughputMemory) -> None:
@@ -360,8 +370,9 @@ def _reset_interval(memory: _ThroughputMemory) -> None:
     memory.token_tensors.clear()
 
 
-def _flush(setup: _Setup, memory: _ThroughputMemory, step: int) -> None:
-    """Reduce the interval over the ranks (one collective, after a device sync) and post its figures."""
+def _flush(setup: _Setup, memory: _ThroughputMemory) -> dict[str, float]:
+    """Reduce the interval over the ranks (one collective, after a device sync), start a new one, and
+    return the interval's figures."""
     module, device = memory.module, setup.device
     if module is not None:
         started = time.perf_counter()
@@ -381,33 +392,37 @@ def _flush(setup: _Setup, memory: _ThroughputMemory, step: int) -> None:
         values["peak_mem_gib"] = module.max_memory_allocated(device) / _GIB
         ops["peak_mem_gib"] = "max"
     reduced = reduce_scalars(values, ops, device=device, dtype=setup.reduce_dtype)
-    _post(setup, memory, step, reduced, steps)
+    figures = _figures(setup, memory, reduced, steps)
     if with_memory:
-        setup.board.post(step, "peak_mem_gib", reduced["peak_mem_gib"])
+        figures["peak_mem_gib"] = reduced["peak_mem_gib"]
     _reset_interval(memory)
     memory.carry_tokens = memory.carry_samples = 0
+    return figures
 
 
-def _post(setup: _Setup, memory: _ThroughputMemory, step: int, reduced: dict[str, Any], steps: int) -> None:
-    """Add the reduced interval to the consumed counts and post the rates."""
-    board, scale = setup.board, setup.scale
+def _figures(setup: _Setup, memory: _ThroughputMemory, reduced: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Add the reduced interval to the consumed counts; the interval's figures."""
+    scale = setup.scale
     interval_tokens = round(reduced["tokens"] * scale)
     interval_samples = round(reduced["samples"] * scale)
     memory.consumed_tokens += interval_tokens + round(reduced["carry_tokens"] * scale)
     memory.consumed_samples += interval_samples + round(reduced["carry_samples"] * scale)
     step_time = reduced["step_time_s"]
     elapsed = step_time * steps
-    board.post(step, "step_time_s", step_time)
-    board.post(step, "consumed_tokens", memory.consumed_tokens)
-    board.post(step, "consumed_samples", memory.consumed_samples)
+    figures: dict[str, Any] = {
+        "step_time_s": step_time,
+        "consumed_tokens": memory.consumed_tokens,
+        "consumed_samples": memory.consumed_samples,
+    }
     if elapsed > 0:
-        board.post(step, "tokens_per_s", interval_tokens / elapsed)
-        board.post(step, "samples_per_s", interval_samples / elapsed)
+        figures["tokens_per_s"] = interval_tokens / elapsed
+        figures["samples_per_s"] = interval_samples / elapsed
         if memory.fpt is not None:
             flops_per_device = memory.fpt * interval_tokens / elapsed / setup.world
-            board.post(step, "tflops", flops_per_device / 1e12)
+            figures["tflops"] = flops_per_device / 1e12
             if memory.peak is not None:
-                board.post(step, "mfu", flops_per_device / memory.peak)
+                figures["mfu"] = flops_per_device / memory.peak
+    return figures
 
 
 def _train_begin(setup: _Setup, memory: _ThroughputMemory) -> None:

@@ -18,7 +18,7 @@ from torch.utils.data import default_collate
 
 from fntrain.components import Components
 from fntrain.data.pipeline import build_data
-from fntrain.hooks.standard import standard_hooks
+from fntrain.hooks.standard import HookInputs, standard_hooks
 from fntrain.hooks.throughput import measure_flops_per_token
 from fntrain.loop import Hook
 from fntrain.optim import build_lr_schedule, build_optimizer
@@ -142,7 +142,7 @@ def job_hooks(built: Built, spec: RecipeSpec, early: Any = None, *, attempt: int
     spec's extra hooks, checkpoint, watchdog), wired to what `build_job` made; `last` goes at the end."""
     config = built.config
     eval_forward, eval_loss = _eval_functions(built, spec)
-    hooks = standard_hooks(
+    hooks = standard_hooks(HookInputs(
         config,
         built.runtime,
         built.plan,
@@ -161,5 +161,5 @@ def job_hooks(built: Built, spec: RecipeSpec, early: Any = None, *, attempt: int
         run_config=config_to_dict(config),
         extra=list(spec.hooks(built)) if spec.hooks else (),
         attempt=attempt,
-    )
+    ))
     return hooks + ([last] if last is not None else [])

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from fntrain.config import ConfigError
 from fntrain.data.stream import is_iterable_dataset
 from fntrain.hooks.checkpoint import checkpoint_root
+from fntrain.hooks.sinks import check_metric_packages
 from fntrain.hooks.standard import early_hooks
 from fntrain.run.config import JobConfig, RecipeSpec
 from fntrain.run.directory import check_run_dir
@@ -178,18 +179,7 @@ def check_device_settings(config: JobConfig, launch: LaunchEnv) -> None:
 
 def check_packages(config: JobConfig) -> None:
     """The optional packages the metric sinks need are importable (found without importing them)."""
-    from fntrain.hooks import metrics  # TEMP until the hooks split lands
-
-    if hasattr(metrics, "check_metric_packages"):
-        metrics.check_metric_packages(config.metrics)
-        return
-    for enabled, name, package, install in (
-        (config.metrics.tensorboard, "metrics.tensorboard", "tensorboard", "pip install tensorboard"),
-        (config.metrics.wandb, "metrics.wandb", "wandb", "pip install 'fntrain[wandb]'"),
-        (config.metrics.mlflow, "metrics.mlflow", "mlflow", "pip install 'fntrain[mlflow]'"),
-    ):
-        if enabled:
-            metrics._require_package(name, package, install)
+    check_metric_packages(config.metrics)
 
 
 def _check_writable_dir(field: str, path: str | os.PathLike) -> None:

@@ -62,10 +62,11 @@ class TrainConfig:
     """token: token-weighted global mean; mean: plain mean over micro-batches and ranks."""
 
     def validate(self, prefix: str = "train") -> None:
+        # 10**12 steps or samples is far past any real run: a larger number is a typo, not a plan
         if self.train_iters is not None:
-            require_int(f"{prefix}.train_iters", self.train_iters, min=1)
+            require_int(f"{prefix}.train_iters", self.train_iters, min=1, max=10**12)
         if self.train_samples is not None:
-            require_int(f"{prefix}.train_samples", self.train_samples, min=1)
+            require_int(f"{prefix}.train_samples", self.train_samples, min=1, max=10**12)
         if (self.train_iters is None) == (self.train_samples is None):
             raise ValueError(f"set exactly one of {prefix}.train_iters and {prefix}.train_samples")
         require_int(f"{prefix}.global_batch_size", self.global_batch_size, min=1)
@@ -159,7 +160,7 @@ class JobConfig:
         """Value rules, each error naming the dotted field; no file, model or device work. A recipe's
         config may override this to add rules across its sections (calling this first)."""
         require_str("run_dir", self.run_dir, non_empty=True)
-        require_int("seed", self.seed, min=0)
+        require_int("seed", self.seed, min=0, max=2**32 - 1)  # numpy's seeds are 32-bit
         require_int("log_every", self.log_every, min=0)
         require_bool("overwrite", self.overwrite)
         for item in dataclasses.fields(self):

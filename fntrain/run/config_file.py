@@ -19,12 +19,15 @@ import enum
 import json
 import math
 import os
+import re
 import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
+
+from fntrain.config import ConfigError, first_line
 
 __all__ = [
     "ConfigFileError",
@@ -43,42 +46,74 @@ SUFFIXES = (".toml", ".yaml", ".yml", ".json")
 NONE_STRING = "None"  # how an absent value is spelled where a format has no null (TOML; tyro's CLI too)
 
 
-class ConfigFileError(ValueError):
-    """A config file that cannot be read or parsed (missing, unknown suffix, syntax error)."""
+class ConfigFileError(ConfigError):
+    """A config file that cannot be read or parsed (missing, a directory, unknown suffix, not text, a
+    syntax error): one line starting with `--config` and the file as typed."""
 
 
 # ----------------------------------------------------------------------------- reading
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The file's top-level table as a dict; the format comes from the suffix."""
-    path = Path(path).expanduser()
-    suffix = path.suffix.lower()
+    """The file's top-level table as a dict; the format comes from the suffix. Every problem is a
+    `ConfigFileError` of one line, `--config 'bad.yaml' line 3: ...`, naming the file as given."""
+    where = f"--config {str(path)!r}"
+    file = Path(path).expanduser()
+    if file.is_dir():
+        raise ConfigFileError(f"{where} is a directory, not a config file")
+    suffix = file.suffix.lower()
     if suffix not in SUFFIXES:
-        raise ConfigFileError(
-            f"config file {str(path)!r}: unknown format {suffix!r}; use one of {', '.join(SUFFIXES)}"
-        )
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    text = path.read_text(encoding="utf-8")
+        raise ConfigFileError(f"{where}: unknown format {suffix!r}; use one of {', '.join(SUFFIXES)}")
+    if not file.is_file():
+        raise ConfigFileError(f"{where} does not exist")
     try:
-        if suffix == ".toml":
-            data = _toml_module().loads(text)
-        elif suffix == ".json":
-            data = json.loads(text)
-        else:
-            data = _yaml_module().safe_load(text)
-    except ConfigFileError:
-        raise
-    except Exception as error:  # each parser has its own error class; the message is what matters
-        raise ConfigFileError(f"config file {str(path)!r} could not be parsed: {error}") from error
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigFileError(f"{where} is not UTF-8 text (a binary file?)") from None
+    except OSError as error:  # unreadable: permissions, a special file
+        raise ConfigFileError(f"{where} cannot be read ({error.strerror or error})") from None
+    data = _parse(text, suffix, where)
     if data is None:  # an empty YAML file
         return {}
     if not isinstance(data, Mapping):
-        raise ConfigFileError(
-            f"config file {str(path)!r} must hold a table of fields, got {type(data).__name__}"
-        )
+        raise ConfigFileError(f"{where} must hold a table of fields, got {type(data).__name__}")
     return dict(data)
+
+
+def _parse(text: str, suffix: str, where: str) -> Any:
+    """`text` parsed as `suffix` says; a syntax error is one line naming the line (each parser has its
+    own error class and layout: PyYAML's spans eight lines)."""
+    if suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigFileError(
+                f"{where} line {error.lineno}: {error.msg} (column {error.colno})"
+            ) from None
+    if suffix == ".toml":
+        toml = _toml_module()
+        try:
+            return toml.loads(text)
+        except toml.TOMLDecodeError as error:
+            message = str(error)
+            at = re.search(r"\s*\(at line (\d+), column (\d+)\)$", message)
+            if at is None:
+                raise ConfigFileError(f"{where}: {message}") from None
+            line, column = at.groups()
+            raise ConfigFileError(f"{where} line {line}: {message[: at.start()]} (column {column})") from None
+    yaml = _yaml_module()
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as error:
+        mark, opened = error.problem_mark, error.context_mark
+        place = f" line {mark.line + 1}" if mark is not None else ""
+        context = (
+            f"{error.context}{f' from line {opened.line + 1}' if opened else ''}: " if error.context else ""
+        )
+        column = f" (column {mark.column + 1})" if mark is not None else ""
+        raise ConfigFileError(f"{where}{place}: {context}{error.problem}{column}") from None
+    except yaml.YAMLError as error:
+        raise ConfigFileError(f"{where}: {first_line(error)}") from None
 
 
 def _toml_module() -> Any:
@@ -249,7 +284,7 @@ def load_config(cls: type[T], *paths: str | os.PathLike[str], base: T | None = N
         try:
             config = config_from_dict(cls, data, base=config)
         except (TypeError, ValueError) as error:
-            raise type(error)(f"config file {str(path)!r}: {error}") from error
+            raise type(error)(f"--config {str(path)!r}: {error}") from error
     return config
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from fntrain.checkpoint import export_safetensors
-from fntrain.hooks.metrics import metrics_writer, summarize_metrics
+from fntrain.hooks.metrics import metrics_writer
+from fntrain.hooks.metrics_file import summarize_metrics
 from fntrain.loop import TrainResult
 from fntrain.run.config import Built, JobConfig, RecipeSpec
 from fntrain.run.metadata import record_outcome

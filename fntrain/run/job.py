@@ -28,7 +28,7 @@ from fntrain.config import ConfigError
 from fntrain.data.pipeline import data_fn
 from fntrain.data.tokens import count_batch
 from fntrain.hooks.checkpoint import checkpoint_root
-from fntrain.hooks.metrics import rewind_metrics
+from fntrain.hooks.metrics_file import rewind_metrics
 from fntrain.hooks.standard import early_hooks, memory_config, profiler_config
 from fntrain.loop import Hook, TrainResult, run_training
 from fntrain.plan.memory import plan_memory

@@ -21,20 +21,31 @@ _MATPLOTLIB_MISSING = "fntrain.run.plot needs matplotlib: pip install 'fntrain[p
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl file, in file order (blank or truncated last lines skipped)."""
+    """The step records of a metrics.jsonl file, in file order. Blank lines are skipped, and so is a
+    last line cut short by a killed run (no newline after it); any other line that is not a JSON object
+    is a `ValueError` naming the file and the line, as is a file that is not UTF-8 text."""
     records = []
-    with open(path, encoding="utf-8") as file:
-        for line in file:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a killed run
-            if isinstance(record, dict) and "step" in record:
-                records.append(record)
+    try:
+        with open(path, encoding="utf-8") as file:
+            for number, line in enumerate(file, start=1):
+                if not line.strip():
+                    continue
+                record = _record(line)
+                if record is None and line.endswith("\n"):  # only the last line can lack its newline
+                    raise ValueError(f"{str(path)!r} line {number}: not a JSON object (a malformed metrics file)")
+                if record is not None and "step" in record:
+                    records.append(record)
+    except UnicodeDecodeError:
+        raise ValueError(f"{str(path)!r} is not a metrics file: not UTF-8 text") from None
     return records
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def series(records: Sequence[dict[str, Any]], name: str) -> tuple[list[int], list[float]]:
@@ -108,24 +119,44 @@ def _throughput_plot(records: Sequence[dict[str, Any]], path: Path, run_name: st
     return True
 
 
+# Each plot, its drawing function and the metrics that give it something to draw.
+_PLOTS = (("loss.png", _loss_plot, ("loss", "val_loss")), ("throughput.png", _throughput_plot, ("tokens_per_s",)))
+
+
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
     """Write loss.png and throughput.png for the run in `run_dir`; return the paths written.
 
-    A plot whose metrics the run never logged is skipped (throughput.png without tokens_per_s).
-    `FileNotFoundError` when there is no metrics.jsonl; `ImportError` when matplotlib is missing.
+    A plot whose metrics the run never logged is skipped (throughput.png without tokens_per_s); with
+    nothing to plot nothing is written (not even `out_dir`) and [] is returned. Everything is checked
+    before a file is written: `FileNotFoundError` when `run_dir` or its metrics.jsonl is missing,
+    `ValueError` for a malformed metrics file (naming the line) or an `out_dir` that is a file,
+    `ImportError` when matplotlib is missing.
     """
-    run_dir = Path(run_dir).expanduser()
-    metrics_path = run_dir / "metrics.jsonl"
-    if not metrics_path.is_file():
-        raise FileNotFoundError(f"no metrics.jsonl in {str(run_dir)!r}")
+    metrics_path = _metrics_file(run_dir)
     records = read_metrics(metrics_path)
-    out = Path(out_dir).expanduser() if out_dir is not None else run_dir
+    plots = [(name, draw) for name, draw, metrics in _PLOTS if any(series(records, m)[0] for m in metrics)]
+    if not plots:
+        return []
+    out = Path(out_dir).expanduser() if out_dir is not None else metrics_path.parent
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output directory {str(out_dir)!r} is a file")
+    _figure()  # matplotlib missing: the ImportError now, before any directory is made
     out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, draw in (("loss.png", _loss_plot), ("throughput.png", _throughput_plot)):
-        if draw(records, out / name, run_dir.resolve().name):
-            written.append(out / name)
-    return written
+    for name, draw in plots:
+        draw(records, out / name, metrics_path.parent.resolve().name)
+    return [out / name for name, _ in plots]
+
+
+def _metrics_file(run_dir: str | Path) -> Path:
+    """RUN_DIR/metrics.jsonl; errors name the run directory as given."""
+    directory = Path(run_dir).expanduser()
+    if not directory.exists():
+        raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{str(run_dir)!r} is a file, not a run directory")
+    if not (directory / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"no metrics.jsonl in {str(run_dir)!r} (is it a run directory?)")
+    return directory / "metrics.jsonl"
 
 
 def plot_command(run_dir: str, out_dir: str | None = None) -> list[Path]:
@@ -149,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         written = plot_run(args.run_dir, args.out)
-    except (FileNotFoundError, ImportError) as error:
+    except (FileNotFoundError, ValueError, ImportError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if not written:

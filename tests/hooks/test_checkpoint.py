@@ -19,6 +19,7 @@ from fntrain.hooks.signals import Preemption
 from fntrain.loop import Event, run_training
 from fntrain.runtime.runtime import Runtime
 from tests.checkpoint import toy
+from tests.hooks.drive import drive
 
 INFO = StepInfo({"loss": 0.0})
 
@@ -32,16 +33,6 @@ def make(tmp_path, parts=None, **fields):
     )
     hooks.append(hook)
     return hook, parts
-
-
-def steps(hook, start: TrainState, count: int) -> TrainState:
-    """Send STEP_BEGIN / STEP_END for `count` steps from `start`; return the state after them."""
-    state = start
-    for _ in range(count):
-        hook(Event.STEP_BEGIN, state, None)
-        state = state.after_step()
-        hook(Event.STEP_END, state, INFO)
-    return state
 
 
 def saved(tmp_path) -> list[int]:
@@ -75,7 +66,7 @@ def test_checkpoint_root(tmp_path):
 def test_save_every_and_at_end_once(tmp_path):
     hook, _ = make(tmp_path, save_every=3)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
-    state = steps(hook, TrainState(), 7)
+    state = drive(hook, 7, info=INFO, begin=False, end=None)
     assert saved(tmp_path) == [3, 6]
     hook(Event.TRAIN_END, state, None)
     assert saved(tmp_path) == [3, 6, 7]
@@ -86,7 +77,7 @@ def test_save_every_and_at_end_once(tmp_path):
 def test_end_save_skipped_when_last_step_was_saved(tmp_path):
     hook, _ = make(tmp_path, save_every=3)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
-    state = steps(hook, TrainState(), 6)
+    state = drive(hook, 6, info=INFO, begin=False, end=None)
     hook(Event.TRAIN_END, state, None)
     assert saved(tmp_path) == [3, 6]
 
@@ -94,9 +85,10 @@ def test_end_save_skipped_when_last_step_was_saved(tmp_path):
 def test_save_epochs_and_no_duplicate_with_step_cadence(tmp_path):
     hook, _ = make(tmp_path, save_every=2, save_epochs=1, save_at_end=False)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
-    state = steps(hook, TrainState(), 4)  # epoch 0 ends at step 4, which save_every already saved
+    # epoch 0 ends at step 4, which save_every already saved
+    state = drive(hook, 4, info=INFO, begin=False, end=None)
     hook(Event.EPOCH_END, state, None)
-    state = steps(hook, state.next_epoch(), 3)
+    state = drive(hook, 3, start=state.next_epoch(), info=INFO, begin=False, end=None)
     hook(Event.EPOCH_END, state, None)  # epoch 1 ends at step 7
     hook(Event.TRAIN_END, state, None)
     assert saved(tmp_path) == [2, 4, 6, 7]
@@ -108,7 +100,7 @@ def test_disabled_by_default_saves_nothing(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     assert signal.getsignal(signal.SIGTERM) is before  # no handler without checkpointing
-    state = steps(hook, TrainState(), 3)
+    state = drive(hook, 3, info=INFO, begin=False, end=None)
     hook(Event.EPOCH_END, state, None)
     hook(Event.TRAIN_END, state, None)
     assert not tmp_path.exists() or saved(tmp_path) == []
@@ -117,7 +109,7 @@ def test_disabled_by_default_saves_nothing(tmp_path):
 def test_restored_step_is_not_saved_again(tmp_path):
     hook, parts = make(tmp_path, save_every=4)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
-    steps(hook, TrainState(), 4)
+    drive(hook, 4, info=INFO, begin=False, end=None)
     hook(Event.ABORT, TrainState(0, 4, 4), RuntimeError("crash"))
 
     resumed, _ = make(tmp_path, parts, save_every=4, save_epochs=1)
@@ -147,7 +139,7 @@ def test_hook_state_round_trip():
 def test_keep_last(tmp_path):
     hook, _ = make(tmp_path, save_every=1, keep_last=2)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
-    state = steps(hook, TrainState(), 5)
+    state = drive(hook, 5, info=INFO, begin=False, end=None)
     hook(Event.TRAIN_END, state, None)
     assert saved(tmp_path) == [4, 5]
     assert (tmp_path / LATEST).read_text().strip() == "step_5"
@@ -159,7 +151,7 @@ def test_ctrl_c_inside_a_step_saves_at_the_next_boundary_and_stops_with_130(tmp_
     hook, _ = make(tmp_path, save_every=10, save_on_interrupt=True)
     before = signal.getsignal(signal.SIGINT)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
-    state = steps(hook, TrainState(), 2)
+    state = drive(hook, 2, info=INFO, begin=False, end=None)
     hook(Event.STEP_BEGIN, state, None)
     signal.raise_signal(signal.SIGINT)  # inside step 3: no KeyboardInterrupt, only the flag
     assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL  # a second Ctrl-C would end the process
@@ -176,7 +168,7 @@ def test_ctrl_c_without_the_option_is_an_ordinary_interrupt(tmp_path):
     before = signal.getsignal(signal.SIGINT)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     assert signal.getsignal(signal.SIGINT) is before  # no handler: Ctrl-C raises KeyboardInterrupt
-    hook(Event.ABORT, steps(hook, TrainState(), 2), KeyboardInterrupt())
+    hook(Event.ABORT, drive(hook, 2, info=INFO, begin=False, end=None), KeyboardInterrupt())
     assert saved(tmp_path) == []
 
 
@@ -205,7 +197,7 @@ def test_preemption_signal_saves_at_the_step_boundary_and_stops(tmp_path):
     hook, _ = make(tmp_path, save_every=100)
     previous = signal.getsignal(signal.SIGUSR1)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
-    state = steps(hook, TrainState(), 2)
+    state = drive(hook, 2, info=INFO, begin=False, end=None)
     hook(Event.STEP_BEGIN, state, None)
     signal.raise_signal(signal.SIGUSR1)  # arrives mid-step: only a flag is set
     assert saved(tmp_path) == []
@@ -350,7 +342,7 @@ def test_train_loop_integration_resumes_exactly(tmp_path):
 def test_async_saves_drain_at_train_end(tmp_path):
     hook, parts = make(tmp_path, save_every=2, async_save=True)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
-    state = steps(hook, TrainState(), 5)
+    state = drive(hook, 5, info=INFO, begin=False, end=None)
     hook(Event.TRAIN_END, state, None)
     assert saved(tmp_path) == [2, 4, 5]
     assert (tmp_path / LATEST).read_text().strip() == "step_5"
@@ -364,7 +356,8 @@ def test_failed_async_save_raises_at_the_next_step(tmp_path, monkeypatch):
 
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", broken)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
-    state = steps(hook, TrainState(), 2)  # step 2's save starts (and fails) in the background
+    # step 2's save starts (and fails) in the background
+    state = drive(hook, 2, info=INFO, begin=False, end=None)
     with pytest.raises(RuntimeError, match="asynchronous checkpoint save of step 2"):
         for _ in range(200):  # it surfaces at the first step boundary after the failure is known
             hook(Event.STEP_BEGIN, state, None)
@@ -377,6 +370,6 @@ def test_failed_async_save_raises_at_the_next_step(tmp_path, monkeypatch):
 def test_abort_completes_a_pending_async_save(tmp_path):
     hook, _ = make(tmp_path, save_every=2, async_save=True)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
-    state = steps(hook, TrainState(), 2)
+    state = drive(hook, 2, info=INFO, begin=False, end=None)
     hook(Event.ABORT, state, RuntimeError("crash"))
     assert saved(tmp_path) == [2]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from fntrain.hooks.evaluate import EvaluateConfig, eval_index_groups, evaluate_hook, make_eval_fn
-from fntrain.hooks.metrics import MetricsConfig, metrics_log
+from fntrain.hooks.metrics import MetricsConfig
+from fntrain.hooks.metrics_log import metrics_log
 from fntrain.loop import Event, StepInfo
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState

@@ -9,20 +9,14 @@ import torch
 
 from fntrain.hooks import gc as gc_module
 from fntrain.hooks.gc import GCConfig, gc_hook
-from fntrain.loop import Event, StepInfo
+from fntrain.loop import Event
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
+from tests.hooks.drive import drive
 
 
 def state_at(step: int) -> TrainState:
     return TrainState(epoch=0, global_step=step, cursor=step)
-
-
-def run_steps(hook, steps: int) -> None:
-    hook(Event.TRAIN_BEGIN, TrainState(), None)
-    for step in range(1, steps + 1):
-        hook(Event.STEP_BEGIN, state_at(step - 1), None)
-        hook(Event.STEP_END, state_at(step), StepInfo({}))
 
 
 @pytest.fixture
@@ -35,24 +29,24 @@ def automatic_gc_restored():
 def test_collects_every_n_steps_with_the_configured_generation(monkeypatch):
     collected = []
     monkeypatch.setattr(gc_module.gc, "collect", lambda generation=2: collected.append(generation))
-    run_steps(gc_hook(GCConfig(gc_every=3, generation=1), Runtime()), 10)
+    drive(gc_hook(GCConfig(gc_every=3, generation=1), Runtime()), 10, end=None)
     assert collected == [1, 1, 1]  # steps 3, 6, 9
 
 
 def test_never_collects_by_default(monkeypatch):
     collected = []
     monkeypatch.setattr(gc_module.gc, "collect", lambda generation=2: collected.append(generation))
-    run_steps(gc_hook(GCConfig(), Runtime()), 10)
+    drive(gc_hook(GCConfig(), Runtime()), 10, end=None)
     assert collected == []
 
 
 def test_empty_cache_every_n_steps_on_an_accelerator_only(monkeypatch):
     emptied = []
     monkeypatch.setattr(gc_module, "_empty_cache_fn", lambda device: lambda: emptied.append(device.type))
-    run_steps(gc_hook(GCConfig(empty_cache_every=2), Runtime(device=torch.device("cuda", 0))), 5)
+    drive(gc_hook(GCConfig(empty_cache_every=2), Runtime(device=torch.device("cuda", 0))), 5, end=None)
     assert emptied == ["cuda", "cuda"]  # steps 2 and 4
     emptied.clear()
-    run_steps(gc_hook(GCConfig(empty_cache_every=2), Runtime()), 5)
+    drive(gc_hook(GCConfig(empty_cache_every=2), Runtime()), 5, end=None)
     assert emptied == []  # cpu has no caching allocator
 
 

@@ -17,6 +17,7 @@ from fntrain.hooks.memory import MemoryConfig, is_out_of_memory, memory_hook
 from fntrain.loop import Event, train
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import RunPlan, TrainState
+from tests.hooks.drive import drive
 
 CUDA = torch.device("cuda", 0)  # constructing a device touches nothing
 SNAPSHOT_NAME = re.compile(r"^snapshot_\d{4}-\d{2}-\d{2}-\d{2}-\d{2}_(\d+)\.pickle$")
@@ -97,17 +98,6 @@ class ObservedAllocator(FakeAllocator):
         self.history.append("oom")
         for observer in self.observers:
             observer(0, 1 << 40, 1 << 30, 0)
-
-
-def run_events(hook, steps: int, *, end: bool = True) -> None:
-    state = TrainState()
-    hook(Event.TRAIN_BEGIN, state, None)
-    for _ in range(steps):
-        hook(Event.STEP_BEGIN, state, None)
-        state = state.after_step()
-        hook(Event.STEP_END, state, None)
-    if end:
-        hook(Event.TRAIN_END, state, None)
 
 
 def snapshots(path) -> list[str]:
@@ -212,7 +202,7 @@ def test_disabled_session_never_touches_the_device(monkeypatch, tmp_path):
         memory_hook(MemoryConfig(save_path=str(tmp_path / "snap")), Runtime(device=CUDA)),
         memory_hook(MemoryConfig(save_path=str(tmp_path / "snap")), Runtime(device=CUDA), allocator=fake),
     ):
-        run_events(hook, 4)
+        drive(hook, 4)
         hook(Event.ABORT, TrainState(), RuntimeError("x"))
     assert fake.calls == []
     assert not (tmp_path / "snap").exists()
@@ -251,7 +241,7 @@ def test_window_1_to_3_records_once_then_writes_and_stops(tmp_path):
 def test_unbounded_max_entries_is_passed_as_sys_maxsize(tmp_path):
     fake = FakeAllocator()
     hook = memory_hook(config(tmp_path, stacks="python"), Runtime(device=CUDA), allocator=fake)
-    run_events(hook, 1)
+    drive(hook, 1)
     start = [c for c in fake.calls if c[0] == "record" and c[1] == "all"][0]
     assert start[2]["max_entries"] == sys.maxsize and start[2]["stacks"] == "python"
 
@@ -262,7 +252,7 @@ def test_equal_bounds_at_zero_record_write_and_stop_at_train_begin(tmp_path):
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     assert fake.names() == ["stop", "start", "snapshot", "stop"]
     assert len(snapshots(tmp_path / "snap")) == 1
-    run_events(hook, 0)  # a second session is a fresh start and records again
+    drive(hook, 0)  # a second session is a fresh start and records again
     assert fake.names()[4:] == ["stop", "start", "snapshot", "stop"]
 
 
@@ -279,7 +269,7 @@ def test_equal_bounds_mid_run(tmp_path):
 def test_window_past_the_run_records_nothing(tmp_path):
     fake = FakeAllocator()
     hook = memory_hook(config(tmp_path, start_step=5, end_step=9), Runtime(device=CUDA), allocator=fake)
-    run_events(hook, 3)
+    drive(hook, 3)
     assert fake.names() == ["stop"]
     assert not (tmp_path / "snap").exists()
 
@@ -288,7 +278,7 @@ def test_unselected_rank_records_but_never_writes_or_makes_directories(tmp_path)
     fake = FakeAllocator()
     runtime = Runtime(rank=1, world_size=2, device=CUDA)
     hook = memory_hook(config(tmp_path, start_step=1, end_step=2, dump_ranks=[0]), runtime, allocator=fake)
-    run_events(hook, 3)
+    drive(hook, 3)
     assert fake.names() == ["stop", "start", "stop"]
     assert not (tmp_path / "snap").exists()
 
@@ -297,7 +287,7 @@ def test_selected_nonzero_rank_writes_its_own_file(tmp_path):
     fake = FakeAllocator()
     runtime = Runtime(rank=3, world_size=4, device=CUDA)
     hook = memory_hook(config(tmp_path, dump_ranks=[1, 3]), runtime, allocator=fake)
-    run_events(hook, 3)
+    drive(hook, 3)
     [name] = snapshots(tmp_path / "snap")
     assert SNAPSHOT_NAME.match(name).group(1) == "3"
 
@@ -314,7 +304,7 @@ def test_save_path_expands_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     fake = FakeAllocator()
     hook = memory_hook(MemoryConfig(enable=True, save_path="~/snaps"), Runtime(device=CUDA), allocator=fake)
-    run_events(hook, 2)
+    drive(hook, 2)
     assert len(snapshots(tmp_path / "snaps")) == 1
 
 
@@ -326,7 +316,7 @@ def test_a_backend_with_only_dump_snapshot_writes_through_it(tmp_path):
         _dump_snapshot=lambda path: (dumped.append(path), open(path, "wb").close()),
     )
     hook = memory_hook(config(tmp_path), Runtime(device=CUDA), allocator=module)
-    run_events(hook, 2)
+    drive(hook, 2)
     [name] = snapshots(tmp_path / "snap")
     assert SNAPSHOT_NAME.match(name) and dumped == [str(tmp_path / "snap" / name)]
 
@@ -337,7 +327,7 @@ def test_a_backend_with_only_dump_snapshot_writes_through_it(tmp_path):
 def test_stop_writes_a_partial_window_once_even_when_called_twice(tmp_path):
     fake = FakeAllocator()
     hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
-    run_events(hook, 3, end=False)
+    drive(hook, 3, end=None)
     assert fake.names() == ["stop", "start"] and fake.recording
     hook(Event.TRAIN_END, TrainState(0, 3, 3), None)
     hook(Event.TRAIN_END, TrainState(0, 3, 3), None)
@@ -350,7 +340,7 @@ def test_stop_writes_a_partial_window_once_even_when_called_twice(tmp_path):
 def test_abort_never_writes_nor_creates_directories(tmp_path):
     fake = FakeAllocator()
     hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
-    run_events(hook, 2, end=False)
+    drive(hook, 2, end=None)
     hook(Event.ABORT, TrainState(0, 2, 2), ValueError("step failed"))
     assert fake.names() == ["stop", "start", "stop"] and not fake.recording
     assert not (tmp_path / "snap").exists()
@@ -362,7 +352,7 @@ def test_abort_never_writes_nor_creates_directories(tmp_path):
 def test_abort_never_raises_even_when_stopping_fails(tmp_path, caplog):
     fake = FakeAllocator()
     hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
-    run_events(hook, 1, end=False)
+    drive(hook, 1, end=None)
     fake.fail.add("stop")
     with caplog.at_level(logging.ERROR, logger="fntrain.hooks.memory"):
         hook(Event.ABORT, TrainState(0, 1, 1), ValueError("boom"))
@@ -373,7 +363,7 @@ def test_abort_never_raises_even_when_stopping_fails(tmp_path, caplog):
 def test_a_failed_stop_at_train_end_is_retried_at_abort(tmp_path, caplog):
     fake = FakeAllocator()
     hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
-    run_events(hook, 2, end=False)
+    drive(hook, 2, end=None)
     fake.stop_failures = 1
     with pytest.raises(RuntimeError, match="stop failed") as caught:
         hook(Event.TRAIN_END, TrainState(0, 2, 2), None)  # writes the partial window, then the stop fails
@@ -390,7 +380,7 @@ def test_a_failed_stop_at_train_end_is_retried_at_abort(tmp_path, caplog):
 def test_a_stop_failing_again_at_abort_is_logged_not_raised(tmp_path, caplog):
     fake = FakeAllocator()
     hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
-    run_events(hook, 1, end=False)
+    drive(hook, 1, end=None)
     fake.fail.add("stop")
     with pytest.raises(RuntimeError, match="stop failed") as caught:
         hook(Event.TRAIN_END, TrainState(0, 1, 1), None)
@@ -458,7 +448,7 @@ def test_a_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(memory_mod.pickle, "dump", broken_dump)
     with pytest.raises(OSError, match="disk full"):
-        run_events(hook, 2)
+        drive(hook, 2)
     assert snapshots(tmp_path / "snap") == []
     assert not fake.recording
 
@@ -481,7 +471,7 @@ def test_failed_record_cleans_up_and_deactivates(tmp_path):
 def test_a_new_session_discards_stale_history_without_writing(tmp_path):
     fake = FakeAllocator()
     hook = memory_hook(config(tmp_path, start_step=1, end_step=5), Runtime(device=CUDA), allocator=fake)
-    run_events(hook, 2, end=False)  # a session left recording (its TRAIN_END never came)
+    drive(hook, 2, end=None)  # a session left recording (its TRAIN_END never came)
     fake.history.append("stale alloc")
     assert fake.recording
     hook(Event.TRAIN_BEGIN, TrainState(), None)
@@ -500,7 +490,7 @@ def test_history_left_by_someone_else_is_discarded_at_train_begin(tmp_path):
     fake.history.append("another recorder's event")
     fake.calls.clear()
     hook = memory_hook(config(tmp_path, start_step=1, end_step=2), Runtime(device=CUDA), allocator=fake)
-    run_events(hook, 2)
+    drive(hook, 2)
     with open(tmp_path / "snap" / snapshots(tmp_path / "snap")[0], "rb") as f:
         assert pickle.load(f)["device_traces"] == [[]]
 
@@ -531,14 +521,14 @@ def test_oom_observer_is_attached_once_per_backend(tmp_path):
     fake = ObservedAllocator()
     for _ in range(3):
         hook = memory_hook(config(tmp_path, start_step=1, end_step=2), Runtime(device=CUDA), allocator=fake)
-        run_events(hook, 2)
+        drive(hook, 2)
     assert len(fake.observers) == 1
 
 
 def test_oom_observer_never_raises_into_the_allocator(tmp_path, caplog):
     fake = ObservedAllocator()
     hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
-    run_events(hook, 1, end=False)
+    drive(hook, 1, end=None)
     fake.fail.add("snapshot")
     with caplog.at_level(logging.ERROR, logger="fntrain.hooks.memory"):
         fake.out_of_memory()
@@ -549,7 +539,7 @@ def test_oom_observer_on_an_unselected_rank_writes_nothing(tmp_path):
     fake = ObservedAllocator()
     runtime = Runtime(rank=1, world_size=2, device=CUDA)
     hook = memory_hook(config(tmp_path, start_step=1, end_step=10), runtime, allocator=fake)
-    run_events(hook, 1, end=False)
+    drive(hook, 1, end=None)
     fake.out_of_memory()
     hook(Event.ABORT, TrainState(), torch.OutOfMemoryError("oom"))
     assert not (tmp_path / "snap").exists()
@@ -558,7 +548,7 @@ def test_oom_observer_on_an_unselected_rank_writes_nothing(tmp_path):
 def test_without_an_observer_abort_writes_the_oom_snapshot(tmp_path):
     fake = FakeAllocator()
     hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
-    run_events(hook, 2, end=False)
+    drive(hook, 2, end=None)
     hook(Event.ABORT, TrainState(), torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
     assert snapshots(tmp_path / "snap") == ["snapshot_oom_0.pickle"]
     assert fake.names() == ["stop", "start", "snapshot", "stop"]
@@ -567,7 +557,7 @@ def test_without_an_observer_abort_writes_the_oom_snapshot(tmp_path):
 def test_abort_oom_outside_the_window_writes_nothing(tmp_path):
     fake = FakeAllocator()
     hook = memory_hook(config(tmp_path, start_step=3, end_step=10), Runtime(device=CUDA), allocator=fake)
-    run_events(hook, 1, end=False)
+    drive(hook, 1, end=None)
     hook(Event.ABORT, TrainState(), torch.OutOfMemoryError("oom"))
     assert not (tmp_path / "snap").exists()
 
@@ -575,7 +565,7 @@ def test_abort_oom_outside_the_window_writes_nothing(tmp_path):
 def test_abort_oom_snapshot_failure_is_logged_not_raised(tmp_path, caplog):
     fake = FakeAllocator()
     hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
-    run_events(hook, 1, end=False)
+    drive(hook, 1, end=None)
     fake.fail.add("snapshot")
     with caplog.at_level(logging.ERROR, logger="fntrain.hooks.memory"):
         hook(Event.ABORT, TrainState(), torch.OutOfMemoryError("oom"))
@@ -604,7 +594,7 @@ def test_mem_info_without_history_logs_and_resets_peaks(caplog):
     runtime = Runtime(rank=2, local_rank=0, world_size=4, dp_rank=2, device=CUDA)
     hook = memory_hook(MemoryConfig(mem_info=True), runtime, allocator=fake)
     with caplog.at_level(logging.INFO, logger="fntrain.hooks.memory"):
-        run_events(hook, 2)
+        drive(hook, 2)
     assert "record" not in [c[0] for c in fake.calls]  # no history
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory step=")]
     assert [line.split()[1] for line in lines] == ["step=0", "step=1", "step=2", "step=end"]
@@ -618,7 +608,7 @@ def test_mem_info_names_the_tensor_parallel_rank_and_pipeline_stage(caplog):
     runtime = Runtime(rank=5, world_size=8, dp_rank=0, tp_size=2, tp_rank=1, pp_size=2, pp_rank=1)
     hook = memory_hook(MemoryConfig(mem_info=True), runtime)
     with caplog.at_level(logging.INFO, logger="fntrain.hooks.memory"):
-        run_events(hook, 1)
+        drive(hook, 1)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory step=")]
     assert lines and all("rank=5 local_rank=0 dp_rank=0 tp_rank=1 pp_stage=1" in line for line in lines)
 
@@ -626,7 +616,7 @@ def test_mem_info_names_the_tensor_parallel_rank_and_pipeline_stage(caplog):
 def test_mem_info_on_cpu_reports_peak_rss(caplog):
     hook = memory_hook(MemoryConfig(mem_info=True), Runtime())
     with caplog.at_level(logging.INFO, logger="fntrain.hooks.memory"):
-        run_events(hook, 1)
+        drive(hook, 1)
     assert "cannot be reset" in caplog.text
     rss = [r.getMessage() for r in caplog.records if "peak_rss_mib=" in r.getMessage()]
     assert len(rss) == 3
@@ -677,7 +667,7 @@ def test_mem_info_and_history_together(tmp_path):
     hook = memory_hook(
         config(tmp_path, start_step=1, end_step=2, mem_info=True), Runtime(device=CUDA), allocator=fake
     )
-    run_events(hook, 2)
+    drive(hook, 2)
     names = fake.names()
     assert names.count("start") == 1 and names.count("snapshot") == 1 and names.count("reset_peaks") == 4
 
@@ -699,7 +689,7 @@ def test_npu_backend_through_torch_npu(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "torch_npu", torch_npu)
     runtime = Runtime(device=types.SimpleNamespace(type="npu", index=0))
     hook = memory_hook(config(tmp_path, start_step=1, end_step=3), runtime)
-    run_events(hook, 1, end=False)
+    drive(hook, 1, end=None)
     assert fake.observers, "the NPU OOM observer was not attached"
     fake.out_of_memory()
     hook(Event.TRAIN_END, TrainState(), None)

@@ -11,19 +11,13 @@ import pytest
 import torch
 
 from fntrain.hooks import metrics as metrics_module
-from fntrain.hooks.metrics import (
-    MetricBoard,
-    MetricsConfig,
-    MetricsLog,
-    format_record,
-    is_logging_step,
-    metrics_hook,
-    metrics_log,
-)
+from fntrain.hooks.metrics import MetricsConfig, is_logging_step, metrics_hook
+from fntrain.hooks.metrics_log import MetricsLog, format_record, metrics_log
 from fntrain.loop import Event, StepInfo
 from fntrain.runtime.collectives import reduce_scalars
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
+from tests.hooks.drive import drive
 
 
 def step_state(step: int, epoch: int = 0) -> TrainState:
@@ -34,12 +28,8 @@ def info(loss: float = 2.5, grad_norm: float = 0.75, lr: float = 3e-4) -> StepIn
     return StepInfo({"loss": torch.tensor(loss), "grad_norm": torch.tensor(grad_norm), "lr": lr}, 64, 2, 0.01)
 
 
-def run_steps(hook, steps, *, make_info=info):
-    hook(Event.TRAIN_BEGIN, TrainState(), None)
-    for step in range(1, steps + 1):
-        hook(Event.STEP_BEGIN, step_state(step - 1), None)
-        hook(Event.STEP_END, step_state(step), make_info())
-    hook(Event.TRAIN_END, step_state(steps), None)
+def run_steps(hook, steps):
+    drive(hook, steps, info=lambda state: info())
 
 
 def test_format_record_sorts_names_and_uses_four_significant_digits():
@@ -78,17 +68,23 @@ def test_log_every_zero_never_logs(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_only_rank_zero_writes_but_every_rank_reduces(tmp_path, caplog):
+def test_only_rank_zero_writes_but_every_rank_reduces(tmp_path, caplog, monkeypatch):
+    reduced = []
+
+    def recording_reduce(values, op="mean", **kwargs):
+        out = reduce_scalars(values, op, **kwargs)
+        reduced.append(out)
+        return out
+
+    monkeypatch.setattr(metrics_module, "reduce_scalars", recording_reduce)
     runtime = Runtime(rank=1, world_size=2)
-    board = MetricBoard()
-    hook = metrics_hook(
-        runtime, log_every=1, writer=metrics_log(MetricsConfig(), runtime, tmp_path), board=board
-    )
+    writer = metrics_log(MetricsConfig(), runtime, tmp_path)
+    hook = metrics_hook(runtime, log_every=1, writer=writer)
     with caplog.at_level(logging.INFO, logger="fntrain.metrics"):
         run_steps(hook, 2)
     assert not (tmp_path / "metrics.jsonl").exists()
     assert not [r for r in caplog.records if r.name == "fntrain.metrics"]
-    assert board.last == {"loss": 2.5, "grad_norm": 0.75, "lr": 3e-4, "step": 2, "epoch": 0}
+    assert reduced == [{"loss": 2.5, "grad_norm": 0.75}] * 2 and writer.latest() == {}
 
 
 def test_values_leave_the_device_only_on_logging_steps(tmp_path, monkeypatch):
@@ -122,48 +118,40 @@ def test_non_logging_step_runs_no_torch_op(tmp_path):
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     step_info = info()
     with Recorder() as recorder:
-        for step in range(1, 10):
-            hook(Event.STEP_BEGIN, step_state(step - 1), None)
-            hook(Event.STEP_END, step_state(step), step_info)
+        drive(hook, 9, info=step_info, begin=False, end=None)
     assert recorder.calls == []
 
 
-def test_board_metrics_are_merged_then_cleared_and_kept_as_last_record(tmp_path):
+def test_source_metrics_are_merged_and_kept_as_the_latest_record(tmp_path):
     runtime = Runtime()
-    board = MetricBoard()
-    hook = metrics_hook(
-        runtime, log_every=1, writer=metrics_log(MetricsConfig(), runtime, tmp_path), board=board
-    )
-    board.post(1, "tokens_per_s", 1234.5)
+    writer = metrics_log(MetricsConfig(), runtime, tmp_path)
+    asked = []
+
+    def throughput_figures():
+        asked.append(True)
+        return {"tokens_per_s": 1234.5}
+
+    hook = metrics_hook(runtime, log_every=2, writer=writer, sources=(throughput_figures,))
     hook(Event.STEP_END, step_state(1, epoch=2), info())
-    assert board.pending == {}
-    assert board.last["tokens_per_s"] == 1234.5 and board.last["step"] == 1 and board.last["epoch"] == 2
+    assert asked == []  # a source is asked on logging steps only
+    hook(Event.STEP_END, step_state(2, epoch=2), info())
+    latest = writer.latest()
+    assert latest["tokens_per_s"] == 1234.5 and latest["step"] == 2 and latest["epoch"] == 2
     record = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert record["tokens_per_s"] == 1234.5 and record["epoch"] == 2
 
 
-def test_stale_board_posts_are_dropped_not_logged_or_colliding():
-    board = MetricBoard()
-    board.post(10, "tokens_per_s", 1.0)  # posted for step 10, never consumed (no metrics hook)
-    board.post(20, "tokens_per_s", 2.0)  # the same producer at its next logging step: no collision
-    assert board.take(20) == {"tokens_per_s": 2.0} and board.pending == {}
-    board.post(30, "mfu", 0.5)
-    assert board.take(31) == {} and board.pending == {}
-
-
 def test_name_collisions_are_value_errors(tmp_path):
     runtime = Runtime()
-    board = MetricBoard()
-    hook = metrics_hook(
-        runtime, log_every=1, writer=metrics_log(MetricsConfig(), runtime, tmp_path), board=board
-    )
-    board.post(1, "loss", 1.0)
+    writer = metrics_log(MetricsConfig(), runtime, tmp_path)
+    hook = metrics_hook(runtime, log_every=1, writer=writer, sources=(lambda: {"loss": 1.0},))
     with pytest.raises(ValueError, match="'loss'"):
         hook(Event.STEP_END, step_state(1), info())
-    board.post(2, "x", 1.0)
+    sources = (lambda: {"x": 1.0}, lambda: {"x": 2.0})
+    twice = metrics_hook(runtime, log_every=1, writer=writer, sources=sources)
     with pytest.raises(ValueError, match="posted twice"):
-        board.post(2, "x", 2.0)
-    board.pending.clear()
+        twice(Event.STEP_END, step_state(2), info())
+    hook = metrics_hook(runtime, log_every=1, writer=writer)
     with pytest.raises(ValueError, match="'step' is reserved"):
         hook(Event.STEP_END, step_state(1), StepInfo({"step": 1.0}))
     with pytest.raises(TypeError, match="'note'"):
@@ -233,7 +221,7 @@ def test_config_validation_names_the_field():
         MetricsConfig(jsonl_name="").validate()
     with pytest.raises(ValueError, match="log_every"):
         metrics_hook(
-            Runtime(), log_every=-1, writer=MetricsLog(enabled=False, jsonl_path=None, tensorboard_dir=None)
+            Runtime(), log_every=-1, writer=MetricsLog(enabled=False)
         )
 
 
@@ -261,13 +249,12 @@ def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
         )
         assert mixed == {"mean": 1.5, "max": 10.0, "sum": 2.0}, mixed
         assert reduce_scalars({"m": torch.tensor(float(rank))}, "max") == {"m": 1.0}
-        board = MetricBoard()
         writer = metrics_log(MetricsConfig(), runtime, out_dir)
-        hook = metrics_hook(runtime, log_every=1, writer=writer, board=board)
+        hook = metrics_hook(runtime, log_every=1, writer=writer)
         # token mode: each rank reports (local share x dp_size); their mean is the global loss
         hook(Event.STEP_END, step_state(1), StepInfo({"loss": torch.tensor(2.0 + 2 * rank), "lr": 0.1}))
+        assert writer.latest().get("loss", 3.0) == 3.0  # rank 0 keeps the record; the file says the rest
         hook(Event.TRAIN_END, step_state(1), None)
-        assert board.last["loss"] == 3.0
     finally:
         dist.destroy_process_group()
 

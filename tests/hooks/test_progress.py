@@ -13,11 +13,11 @@ import torch
 import tqdm as tqdm_module
 
 from fntrain.hooks import progress as progress_module
-from fntrain.hooks.metrics import MetricBoard
 from fntrain.hooks.progress import ProgressConfig, format_postfix, progress_hook, set_library_progress_bars
 from fntrain.loop import Event, StepInfo
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
+from tests.hooks.drive import drive
 
 
 class FakeBar:
@@ -65,24 +65,22 @@ def step_info(loss: float = 2.0) -> StepInfo:
 
 
 def test_bar_counts_the_whole_run_from_the_restored_step(fake_tqdm):
-    board = MetricBoard()
-    hook = progress_hook(ProgressConfig(redirect_logging=False), Runtime(), total=20, board=board)
+    hook = progress_hook(ProgressConfig(redirect_logging=False), Runtime(), total=20, latest=dict)
     hook(Event.TRAIN_BEGIN, state_at(5), None)
     (bar,) = fake_tqdm.instances
     assert bar.kwargs["total"] == 20 and bar.kwargs["initial"] == 5
-    for step in range(6, 9):
-        hook(Event.STEP_END, state_at(step), step_info())
+    drive(hook, 3, start=state_at(5), info=step_info(), begin=False, end=None)
     assert bar.n == 8
 
 
 def test_postfix_refreshed_only_on_the_steps_the_metrics_hook_logged(fake_tqdm):
-    board = MetricBoard()
-    hook = progress_hook(ProgressConfig(redirect_logging=False), Runtime(), total=10, board=board)
+    latest: dict = {}
+    hook = progress_hook(ProgressConfig(redirect_logging=False), Runtime(), total=10, latest=lambda: latest)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     for step in range(1, 6):
-        if step % 2 == 0:  # what the metrics hook leaves on its logging steps
-            board.last.clear()
-            board.last.update(
+        if step % 2 == 0:  # what the metrics log holds after the metrics hook's logging steps
+            latest.clear()
+            latest.update(
                 {
                     "loss": 2.0,
                     "grad_norm": 0.5,
@@ -100,9 +98,7 @@ def test_postfix_refreshed_only_on_the_steps_the_metrics_hook_logged(fake_tqdm):
 
 def test_without_a_board_postfix_comes_from_the_step_every_log_every(fake_tqdm):
     hook = progress_hook(ProgressConfig(redirect_logging=False), Runtime(), total=10, log_every=3)
-    hook(Event.TRAIN_BEGIN, TrainState(), None)
-    for step in range(1, 7):
-        hook(Event.STEP_END, state_at(step), step_info(loss=float(step)))
+    drive(hook, 6, info=lambda state: step_info(loss=float(state.global_step)), end=None)
     (bar,) = fake_tqdm.instances
     assert bar.postfixes == [
         (3, "loss=3.0000, grad_norm=0.500, lr=1.000e-03"),
@@ -160,11 +156,11 @@ def test_missing_tqdm_warns_once_and_shows_no_bar(monkeypatch):
 
 def test_real_bar_draws_to_its_file():
     out = io.StringIO()
-    board = MetricBoard()
-    hook = progress_hook(ProgressConfig(mininterval=0.0), Runtime(), total=4, board=board, file=out)
+    latest: dict = {}
+    hook = progress_hook(ProgressConfig(mininterval=0.0), Runtime(), total=4, latest=lambda: latest, file=out)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     for step in range(1, 5):
-        board.last.update({"loss": 1.5, "lr": 1e-3, "step": step})
+        latest.update({"loss": 1.5, "lr": 1e-3, "step": step})
         hook(Event.STEP_END, state_at(step), step_info())
     hook(Event.TRAIN_END, state_at(4), None)
     text = out.getvalue()
@@ -193,7 +189,7 @@ def test_no_bar_when_stderr_is_not_a_terminal(monkeypatch):
     FakeBar.instances = []
     monkeypatch.setattr(tqdm_module, "tqdm", FakeBar)
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # redirected: a file, not a terminal
-    hook = progress_hook(ProgressConfig(), Runtime(), total=3, board=MetricBoard())
+    hook = progress_hook(ProgressConfig(), Runtime(), total=3, latest=dict)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     hook(Event.STEP_END, state_at(1), step_info())
     hook(Event.TRAIN_END, state_at(1), None)
@@ -204,16 +200,17 @@ def test_redirected_run_has_log_lines_and_no_bar_redraws(tmp_path):
     # a real tqdm in a child process whose stderr is a file: the metrics lines only, no carriage returns
     code = (
         "import logging, sys, torch\n"
-        "from fntrain.hooks.metrics import MetricBoard, MetricsConfig, metrics_hook, metrics_log\n"
+        "from fntrain.hooks.metrics import MetricsConfig, metrics_hook\n"
+        "from fntrain.hooks.metrics_log import metrics_log\n"
         "from fntrain.hooks.progress import ProgressConfig, progress_hook\n"
         "from fntrain.loop import Event, StepInfo\n"
         "from fntrain.runtime.runtime import Runtime\n"
         "from fntrain.state import TrainState\n"
         "logging.basicConfig(level=logging.INFO, stream=sys.stderr, format='%(message)s')\n"
-        "board, runtime = MetricBoard(), Runtime()\n"
+        "runtime = Runtime()\n"
         f"writer = metrics_log(MetricsConfig(jsonl=False), runtime, {str(tmp_path)!r})\n"
-        "hooks = [metrics_hook(runtime, log_every=5, writer=writer, board=board),\n"
-        "         progress_hook(ProgressConfig(mininterval=0.0), runtime, total=20, board=board)]\n"
+        "hooks = [metrics_hook(runtime, log_every=5, writer=writer),\n"
+        "         progress_hook(ProgressConfig(mininterval=0.0), runtime, total=20, latest=writer.latest)]\n"
         "for hook in hooks: hook(Event.TRAIN_BEGIN, TrainState(), None)\n"
         "for step in range(1, 21):\n"
         "    info = StepInfo({'loss': torch.tensor(2.0), 'lr': 1e-3}, 10, 1, 0.1)\n"

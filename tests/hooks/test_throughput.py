@@ -8,34 +8,41 @@ import pytest
 import torch
 
 from fntrain.hooks import throughput as throughput_module
-from fntrain.hooks.base import hook_states, load_hook_states
-from fntrain.hooks.metrics import MetricBoard
+from fntrain.hooks.base import every, hook_states, load_hook_states, on
 from fntrain.hooks.throughput import (
     ThroughputConfig,
     dense_transformer_flops_per_token,
     measure_flops_per_token,
     peak_flops_for_name,
-    throughput_hook,
+    throughput_meter,
 )
 from fntrain.loop import Event, StepInfo
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
+from tests.hooks.drive import drive
 
 
 def state_at(step: int) -> TrainState:
     return TrainState(epoch=0, global_step=step, cursor=step)
 
 
-def run(hook, board, first: int, last: int, *, tokens=1000, samples=4, step_time=0.5):
-    """Steps first..last; returns {step: posted metrics} for the steps that posted."""
+def run(meter, every_n: int, first: int, last: int, *, tokens=1000, samples=4, step_time=0.5):
+    """Steps first..last, the meter's figures read every `every_n` steps (as the metrics hook reads
+    them); returns {step: figures} for the steps that read non-empty figures."""
     posted = {}
-    for step in range(first, last + 1):
-        hook(Event.STEP_BEGIN, state_at(step - 1), None)
-        count = tokens(step) if callable(tokens) else tokens
-        hook(Event.STEP_END, state_at(step), StepInfo({}, count, samples, step_time))
-        if board.pending:
-            posted[step] = dict(board.pending)
-            board.pending.clear()
+
+    def read(state, info):
+        figures = meter.figures()
+        if figures:
+            posted[state.global_step] = figures
+
+    def step_info(state):
+        count = tokens(state.global_step) if callable(tokens) else tokens
+        return StepInfo({}, count, samples, step_time)
+
+    reader = every(every_n, on(Event.STEP_END, read))
+    steps = last - first + 1
+    drive([meter.hook, reader], steps, start=state_at(first - 1), info=step_info, begin=False, end=None)
     return posted
 
 
@@ -101,11 +108,10 @@ def test_dense_transformer_formula():
 
 
 def test_rates_tflops_and_mfu_arithmetic():
-    board = MetricBoard()
     config = ThroughputConfig(flops_per_token=6e6, peak_tflops=100.0)
-    hook = throughput_hook(config, Runtime(world_size=4, dp_size=2), log_every=2, board=board)
-    hook(Event.TRAIN_BEGIN, TrainState(), None)
-    posted = run(hook, board, 1, 4, tokens=1000, samples=4, step_time=0.5)
+    meter = throughput_meter(config, Runtime(world_size=4, dp_size=2))
+    meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
+    posted = run(meter, 2, 1, 4, tokens=1000, samples=4, step_time=0.5)
     assert sorted(posted) == [2, 4]
     metrics = posted[4]
     # one rank's 1000 tokens per step x dp_size 2 = 2000 global tokens per step, 2 steps in 1.0 s
@@ -119,33 +125,29 @@ def test_rates_tflops_and_mfu_arithmetic():
 
 
 def test_cpu_without_a_configured_peak_reports_no_mfu_and_unknown_flops_no_tflops():
-    board = MetricBoard()
-    hook = throughput_hook(ThroughputConfig(), Runtime(), log_every=1, board=board)
-    hook(Event.TRAIN_BEGIN, TrainState(), None)
-    posted = run(hook, board, 1, 1)
+    meter = throughput_meter(ThroughputConfig(), Runtime())
+    meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
+    posted = run(meter, 1, 1, 1)
     assert "tflops" not in posted[1] and "mfu" not in posted[1]
-    hook = throughput_hook(ThroughputConfig(), Runtime(), log_every=1, board=board, flops_per_token=10.0)
-    hook(Event.TRAIN_BEGIN, TrainState(), None)
-    posted = run(hook, board, 1, 1, tokens=100, step_time=1.0)
+    meter = throughput_meter(ThroughputConfig(), Runtime(), flops_per_token=10.0)
+    meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
+    posted = run(meter, 1, 1, 1, tokens=100, step_time=1.0)
     assert posted[1]["tflops"] == pytest.approx(10.0 * 100 / 1e12) and "mfu" not in posted[1]
 
 
 def test_tensor_and_int_token_counts_mix_and_many_unlogged_steps_are_folded():
-    board = MetricBoard()
-    hook = throughput_hook(ThroughputConfig(), Runtime(), log_every=600, board=board)
-    hook(Event.TRAIN_BEGIN, TrainState(), None)
-    posted = run(hook, board, 1, 600, tokens=lambda s: torch.tensor(3) if s % 2 else 5)
+    meter = throughput_meter(ThroughputConfig(), Runtime())
+    meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
+    posted = run(meter, 600, 1, 600, tokens=lambda s: torch.tensor(3) if s % 2 else 5)
     assert posted[600]["consumed_tokens"] == 300 * 3 + 300 * 5
 
 
 def test_step_time_is_averaged_over_the_interval():
-    board = MetricBoard()
-    hook = throughput_hook(ThroughputConfig(), Runtime(), log_every=4, board=board)
-    hook(Event.TRAIN_BEGIN, TrainState(), None)
-    posted = {}
+    meter = throughput_meter(ThroughputConfig(), Runtime())
+    meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
     for step, seconds in zip(range(1, 5), (0.1, 0.2, 0.3, 0.4), strict=True):
-        hook(Event.STEP_END, state_at(step), StepInfo({}, 10, 1, seconds))
-    posted = dict(board.pending)
+        meter.hook(Event.STEP_END, state_at(step), StepInfo({}, 10, 1, seconds))
+    posted = meter.figures()
     assert posted["step_time_s"] == pytest.approx(0.25)
     assert posted["tokens_per_s"] == pytest.approx(40 / 1.0)
 
@@ -165,10 +167,9 @@ def test_device_sync_and_memory_only_on_logging_steps(monkeypatch):
             return "NVIDIA H100 80GB HBM3"
 
     monkeypatch.setattr(throughput_module, "_device_module", lambda device: FakeDevice())
-    board = MetricBoard()
-    hook = throughput_hook(ThroughputConfig(flops_per_token=1.0), Runtime(), log_every=3, board=board)
-    hook(Event.TRAIN_BEGIN, TrainState(), None)
-    posted = run(hook, board, 1, 7)
+    meter = throughput_meter(ThroughputConfig(flops_per_token=1.0), Runtime())
+    meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
+    posted = run(meter, 3, 1, 7)
     assert calls == ["sync", "memory", "sync", "memory"]  # steps 3 and 6
     assert posted[3]["peak_mem_gib"] == 3.0
     assert posted[3]["mfu"] == pytest.approx(posted[3]["tflops"] * 1e12 / 989e12)  # peak from the table
@@ -186,22 +187,20 @@ def test_non_logging_step_runs_no_torch_op():
             self.calls.append(func)
             return func(*args, **(kwargs or {}))
 
-    board = MetricBoard()
-    hook = throughput_hook(ThroughputConfig(), Runtime(), log_every=10, board=board)
-    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    meter = throughput_meter(ThroughputConfig(), Runtime())
+    meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
     infos = [StepInfo({"loss": torch.tensor(1.0)}, torch.tensor(7), 2, 0.01) for _ in range(9)]
     with Recorder() as recorder:
         for step, step_info in enumerate(infos, start=1):
-            hook(Event.STEP_END, state_at(step), step_info)
-    assert recorder.calls == [] and board.pending == {}
+            meter.hook(Event.STEP_END, state_at(step), step_info)
+    assert recorder.calls == []
 
 
 def test_resume_restores_consumed_counts_including_unlogged_steps():
-    board = MetricBoard()
-    first = throughput_hook(ThroughputConfig(), Runtime(), log_every=2, board=board)
-    first(Event.TRAIN_BEGIN, TrainState(), None)
-    run(first, board, 1, 5, tokens=lambda s: torch.tensor(10 * s), samples=2)
-    saved = hook_states([first])
+    first = throughput_meter(ThroughputConfig(), Runtime())
+    first.hook(Event.TRAIN_BEGIN, TrainState(), None)
+    run(first, 2, 1, 5, tokens=lambda s: torch.tensor(10 * s), samples=2)
+    saved = hook_states([first.hook])
     assert saved == {
         "throughput": {
             "consumed_tokens": 100,
@@ -211,19 +210,19 @@ def test_resume_restores_consumed_counts_including_unlogged_steps():
         }
     }
 
-    resumed = throughput_hook(ThroughputConfig(), Runtime(), log_every=2, board=board)
-    assert load_hook_states([resumed], saved) == []
-    resumed(Event.TRAIN_BEGIN, state_at(5), None)
-    posted = run(resumed, board, 6, 8, tokens=lambda s: torch.tensor(10 * s), samples=2, step_time=1.0)
+    resumed = throughput_meter(ThroughputConfig(), Runtime())
+    assert load_hook_states([resumed.hook], saved) == []
+    resumed.hook(Event.TRAIN_BEGIN, state_at(5), None)
+    posted = run(resumed, 2, 6, 8, tokens=lambda s: torch.tensor(10 * s), samples=2, step_time=1.0)
     assert posted[8]["consumed_tokens"] == sum(10 * s for s in range(1, 9))
     assert posted[8]["consumed_samples"] == 16
     assert posted[6]["tokens_per_s"] == 60.0  # the restored steps count as consumed, not as this interval's
 
 
 def test_load_state_rejects_a_foreign_state():
-    hook = throughput_hook(ThroughputConfig(), Runtime(), log_every=1, board=MetricBoard())
+    meter = throughput_meter(ThroughputConfig(), Runtime())
     with pytest.raises(ValueError, match="consumed_tokens"):
-        hook.load_state_dict({"tokens": 1})
+        meter.hook.load_state_dict({"tokens": 1})
 
 
 def test_flops_callable_measured_once_at_train_begin_and_failure_is_a_warning(caplog):
@@ -233,40 +232,36 @@ def test_flops_callable_measured_once_at_train_begin_and_failure_is_a_warning(ca
         calls.append(1)
         return 2.0
 
-    board = MetricBoard()
-    hook = throughput_hook(ThroughputConfig(), Runtime(), log_every=1, board=board, flops_per_token=measure)
+    meter = throughput_meter(ThroughputConfig(), Runtime(), flops_per_token=measure)
     assert calls == []  # built: nothing measured
-    hook(Event.TRAIN_BEGIN, TrainState(), None)
-    run(hook, board, 1, 3)
+    meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
+    run(meter, 1, 1, 3)
     assert calls == [1]
 
     def broken():
         raise RuntimeError("no meta kernel")
 
-    hook = throughput_hook(ThroughputConfig(), Runtime(), log_every=1, board=board, flops_per_token=broken)
+    meter = throughput_meter(ThroughputConfig(), Runtime(), flops_per_token=broken)
     with caplog.at_level(logging.WARNING, logger="fntrain.hooks.throughput"):
-        hook(Event.TRAIN_BEGIN, TrainState(), None)
+        meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
     assert "no meta kernel" in caplog.text
-    assert "tflops" not in run(hook, board, 1, 1)[1]
+    assert "tflops" not in run(meter, 1, 1, 1)[1]
 
-    hook = throughput_hook(
-        ThroughputConfig(flops_per_token=5.0), Runtime(), log_every=1, board=board, flops_per_token=broken
-    )
-    hook(Event.TRAIN_BEGIN, TrainState(), None)  # the configured value wins: nothing is measured
-    assert run(hook, board, 1, 1, tokens=10, step_time=1.0)[1]["tflops"] == pytest.approx(50 / 1e12)
+    meter = throughput_meter(ThroughputConfig(flops_per_token=5.0), Runtime(), flops_per_token=broken)
+    meter.hook(Event.TRAIN_BEGIN, TrainState(), None)  # the configured value wins: nothing is measured
+    assert run(meter, 1, 1, 1, tokens=10, step_time=1.0)[1]["tflops"] == pytest.approx(50 / 1e12)
 
 
 def test_disabled_hook_posts_nothing_and_keeps_no_state():
-    board = MetricBoard()
-    hook = throughput_hook(ThroughputConfig(enabled=False), Runtime(), log_every=1, board=board)
-    hook(Event.TRAIN_BEGIN, TrainState(), None)
-    assert run(hook, board, 1, 3) == {}
-    assert hook.name == "throughput" and hook.state_dict() == {}
+    meter = throughput_meter(ThroughputConfig(enabled=False), Runtime())
+    meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
+    assert run(meter, 1, 1, 3) == {}
+    assert meter.hook.name == "throughput" and meter.hook.state_dict() == {}
 
 
 def test_abort_before_train_begin_is_a_no_op():
-    hook = throughput_hook(ThroughputConfig(), Runtime(), log_every=1, board=MetricBoard())
-    hook(Event.ABORT, TrainState(), RuntimeError("boom"))
+    meter = throughput_meter(ThroughputConfig(), Runtime())
+    meter.hook(Event.ABORT, TrainState(), RuntimeError("boom"))
 
 
 def test_config_validation_names_the_field():
@@ -275,4 +270,4 @@ def test_config_validation_names_the_field():
     with pytest.raises(TypeError, match="throughput.enabled"):
         ThroughputConfig(enabled=1).validate()
     with pytest.raises(TypeError, match="throughput.flops_per_token"):
-        throughput_hook(ThroughputConfig(flops_per_token="6N"), Runtime(), log_every=1, board=MetricBoard())
+        throughput_meter(ThroughputConfig(flops_per_token="6N"), Runtime())

@@ -16,32 +16,22 @@ import time
 import pytest
 import torch
 
-from fntrain.hooks.metrics import (
-    MetricsConfig,
-    MlflowSink,
-    WandbSink,
-    metrics_hook,
-    metrics_log,
-    metrics_writer,
-)
+from fntrain.config import ConfigError
+from fntrain.hooks.metrics import MetricsConfig, check_metric_packages, metrics_hook, metrics_writer
+from fntrain.hooks.metrics_log import metrics_log
+from fntrain.hooks.sinks import MlflowSink, WandbSink
 from fntrain.loop import Event, StepInfo
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
+from tests.hooks.drive import drive
 
 CONFIG = {"seed": 7, "optim": {"lr": 0.003, "name": "adamw"}, "run_dir": "runs/x"}
 
 
-def step_state(step: int) -> TrainState:
-    return TrainState(epoch=0, global_step=step, cursor=step)
-
-
-def run_hook(hook, steps: int, *, end: Event = Event.TRAIN_END) -> None:
-    hook(Event.TRAIN_BEGIN, TrainState(), None)
-    for step in range(1, steps + 1):
-        hook(Event.STEP_BEGIN, step_state(step - 1), None)
-        metrics = {"loss": torch.tensor(3.0 - 0.25 * step), "lr": 3e-3, "consumed_tokens": 64 * step}
-        hook(Event.STEP_END, step_state(step), StepInfo(metrics, 64, 2, 0.01))
-    hook(end, step_state(steps), RuntimeError("boom") if end is Event.ABORT else None)
+def tracked_info(state: TrainState) -> StepInfo:
+    step = state.global_step
+    metrics = {"loss": torch.tensor(3.0 - 0.25 * step), "lr": 3e-3, "consumed_tokens": 64 * step}
+    return StepInfo(metrics, 64, 2, 0.01)
 
 
 def with_config(run_dir, config=CONFIG):
@@ -131,7 +121,7 @@ def test_wandb_offline_gets_metrics_config_tags_summary_and_is_finished_at_train
     writer = metrics_log(config, runtime, run_dir, attempt=1)
     hook = metrics_hook(runtime, log_every=2, writer=writer, last_step=5)
     assert not (run_dir / "wandb").exists()  # nothing opens at build time
-    run_hook(hook, 5)
+    drive(hook, 5, info=tracked_info)
     records = wandb_records(run_dir)
     runs = [record.run for kind, record in records if kind == "run"]  # the start, then updates
     assert runs, [kind for kind, _ in records]
@@ -161,7 +151,7 @@ def test_wandb_finished_on_abort_with_outcome_and_job_summary_after_the_end(tmp_
     runtime = Runtime()
     writer = metrics_log(MetricsConfig(wandb=True), runtime, run_dir)
     hook = metrics_hook(runtime, log_every=1, writer=writer)
-    run_hook(hook, 2, end=Event.ABORT)
+    drive(hook, 2, info=tracked_info, end=Event.ABORT)
     records = wandb_records(run_dir)
     assert wandb_summary(records)["outcome"] == "aborted"
     assert any(kind == "exit" for kind, _ in records)
@@ -192,7 +182,7 @@ def test_mlflow_sqlite_gets_metrics_params_tags_summary_and_is_finished_at_train
     writer = metrics_log(MetricsConfig(mlflow=True, tags=("baseline", "team=nlp")), runtime, run_dir)
     hook = metrics_hook(runtime, log_every=2, writer=writer, last_step=5)
     assert not (run_dir / "mlflow.db").exists()  # nothing opens at build time
-    run_hook(hook, 5)
+    drive(hook, 5, info=tracked_info)
     client, run = mlflow_run(run_dir)
     assert run.info.status == "FINISHED" and run.info.run_name == "run"
     history = client.get_metric_history(run.info.run_id, "loss")
@@ -213,7 +203,7 @@ def test_mlflow_run_failed_on_abort_and_job_summary_logged_after_the_end(tmp_pat
     runtime = Runtime()
     writer = metrics_log(MetricsConfig(mlflow=True, mlflow_experiment="exp"), runtime, run_dir)
     hook = metrics_hook(runtime, log_every=1, writer=writer)
-    run_hook(hook, 2, end=Event.ABORT)
+    drive(hook, 2, info=tracked_info, end=Event.ABORT)
     client, run = mlflow_run(run_dir, "exp")
     assert run.info.status == "FAILED" and run.data.tags["summary.outcome"] == "aborted"
     metrics_writer([hook]).summary({"wall_s": 2.5, "exported": "model.safetensors"})
@@ -278,3 +268,24 @@ def test_sinks_are_built_as_configured(tmp_path):
     assert isinstance(wandb_sink, WandbSink) and wandb_sink.mode == "offline" and wandb_sink.name == "named"
     assert isinstance(mlflow_sink, MlflowSink)
     assert mlflow_sink.tracking_uri == f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"
+
+
+@pytest.mark.parametrize("flag", ["tensorboard", "wandb", "mlflow"])
+def test_missing_package_is_a_config_error_before_anything_is_built(tmp_path, monkeypatch, flag):
+    monkeypatch.setitem(sys.modules, flag, None)
+    with pytest.raises(ConfigError, match=rf"metrics\.{flag}=True needs the {flag} package"):
+        check_metric_packages(MetricsConfig(**{flag: True}))
+    with pytest.raises(ConfigError, match=rf"job\.metrics\.{flag}=True"):
+        check_metric_packages(MetricsConfig(**{flag: True}), field_prefix="job.metrics")
+    check_metric_packages(MetricsConfig())  # nothing turned on: nothing needed
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_building_the_mlflow_sink_creates_no_directory_until_its_first_record(tmp_path):
+    pytest.importorskip("mlflow")
+    run_dir = tmp_path / "new-run"
+    writer = metrics_log(MetricsConfig(mlflow=True), Runtime(), run_dir)
+    assert len(writer.sinks) == 2 and not run_dir.exists()  # the SQLite directory is made at first use
+    writer.write(1, 0, {"loss": 1.0})
+    writer.stop()
+    assert (run_dir / "mlflow.db").is_file()
