@@ -39,6 +39,7 @@ def _worker(steps: int, threads: int, automatic: bool, fntrain_first: bool) -> N
     import recipes.tiny_gpt as recipe
     from fntrain.data.pipeline import batches
     from fntrain.run.build import build_job
+    from fntrain.run.checks import check_run
     from fntrain.runtime import Runtime
     from fntrain.runtime.setup import RuntimeConfig, choose_cpu_threads
     from fntrain.state import TrainState
@@ -52,7 +53,7 @@ def _worker(steps: int, threads: int, automatic: bool, fntrain_first: bool) -> N
     with tempfile.TemporaryDirectory() as tmp:
         config = recipe.Config(run_dir=tmp)
         config = dataclasses.replace(config, evaluate=dataclasses.replace(config.evaluate, eval_every=0))
-        built = build_job(config, recipe.spec, Runtime())
+        built = build_job(config, recipe.spec, Runtime(), check_run(config, recipe.spec))
         parts = built.components
         step_fn = make_train_step(
             parts.model, parts.loss_fn, parts.optimizers, parts.schedulers, max_grad_norm=1.0

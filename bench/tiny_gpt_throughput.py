@@ -75,6 +75,7 @@ def measure(steps: int, repeats: int, budget_s: float) -> Timing:
 def _timing(steps: int, repeats: int, budget_s: float) -> Timing:
     import recipes.tiny_gpt as recipe
     from fntrain.run.build import build_job
+    from fntrain.run.checks import check_run
     from fntrain.runtime import Runtime
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,7 +86,8 @@ def _timing(steps: int, repeats: int, budget_s: float) -> Timing:
             progress=dataclasses.replace(config.progress, enabled=False),  # no bar into the table
         )
         runtime = Runtime()
-        built = build_job(config, recipe.spec, runtime)
+        checked = check_run(config, recipe.spec)  # phase 1: the data read once, the plan
+        built = build_job(config, recipe.spec, runtime, checked)
         comp = built.components
         step_fn = make_train_step(
             comp.model, comp.loss_fn, comp.optimizers, comp.schedulers, max_grad_norm=1.0
@@ -106,7 +108,7 @@ def _timing(steps: int, repeats: int, budget_s: float) -> Timing:
             return steps
 
         # The plain script: its own copy of the model, optimizer and schedule, same data order and shapes.
-        plain = build_job(config, recipe.spec, runtime)
+        plain = build_job(config, recipe.spec, runtime, checked)
         model = plain.components.model
         optimizer, scheduler = plain.components.optimizers[0], plain.components.schedulers[0]
         dataset = plain.data.dataset

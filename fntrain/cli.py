@@ -264,7 +264,13 @@ def _plot(args: list[str]) -> Any:
     plot_module = importlib.import_module("fntrain.run.plot")  # looked up when called (tests stub it)
 
     def plot(run_dir: str, out_dir: str | None = None) -> Any:
-        return plot_module.plot_run(run_dir, out_dir)
+        try:
+            written = plot_module.plot_run(run_dir, out_dir)
+        except (OSError, ValueError, ImportError) as error:  # a missing run, a malformed metrics file
+            raise CommandError(str(error)) from error
+        if not written:  # a run that logged nothing to plot: said, not a silent success
+            raise CommandError(f"nothing to plot: {run_dir!r} has no loss or throughput records in metrics.jsonl")
+        return written
 
     # plot_command's user-facing help, RUN_DIR the first argument (not a flag), readable metavars
     plot.__doc__ = getattr(plot_module, "plot_command", plot).__doc__
@@ -278,7 +284,7 @@ def _plot(args: list[str]) -> Any:
             tyro.cli(plot, args=["--help"], prog="fntrain plot")
         raise UsageError("fntrain plot needs a RUN_DIR")
     result = tyro.cli(plot, args=args, prog="fntrain plot")
-    for path in result if isinstance(result, (list, tuple)) else ([result] if result else []):
+    for path in result if isinstance(result, (list, tuple)) else [result]:
         print(path)
     return result
 

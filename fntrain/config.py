@@ -16,6 +16,7 @@ __all__ = [
     "ConfigError",
     "flag_name",
     "as_flags",
+    "first_line",
     "require_bool",
     "require_bool_or_none",
     "require_int",
@@ -53,6 +54,12 @@ def as_flags(message: str, fields: Iterable[str]) -> str:
     if first in fields and "." not in first:
         message = flag_name(first) + message[len(first) :]
     return message
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (its class name when it has none): how a library's
+    multi-line message goes into a one-line error."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def require_bool(field: str, value: Any) -> bool:

@@ -26,16 +26,22 @@ from fntrain.data.sft import SFTDataConfig, build_sft_datasets, make_sft_collate
 from fntrain.models.hf import (
     AssetsConfig,
     HFModelConfig,
+    causal_lm_from_config,
     check_packed_attention,
     check_tensor_parallel,
     check_vocab,
     load_assets,
     load_causal_lm,
     save_hf_model,
-    set_offline,
 )
 from fntrain.models.hf_tp import hf_tensor_parallel
-from fntrain.models.lora import LoraConfig, apply_lora, check_lora_parallel, save_adapter_or_merged
+from fntrain.models.lora import (
+    LoraConfig,
+    apply_lora,
+    check_lora_parallel,
+    check_lora_targets,
+    save_adapter_or_merged,
+)
 from fntrain.optim import OptimizerConfig, ScheduleConfig
 from fntrain.run.config import ExportingJobConfig, RecipeSpec, TrainConfig, require_validation
 
@@ -73,11 +79,14 @@ def build_assets(config: Config) -> Any:
 
 def model_factory(config: Config) -> Any:
     """The bare model from its config.json (no weights), for counting FLOPs on the meta device."""
-    set_offline()
-    from transformers import AutoConfig, AutoModelForCausalLM
+    return causal_lm_from_config(config.model)
 
-    hf_config = AutoConfig.from_pretrained(config.model.path, local_files_only=True)
-    return AutoModelForCausalLM.from_config(hf_config, attn_implementation=config.model.attn_implementation)
+
+def check(config: Config, assets: Any) -> None:
+    """Before any weight is loaded: the model directory builds (on the meta device) and names the
+    layers LoRA is to adapt."""
+    targets = config.lora.target_modules if config.lora.enabled else ()
+    check_lora_targets(lambda: model_factory(config), targets)
 
 
 def build_model(config: Config, runtime: Any) -> Any:
@@ -104,6 +113,7 @@ spec = RecipeSpec(
         assets.pad_id, max_length=config.data.max_length, pad_to=config.data.pad_to
     ),
     model_factory=model_factory,
+    check=check,
     export=export,
     tensor_parallel=hf_tensor_parallel,
     describe=lambda config: {

@@ -153,17 +153,48 @@ def test_file_errors_name_the_file_and_the_field(tmp_path):
 
 
 def test_unreadable_files(tmp_path, monkeypatch):
-    with pytest.raises(FileNotFoundError, match="missing.toml"):
+    with pytest.raises(ConfigFileError, match="--config '.*missing.toml' does not exist"):
         load_config(Outer, tmp_path / "missing.toml")
     with pytest.raises(ConfigFileError, match="unknown format '.ini'"):
         read_config_file(write(tmp_path, "c.ini", "x=1"))
-    with pytest.raises(ConfigFileError, match="could not be parsed"):
+    with pytest.raises(ConfigFileError, match=r"c\.toml' line 1: Invalid value \(column 8\)"):
         read_config_file(write(tmp_path, "c.toml", "name = \n"))
     with pytest.raises(ConfigFileError, match="table of fields"):
         read_config_file(write(tmp_path, "c.json", "[1, 2]"))
     monkeypatch.setitem(sys.modules, "yaml", None)  # PyYAML not installed
     with pytest.raises(ConfigFileError, match=r"fntrain\[yaml\]"):
         read_config_file(write(tmp_path, "c.yaml", "name: x\n"))
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("bad.yaml", "train:\n  train_iters: [3\n  seed: 1\n",
+         r"--config 'bad.yaml' line 3: while parsing a flow sequence from line 2: expected ',' or ']', but got ':'"),
+        ("tab.yaml", "a: b\n\tc: d\n", r"--config 'tab.yaml' line 2: .*found character '\\t'"),
+        ("bad.json", '{"train":\n  {"train_iters": 3,}\n}', r"--config 'bad.json' line 2: Expecting property name"),
+        ("bad.toml", "[train\ntrain_iters = 3\n", r"--config 'bad.toml' line 1: Expected ']'"),
+        ("binary.toml", bytes(range(256)) * 4, r"--config 'binary.toml' is not UTF-8 text"),
+        ("a-dir.toml", None, r"--config 'a-dir.toml' is a directory, not a config file"),
+    ],
+)  # fmt: skip
+def test_a_bad_config_file_is_one_line_naming_the_file_as_typed(
+    tmp_path, monkeypatch, name, content, message
+):
+    """A syntax error is one line with its line number (PyYAML's own message spans eight), a binary
+    file or a directory says so; the file is named as the user typed it (here: relative)."""
+    if name.endswith(".yaml"):
+        pytest.importorskip("yaml")
+    monkeypatch.chdir(tmp_path)
+    if content is None:
+        (tmp_path / name).mkdir()
+    else:
+        (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ConfigFileError, match=message) as caught:
+        read_config_file(name)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ConfigFileError, match=message):
+        load_config(Outer, name)
 
 
 # ----------------------------------------------------------------------------- writing and round trips

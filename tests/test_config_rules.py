@@ -181,3 +181,33 @@ def test_the_cli_names_a_bad_flag(tmp_path, capsys, flags, named):
     captured = capsys.readouterr()
     assert named.replace("_", "-") in captured.err + captured.out
     assert not Path(tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (lambda: _job(seed=2**32), r"seed must be <= 4294967295, got 4294967296"),
+        (lambda: TrainConfig(train_iters=99999999999999999999999), r"train\.train_iters must be <= 10+, got 9+"),
+        (lambda: TrainConfig(train_iters=None, train_samples=10**13), r"train\.train_samples must be <= 10+"),
+        (lambda: ParallelConfig(compile=True, compile_backend="bogus"),
+         r"parallel\.compile_backend 'bogus' is not a torch.compile backend; use one of .*inductor"),
+        (lambda: ProfilerConfig(enabled=True, start_step=10, stop_step=5),
+         r"profiler\.stop_step must be >= profiler\.start_step \(10\), got 5"),
+    ],
+)  # fmt: skip
+def test_values_past_what_a_run_can_use_are_errors_naming_the_field(config, message):
+    """Values a user typed that used to train (1.9e20 epochs), warn, or fail deep inside numpy or
+    torch.compile are caught by `validate`, the run's first check."""
+    with pytest.raises(ValueError, match=message):
+        config().validate()
+
+
+def _job(**changes: Any) -> Any:
+    from fntrain.run.config import JobConfig
+
+    return JobConfig(**changes)
+
+
+def test_a_compile_backend_is_checked_only_when_compiling():
+    ParallelConfig(compile=False, compile_backend="bogus").validate()
+    ParallelConfig(compile=True, compile_backend="aot_eager").validate()  # a debugging backend counts

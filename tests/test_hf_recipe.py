@@ -43,7 +43,7 @@ def test_config_validation_names_fields_and_checks_paths(tiny_files):
         dataclasses.replace(base, data=dataclasses.replace(base.data, max_length=1)).validate()
     with pytest.raises(TypeError, match="data.packing must be a bool"):
         dataclasses.replace(base, data=dataclasses.replace(base.data, packing=1)).validate()
-    with pytest.raises(FileNotFoundError, match="data.path"):
+    with pytest.raises(ValueError, match="data.path"):  # a ConfigError: one line, exit status 2
         dataclasses.replace(base, data=SFTDataConfig(path=str(data_path) + ".missing")).validate()
     with pytest.raises(ValueError, match="evaluate needs validation data"):
         dataclasses.replace(base, evaluate=EvaluateConfig(eval_every=5)).validate()

@@ -68,6 +68,9 @@ def test_main_prints_written_paths_and_reports_a_missing_run(tmp_path, capsys):
         str(tmp_path / "run" / "throughput.png"),
     ]
     assert main([str(tmp_path / "missing")]) == 2
+    assert "missing' does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
 
 
@@ -91,3 +94,55 @@ def test_module_command_line(tmp_path):
     )
     assert "loss.png" in result.stdout
     assert_png(tmp_path / "run" / "throughput.png")
+
+
+def _listing(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"step": 1, "loss": 3.0}', "not json", '{"step": 2, "loss": 2.0}'], r"metrics.jsonl' line 2: not a JSON object"),
+        (['{"step": 1, "loss": 3.0}', "[1, 2]"], r"metrics.jsonl' line 2: not a JSON object"),
+        (['{"step": 1, "loss": 3.0}', '{"step": 2, "lo'], r"metrics.jsonl' line 2: not a JSON object"),  # cut, then a newline
+    ],
+)  # fmt: skip
+def test_a_malformed_metrics_file_names_its_line_and_writes_nothing(tmp_path, lines, message):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    before = _listing(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        plot_run(run, out_dir=tmp_path / "plots")
+    assert _listing(tmp_path) == before
+
+
+def test_binary_metrics_and_missing_runs_are_clear_errors(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match=r"metrics.jsonl' is not a metrics file: not UTF-8 text"):
+        plot_run(tmp_path / "run")
+    with pytest.raises(FileNotFoundError, match=r"run directory '.*nowhere' does not exist"):
+        plot_run(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=r"metrics.jsonl' is a file, not a run directory"):
+        plot_run(tmp_path / "run" / "metrics.jsonl")
+
+
+def test_nothing_to_plot_writes_nothing_not_even_the_out_dir(tmp_path):
+    write_run(tmp_path / "run", [{"step": 1, "epoch": 0, "grad_norm": 1.0}])
+    assert plot_run(tmp_path / "run", out_dir=tmp_path / "plots") == []
+    assert not (tmp_path / "plots").exists()
+    write_run(tmp_path / "run2", sample_records())
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=r"output directory '.*afile' is a file"):
+        plot_run(tmp_path / "run2", out_dir=tmp_path / "afile")
+
+
+def test_missing_matplotlib_makes_no_out_dir(tmp_path, monkeypatch):
+    write_run(tmp_path / "run", sample_records())
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    with pytest.raises(ImportError):
+        plot_run(tmp_path / "run", out_dir=tmp_path / "plots")
+    assert not (tmp_path / "plots").exists()

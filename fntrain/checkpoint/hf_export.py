@@ -31,8 +31,9 @@ architecture of its config.json) are written under each name, as fntrain's own c
 
 Both directions are offline tools for one process (no torchrun); the output must not exist yet (or be
 empty) unless `overwrite` is set. DCP -> HF verifies the checkpoint against its manifest first (a
-damaged one fails with one line naming the file and the reason) and writes into a temporary directory
-beside `out`, renamed to `out` at the end: a failed export leaves no partial output.
+damaged one fails with one line naming the file and the reason). Both write into a temporary directory
+beside `out`, renamed to `out` at the end (its missing parents made only then): a failed export leaves
+the disk as it found it, and an old output stays whole until the new one is complete.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from fntrain.checkpoint.hf_load import set_offline
 from fntrain.checkpoint.layout import step_dir, step_of, write_json_atomic, write_latest, write_marker
 from fntrain.checkpoint.verify import write_manifest
 from fntrain.config import require_bool, require_choice, require_int, require_str
+from fntrain.data.files import existing_ancestor
 
 __all__ = [
     "ExportOptions",
@@ -149,39 +151,43 @@ def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, options
 # ----------------------------------------------------------------------------- shared helpers
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
-    """Refuse an output that is a file, or a non-empty directory unless `overwrite`."""
+def _check_out(out: Path, overwrite: bool) -> Path:
+    """Refuse an output that is a file, that cannot be created (a file where a parent should be), or a
+    non-empty directory unless `overwrite`; returns the nearest existing ancestor."""
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"output {str(out)!r} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"output directory {str(out)!r} is not empty (pass overwrite to replace it)")
-
-
-def _prepare_out(out: Path, overwrite: bool) -> None:
-    _check_out(out, overwrite)
-    if out.is_dir() and any(out.iterdir()):
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    return existing_ancestor(out)
 
 
 @contextlib.contextmanager
 def _staged_out(out: Path, overwrite: bool) -> Iterator[Path]:
-    """A fresh temporary directory beside `out` to write into; renamed to `out` (replacing an old one
-    only now, when `overwrite`) when the block succeeds, removed when it fails: a failed export leaves
-    no partial output, and the old output stays whole until the new one is complete."""
-    _check_out(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    """A fresh temporary directory beside `out` (in its nearest existing ancestor) to write into;
+    renamed to `out` (replacing an old one only now, when `overwrite`; making missing parents only
+    now) when the block succeeds, removed when it fails: a failed export leaves the disk as it was,
+    and the old output stays whole until the new one is complete."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=_check_out(out, overwrite)))
     try:
         yield staging
         if out.is_dir():
             _check_out(out, overwrite)
             shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, out)
         os.chmod(out, 0o777 & ~_umask())  # mkdtemp makes 0700 directories
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _require_source_dir(source: str | os.PathLike, kind: str) -> None:
+    """`source` is an existing directory, else a `FileNotFoundError` naming it as given and its `kind`."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"{kind} {str(source)!r} does not exist")
+    if not path.is_dir():
+        raise FileNotFoundError(f"{kind} {str(source)!r} is a file, not a directory")
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -393,6 +399,14 @@ def export_hf(
     file and the reason), and `out` appears only once complete (written beside it, then renamed)."""
     from fntrain.checkpoint.restorer import read_meta, resolve_source
 
+    out = Path(out).expanduser()
+    _check_out(out, overwrite)  # an occupied output fails before the checkpoint is read
+    _require_source_dir(checkpoint, "checkpoint")
+    if (Path(checkpoint).expanduser() / "checkpoints").is_dir():
+        raise FileNotFoundError(
+            f"{str(checkpoint)!r} is a run directory; export one of its checkpoints: "
+            f"{os.path.join(str(checkpoint), 'checkpoints')} (the latest) or a step_<N>/ in it"
+        )
     path = resolve_source(str(checkpoint))
     if path is None:
         raise FileNotFoundError(f"no checkpoint at {str(checkpoint)!r}")
@@ -404,8 +418,6 @@ def export_hf(
     source = _hf_source(run_config, model_dir)
     tied = _tied_in_checkpoint(source, entries)
     keys = [key for key in entries if key[len(MODEL_PREFIX) :] not in tied]
-
-    out = Path(out).expanduser()
     with _staged_out(out, overwrite) as staging:
         files, tensors = _write_hf_dir(
             staging, path, meta, entries, keys, source, tied, max_shard_size, dtype
@@ -497,10 +509,9 @@ def import_hf(
 ) -> Path:
     """Write the safetensors weights of the Hugging Face directory `hf_dir` as a complete fntrain
     checkpoint under the checkpoint root `out`; return its step directory (see the module docstring)."""
-    import torch.distributed.checkpoint as dcp
-
-    from fntrain.checkpoint.saver import FORMAT_VERSION
-
+    out = Path(out).expanduser()
+    _check_out(out, overwrite)  # an occupied output fails before anything is read
+    _require_source_dir(hf_dir, "Hugging Face directory")
     hf_dir = Path(hf_dir).expanduser()
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
@@ -526,9 +537,22 @@ def import_hf(
     if step is None:
         saved = provenance.get("step")
         step = saved if isinstance(saved, int) and saved >= 0 else 0
-    out = Path(out).expanduser()
-    _prepare_out(out, overwrite)
-    path = step_dir(out, step)
+    with _staged_out(out, overwrite) as staging:
+        _write_dcp_dir(staging, hf_dir, tensors, provenance, step, dtype)
+    log.info("imported %s as %s (%d tensors)", hf_dir, step_dir(out, step), len(tensors))
+    return step_dir(out, step)
+
+
+def _write_dcp_dir(
+    root: Path, hf_dir: Path, tensors: dict[str, torch.Tensor], provenance: dict[str, Any], step: int,
+    dtype: torch.dtype | None,
+) -> None:  # fmt: skip
+    """The complete checkpoint `<root>/step_<step>/` of `tensors` and the `latest` pointer to it."""
+    import torch.distributed.checkpoint as dcp
+
+    from fntrain.checkpoint.saver import FORMAT_VERSION
+
+    path = step_dir(root, step)
     path.mkdir()
     state = {MODEL_PREFIX + name: _cast(tensor, dtype) for name, tensor in tensors.items()}
     train_state = provenance.get("train_state") or {"epoch": 0, "global_step": step, "cursor": 0}
@@ -551,6 +575,4 @@ def import_hf(
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=True)
     write_manifest(path)
     write_marker(path, {"step": step, "train_state": train_state, "completed_at": time.time()})
-    write_latest(out, path)
-    log.info("imported %s as %s (%d tensors)", hf_dir, path, len(state))
-    return path
+    write_latest(root, path)

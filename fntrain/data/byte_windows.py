@@ -48,16 +48,23 @@ def _size(path: str | os.PathLike, field: str) -> int:
 
 def byte_window_counts(path: str | os.PathLike, context: int, val_fraction: float, *,
                        field: str = "data.path") -> tuple[int, int]:  # fmt: skip
-    """(train, validation) window counts of `byte_windows`, from the file size alone."""
+    """(train, validation) window counts of `byte_windows`, from the file size alone; a file too small
+    for one training window is a `ConfigError` naming `field` (the context is `model.context`)."""
     size = _size(path, field)
     split = _split_point(size, val_fraction)
+    if split < context:
+        raise ConfigError(
+            f"{field} {str(path)!r} holds {size} bytes, {split} of them for training: fewer than one "
+            f"window of model.context ({context}) bytes"
+        )
     return split // context, (size - split) // context
 
 
 def byte_windows(path: str | os.PathLike, context: int, val_fraction: float, *,
                  field: str = "data.path") -> tuple[ByteWindows, ByteWindows]:  # fmt: skip
-    """(train, validation): the file as bytes, its last `val_fraction` held out."""
-    _size(path, field)
+    """(train, validation): the file as bytes, its last `val_fraction` held out (checked as
+    `byte_window_counts` checks it)."""
+    byte_window_counts(path, context, val_fraction, field=field)
     raw = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
     split = _split_point(len(raw), val_fraction)
     return ByteWindows(raw[:split], context), ByteWindows(raw[split:], context)

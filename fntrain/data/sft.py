@@ -32,16 +32,23 @@ reads; "eager" would add it to the scores as 0/1, so packing needs sdpa
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
 
-from fntrain.config import require_bool, require_choice, require_float, require_int, require_str
+from fntrain.config import (
+    ConfigError,
+    first_line,
+    require_bool,
+    require_choice,
+    require_float,
+    require_int,
+    require_str,
+)
+from fntrain.data.files import read_jsonl_rows, require_file
 from fntrain.data.packing import PackedDocuments, document_causal_mask
 from fntrain.data.tokens import IGNORE_INDEX
 
@@ -100,8 +107,9 @@ class SFTDataConfig:
     """Tail fraction of data.path's examples held out for evaluation when val_path is None."""
 
     def validate(self, prefix: str = "data") -> None:
-        """Value rules, each error naming `prefix.field`; the JSONL files must exist, so a bad path fails
-        before any model work."""
+        """Value rules, each error naming `prefix.field`; the JSONL files must exist (a `ConfigError`
+        otherwise), so a bad path fails before any model work. Their rows are read and checked by
+        `build_sft_datasets`."""
         require_str(f"{prefix}.path", self.path)
         if not self.path:
             raise ValueError(f"{prefix}.path is required: a JSONL file of training examples")
@@ -114,16 +122,9 @@ class SFTDataConfig:
         require_choice(f"{prefix}.pad_to", self.pad_to, PAD_TO)
         require_str(f"{prefix}.val_path", self.val_path, optional=True)
         require_float(f"{prefix}.val_fraction", self.val_fraction, min=0.0, max=0.5)
-        _require_file(f"{prefix}.path", self.path)
+        require_file(f"{prefix}.path", self.path)
         if self.val_path:
-            _require_file(f"{prefix}.val_path", self.val_path)
-
-
-def _require_file(field_name: str, path: str) -> Path:
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise FileNotFoundError(f"{field_name} {path!r} does not exist (or is not a file)")
-    return file
+            require_file(f"{prefix}.val_path", self.val_path)
 
 
 class TokenizerAssets(Protocol):
@@ -151,29 +152,15 @@ class Example:
 
 
 def read_jsonl(path: str, field_name: str = "data.path") -> list[dict[str, Any]]:
-    """The objects of a JSONL file (blank lines skipped); a bad line is an error naming its number."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise FileNotFoundError(f"{field_name} {path!r} does not exist")
-    records = []
-    with file.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{field_name} {path!r} line {number}: not valid JSON ({error})") from None
-            if not isinstance(record, dict):
-                raise ValueError(
-                    f"{field_name} {path!r} line {number}: expected a JSON object, got {record!r}"
-                )
-            records.append(record)
-    return records
+    """The objects of a JSONL file (`.jsonl.gz` too; blank lines skipped), read in full. A missing,
+    empty or non-JSON file, or a bad line, is a `ConfigError` naming `field_name`, the file and the
+    line (`fntrain.data.files.read_jsonl_rows`, which also gives the line numbers)."""
+    return [record for _, record in read_jsonl_rows(path, field_name)]
 
 
-def example_format(record: Mapping[str, Any], data: SFTDataConfig) -> str:
-    """The format of one record: `data.format`, or decided by its keys when "auto"."""
+def example_format(record: Mapping[str, Any], data: SFTDataConfig, where: str = "example") -> str:
+    """The format of one record: `data.format`, or decided by its keys when "auto" (a `ConfigError`
+    starting with `where` when no format's keys are there)."""
     if data.format != "auto":
         return data.format
     if data.messages_key in record:
@@ -182,18 +169,19 @@ def example_format(record: Mapping[str, Any], data: SFTDataConfig) -> str:
         return "prompt_completion"
     if data.text_key in record:
         return "text"
-    raise ValueError(
-        f"cannot tell the format of an example with keys {sorted(record)}: expected {data.text_key!r}, "
+    raise ConfigError(
+        f"{where}: cannot tell the format of an example with keys {sorted(record)}: expected {data.text_key!r}, "
         f"{data.prompt_key!r} + {data.completion_key!r}, or {data.messages_key!r}"
     )
 
 
-def _field(record: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
+def _field(record: Mapping[str, Any], key: str, kind: type, where: str, data: SFTDataConfig) -> Any:
     if key not in record:
-        raise ValueError(f"{where}: missing key {key!r}")
+        chosen = f"data.format {data.format!r} needs it" if data.format != "auto" else "its format needs it"
+        raise ConfigError(f"{where}: missing key {key!r} ({chosen}; the example has keys {sorted(record)})")
     value = record[key]
     if not isinstance(value, kind):
-        raise ValueError(f"{where}: {key!r} must be a {kind.__name__}, got {type(value).__name__}")
+        raise ConfigError(f"{where}: {key!r} must be a {kind.__name__}, got {type(value).__name__}")
     return value
 
 
@@ -240,17 +228,22 @@ def _chat_spans(
     """
     tokenizer = assets.tokenizer
     if not assets.chat_template:
-        raise ValueError(
+        raise ConfigError(
             f"{where}: chat examples need a chat template: the tokenizer has none; set assets.chat_template"
         )
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
-            raise ValueError(f"{where}: message {index} must be an object with 'role' and 'content'")
+            raise ConfigError(f"{where}: message {index} must be an object with 'role' and 'content'")
 
     def render(upto: int, generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(
-            messages[:upto], tokenize=False, add_generation_prompt=generation_prompt
-        )
+        try:
+            return tokenizer.apply_chat_template(
+                messages[:upto], tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except Exception as error:  # noqa: BLE001 - a user's template raising (jinja2's raise_exception) is a data error
+            raise ConfigError(
+                f"{where}: the chat template fails on this conversation ({first_line(error)})"
+            ) from None
 
     text = render(len(messages), False)
     spans = []
@@ -259,7 +252,7 @@ def _chat_spans(
             continue
         before, through = render(index, True), render(index + 1, False)
         if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: the chat template does not render conversation prefixes as prefixes of the "
                 "whole conversation, so prompt tokens cannot be told apart; use data.train_on_prompt"
             )
@@ -270,18 +263,19 @@ def _chat_spans(
 def transform_example(
     record: Mapping[str, Any], assets: TokenizerAssets, data: SFTDataConfig, where: str = "example"
 ) -> Example:
-    """One JSONL record -> token ids and labels (the data transform); errors name `where`."""
+    """One JSONL record -> token ids and labels (the data transform); a record that does not fit its
+    format is a `ConfigError` starting with `where`."""
     tokenizer = assets.tokenizer
-    kind = example_format(record, data)
+    kind = example_format(record, data, where)
     eos = [assets.eos_id] if data.add_eos and assets.eos_id is not None else []
     if kind == "text":
-        text = _field(record, data.text_key, str, where)
+        text = _field(record, data.text_key, str, where, data)
         ids, _ = _tokenize_spans(tokenizer, text, [], add_special_tokens=True, train_all=True)
         ids = ids + eos if not (eos and ids and ids[-1] == eos[0]) else ids
         return Example(tuple(ids), tuple(ids))
     if kind == "prompt_completion":
-        prompt = _field(record, data.prompt_key, str, where)
-        completion = _field(record, data.completion_key, str, where)
+        prompt = _field(record, data.prompt_key, str, where, data)
+        completion = _field(record, data.completion_key, str, where, data)
         text = prompt + completion
         ids, labels = _tokenize_spans(
             tokenizer,
@@ -291,7 +285,7 @@ def transform_example(
             train_all=data.train_on_prompt,
         )
         return Example(tuple(ids + eos), tuple(labels + eos))
-    messages = _field(record, data.messages_key, list, where)
+    messages = _field(record, data.messages_key, list, where, data)
     text, spans = _chat_spans(assets, messages, where)
     ids, labels = _tokenize_spans(
         tokenizer, text, spans, add_special_tokens=False, train_all=data.train_on_prompt
@@ -304,13 +298,17 @@ def build_examples(
     assets: TokenizerAssets,
     data: SFTDataConfig,
     source: str = "data.path",
+    lines: Sequence[int] | None = None,
 ) -> list[Example]:
-    """Every record transformed; examples with no trained token (within max_length when padding; the
-    first label is never a target) are dropped with a warning. No example left is a ValueError."""
+    """Every record transformed, each error naming `source` and the record's line (`lines`, the
+    records' line numbers in their file) or its number; examples with no trained token (within
+    max_length when padding; the first label is never a target) are dropped with a warning. No example
+    left is a `ConfigError`."""
     limit = None if data.packing else data.max_length
     examples, empty = [], 0
     for number, record in enumerate(records, start=1):
-        example = transform_example(record, assets, data, where=f"{source} example {number}")
+        where = f"{source} line {lines[number - 1]}" if lines is not None else f"{source} example {number}"
+        example = transform_example(record, assets, data, where=where)
         if all(label == IGNORE_INDEX for label in example.labels[1:limit]):
             empty += 1
             continue
@@ -318,7 +316,7 @@ def build_examples(
     if empty:
         log.warning("%s: dropped %d of %d examples with no token to train on", source, empty, len(records))
     if not examples:
-        raise ValueError(f"{source} yields no example with a token to train on")
+        raise ConfigError(f"{source} yields no example with a token to train on")
     return examples
 
 
@@ -373,25 +371,27 @@ def build_sft_datasets(
     data: SFTDataConfig, assets: TokenizerAssets
 ) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset | None]:
     """(train, validation or None): JSONL -> examples -> padded or packed datasets. Validation comes
-    from data.val_path, else the data.val_fraction tail of the training examples."""
-    records = read_jsonl(data.path)
-    if not records:
-        raise ValueError(f"data.path {data.path!r} holds no example")
-    examples = build_examples(records, assets, data)
+    from data.val_path, else the data.val_fraction tail of the training examples. Every row is read and
+    tokenized here, so a bad file or row is a `ConfigError` naming the field, the file and the line
+    before any training (never a failure at step N)."""
+    examples = _file_examples(data.path, "data.path", assets, data)
     val_examples: list[Example] = []
     if data.val_path:
-        val_records = read_jsonl(data.val_path, "data.val_path")
-        if not val_records:
-            raise ValueError(f"data.val_path {data.val_path!r} holds no example")
-        val_examples = build_examples(val_records, assets, data, "data.val_path")
+        val_examples = _file_examples(data.val_path, "data.val_path", assets, data)
     elif data.val_fraction > 0:
         split = len(examples) - max(1, int(len(examples) * data.val_fraction))
         if split < 1:
-            raise ValueError(f"data.val_fraction {data.val_fraction} leaves no training example")
+            raise ConfigError(f"data.val_fraction {data.val_fraction} leaves no training example")
         examples, val_examples = examples[:split], examples[split:]
     train_set = build_dataset(examples, data, pad_id=assets.pad_id)
     val_set = build_dataset(val_examples, data, pad_id=assets.pad_id) if val_examples else None
     return train_set, val_set
+
+
+def _file_examples(path: str, field_name: str, assets: TokenizerAssets, data: SFTDataConfig) -> list[Example]:
+    rows = read_jsonl_rows(path, field_name)
+    lines = [number for number, _ in rows]
+    return build_examples([record for _, record in rows], assets, data, f"{field_name} {path!r}", lines)
 
 
 # ----------------------------------------------------------------------------- collate

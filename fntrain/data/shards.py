@@ -37,6 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fntrain.config import ConfigError
+
 __all__ = [
     "INDEX_NAME",
     "FORMAT",
@@ -125,7 +127,8 @@ def write_index(index: ShardIndex) -> Path:
 
 
 def read_index(directory: str | os.PathLike[str]) -> ShardIndex:
-    """Parse and check a shard directory's `index.json`: format, dtype, and every shard file's size."""
+    """Parse and check a shard directory's `index.json`: format, dtype, and every shard file's size. An
+    index that is not one is a `ConfigError` naming the file."""
     directory = Path(directory).expanduser()
     path = directory / INDEX_NAME
     if not path.is_file():
@@ -136,15 +139,20 @@ def read_index(directory: str | os.PathLike[str]) -> ShardIndex:
     try:
         raw = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as error:  # ValueError: JSONDecodeError and bad UTF-8
-        raise ValueError(f"{path} is not a token-shard index (not JSON: {error})") from None
+        raise ConfigError(f"{path} is not a token-shard index (not JSON: {error})") from None
     if not isinstance(raw, Mapping) or raw.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a token-shard index (format must be {FORMAT!r})")
+        raise ConfigError(f"{path} is not a token-shard index (format must be {FORMAT!r})")
     if raw.get("version") != VERSION:
-        raise ValueError(f"{path}: unsupported token-shard index version {raw.get('version')!r}")
-    dtype = np.dtype(raw["dtype"])
+        raise ConfigError(f"{path}: unsupported token-shard index version {raw.get('version')!r}")
+    try:  # a hand-edited index: missing keys, wrong types
+        dtype = np.dtype(raw["dtype"])
+        shards = tuple(ShardInfo(str(s["path"]), int(s["tokens"])) for s in raw["shards"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise ConfigError(
+            f"{path} is not a valid token-shard index ({type(error).__name__}: {error})"
+        ) from None
     if dtype.kind not in "iu":
-        raise ValueError(f"{path}: dtype must be an integer type, got {raw['dtype']!r}")
-    shards = tuple(ShardInfo(str(s["path"]), int(s["tokens"])) for s in raw["shards"])
+        raise ConfigError(f"{path}: dtype must be an integer type, got {raw['dtype']!r}")
     index = ShardIndex(
         directory=directory,
         dtype=dtype.str,

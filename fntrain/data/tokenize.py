@@ -12,14 +12,20 @@ A tokenizer is anything that turns text into ids: `byte_tokenizer()` (UTF-8 byte
 Inputs: `.jsonl` (one JSON object per line; its `text_key` field is a document), `.txt` (the whole file,
 each line, or each blank-line separated paragraph is a document: `split`), either optionally gzipped;
 a directory stands for its matching files, recursively, in sorted order.
+
+A failed tokenization leaves the disk as it found it: the inputs are read through once (every JSONL
+line parsed, every file decoded) before any tokenizing, and the shards are written into a temporary
+directory beside the output, moved into place only when complete (removed on any failure).
 """
 
 from __future__ import annotations
 
-import gzip
-import json
+import collections
+import contextlib
 import os
 import re
+import secrets
+import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,7 +33,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from fntrain.config import require_bool, require_choice, require_int, require_str
+from fntrain.config import ConfigError, require_bool, require_choice, require_int, require_str
+from fntrain.data.files import existing_ancestor, jsonl_rows, open_text
 from fntrain.data.shards import INDEX_NAME, ShardIndex, ShardInfo, read_index, token_dtype, write_index
 
 __all__ = [
@@ -171,35 +178,19 @@ def input_files(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
     return files
 
 
-def _open_text(path: Path) -> Any:
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")  # noqa: SIM115 - closed by the caller's `with`
+def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
+    where = f"input {str(path)!r}"
+    for number, record in jsonl_rows(path, where):
+        text = record.get(text_key)
+        if not isinstance(text, str):
+            raise ConfigError(f"{where} line {number}: expected an object with a string {text_key!r} field")
+        yield text
 
 
-def read_documents(
-    inputs: Sequence[str | os.PathLike[str]], *, text_key: str = "text", split: str = "file"
-) -> Iterator[str]:
-    """The documents of `inputs`, in order (see the module docstring). A JSONL line that is not an object
-    with a string `text_key` is a ValueError naming the file and line."""
-    require_choice("split", split, SPLITS)
-    for path in input_files(inputs):
-        with _open_text(path) as file:
-            if _stem_suffix(path) == ".jsonl":
-                for number, line in enumerate(file, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as error:
-                        raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-                    text = record.get(text_key) if isinstance(record, dict) else None
-                    if not isinstance(text, str):
-                        raise ValueError(
-                            f"{path}:{number}: expected an object with a string {text_key!r} field"
-                        )
-                    yield text
-            elif split == "file":
+def _text_documents(path: Path, split: str) -> Iterator[str]:
+    try:
+        with open_text(path) as file:
+            if split == "file":
                 yield file.read()
             elif split == "line":
                 for line in file:
@@ -208,26 +199,67 @@ def read_documents(
                         yield line
             else:
                 yield from (p for p in re.split(r"\n\s*\n", file.read()) if p.strip())
+    except UnicodeDecodeError:
+        raise ConfigError(f"input {str(path)!r} is not UTF-8 text (a binary file?)") from None
+    except (EOFError, OSError) as error:  # a .gz that is not gzip, a file that cannot be read
+        raise ConfigError(f"input {str(path)!r} cannot be read ({error})") from None
+
+
+def read_documents(
+    inputs: Sequence[str | os.PathLike[str]], *, text_key: str = "text", split: str = "file"
+) -> Iterator[str]:
+    """The documents of `inputs`, in order (see the module docstring). A JSONL line that is not an object
+    with a string `text_key`, or a file that is not UTF-8 text, is a `ConfigError` naming the file and
+    line."""
+    require_choice("split", split, SPLITS)
+    for path in input_files(inputs):
+        if _stem_suffix(path) == ".jsonl":
+            yield from _jsonl_documents(path, text_key)
+        else:
+            yield from _text_documents(path, split)
 
 
 # ----------------------------------------------------------------------------- writing shards
 
 
-def _prepare_output(output: Path, overwrite: bool) -> None:
-    """Make `output` ready: refuse to clobber shards unless `overwrite`, and then remove only the files a
-    tokenization writes (other files in the directory are left alone)."""
+def _check_output(output: Path, overwrite: bool) -> None:
+    """Refuse an output that is a file, that cannot be created, or (unless `overwrite`) that already
+    holds a tokenization; nothing is written."""
     if output.exists() and not output.is_dir():
         raise FileExistsError(f"output {str(output)!r} exists and is not a directory")
-    output.mkdir(parents=True, exist_ok=True)
-    own = [p for p in output.iterdir() if _OWN_FILE.match(p.name)]
+    existing_ancestor(output)
+    own = [p for p in output.iterdir() if _OWN_FILE.match(p.name)] if output.is_dir() else []
     if own and not overwrite:
         done = (output / INDEX_NAME).exists()
         raise FileExistsError(
             f"output {str(output)!r} already holds {'token shards' if done else 'an unfinished tokenization'}; "
             "pass overwrite=True (--overwrite) to replace it"
         )
-    for path in own:
-        path.unlink()
+
+
+@contextlib.contextmanager
+def _staged_output(output: Path) -> Iterator[Path]:
+    """A fresh directory beside `output` (in its nearest existing ancestor) to write into. When the
+    block succeeds it becomes `output`: renamed there, or, when `output` exists (it may hold other
+    files), the old tokenization's files are removed and the new ones moved in, index.json last so an
+    interruption reads as unfinished. When the block fails it is removed and `output` is untouched."""
+    staging = existing_ancestor(output) / f".{output.name}.tmp-{secrets.token_hex(4)}"
+    staging.mkdir()
+    try:
+        yield staging
+        if not output.exists():
+            output.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging, output)
+            return
+        old = [p for p in output.iterdir() if _OWN_FILE.match(p.name)]
+        for path in sorted(old, key=lambda p: p.name != INDEX_NAME):  # the completion mark goes first
+            path.unlink()
+        for path in sorted(staging.iterdir(), key=lambda p: p.name == INDEX_NAME):  # and comes back last
+            os.replace(path, output / path.name)
+        staging.rmdir()
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _encoded(documents: Iterable[str], tokenizer: Tokenizer, batch_size: int) -> Iterator[np.ndarray]:
@@ -348,8 +380,15 @@ def tokenize_documents(
     require_int("batch_size", batch_size, min=1)
     require_bool("overwrite", overwrite)
     out = Path(output).expanduser()
-    _prepare_output(out, overwrite)
+    _check_output(out, overwrite)
+    with _staged_output(out) as staging:
+        _write_shards(documents, tok, staging, shard_tokens, format, batch_size)
+    return read_index(out)
 
+
+def _write_shards(documents: Iterable[str], tok: Tokenizer, out: Path, shard_tokens: int, format: str,
+                  batch_size: int) -> None:  # fmt: skip
+    """The shards, the document index and (last) index.json of `documents` in the directory `out`."""
     dtype = token_dtype(tok.vocab_size)
     shards = _ShardWriter(out, format, np.empty(shard_tokens, dtype=dtype))
     documents_written = _write_documents(documents, tok, batch_size, shards, out / DOCUMENT_INDEX)
@@ -366,7 +405,6 @@ def tokenize_documents(
         document_index=DOCUMENT_INDEX,
     )
     write_index(index)
-    return read_index(out)
 
 
 def tokenize_files(
@@ -379,14 +417,16 @@ def tokenize_files(
     **options: Any,
 ) -> ShardIndex:
     """`tokenize_documents` over the documents of text/JSONL files (see `read_documents`). The inputs
-    are checked before anything is written."""
+    are read through once before anything is tokenized or written (a bad line fails in seconds, not
+    after hours of tokenizing)."""
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     if not inputs:
         raise ValueError("tokenize needs at least one input file or directory")
     require_str("text_key", text_key, non_empty=True)
     require_choice("split", split, SPLITS)
-    input_files(inputs)  # fail on a missing or unsupported input before any output exists
+    _check_output(Path(output).expanduser(), bool(options.get("overwrite", False)))
+    collections.deque(read_documents(inputs, text_key=text_key, split=split), maxlen=0)  # the scan
     return tokenize_documents(
         read_documents(inputs, text_key=text_key, split=split), output, tokenizer, **options
     )

@@ -35,8 +35,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from fntrain.config import require_choice, require_float, require_int, require_str
-from fntrain.data.sft import _chat_spans, _require_file, make_sft_collate, read_jsonl
+from fntrain.config import ConfigError, require_choice, require_float, require_int, require_str
+from fntrain.data.files import read_jsonl_rows, require_file
+from fntrain.data.sft import _chat_spans, make_sft_collate
 from fntrain.data.tokens import IGNORE_INDEX
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "shapes_texts",
     "write_shapes_jsonl",
     "vlm_messages",
+    "check_vlm_rows",
     "transform_vlm_example",
     "vlm_prompt",
     "VLMExamples",
@@ -94,7 +96,8 @@ class VLMDataConfig:
     """Generated set: image side in pixels (the processor resizes to the model's input size)."""
 
     def validate(self, prefix: str = "data") -> None:
-        """Value rules naming `prefix.field`; given JSONL files must exist."""
+        """Value rules naming `prefix.field`; given JSONL files must exist (a `ConfigError`); their rows
+        and images are checked by `build_vlm_datasets`."""
         require_str(f"{prefix}.path", self.path)
         require_str(f"{prefix}.val_path", self.val_path, optional=True)
         require_float(f"{prefix}.val_fraction", self.val_fraction, min=0.0, max=0.5)
@@ -106,24 +109,25 @@ class VLMDataConfig:
         require_int(f"{prefix}.val_samples", self.val_samples, min=0)
         require_int(f"{prefix}.image_size", self.image_size, min=8)
         if self.path:
-            _require_file(f"{prefix}.path", self.path)
+            require_file(f"{prefix}.path", self.path)
         if self.val_path:
-            _require_file(f"{prefix}.val_path", self.val_path)
+            require_file(f"{prefix}.val_path", self.val_path)
 
 
 # ----------------------------------------------------------------------------- the generated set
 
 
 def draw_shape(shape: str, colour: str, size: int, rng: np.random.Generator) -> Any:
-    """A `size` x `size` RGB image: grey noise with one `colour` `shape` near the centre, of random
-    size, offset and shade."""
+    """A `size` x `size` RGB image: mid-grey with faint noise and one `colour` `shape` near the centre,
+    of random size, offset and shade."""
     from PIL import Image, ImageDraw
 
-    grey = rng.uniform(90, 170) + rng.normal(0, 18, (size, size, 1))
-    pixels = np.clip(grey + rng.normal(0, 6, (size, size, 3)), 0, 255).astype(np.uint8)
+    # A flat background and large shapes: with busier images (grey level 90-170, noise std 18, half
+    # side 0.28-0.38) the tiny model learnt the colours but not the shapes in the default 300 steps.
+    pixels = np.clip(128 + rng.normal(0, 4, (size, size, 3)), 0, 255).astype(np.uint8)
     image = Image.fromarray(pixels, "RGB")
-    half = rng.uniform(0.28, 0.38) * size
-    cx, cy = (size / 2 + rng.uniform(-0.08, 0.08) * size for _ in range(2))
+    half = rng.uniform(0.36, 0.46) * size
+    cx, cy = (size / 2 + rng.uniform(-0.04, 0.04) * size for _ in range(2))
     fill = tuple(int(np.clip(c + rng.integers(-20, 21), 0, 255)) for c in COLOURS[colour])
     draw = ImageDraw.Draw(image)
     box = (cx - half, cy - half, cx + half, cy + half)
@@ -194,23 +198,36 @@ def write_shapes_jsonl(directory: str | Path, count: int, *, seed: int = 0, star
 # ----------------------------------------------------------------------------- transform
 
 
+def _image_sources(value: Any, root: Path | None, where: str) -> list[Any]:
+    """The images of a row's image value (a path, a PIL image, or a list of them): PIL images as they
+    are, paths resolved against `root` and checked to be files (a `ConfigError` naming `where` and the
+    path as written in the row)."""
+    sources = []
+    for item in value if isinstance(value, list) else [value]:
+        if hasattr(item, "convert"):  # a PIL image (generated rows)
+            sources.append(item)
+            continue
+        if not isinstance(item, str):
+            raise ConfigError(f"{where}: an image must be a path, got {type(item).__name__}")
+        path = Path(item).expanduser()
+        path = path if path.is_absolute() or root is None else root / path
+        if not path.is_file():
+            raise ConfigError(f"{where}: image {item!r} not found (looked at {path})")
+        sources.append(path)
+    return sources
+
+
 def _load_images(value: Any, root: Path | None, where: str) -> list[Any]:
     """PIL RGB images of a row's image value: a path, a PIL image, or a list of them."""
     from PIL import Image
 
     images = []
-    for item in value if isinstance(value, list) else [value]:
-        if isinstance(item, Image.Image):
-            images.append(item.convert("RGB"))
-            continue
-        if not isinstance(item, str):
-            raise ValueError(f"{where}: an image must be a path, got {type(item).__name__}")
-        path = Path(item).expanduser()
-        path = path if path.is_absolute() or root is None else root / path
-        if not path.is_file():
-            raise FileNotFoundError(f"{where}: image {item!r} not found (looked at {path})")
-        with Image.open(path) as opened:
-            images.append(opened.convert("RGB"))
+    for source in _image_sources(value, root, where):
+        if isinstance(source, Path):
+            with Image.open(source) as opened:
+                images.append(opened.convert("RGB"))
+        else:
+            images.append(source.convert("RGB"))
     return images
 
 
@@ -220,18 +237,18 @@ def vlm_messages(record: Mapping[str, Any], data: VLMDataConfig, images: int, wh
     if data.messages_key in record:
         messages = record[data.messages_key]
         if not isinstance(messages, list) or not messages:
-            raise ValueError(f"{where}: {data.messages_key!r} must be a non-empty list of messages")
+            raise ConfigError(f"{where}: {data.messages_key!r} must be a non-empty list of messages")
     elif data.prompt_key in record and data.completion_key in record:
         messages = [{"role": "user", "content": record[data.prompt_key]},
                     {"role": "assistant", "content": record[data.completion_key]}]  # fmt: skip
     else:
-        raise ValueError(
+        raise ConfigError(
             f"{where}: expected {data.messages_key!r} or {data.prompt_key!r} + {data.completion_key!r}, "
             f"got keys {sorted(record)}"
         )
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
-            raise ValueError(f"{where}: message {index} must be an object with 'role' and 'content'")
+            raise ConfigError(f"{where}: message {index} must be an object with 'role' and 'content'")
     has_image = any(
         isinstance(m["content"], list) and any(c.get("type") == "image" for c in m["content"]) for m in messages
     )
@@ -239,12 +256,32 @@ def vlm_messages(record: Mapping[str, Any], data: VLMDataConfig, images: int, wh
         return [dict(m) for m in messages]
     first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
     if first_user is None:
-        raise ValueError(f"{where}: an image row needs a user turn to put the image in")
+        raise ConfigError(f"{where}: an image row needs a user turn to put the image in")
     out = [dict(m) for m in messages]
     content = out[first_user]["content"]
     text = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
     out[first_user]["content"] = [{"type": "image"}] * images + text
     return out
+
+
+def check_vlm_rows(rows: Sequence[Mapping[str, Any]], data: VLMDataConfig, *, root: Path | None,
+                   wheres: Sequence[str]) -> None:  # fmt: skip
+    """Every row's conversation and image files, checked without decoding an image or running the
+    processor (that happens in the loader): a `ConfigError` starting with the row's `wheres` entry for
+    a row without a conversation or an assistant turn, or whose image file is missing or not an image
+    (its header is read), so a bad row fails before training instead of at the step that reads it."""
+    from PIL import Image, UnidentifiedImageError
+
+    for record, where in zip(rows, wheres, strict=True):
+        images = _image_sources(record[data.image_key], root, where) if data.image_key in record else []
+        for path in (image for image in images if isinstance(image, Path)):
+            try:
+                Image.open(path).close()  # the header only: what decoding would refuse first
+            except (UnidentifiedImageError, OSError) as error:
+                raise ConfigError(f"{where}: image {str(path)!r} is not an image Pillow reads ({error})") from None
+        messages = vlm_messages(record, data, len(images), where)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ConfigError(f"{where}: no assistant turn to train on")
 
 
 class _ProcessorTemplate:
@@ -325,17 +362,24 @@ def vlm_prompt(
 
 class VLMExamples(torch.utils.data.Dataset):
     """Rows (a sequence: loaded JSONL or `ShapesQA`) transformed on access, so images are decoded and
-    processed by the loader (and its workers), not held in memory."""
+    processed by the loader (and its workers), not held in memory. Errors name `source` and the row's
+    line in its file (`lines`) or its number."""
 
     def __init__(self, rows: Sequence[Mapping[str, Any]], processor: Any, data: VLMDataConfig, *,
-                 root: Path | None = None, source: str = "data.path"):  # fmt: skip
+                 root: Path | None = None, source: str = "data.path", lines: Sequence[int] | None = None):  # fmt: skip
         self.rows, self.processor, self.data, self.root, self.source = rows, processor, data, root, source
+        self.lines = lines
 
     def __len__(self) -> int:
         return len(self.rows)
 
+    def where(self, index: int) -> str:
+        """How errors name row `index`: its line in the file, else its number."""
+        line = self.lines[index] if self.lines is not None else None
+        return f"{self.source} line {line}" if line is not None else f"{self.source} row {index + 1}"
+
     def __getitem__(self, index: int) -> dict[str, Any]:
-        where = f"{self.source} row {index + 1}"
+        where = self.where(index)
         return transform_vlm_example(self.rows[index], self.processor, self.data, root=self.root, where=where)
 
     def prompts(self) -> VLMPrompts:
@@ -354,37 +398,46 @@ class VLMPrompts(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         e = self.examples
-        where = f"{e.source} row {index + 1}"
-        return vlm_prompt(e.rows[index], e.processor, e.data, root=e.root, where=where)
+        return vlm_prompt(e.rows[index], e.processor, e.data, root=e.root, where=e.where(index))
 
 
 def build_vlm_datasets(
     data: VLMDataConfig, processor: Any, *, seed: int = 0
 ) -> tuple[VLMExamples, VLMExamples | None]:
     """(train, validation or None): the JSONL rows of data.path (validation: data.val_path, else the
-    data.val_fraction tail), or the generated set (validation: data.val_samples held-out images)."""
+    data.val_fraction tail), or the generated set (validation: data.val_samples held-out images). Every
+    JSONL row is read and checked here (its conversation, that its image files exist), so a bad row is a
+    `ConfigError` naming the field, the file and the line before training."""
     if not data.path:
         size = data.image_size
         train = ShapesQA(data.train_samples, seed=seed, image_size=size)
         val = ShapesQA(data.val_samples, seed=seed, start=data.train_samples, image_size=size)
         return (VLMExamples(train, processor, data, source="generated"),
                 VLMExamples(val, processor, data, source="generated validation") if len(val) else None)  # fmt: skip
-    rows = read_jsonl(data.path)
-    if not rows:
-        raise ValueError(f"data.path {data.path!r} holds no row")
-    root = Path(data.path).expanduser().parent
+    rows, lines, root = _checked_rows(data.path, "data.path", data)
+    source = f"data.path {data.path!r}"
     val = None
     if data.val_path:
-        val_rows = read_jsonl(data.val_path, "data.val_path")
-        val_root = Path(data.val_path).expanduser().parent
-        val = VLMExamples(val_rows, processor, data, root=val_root, source="data.val_path") if val_rows else None
+        val_rows, val_lines, val_root = _checked_rows(data.val_path, "data.val_path", data)
+        val = VLMExamples(val_rows, processor, data, root=val_root, source=f"data.val_path {data.val_path!r}",
+                          lines=val_lines)  # fmt: skip
     elif data.val_fraction > 0:
         split = len(rows) - max(1, math.floor(len(rows) * data.val_fraction))
         if split < 1:
-            raise ValueError(f"data.val_fraction {data.val_fraction} leaves no training row")
-        rows, val_rows = rows[:split], rows[split:]
-        val = VLMExamples(val_rows, processor, data, root=root, source="data.path (validation)")
-    return VLMExamples(rows, processor, data, root=root), val
+            raise ConfigError(f"data.val_fraction {data.val_fraction} leaves no training row")
+        val = VLMExamples(rows[split:], processor, data, root=root, source=source, lines=lines[split:])
+        rows, lines = rows[:split], lines[:split]
+    return VLMExamples(rows, processor, data, root=root, source=source, lines=lines), val
+
+
+def _checked_rows(path: str, field_name: str, data: VLMDataConfig) -> tuple[list[dict], list[int], Path]:
+    """(rows, their line numbers, the directory image paths are relative to) of a JSONL file, every row
+    checked (`check_vlm_rows`)."""
+    numbered = read_jsonl_rows(path, field_name)
+    rows, lines = [row for _, row in numbered], [number for number, _ in numbered]
+    root = Path(path).expanduser().parent
+    check_vlm_rows(rows, data, root=root, wheres=[f"{field_name} {path!r} line {n}" for n in lines])
+    return rows, lines, root
 
 
 # ----------------------------------------------------------------------------- collate

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 
 from fntrain.checkpoint.hf_load import OFFLINE_SWITCHES, set_offline
-from fntrain.config import require_choice, require_str
+from fntrain.config import ConfigError, first_line, require_choice, require_str
 from fntrain.models.hf_tp import hf_tensor_parallel
 from fntrain.runtime import Runtime
 from fntrain.runtime.parallel import ParallelConfig
@@ -38,6 +38,8 @@ __all__ = [
     "load_assets",
     "dtype_kwargs",
     "load_pretrained",
+    "load_hf_config",
+    "causal_lm_from_config",
     "load_causal_lm",
     "check_vocab",
     "check_packed_attention",
@@ -50,31 +52,42 @@ log = logging.getLogger("fntrain.models.hf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 SAFE_INDEX = "model.safetensors.index.json"
+# What save_pretrained writes for a tokenizer: one of these files is there when a directory holds one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 # ----------------------------------------------------------------------------- local directories
 
 
 def require_local_dir(field_name: str, path: str, *, needs: Sequence[str] = ()) -> Path:
-    """`path` as an existing local directory holding `needs`, else a `FileNotFoundError` naming the
-    field (a Hub id is never looked up)."""
+    """`path` as an existing local directory holding `needs`, else a `ConfigError` naming the field
+    (a Hub id is never looked up)."""
     directory = Path(path).expanduser()
+    if directory.is_file():
+        raise ConfigError(f"{field_name} {path!r} is a file, not a directory")
     if not directory.is_dir():
-        raise FileNotFoundError(
+        raise ConfigError(
             f"{field_name} {path!r} is not a local directory; fntrain never downloads models: "
             "save one with save_pretrained (or huggingface-cli download) and pass its path"
         )
     missing = [name for name in needs if not (directory / name).exists()]
     if missing:
-        raise FileNotFoundError(f"{field_name} {path!r} lacks {', '.join(missing)}")
+        raise ConfigError(f"{field_name} {path!r} lacks {', '.join(missing)}")
     return directory
 
 
 def _require_model_dir(field_name: str, path: str) -> Path:
-    """A local model directory: config.json and safetensors weights (one file, shards, or an index)."""
+    """A local model directory: a config.json holding a JSON object and safetensors weights (one file,
+    shards, or an index); else a `ConfigError` naming the field and the directory."""
     directory = require_local_dir(field_name, path, needs=("config.json",))
+    try:
+        saved = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, OSError) as error:  # ValueError: not JSON, or not UTF-8
+        raise ConfigError(f"{field_name} {path!r}: config.json is not a JSON file ({error})") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{field_name} {path!r}: config.json must hold a JSON object")
     if not any(directory.glob("*.safetensors")) and not (directory / SAFE_INDEX).exists():
-        raise FileNotFoundError(f"{field_name} {path!r} holds no *.safetensors weights")
+        raise ConfigError(f"{field_name} {path!r} holds no *.safetensors weights")
     return directory
 
 
@@ -85,7 +98,7 @@ def _read_chat_template(value: str, field_name: str = "assets.chat_template") ->
     path = Path(value).expanduser()
     if path.is_file():
         return path.read_text(encoding="utf-8")
-    raise FileNotFoundError(f"{field_name} {value!r} is neither a file nor a Jinja template")
+    raise ConfigError(f"{field_name} {value!r} is neither a file nor a Jinja template")
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -153,10 +166,7 @@ def load_assets(model: HFModelConfig, assets: AssetsConfig) -> ModelAssets:
     set_offline()
     source = assets.tokenizer_path or model.path
     field_name = "assets.tokenizer_path" if assets.tokenizer_path else "model.path"
-    directory = require_local_dir(field_name, source)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    tokenizer = _load_tokenizer(field_name, source)
     if assets.chat_template is not None:
         tokenizer.chat_template = _read_chat_template(assets.chat_template)
     eos_id = tokenizer.eos_token_id
@@ -167,6 +177,26 @@ def load_assets(model: HFModelConfig, assets: AssetsConfig) -> ModelAssets:
         eos_id=int(eos_id) if eos_id is not None else None,
         chat_template=getattr(tokenizer, "chat_template", None),
     )
+
+
+def _load_tokenizer(field_name: str, source: str) -> Any:
+    """The tokenizer saved in the local directory `source`; a directory without one, or one
+    transformers cannot load, is a `ConfigError` naming `field_name` and the directory."""
+    directory = require_local_dir(field_name, source)
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        other = " (or set assets.tokenizer_path)" if field_name == "model.path" else ""
+        raise ConfigError(
+            f"{field_name} {source!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save one there "
+            f"with tokenizer.save_pretrained{other}"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as error:  # transformers' ways of saying "cannot load"
+        raise ConfigError(
+            f"{field_name} {source!r}: its tokenizer cannot be loaded ({first_line(error)})"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- model
@@ -205,16 +235,47 @@ def load_pretrained(config: HFModelConfig, device: torch.device | str) -> torch.
     return model.to(device)
 
 
+def load_hf_config(config: HFModelConfig, field_name: str = "model.path") -> Any:
+    """The transformers config of the model directory `config.path` (its config.json); a directory
+    transformers cannot read one from (an unknown model_type, a broken file) is a `ConfigError` naming
+    `field_name` and the directory."""
+    set_offline()
+    directory = _require_model_dir(field_name, config.path)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:  # transformers' ways of saying "cannot read"
+        raise ConfigError(
+            f"{field_name} {config.path!r}: config.json is not a model config transformers reads ({first_line(error)})"
+        ) from None
+
+
+def causal_lm_from_config(config: HFModelConfig) -> torch.nn.Module:
+    """The bare causal LM of `config.path`'s config.json, no weights loaded: build it under
+    `fntrain.runtime.materialize.build_on_meta` to count FLOPs or check LoRA targets without memory.
+    An architecture transformers has no causal LM for is a `ConfigError` naming model.path."""
+    hf_config = load_hf_config(config)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_config(hf_config, attn_implementation=config.attn_implementation)
+    except ValueError as error:  # "Unrecognized configuration class ... for this kind of AutoModel"
+        raise ConfigError(
+            f"model.path {config.path!r} holds no causal LM transformers knows ({first_line(error)})"
+        ) from None
+
+
 def _load_on_meta(config: HFModelConfig, runtime: Runtime, parallel: ParallelConfig) -> torch.nn.Module:
     """The causal LM built on the meta device from config.json, parallelized, then filled from the
     safetensors through DCP's Hugging Face reader, each rank reading only its shards."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from fntrain.checkpoint.hf_load import hf_weights
     from fntrain.runtime.materialize import build_model
 
     directory = _require_model_dir("model.path", config.path)
-    hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    hf_config = load_hf_config(config)
     hf_config.use_cache = False  # see _TRAINING_CONFIG
     saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     dtype = DTYPES.get(config.dtype) or saved  # auto: the checkpoint's, as from_pretrained does
@@ -263,11 +324,11 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def check_vocab(config: HFModelConfig, assets: ModelAssets) -> ModelAssets:
-    """`assets`, or a ValueError when the tokenizer has more tokens than the model's vocabulary (its
+    """`assets`, or a `ConfigError` when the tokenizer has more tokens than the model's vocabulary (its
     config.json's vocab_size: read without loading the model)."""
     vocab = json.loads((Path(config.path).expanduser() / "config.json").read_text()).get("vocab_size")
     if isinstance(vocab, int) and len(assets.tokenizer) > vocab:
-        raise ValueError(
+        raise ConfigError(
             f"the tokenizer has {len(assets.tokenizer)} tokens but the model's vocabulary only {vocab}: "
             "model.path and assets.tokenizer_path do not belong together"
         )

@@ -18,19 +18,22 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fntrain.config import require_bool, require_float, require_int
+from fntrain.config import ConfigError, require_bool, require_float, require_int
 from fntrain.runtime import Runtime
+from fntrain.runtime.materialize import build_on_meta
 
 __all__ = [
     "LoraConfig",
     "apply_lora",
     "check_lora_parallel",
+    "check_lora_targets",
     "trainable_parameters",
     "save_adapter_or_merged",
 ]
@@ -93,6 +96,49 @@ def check_lora_parallel(config: LoraConfig, meta_init: bool, prefix: str = "lora
             f"{prefix}.rank > 0 cannot be combined with parallel.tp_size={tp_size} yet: use fsdp2 data "
             "parallelism for LoRA"
         )
+
+
+# The layers peft's LoRA can adapt (transformers' GPT-2 style Conv1D is matched by name: no import).
+_ADAPTABLE = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+              torch.nn.MultiheadAttention)  # fmt: skip
+
+
+def _adaptable(module: torch.nn.Module) -> bool:
+    return isinstance(module, _ADAPTABLE) or type(module).__name__ == "Conv1D"
+
+
+def check_lora_targets(
+    model: torch.nn.Module | Callable[[], torch.nn.Module],
+    targets: Sequence[str],
+    field: str = "lora.target_modules",
+) -> None:
+    """A `ConfigError` naming `field` unless every name in `targets` names layers peft can adapt in
+    `model`, matched as peft matches a list of names (a module whose dotted name is the target or ends
+    with "." + target; "all-linear": any linear layer), every match a linear, embedding or convolution
+    layer. `model` may be a factory of the bare model: it is built on the meta device (no weights, no
+    memory), so the check runs before anything is loaded (the run's first phase). The error lists the
+    names the model's adaptable layers end in."""
+    if not isinstance(model, torch.nn.Module):
+        model = build_on_meta(model)
+    modules = [(name, module) for name, module in model.named_modules() if name]
+    ends = sorted({name.rsplit(".", 1)[-1] for name, module in modules if _adaptable(module)})
+    if tuple(targets) == ("all-linear",):
+        if not any(isinstance(module, torch.nn.Linear) for _, module in modules):
+            raise ConfigError(f"{field} all-linear: the model has no linear layer")
+        return
+    for target in targets:
+        matched = [(name, module) for name, module in modules if name == target or name.endswith(f".{target}")]
+        if not matched:
+            raise ConfigError(
+                f"{field} {target!r} matches no layer of the model; its linear, embedding and convolution "
+                f"layers are named {', '.join(ends) or '(none)'}"
+            )
+        name, module = next(((n, m) for n, m in matched if not _adaptable(m)), (None, None))
+        if module is not None:
+            raise ConfigError(
+                f"{field} {target!r} matches {name} ({type(module).__name__}), which LoRA cannot adapt: "
+                f"name linear, embedding or convolution layers ({', '.join(ends) or 'none here'})"
+            )
 
 
 def _peft_config(config: LoraConfig) -> Any:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fntrain.config import ConfigError
+from fntrain.data.files import existing_ancestor
 from fntrain.data.stream import is_iterable_dataset
 from fntrain.hooks.checkpoint import checkpoint_root
 from fntrain.hooks.sinks import check_metric_packages
@@ -192,11 +193,7 @@ def _check_writable_dir(field: str, path: str | os.PathLike) -> None:
         if not os.access(path, os.W_OK | os.X_OK):
             raise ConfigError(f"{field} {str(path)!r} is not writable")
         return
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ConfigError(f"{field} {str(path)!r} cannot be created: {str(parent)!r} is a file")
+    parent = existing_ancestor(path, field)  # a file there is a FileExistsError naming the field
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{field} {str(path)!r} cannot be created: {str(parent)!r} is not writable")
 

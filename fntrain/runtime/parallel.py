@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fntrain.config import require_bool, require_choice, require_int, require_str
+from fntrain.config import ConfigError, require_bool, require_choice, require_int, require_str
 from fntrain.runtime.pipeline import PP_SCHEDULES, PipelineSplit, split_stage
 from fntrain.runtime.runtime import Runtime
 
@@ -27,6 +27,7 @@ __all__ = [
     "STRATEGIES",
     "MIXED_PRECISIONS",
     "ParallelConfig",
+    "check_compile_backend",
     "parallelize",
     "transformer_blocks",
     "autocast_dtype",
@@ -95,6 +96,8 @@ class ParallelConfig:
         require_bool(f"{prefix}.activation_checkpointing", self.activation_checkpointing)
         require_bool(f"{prefix}.compile", self.compile)
         require_str(f"{prefix}.compile_backend", self.compile_backend, non_empty=True)
+        if self.compile:  # only then is the backend used (and torch._dynamo worth importing)
+            check_compile_backend(self.compile_backend, f"{prefix}.compile_backend")
         require_int(f"{prefix}.ddp_bucket_cap_mb", self.ddp_bucket_cap_mb, min=1)
         require_bool(f"{prefix}.find_unused_parameters", self.find_unused_parameters)
         for name in ("tp_size", "pp_size", *_UNSUPPORTED):
@@ -129,6 +132,20 @@ class ParallelConfig:
             )
         if self.pp_size > 1 and self.meta_init:
             raise ValueError(f"{prefix}.meta_init is not supported with {prefix}.pp_size={self.pp_size} yet")
+
+
+def check_compile_backend(name: str, field: str = "parallel.compile_backend") -> str:
+    """`name` when `torch.compile(backend=name)` knows it (the backends torch._dynamo registers,
+    debugging ones and those of installed plugins such as torch_npu included); else a `ConfigError`
+    naming `field`, the value and the usual choices, before any model is built (torch.compile would
+    only fail at the first forward). Imports torch._dynamo (about a second)."""
+    from torch._dynamo import list_backends  # import time: only a run that compiles pays for it
+
+    known = list_backends(exclude_tags=())
+    if name not in known:
+        usual = sorted({*list_backends(), "eager", "aot_eager"} & set(known))
+        raise ConfigError(f"{field} {name!r} is not a torch.compile backend; use one of {', '.join(usual)}")
+    return name
 
 
 def hsdp_shape(dp_size: int, replicate: int, prefix: str = "parallel") -> tuple[int, int]:

@@ -24,3 +24,11 @@ def test_an_empty_file_or_a_directory_names_the_field(tmp_path, make, needle):
     for read in (byte_windows, byte_window_counts):
         with pytest.raises(ConfigError, match=f"data.path .*corpus.txt.* {needle}"):
             read(path, 8, 0.1)
+
+
+def test_a_file_too_small_for_one_training_window_names_the_field_and_the_context(tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_bytes(b"x" * 10)  # 9 bytes for training after the tail: less than a 16-byte window
+    for read in (byte_windows, byte_window_counts):
+        with pytest.raises(ConfigError, match=r"data.path .*short.txt' holds 10 bytes, 9 of them .* model.context \(16\)"):
+            read(path, 16, 0.1)

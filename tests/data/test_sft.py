@@ -13,6 +13,7 @@ import jinja2
 import pytest
 import torch
 
+from fntrain.config import ConfigError
 from fntrain.data.packing import PADDING_DOCUMENT, PackedDocuments
 from fntrain.data.sft import (
     IGNORE_INDEX,
@@ -164,28 +165,93 @@ def test_transform_errors_name_the_example():
     odd = CharTokenizer(chat_template="{% for m in messages|reverse %}{{ m['content'] }}{% endfor %}")
     with pytest.raises(ValueError, match="prefixes"):
         transform_example({"messages": CHATS[0]}, assets_of(odd), data)
+    failing = CharTokenizer(chat_template="{{ messages[5]['content'].upper() }}")  # a template that raises
+    with pytest.raises(ConfigError, match=r"example 3: the chat template fails on this conversation \(.+\)"):
+        transform_example({"messages": CHATS[0]}, assets_of(failing), data, where="example 3")
 
 
 def test_bad_jsonl_lines_are_named(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "a"}\nnot json\n')
-    with pytest.raises(ValueError, match="line 2: not valid JSON"):
+    with pytest.raises(ConfigError, match="line 2: not JSON"):
         read_jsonl(str(path))
     path.write_text('{"text": "a"}\n[1]\n')
-    with pytest.raises(ValueError, match="line 2: expected a JSON object"):
+    with pytest.raises(ConfigError, match="line 2: expected a JSON object, got list"):
         read_jsonl(str(path))
-    with pytest.raises(FileNotFoundError, match="data.path"):
+    with pytest.raises(ConfigError, match="data.path"):
         read_jsonl(str(tmp_path / "missing.jsonl"))
+
+
+ROWS = [{"prompt": "to be", "completion": " or not"}] * 4
+GOOD = "".join(json.dumps(row) + "\n" for row in ROWS)
+
+
+@pytest.mark.parametrize(
+    "name, content, changes, message",
+    [
+        ("bad.jsonl", GOOD[: len(GOOD) // 2] + "{not json\n" + GOOD, {},
+         r"data.path 'bad.jsonl' line 3: not JSON \(Expecting property name enclosed in double quotes: column 2\)"),
+        ("prose.jsonl", "It was the best of times.\nIt was the worst.\n", {}, r"data.path 'prose.jsonl' line 1: not JSON"),
+        ("empty.jsonl", "", {}, r"data.path 'empty.jsonl' is empty: expected one JSON object per line"),
+        ("blank.jsonl", "\n\n  \n", {}, r"data.path 'blank.jsonl' is empty"),
+        ("array.jsonl", GOOD + "[1, 2]\n", {}, r"data.path 'array.jsonl' line 5: expected a JSON object, got list \[1, 2\]"),
+        ("nofield.jsonl", '{"title": "x"}\n' * 4, {},
+         r"data.path 'nofield.jsonl' line 1: cannot tell the format of an example with keys \['title'\]"),
+        ("late.jsonl", GOOD + '{"prompt": "a"}\n', {},  # found at build time, not at the step that reads it
+         r"data.path 'late.jsonl' line 5: cannot tell the format"),
+        ("chat.jsonl", GOOD, {"format": "chat"},
+         r"data.path 'chat.jsonl' line 1: missing key 'messages' \(data.format 'chat' needs it; the example has "
+         r"keys \['completion', 'prompt'\]\)"),
+        ("texts.jsonl", GOOD, {"format": "text"}, r"data.path 'texts.jsonl' line 1: missing key 'text'"),
+        ("typed.jsonl", '{"text": 5}\n', {}, r"data.path 'typed.jsonl' line 1: 'text' must be a str, got int"),
+        ("binary.jsonl", bytes(range(256)) * 8, {}, r"data.path 'binary.jsonl' is not UTF-8 text"),
+        ("notgz.jsonl.gz", GOOD, {}, r"data.path 'notgz.jsonl.gz': not a readable gzip file"),
+        ("a-dir.jsonl", None, {}, r"data.path 'a-dir.jsonl' is a directory, not a file"),
+        ("missing.jsonl", "", {"path": "nowhere.jsonl"}, r"data.path 'nowhere.jsonl' does not exist"),
+        ("val.jsonl", GOOD, {"val_path": "bad-val.jsonl"}, r"data.val_path 'bad-val.jsonl' does not exist"),
+    ],
+)  # fmt: skip
+def test_a_bad_data_file_is_one_line_naming_the_field_the_file_and_the_line(tmp_path, monkeypatch, name, content,
+                                                                            changes, message):  # fmt: skip
+    """Every row is read and transformed when the datasets are built (the run's first phase): the
+    error is a `ConfigError` naming the field, the file as typed (relative here) and the line."""
+    monkeypatch.chdir(tmp_path)
+    if content is None:
+        (tmp_path / name).mkdir()
+    else:
+        (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    data = dataclasses.replace(SFTDataConfig(path=name, max_length=32), **changes)
+    with pytest.raises(ConfigError, match=message) as caught:
+        data.validate()
+        build_sft_datasets(data, assets_of(CharTokenizer()))
+    assert "\n" not in str(caught.value)
+
+
+def test_gzipped_jsonl_reads_like_plain_and_errors_name_the_line(tmp_path):
+    import gzip
+
+    with gzip.open(tmp_path / "d.jsonl.gz", "wt") as file:
+        file.write(GOOD)
+    train, _ = build_sft_datasets(
+        SFTDataConfig(path=str(tmp_path / "d.jsonl.gz")), assets_of(CharTokenizer())
+    )
+    assert len(train) == len(ROWS)
+    with gzip.open(tmp_path / "bad.jsonl.gz", "wt") as file:
+        file.write(GOOD + "oops\n")
+    with pytest.raises(ConfigError, match=r"bad.jsonl.gz' line 5: not JSON"):
+        read_jsonl(str(tmp_path / "bad.jsonl.gz"))
 
 
 def test_config_validation_names_fields_and_checks_files(tmp_path):
     with pytest.raises(ValueError, match="data.path is required: a JSONL file of training examples"):
         SFTDataConfig().validate()
-    with pytest.raises(FileNotFoundError, match="data.path '.*missing.jsonl' does not exist"):
+    with pytest.raises(ConfigError, match="data.path '.*missing.jsonl' does not exist"):
         SFTDataConfig(path=str(tmp_path / "missing.jsonl")).validate()
+    with pytest.raises(ConfigError, match="data.path '.*' is a directory, not a file"):
+        SFTDataConfig(path=str(tmp_path)).validate()
     base = SFTDataConfig(path=write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}]))
     base.validate()
-    with pytest.raises(FileNotFoundError, match="sft.val_path"):
+    with pytest.raises(ConfigError, match="sft.val_path"):
         dataclasses.replace(base, val_path=str(tmp_path / "nope.jsonl")).validate("sft")
     with pytest.raises(ValueError, match="data.max_length must be >= 2"):
         dataclasses.replace(base, max_length=1).validate()

@@ -114,6 +114,33 @@ def test_a_bad_shard_directory_is_a_clear_error(tmp_path):
         open_shards(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("garbage, not an index", "is not a token-shard index \\(not JSON"),
+        (b"\xff\xfe binary", "is not a token-shard index \\(not JSON"),
+        (
+            '{"format": "FORMAT", "version": "VERSION", "shards": []}',
+            "is not a valid token-shard index \\(KeyError",
+        ),
+        ('{"format": "FORMAT", "version": "VERSION", "dtype": "<u2", "shards": [{"path": 3}]}', "KeyError"),
+        (
+            '{"format": "FORMAT", "version": "VERSION", "dtype": "float", "shards": []}',
+            "dtype must be an integer",
+        ),
+    ],
+)
+def test_a_garbage_index_is_a_config_error_naming_the_file(tmp_path, text, needle):
+    from fntrain.config import ConfigError
+    from fntrain.data.shards import FORMAT, VERSION
+
+    if isinstance(text, str):
+        text = text.replace('"FORMAT"', json.dumps(FORMAT)).replace('"VERSION"', json.dumps(VERSION)).encode()
+    (tmp_path / INDEX_NAME).write_bytes(text)
+    with pytest.raises(ConfigError, match=f"{tmp_path / INDEX_NAME}.*{needle}"):
+        open_shards(tmp_path)
+
+
 # ----------------------------------------------------------------------------- exact resume
 
 

@@ -156,10 +156,84 @@ def test_bad_inputs_fail_before_writing(tmp_path):
         tokenize_files([tmp_path / "data.csv"], tmp_path / "out")
     assert not (tmp_path / "out").exists()
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"title": "no text"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: expected an object with a string 'text' field"):
+    with pytest.raises(
+        ValueError, match=r"input '.*bad.jsonl' line 2: expected an object with a string 'text' field"
+    ):
         tokenize_files([tmp_path / "bad.jsonl"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="shard_tokens must be >= 1"):
         tokenize_documents(["x"], tmp_path / "out2", shard_tokens=0)
+
+
+def _listing(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else b"<dir>") for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("bad.jsonl", '{"text": "a"}\n{"text": "b"}\n{nope\n', r"input '.*bad.jsonl' line 3: not JSON"),
+        ("late.jsonl", '{"text": "a"}\n' * 50 + '{"body": "x"}\n', r"late.jsonl' line 51: expected an object"),
+        ("binary.txt", bytes(range(256)) * 4, r"input '.*binary.txt' is not UTF-8 text"),
+        ("binary.jsonl", bytes(range(256)) * 4, r"input '.*binary.jsonl' is not UTF-8 text"),
+        ("fake.txt.gz", "not gzip", r"input '.*fake.txt.gz' cannot be read"),
+    ],
+)  # fmt: skip
+def test_a_failed_tokenization_leaves_the_disk_as_it_found_it(tmp_path, name, content, message):
+    """The inputs are read through before anything is written: a bad line anywhere fails at once, the
+    output (new, or an existing tokenization being overwritten) left exactly as it was, and the
+    corrected rerun needs no --overwrite."""
+    bad = tmp_path / "in" / name
+    bad.parent.mkdir()
+    bad.write_bytes(content if isinstance(content, bytes) else content.encode())
+    good = write_jsonl(tmp_path / "in" / "good.jsonl", ["abc", "de"])
+    before = _listing(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        tokenize_files([good, bad], tmp_path / "out" / "deep", shard_tokens=2)
+    assert _listing(tmp_path) == before  # no output, no parent made, no staging left
+    tokenize_files([good], tmp_path / "old", shard_tokens=2)
+    (tmp_path / "old" / "README").write_text("mine")
+    before = _listing(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        tokenize_files([good, bad], tmp_path / "old", overwrite=True)
+    assert _listing(tmp_path) == before  # the old shards whole, the other file untouched
+
+
+def test_a_failure_while_writing_removes_the_staged_shards(tmp_path):
+    """A tokenizer that fails half way (after shards were written): nothing is left."""
+    calls = []
+
+    def encode(text):
+        calls.append(text)
+        if len(calls) == 3:
+            raise ValueError("tokenizer broke")
+        return [1, 2, 3]
+
+    before = _listing(tmp_path)
+    with pytest.raises(ValueError, match="tokenizer broke"):
+        tokenize_documents(["a", "b", "c"], tmp_path / "out", encode, eos_id=0, shard_tokens=2)
+    assert _listing(tmp_path) == before
+    index = tokenize_documents(["a", "b"], tmp_path / "out", lambda text: [1, 2, 3], eos_id=0, shard_tokens=2)
+    assert index.total_tokens == 8 and (tmp_path / "out" / "index.json").is_file()  # no --overwrite needed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda out: out.write_text("x"), r"output '.*out' exists and is not a directory"),
+        (lambda out: (out.parent / "file").write_text("x"), r"output '.*file/out' cannot be created: '.*file' is a file"),
+    ],
+)  # fmt: skip
+def test_an_output_that_cannot_be_a_directory_fails_before_reading(tmp_path, make, message):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", ["abc"])
+    out = tmp_path / "out"
+    make(out)
+    target = out if out.exists() else tmp_path / "file" / "out"
+    before = _listing(tmp_path)
+    with pytest.raises(FileExistsError, match=message):
+        tokenize_files(corpus, target)
+    assert _listing(tmp_path) == before
 
 
 # ----------------------------------------------------------------------------- the command

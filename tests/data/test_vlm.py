@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from fntrain.config import ConfigError
 from fntrain.data.tokens import IGNORE_INDEX
 from fntrain.data.vlm import (
     COLOURS,
@@ -102,7 +103,7 @@ def test_jsonl_rows_with_relative_image_paths_and_prompt_completion(processor, t
 
 def test_bad_rows_are_errors_naming_the_row(processor, tmp_path):
     data = VLMDataConfig()
-    with pytest.raises(FileNotFoundError, match="row 3: image 'missing.png' not found"):
+    with pytest.raises(ConfigError, match="row 3: image 'missing.png' not found"):
         transform_vlm_example({"image": "missing.png", "prompt": "a", "completion": "b"}, processor, data,
                               root=tmp_path, where="row 3")  # fmt: skip
     row = ShapesQA(1)[0]
@@ -110,6 +111,45 @@ def test_bad_rows_are_errors_naming_the_row(processor, tmp_path):
         transform_vlm_example({"image": row["image"], "text": "hi"}, processor, data)
     with pytest.raises(ValueError, match=r"exceed data.max_length \(8\)"):
         transform_vlm_example(row, processor, dataclasses.replace(data, max_length=8))
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"image": "shapes/missing.png", "prompt": "a", "completion": "b"},
+         r"data.path 'vqa.jsonl' line 4: image 'shapes/missing.png' not found \(looked at .*shapes/missing.png\)"),
+        ({"image": ["shapes/000000.png", "gone.png"], "prompt": "a", "completion": "b"},
+         r"line 4: image 'gone.png' not found"),
+        ({"image": 7, "prompt": "a", "completion": "b"}, r"line 4: an image must be a path, got int"),
+        ({"image": "vqa.jsonl", "prompt": "a", "completion": "b"}, r"line 4: image '.*vqa.jsonl' is not an image Pillow reads"),
+        ({"image": "shapes/000000.png", "text": "hi"}, r"line 4: expected 'messages' or 'prompt' \+ 'completion'"),
+        ({"image": "shapes/000000.png", "messages": [{"role": "user", "content": "hi"}]},
+         r"line 4: no assistant turn to train on"),
+        ({"image": "shapes/000000.png", "messages": ["hi"]}, r"line 4: message 0 must be an object"),
+    ],
+)  # fmt: skip
+def test_bad_rows_are_found_when_the_datasets_are_built(tmp_path, monkeypatch, row, message):
+    """Each row's conversation and image files are checked before training (no image decoded, no
+    processor run), so a missing image is one line naming the file's line and the path, not a failure
+    at the step that reads it."""
+    monkeypatch.chdir(tmp_path)
+    path = write_shapes_jsonl(tmp_path, 3, seed=0)
+    (tmp_path / "vqa.jsonl").write_text(path.read_text() + json.dumps(row) + "\n")
+    for data in (VLMDataConfig(path="vqa.jsonl"), VLMDataConfig(path="vqa.jsonl", val_fraction=0.3)):
+        with pytest.raises(ConfigError, match=message):
+            build_vlm_datasets(data, processor=None)
+    clean = VLMDataConfig(path=str(path), val_path="vqa.jsonl")
+    with pytest.raises(ConfigError, match=message.replace("data.path", "data.val_path")):
+        build_vlm_datasets(clean, processor=None)
+
+
+def test_an_empty_or_bad_vlm_jsonl_names_the_line(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ConfigError, match=r"data.path '.*empty.jsonl' is empty"):
+        build_vlm_datasets(VLMDataConfig(path=str(tmp_path / "empty.jsonl")), processor=None)
+    (tmp_path / "bad.jsonl").write_text('{"image": "x.png"\n')
+    with pytest.raises(ConfigError, match=r"data.path '.*bad.jsonl' line 1: not JSON"):
+        build_vlm_datasets(VLMDataConfig(path=str(tmp_path / "bad.jsonl")), processor=None)
 
 
 def test_collate_pads_text_and_stacks_images(processor):

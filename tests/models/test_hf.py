@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from fntrain.checkpoint import hf_export
+from fntrain.config import ConfigError
 from fntrain.models.hf import (
     OFFLINE_SWITCHES,
     AssetsConfig,
     HFModelConfig,
     ModelAssets,
+    causal_lm_from_config,
     check_packed_attention,
     check_vocab,
     dtype_kwargs,
@@ -62,26 +64,24 @@ IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64]])
 
 
 def test_local_dir_checks_name_the_field(tmp_path):
-    with pytest.raises(
-        FileNotFoundError, match="model.path 'meta-llama/Llama-3-8B' is not a local directory"
-    ):
+    with pytest.raises(ConfigError, match="model.path 'meta-llama/Llama-3-8B' is not a local directory"):
         require_local_dir("model.path", "meta-llama/Llama-3-8B")
     assert require_local_dir("x.dir", str(tmp_path)) == tmp_path
-    with pytest.raises(FileNotFoundError, match=r"x.dir '.*' lacks config.json, tokenizer.json"):
+    with pytest.raises(ConfigError, match=r"x.dir '.*' lacks config.json, tokenizer.json"):
         require_local_dir("x.dir", str(tmp_path), needs=("config.json", "tokenizer.json"))
 
 
 def test_model_config_validate_checks_the_directory(tmp_path):
     with pytest.raises(ValueError, match="model.path is required: a local model directory"):
         HFModelConfig().validate()
-    with pytest.raises(FileNotFoundError, match="student.path 'org/name' is not a local directory"):
+    with pytest.raises(ConfigError, match="student.path 'org/name' is not a local directory"):
         HFModelConfig(path="org/name").validate("student")
     model_dir = tmp_path / "m"
     model_dir.mkdir()
-    with pytest.raises(FileNotFoundError, match="model.path '.*' lacks config.json"):
+    with pytest.raises(ConfigError, match="model.path '.*' lacks config.json"):
         HFModelConfig(path=str(model_dir)).validate()
     (model_dir / "config.json").write_text("{}")
-    with pytest.raises(FileNotFoundError, match=r"model.path '.*' holds no \*.safetensors weights"):
+    with pytest.raises(ConfigError, match=r"model.path '.*' holds no \*.safetensors weights"):
         HFModelConfig(path=str(model_dir)).validate()
     (model_dir / "model.safetensors.index.json").write_text("{}")
     HFModelConfig(path=str(model_dir)).validate()
@@ -96,18 +96,16 @@ def test_assets_config_validate(tmp_path):
     AssetsConfig(tokenizer_path=str(tmp_path), chat_template="{{ messages }}").validate()
     (tmp_path / "template.jinja").write_text(TEMPLATE)
     AssetsConfig(chat_template=str(tmp_path / "template.jinja")).validate()
-    with pytest.raises(FileNotFoundError, match="assets.tokenizer_path 'nope/tok' is not a local directory"):
+    with pytest.raises(ConfigError, match="assets.tokenizer_path 'nope/tok' is not a local directory"):
         AssetsConfig(tokenizer_path="nope/tok").validate()
-    with pytest.raises(FileNotFoundError, match="assets.chat_template 'missing.jinja' is neither a file"):
+    with pytest.raises(ConfigError, match="assets.chat_template 'missing.jinja' is neither a file"):
         AssetsConfig(chat_template="missing.jinja").validate()
 
 
 def test_loading_sets_the_offline_switches_and_never_looks_up_a_hub_id(monkeypatch):
     for name in OFFLINE_SWITCHES:
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(
-        FileNotFoundError, match="model.path 'meta-llama/Llama-3-8B' is not a local directory"
-    ):
+    with pytest.raises(ConfigError, match="model.path 'meta-llama/Llama-3-8B' is not a local directory"):
         load_pretrained(HFModelConfig(path="meta-llama/Llama-3-8B"), "cpu")
     assert all(os.environ[name] == "1" for name in OFFLINE_SWITCHES)
     for name in OFFLINE_SWITCHES:
@@ -139,10 +137,57 @@ def test_load_assets_reads_the_local_tokenizer(tiny_model_dir, tmp_path):
         AssetsConfig(tokenizer_path=str(tiny_model_dir), chat_template="{{ x }}"),
     )
     assert other.chat_template == "{{ x }}" == other.tokenizer.chat_template
-    with pytest.raises(FileNotFoundError, match="assets.tokenizer_path"):
+    with pytest.raises(ConfigError, match="assets.tokenizer_path"):
         load_assets(
             HFModelConfig(path=str(tiny_model_dir)), AssetsConfig(tokenizer_path=str(tmp_path / "no"))
         )
+
+
+def _model_dir_without(tiny_model_dir, tmp_path, *patterns):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model_dir, copy, ignore=shutil.ignore_patterns(*patterns))
+    return copy
+
+
+def test_a_model_dir_without_a_tokenizer_names_the_dir(tiny_model_dir, tmp_path):
+    bare = _model_dir_without(tiny_model_dir, tmp_path, "tokenizer*", "special_tokens*")
+    HFModelConfig(path=str(bare)).validate()  # a model directory all the same
+    with pytest.raises(ConfigError, match=rf"model.path '{bare}' holds no tokenizer \(none of tokenizer.json, .*\): "
+                                          r"save one there with tokenizer.save_pretrained \(or set assets.tokenizer_path\)"):  # fmt: skip
+        load_assets(HFModelConfig(path=str(bare)), AssetsConfig())
+    (bare / "tokenizer_config.json").write_text("{}")  # a tokenizer transformers cannot build
+    with pytest.raises(ConfigError, match=rf"model.path '{bare}': its tokenizer cannot be loaded \(.+\)$"):
+        load_assets(HFModelConfig(path=str(bare)), AssetsConfig())
+
+
+@pytest.mark.parametrize(
+    "config_json, message",
+    [
+        ("{not json", r"config.json is not a JSON file"),
+        ("[1, 2]", r"config.json must hold a JSON object"),
+        ('{"model_type": "no_such_architecture"}', r"config.json is not a model config transformers reads \(.*no_such_architecture"),
+        ('{"model_type": "clip"}', r"holds no causal LM transformers knows \(Unrecognized configuration class"),
+    ],
+)  # fmt: skip
+def test_a_model_dir_that_transformers_cannot_build_names_the_dir(
+    tiny_model_dir, tmp_path, config_json, message
+):
+    """Found from config.json alone (what the run's first phase builds on the meta device), before
+    any weight is read; each error one line."""
+    model_dir = _model_dir_without(tiny_model_dir, tmp_path)
+    (model_dir / "config.json").write_text(config_json)
+    with pytest.raises(ConfigError, match=rf"model.path '{model_dir}'.*{message}") as caught:
+        HFModelConfig(path=str(model_dir)).validate()
+        causal_lm_from_config(HFModelConfig(path=str(model_dir)))
+    assert "\n" not in str(caught.value)
+
+
+def test_a_model_path_that_is_a_file_says_so(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"model.path '.*model.safetensors' is a file, not a directory"):
+        HFModelConfig(path=str(tmp_path / "model.safetensors")).validate()
 
 
 @pytest.mark.parametrize("meta_init", [False, True])

@@ -11,9 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from fntrain.models.lora import LoraConfig, check_lora_parallel
+from fntrain.config import ConfigError
+from fntrain.models.lora import LoraConfig, check_lora_parallel, check_lora_targets
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def built_for(config, spec):
+    """What a run builds for `config` in one process, after its phase-1 checks."""
+    from fntrain.run.build import build_job
+    from fntrain.run.checks import check_run
+    from fntrain.runtime import Runtime
+
+    return build_job(config, spec, Runtime(), check_run(config, spec))
 
 
 def test_defaults_are_off_and_valid():
@@ -67,6 +77,59 @@ def test_meta_init_is_refused_with_lora():
         check_lora_parallel(LoraConfig(rank=4), meta_init=False, tp_size=2)
 
 
+def _tiny_llama_factory():
+    """A 1-layer Llama built from its config alone (the check builds it on the meta device)."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    return lambda: LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize(
+    "targets", [("q_proj", "v_proj"), ("all-linear",), ("mlp.down_proj",), ("lm_head",), ()]
+)
+def test_lora_targets_that_name_layers_pass(targets):
+    check_lora_targets(_tiny_llama_factory(), targets)
+
+
+@pytest.mark.parametrize(
+    "targets, message",
+    [
+        (("nonexistent_proj",), r"lora.target_modules 'nonexistent_proj' matches no layer of the model; its "
+                                r"linear, embedding and convolution layers are named down_proj, embed_tokens, .*q_proj"),
+        (("q_proj", "qproj"), r"lora.target_modules 'qproj' matches no layer"),
+        (("mlp",), r"lora.target_modules 'mlp' matches model.layers.0.mlp \(LlamaMLP\), which LoRA cannot adapt"),
+        (("proj",), r"'proj' matches no layer"),  # a suffix counts only as a whole dotted part, as in peft
+    ],
+)  # fmt: skip
+def test_lora_targets_missing_from_the_model_are_setting_errors_before_any_weight(targets, message):
+    """The check peft would fail at load time (NoMatchingPeftModuleError), done on a meta copy built
+    from the config: no weights read, no memory."""
+    built = []
+
+    def factory():
+        model = _tiny_llama_factory()()
+        built.append(next(model.parameters()).device.type)
+        return model
+
+    with pytest.raises(ConfigError, match=message):
+        check_lora_targets(factory, targets, field="lora.target_modules")
+    assert built == ["meta"]
+
+
+def test_lora_targets_take_a_built_model_and_name_the_field_given():
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    check_lora_targets(model, ("0",))
+    with pytest.raises(ConfigError, match=r"adapter.targets '1' matches 1 \(ReLU\), which LoRA cannot adapt"):
+        check_lora_targets(model, ("1",), field="adapter.targets")
+    with pytest.raises(ConfigError, match="adapter.targets all-linear: the model has no linear layer"):
+        check_lora_targets(nn.Sequential(nn.ReLU()), ("all-linear",), field="adapter.targets")
+
+
 # ----------------------------------------------------------------------------- slow: real peft
 
 
@@ -112,12 +175,10 @@ def _config(model_dir: Path, data_path: Path, run_dir: Path, *, iters: int = 3, 
 
 @pytest.mark.slow
 def test_only_the_adapter_trains_and_has_optimizer_state(tiny_llama):
-    from fntrain.run.build import build_job
-    from fntrain.runtime import Runtime
     from recipes import hf_causal_lm as hf
 
     model_dir, data_path = tiny_llama
-    built = build_job(_config(model_dir, data_path, Path("unused")), hf.spec, Runtime())
+    built = built_for(_config(model_dir, data_path, Path("unused")), hf.spec)
     model, optimizer = built.components.model, built.components.optimizers[0]
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_A" in name or "lora_B" in name for name in trainable)
@@ -128,7 +189,7 @@ def test_only_the_adapter_trains_and_has_optimizer_state(tiny_llama):
     assert in_optimizer == {id(p) for p in model.parameters() if p.requires_grad}
     # Seeded adapter initialisation: the same on every build (every rank), whatever drew from the RNG.
     torch.rand(5)
-    again = build_job(_config(model_dir, data_path, Path("unused")), hf.spec, Runtime()).components.model
+    again = built_for(_config(model_dir, data_path, Path("unused")), hf.spec).components.model
     for (name, a), b in zip(model.named_parameters(), again.parameters(), strict=True):
         assert torch.equal(a, b), name
 
@@ -144,9 +205,7 @@ def test_train_resume_bitwise_and_export_the_adapter(tiny_llama, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from fntrain.run.build import build_job
     from fntrain.run.job import run_job
-    from fntrain.runtime import Runtime
     from recipes import hf_causal_lm as hf
 
     model_dir, data_path = tiny_llama
@@ -202,7 +261,7 @@ def test_train_resume_bitwise_and_export_the_adapter(tiny_llama, tmp_path):
     # The merged export: a plain save_pretrained model with the same logits.
     merged_config = dataclasses.replace(straight, lora=dataclasses.replace(straight.lora, merge_on_export=True),
                                         run_dir=str(tmp_path / "merged"))  # fmt: skip
-    built = build_job(merged_config, hf.spec, Runtime())
+    built = built_for(merged_config, hf.spec)
     for name, p in built.components.model.named_parameters():
         if "lora_" in name:
             p.data.copy_(dict(final.named_parameters())[name])
