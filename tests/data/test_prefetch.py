@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 import weakref
@@ -52,6 +53,16 @@ def wait_until(predicate, timeout=5.0):
     return True
 
 
+def stack_of(thread: threading.Thread | None) -> list[str]:
+    """The names of the functions `thread` is inside now, innermost first ([] once it ended)."""
+    frame = sys._current_frames().get(thread.ident) if thread is not None else None
+    names = []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return names
+
+
 def prefetch_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("fntrain-prefetch")]
 
@@ -72,10 +83,14 @@ def test_queue_is_bounded_by_depth():
     for depth in (1, 3):
         source = Source(range(100))
         prefetcher = Prefetcher(source, depth=depth)
-        # The worker fills the queue and then holds at most one more item, blocked on the full queue.
-        assert wait_until(lambda source=source, depth=depth: source.produced >= depth)
-        time.sleep(0.05)
-        assert depth <= source.produced <= depth + 1
+        # The worker fills the queue and then holds one more item, blocked on the full queue: once it is
+        # seen waiting in _put with the queue full, it cannot read on, so the count is final.
+        def blocked(prefetcher=prefetcher, source=source, depth=depth):
+            return (source.produced > depth and prefetcher._items.full()
+                    and "_put" in stack_of(prefetcher._thread))  # fmt: skip
+
+        assert wait_until(blocked)
+        assert source.produced == depth + 1
         assert next(prefetcher) == 0
         assert prefetcher.stop() is True
 
@@ -131,7 +146,7 @@ def test_stop_from_another_thread_releases_a_blocked_consumer():
     consumer = threading.Thread(target=lambda: outcome.append(next(prefetcher, "ended")))
     consumer.start()
     assert source.entered.wait(2.0)
-    time.sleep(0.05)  # the consumer is now waiting on the empty queue
+    assert wait_until(lambda: "__next__" in stack_of(consumer))  # the consumer waits on the empty queue
     stopper = threading.Thread(target=lambda: outcome.append(prefetcher.stop(timeout=0.2)))
     with pytest.warns(RuntimeWarning, match="did not stop within"):
         stopper.start()

@@ -188,8 +188,10 @@ def test_result_is_written_as_its_own_record_on_rank_zero(tmp_path):
 
 
 def test_abort_before_train_begin_is_a_no_op_and_config_is_validated():
-    hook = evaluate_hook(EvaluateConfig(eval_every=1), lambda: {}, Runtime())
+    evaluated = []
+    hook = evaluate_hook(EvaluateConfig(eval_every=1), lambda: evaluated.append(1) or {}, Runtime())
     hook(Event.ABORT, TrainState(), RuntimeError("boom"))
+    assert evaluated == [] and hook.state_dict() == {"last_step": -1}  # no evaluation on an abort
     with pytest.raises(ValueError, match="evaluate.eval_every"):
         EvaluateConfig(eval_every=-1).validate()
     with pytest.raises(TypeError, match="evaluate.at_end"):

@@ -150,8 +150,16 @@ def test_invalid_configs_fail_before_device_resolution(monkeypatch, kwargs, erro
         memory_hook(MemoryConfig(**{"enable": True, **kwargs}), Runtime(device=CUDA))
 
 
-def test_valid_edge_values_pass():
-    MemoryConfig(start_step=0, end_step=0, dump_ranks=[], max_entries=1, stacks="python").validate()
+def test_valid_edge_values_pass(tmp_path):
+    """The edge values are accepted and mean what they say: a window at control point 0 only, recorded
+    with those stacks and that entry limit, and written by no rank (dump_ranks=[])."""
+    edge = config(tmp_path, start_step=0, end_step=0, dump_ranks=[], max_entries=1, stacks="python")
+    assert edge.validate() is None
+    fake = FakeAllocator()
+    drive(memory_hook(edge, Runtime(device=CUDA), allocator=fake), 2)
+    starts = [call for call in fake.calls if call[0] == "record" and call[1] is not None]
+    assert [(call[1], call[2]["max_entries"], call[2]["stacks"]) for call in starts] == [("all", 1, "python")]
+    assert "snapshot" not in fake.names() and snapshots(tmp_path / "snap") == []
 
 
 def test_enable_on_cpu_names_the_device(tmp_path):

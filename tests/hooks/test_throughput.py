@@ -260,8 +260,19 @@ def test_disabled_hook_posts_nothing_and_keeps_no_state():
 
 
 def test_abort_before_train_begin_is_a_no_op():
-    meter = throughput_meter(ThroughputConfig(), Runtime())
+    """ABORT to a meter whose TRAIN_BEGIN never ran [S9]: nothing measured, the restored counters
+    untouched (a later save would hold them), the figures those of a meter that never saw it."""
+    measured = []
+    restored = {"consumed_tokens": 100, "consumed_samples": 8, "pending_tokens": 5, "pending_samples": 1}
+    meter, twin = (
+        throughput_meter(ThroughputConfig(), Runtime(), flops_per_token=lambda: measured.append(1) or 6.0)
+        for _ in range(2)
+    )
+    for each in (meter, twin):
+        each.hook.load_state_dict(restored)
     meter.hook(Event.ABORT, TrainState(), RuntimeError("boom"))
+    assert measured == [] and meter.hook.state_dict() == restored
+    assert meter.figures() == twin.figures()
 
 
 def test_config_validation_names_the_field():
