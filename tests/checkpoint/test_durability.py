@@ -17,8 +17,16 @@ import numpy as np
 import pytest
 import torch
 
-from fntrain.checkpoint import _dist, close_async_saves, find_latest, list_checkpoints, restore, save, save_async
-from fntrain.checkpoint.layout import DCP_METADATA, LATEST, MANIFEST, MARKER, step_dir
+from fntrain.checkpoint import (
+    _dist,
+    close_async_saves,
+    find_latest,
+    list_checkpoints,
+    restore,
+    save,
+    save_async,
+)
+from fntrain.checkpoint.layout import DCP_METADATA, LATEST, MANIFEST, MARKER
 from fntrain.checkpoint.rng import rng_state
 from fntrain.checkpoint.verify import damage, verified, verify_collectively
 from fntrain.hooks.base import stateful
@@ -123,7 +131,9 @@ def test_json_files_marker_and_latest_are_fsynced_before_and_after_their_replace
         at = record.index("replace", target)
         temp = record.events[at][1]
         assert record.fsynced(temp, before=at), f"{target.name}: temp file not fsynced before os.replace"
-        assert record.fsynced(target.parent, after=at), f"{target.name}: directory not fsynced after os.replace"
+        assert record.fsynced(target.parent, after=at), (
+            f"{target.name}: directory not fsynced after os.replace"
+        )
     marker, latest = record.index("replace", path / MARKER), record.index("replace", root / LATEST)
     assert record.fsynced(path, after=marker, before=latest), "marker not durable before latest names it"
     assert record.fsynced(root, after=latest)

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from fntrain.data.pipeline import batches, build_data
-from fntrain.run.checks import Checked, Inputs, read_inputs, run_plan
 from fntrain.run.build import build_job
+from fntrain.run.checks import Checked, Inputs, read_inputs, run_plan
 from fntrain.run.resume import Resume
 from fntrain.runtime.runtime import Runtime
 from fntrain.runtime.setup import LaunchEnv
@@ -48,7 +48,9 @@ class LiveStateStream(StatefulStream):
 
 def test_the_saved_position_is_the_consumed_step_even_while_prefetch_reads_ahead():
     stream = LiveStateStream(40)
-    spec = build_data(stream, micro_batch_size=2, micro_batches=1, shuffle=False, prefetch=True, prefetch_depth=3)
+    spec = build_data(
+        stream, micro_batch_size=2, micro_batches=1, shuffle=False, prefetch=True, prefetch_depth=3
+    )
     steps = batches(spec, 0, 0)
     try:
         first = next(steps)

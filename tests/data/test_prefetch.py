@@ -83,6 +83,7 @@ def test_queue_is_bounded_by_depth():
     for depth in (1, 3):
         source = Source(range(100))
         prefetcher = Prefetcher(source, depth=depth)
+
         # The worker fills the queue and then holds one more item, blocked on the full queue: once it is
         # seen waiting in _put with the queue full, it cannot read on, so the count is final.
         def blocked(prefetcher=prefetcher, source=source, depth=depth):
