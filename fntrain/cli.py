@@ -333,11 +333,37 @@ def _export(args: list[str]) -> Any:
     summary = "\n\n".join((hf_export.__doc__ or "").split("\n\n")[:2])
     parsed = tyro.cli(command_cls, args=args, prog="fntrain export", description=summary)
     try:
-        path = hf_export.export_checkpoint(parsed.checkpoint, parsed.out, parsed.options)
+        convert = _hf_conversion(parsed.checkpoint, parsed.out, parsed.options)
+        path = hf_export.export_checkpoint(parsed.checkpoint, parsed.out, parsed.options, convert)
     except (ValueError, OSError, KeyError) as error:  # a bad source, an occupied output: no traceback
         raise CommandError(str(error)) from error
     print(path)
     return path
+
+
+def _hf_conversion(checkpoint: str, out: str, options: Any) -> Any:
+    """The conversion of `--format hf` for `checkpoint`: the `hf_conversion` of `options.recipe`, else of
+    the recipe its meta.json records, bound to the run config it saved; None for a recipe without one,
+    an old checkpoint that records none, `--recipe none`, or another format."""
+    from fntrain.checkpoint import hf_export
+    from fntrain.checkpoint.restorer import read_meta
+    from fntrain.run.config_file import config_from_dict
+
+    if options.format != "hf" or options.recipe == "none":
+        return None
+    meta = read_meta(hf_export.export_source(checkpoint, out, options.overwrite))
+    name = options.recipe or meta.get("recipe")
+    if not name:
+        return None
+    try:
+        recipe = load_recipe(name)
+    except RecipeNotFound as error:
+        flag = "--recipe" if options.recipe else "the checkpoint's recipe"
+        raise CommandError(f"{flag} {name!r}: {error} (--recipe none exports the model's own names)") from None
+    if recipe.spec.hf_conversion is None:
+        return None
+    config = config_from_dict(recipe.config_cls, meta.get("config") or {})
+    return lambda state: recipe.spec.hf_conversion(config, state)
 
 
 def _recipes(args: list[str]) -> dict[str, str]:

@@ -113,6 +113,7 @@ class HookInputs:
     flops_per_token: Any = None  # a number or a callable measured at TRAIN_BEGIN (see throughput_meter)
     extra_eval: Callable[[], Mapping[str, float]] | None = None  # more metrics per evaluation (every rank)
     run_config: dict[str, Any] | None = None  # the resolved config: trackers and checkpoints get it
+    recipe: str | None = None  # the name that loads the recipe again: checkpoints record it
     extra: Sequence[Hook] = ()  # the spec's hooks, just before the checkpoint hook
     attempt: int = 0  # which launch of the run this is; tags each metrics record
 
@@ -204,7 +205,7 @@ def _checkpoint(inputs: HookInputs, wiring: Wiring) -> Hook | None:
         return None
     return checkpoint_hook(config, inputs.components, inputs.runtime,
                            directory=checkpoint_root(config, inputs.run_dir),
-                           hooks=lambda: wiring.hooks, run_config=inputs.run_config)  # fmt: skip
+                           hooks=lambda: wiring.hooks, run_config=inputs.run_config, recipe=inputs.recipe)  # fmt: skip
 
 
 def _watchdog(inputs: HookInputs, wiring: Wiring) -> Hook | None:
