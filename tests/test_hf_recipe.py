@@ -37,14 +37,14 @@ def test_config_validation_names_fields_and_checks_paths(tiny_files):
     model_dir, data_path = tiny_files
     with pytest.raises(ValueError, match="model.path is required"):
         hf.Config().validate()
-    base = hf.Config(model=HFModelConfig(path=str(model_dir)), data=SFTDataConfig(path=str(data_path)))
+    base = hf.Config(model=HFModelConfig(path=str(model_dir)), data=hf.DataConfig(path=str(data_path)))
     base.validate()
     with pytest.raises(ValueError, match="data.max_length must be >= 2"):
         dataclasses.replace(base, data=dataclasses.replace(base.data, max_length=1)).validate()
     with pytest.raises(TypeError, match="data.packing must be a bool"):
         dataclasses.replace(base, data=dataclasses.replace(base.data, packing=1)).validate()
     with pytest.raises(ValueError, match="data.path"):  # a ConfigError: one line, exit status 2
-        dataclasses.replace(base, data=SFTDataConfig(path=str(data_path) + ".missing")).validate()
+        dataclasses.replace(base, data=hf.DataConfig(path=str(data_path) + ".missing")).validate()
     with pytest.raises(ValueError, match="evaluate needs validation data"):
         dataclasses.replace(base, evaluate=EvaluateConfig(eval_every=5)).validate()
     assert base.output_path() == Path("runs/hf_causal_lm/hf_model")
@@ -111,7 +111,7 @@ def _config(model_dir: Path, data_path: Path, run_dir: Path, **data) -> hf.Confi
         run_dir=str(run_dir),
         log_every=1,
         model=HFModelConfig(path=str(model_dir)),
-        data=SFTDataConfig(path=str(data_path), max_length=48, **data),
+        data=hf.DataConfig(path=str(data_path), max_length=48, **data),
         train=TrainConfig(train_iters=3, global_batch_size=4, micro_batch_size=2),
         optim=OptimizerConfig(lr=1e-2, weight_decay=0.0),
         progress=ProgressConfig(enabled=False),
@@ -323,7 +323,7 @@ def test_lora_flags_are_checked_before_any_model_work(tiny_files, capsys):
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
     config = dataclasses.replace(
-        hf.Config(model=HFModelConfig(path=str(model_dir)), data=SFTDataConfig(path=str(data_path))),
+        hf.Config(model=HFModelConfig(path=str(model_dir)), data=hf.DataConfig(path=str(data_path))),
         lora=LoraConfig(rank=8, target_modules=("q_proj", "v_proj"), merge_on_export=True),
     )
     config.validate()

@@ -18,6 +18,7 @@ A recipe's config is expected to carry the hook sections under these names (`mem
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from fntrain.hooks.watchdog import watchdog_hook
 from fntrain.loop import Hook
 from fntrain.runtime import Runtime
 from fntrain.state import RunPlan
+
+log = logging.getLogger("fntrain.hooks.evaluate")
 
 __all__ = [
     "EarlyHooks",
@@ -157,9 +160,13 @@ def _progress(inputs: HookInputs, wiring: Wiring) -> Hook | None:
 
 
 def _evaluate(inputs: HookInputs, wiring: Wiring) -> Hook | None:
-    config, components = inputs.config.evaluate, inputs.components
-    if not config.enabled or inputs.val_dataset is None or len(inputs.val_dataset) == 0:
+    has_validation = inputs.val_dataset is not None and len(inputs.val_dataset) > 0
+    config = inputs.config.evaluate.resolved(has_validation, inputs.plan.train_iters)
+    components = inputs.components
+    if not config.enabled or not has_validation:
         return None
+    log.info("evaluating on %d validation samples %s (--evaluate.eval-every, --evaluate.at-end)",
+             len(inputs.val_dataset), config.describe())  # fmt: skip
     eval_fn = make_eval_fn(
         components.model,
         inputs.eval_loss or components.loss_fn,

@@ -42,6 +42,7 @@ __all__ = [
     "causal_lm_from_config",
     "load_causal_lm",
     "check_vocab",
+    "model_vocab_size",
     "check_packed_attention",
     "unwrap",
     "save_hf_model",
@@ -323,10 +324,17 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def model_vocab_size(config: HFModelConfig) -> int | None:
+    """The model's vocabulary size from its config.json (None when it names none), read without loading
+    the model."""
+    vocab = json.loads((Path(config.path).expanduser() / "config.json").read_text()).get("vocab_size")
+    return vocab if isinstance(vocab, int) else None
+
+
 def check_vocab(config: HFModelConfig, assets: ModelAssets) -> ModelAssets:
     """`assets`, or a `ConfigError` when the tokenizer has more tokens than the model's vocabulary (its
     config.json's vocab_size: read without loading the model)."""
-    vocab = json.loads((Path(config.path).expanduser() / "config.json").read_text()).get("vocab_size")
+    vocab = model_vocab_size(config)
     if isinstance(vocab, int) and len(assets.tokenizer) > vocab:
         raise ConfigError(
             f"the tokenizer has {len(assets.tokenizer)} tokens but the model's vocabulary only {vocab}: "

@@ -163,7 +163,7 @@ def _config(model_dir: Path, data_path: Path, run_dir: Path, *, iters: int = 3, 
         run_dir=str(run_dir),
         log_every=1,
         model=HFModelConfig(path=str(model_dir)),
-        data=SFTDataConfig(path=str(data_path), max_length=48),
+        data=hf.DataConfig(path=str(data_path), max_length=48),
         train=TrainConfig(train_iters=iters, global_batch_size=4, micro_batch_size=2),
         optim=OptimizerConfig(lr=1e-2, weight_decay=0.0),
         schedule=ScheduleConfig(lr_schedule_iters=4),  # the same schedule for a 2-step and a 4-step run
