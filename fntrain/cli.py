@@ -29,7 +29,14 @@ from typing import Annotated, Any, Literal
 
 from fntrain.config import ConfigError, as_flags
 from fntrain.hooks.signals import INTERRUPT_EXIT_CODE
-from fntrain.run.config_file import CONFIG_HELP, config_to_dict, dump_toml, load_config, split_config_args
+from fntrain.run.config_file import (
+    CONFIG_HELP,
+    class_defaults,
+    config_to_dict,
+    dump_toml,
+    load_config,
+    split_config_args,
+)
 from fntrain.run.recipes import Recipe, RecipeNotFound, available_recipes, load_recipe
 
 __all__ = ["main", "dispatch", "resolve_config", "plan_report", "run_recipe", "recipe_main"]
@@ -251,7 +258,10 @@ def _config(args: list[str]) -> str:
     )
     parsed = tyro.cli(command_cls, args=rest, prog=f"fntrain config {name}", description=_describe(recipe))
     data = config_to_dict(parsed.recipe_config)
-    text = dump_toml(data) if parsed.format == "toml" else json.dumps(data, indent=2, sort_keys=True) + "\n"
+    if parsed.format == "toml":
+        text = dump_toml(data, class_defaults(parsed.recipe_config))
+    else:
+        text = json.dumps(data, indent=2, sort_keys=True) + "\n"
     sys.stdout.write(text)
     return text
 
