@@ -11,9 +11,9 @@
     fntrain export CKPT --format hf|dcp OUT [options]   a DCP checkpoint -> a Hugging Face directory, or back
     fntrain recipes                                     the recipes that can be named
 
-RECIPE is a name registered in the `fntrain.recipes` entry-point group (the built-ins: tiny_gpt,
-hf_causal_lm), a recipe of a source checkout's `recipes/`, a dotted module path, or a .py file (such as
-one `fntrain cp` wrote; `python DEST.py` runs it too). Every bad setting is one line naming the flag,
+RECIPE is a name registered in the `fntrain.recipes` entry-point group (the built-ins and any other
+project's, listed below and by `fntrain recipes`), a recipe of a source checkout's `recipes/`, a dotted
+module path, or a .py file (such as one `fntrain cp` wrote; `python DEST.py` runs it too). Every bad setting is one line naming the flag,
 exit status 2, before any file, model or device work. The options after it
 are the recipe's own, parsed by tyro from its config dataclass (`fntrain run tiny_gpt --help` lists
 them); `--config FILE` (TOML, YAML or JSON) seeds their defaults and flags override the file.
@@ -37,7 +37,7 @@ from fntrain.run.config_file import (
     load_config,
     split_config_args,
 )
-from fntrain.run.recipes import Recipe, RecipeNotFound, available_recipes, load_recipe
+from fntrain.run.recipes import Recipe, RecipeNotFound, available_recipes, is_built_in, load_recipe
 
 __all__ = ["main", "dispatch", "resolve_config", "plan_report", "run_recipe", "recipe_main"]
 
@@ -58,9 +58,14 @@ def _usage() -> str:
 
 
 def _full_help() -> str:
-    recipes = available_recipes()
-    listed = "\n".join(f"  {name:<16} {module}" for name, module in recipes.items()) or "  (none found)"
+    listed = "\n".join(_recipe_lines()) or "  (none found)"
     return f"usage:\n{_usage()}\n\n{__doc__.split(chr(10) * 2, 2)[2].strip()}\n\nrecipes:\n{listed}\n"
+
+
+def _recipe_lines() -> list[str]:
+    """One line per recipe that can be named, from the registry: name, module, and whether it is built in."""
+    return [f"  {name:<16} {module}{'  (built-in)' if is_built_in(name, module) else ''}"
+            for name, module in available_recipes().items()]  # fmt: skip
 
 
 def _split_recipe(command: str, args: list[str]) -> tuple[str, list[str]]:
@@ -377,10 +382,9 @@ def _hf_conversion(checkpoint: str, out: str, options: Any) -> Any:
 
 
 def _recipes(args: list[str]) -> dict[str, str]:
-    recipes = available_recipes()
-    for name, module in recipes.items():
-        print(f"{name:<16} {module}")
-    return recipes
+    for line in _recipe_lines():
+        print(line.strip())
+    return available_recipes()
 
 
 _DISPATCH = {

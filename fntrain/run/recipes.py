@@ -21,11 +21,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["ENTRY_POINT_GROUP", "Recipe", "RecipeNotFound", "available_recipes", "load_recipe", "recipe_reference"]
+__all__ = ["BUILT_IN", "ENTRY_POINT_GROUP", "is_built_in", "Recipe", "RecipeNotFound", "available_recipes", "load_recipe", "recipe_reference"]
 
 ENTRY_POINT_GROUP = "fntrain.recipes"
 _PACKAGES = ("fntrain_recipes", "recipes")  # installed name first; the checkout's `recipes/` second
-_BUILT_IN = ("tiny_gpt", "hf_causal_lm", "vlm")
+BUILT_IN = ("tiny_gpt", "hf_causal_lm", "vlm")
 _FILE_MODULE_PREFIX = "fntrain_recipe_file_"
 
 
@@ -76,7 +76,7 @@ def available_recipes() -> dict[str, str]:
     for package in _PACKAGES:
         if not _module_exists(package):
             continue
-        for name in _BUILT_IN:
+        for name in BUILT_IN:
             if name not in names and _module_exists(f"{package}.{name}"):
                 names[name] = f"{package}.{name}"
     return dict(sorted(names.items()))
@@ -113,6 +113,11 @@ def _import_by_name(name: str) -> ModuleType:
             return module
     known = ", ".join(available_recipes()) or "none"
     raise RecipeNotFound(f"no recipe named {name!r} (known recipes: {known}; or give a dotted module path)")
+
+
+def is_built_in(name: str, module: str) -> bool:
+    """Whether `available_recipes()`'s `name -> module` is one fntrain ships (not another project's)."""
+    return name in BUILT_IN and module in {f"{package}.{name}" for package in _PACKAGES}
 
 
 def recipe_reference(spec: Any) -> str:
