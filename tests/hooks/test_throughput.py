@@ -147,6 +147,9 @@ def test_flops_of_a_padded_batch_through_a_transformers_llama(recwarn):
     full = measure_flops_per_token(lambda: LlamaForCausalLM(config), {"input_ids": ids, "labels": ids},
                                    loss_fn=causal_lm_loss)  # fmt: skip
     assert padded == full * 30 / 24  # the same work over fewer valid tokens (15 + 9 of labels[..., 1:])
+    model = LlamaForCausalLM(config)
+    matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert 1.0 < full / (6 * matmul_weights) < 1.5  # sane: ~6 FLOPs per weight and token, plus attention
     assert not [w for w in recwarn if "FLOPs" in str(w.message)]
 
 
