@@ -374,7 +374,8 @@ def _hf_conversion(checkpoint: str, out: str, options: Any) -> Any:
         recipe = load_recipe(name)
     except RecipeNotFound as error:
         flag = "--recipe" if options.recipe else "the checkpoint's recipe"
-        raise CommandError(f"{flag} {name!r}: {error} (--recipe none exports the model's own names)") from None
+        hint = "--recipe none exports the model's own names"
+        raise CommandError(f"{flag} {name!r}: {error} ({hint})") from None
     if recipe.spec.hf_conversion is None:
         return None
     config = config_from_dict(recipe.config_cls, meta.get("config") or {})

@@ -14,9 +14,9 @@ import pytest
 from fntrain.run.config_file import (
     ConfigFileError,
     _toml_module,
+    class_defaults,
     config_from_dict,
     config_to_dict,
-    class_defaults,
     dump_toml,
     load_config,
     parse_config_cli,

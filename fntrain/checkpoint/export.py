@@ -104,7 +104,8 @@ def export_converted(
     out.mkdir(parents=True, exist_ok=True)
     weights = out / "model.safetensors"
     tmp = weights.with_name(f".{weights.name}.tmp-{os.getpid()}")
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    contiguous = {name: tensor.contiguous() for name, tensor in tensors.items()}
+    save_file(contiguous, str(tmp), metadata={"format": "pt"})
     set_usual_mode(tmp)
     os.replace(tmp, weights)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

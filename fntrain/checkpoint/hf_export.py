@@ -18,7 +18,8 @@ one output file's tensors are ever in memory. Beside them:
   `hf_conversion` (tiny_gpt: a GPT-2; `fntrain export` finds the recipe the checkpoint's meta.json
   records, or `--recipe`) is written as that conversion says: the same config.json and tensors the run's
   own export writes, loadable by `from_pretrained` (the whole model is read at once then, as a
-  conversion may fuse tensors). For any other model (or `--recipe none`) a config.json of fntrain's own: `{"model_type": "fntrain", "fntrain_model": <the run config's "model"
+  conversion may fuse tensors). For any other model (or `--recipe none`) a config.json of fntrain's
+  own: `{"model_type": "fntrain", "fntrain_model": <the run config's "model"
   section>, "dtype": ..., "num_parameters": ...}` -- the recipe's own architecture, not a transformers
   one (rebuild tiny_gpt with `TinyGPT(ModelConfig(**config["fntrain_model"]))` and load the weights with
   `load_state_dict`; every state-dict key is written, tied weights as separate copies).
@@ -142,7 +143,10 @@ def parse_size(text: str | int, field: str = "export.max_shard_size") -> int:
 
 
 def export_checkpoint(
-    source: str | os.PathLike, out: str | os.PathLike, options: ExportOptions, convert: Conversion | None = None
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    options: ExportOptions,
+    convert: Conversion | None = None,
 ) -> Path:
     """Convert `source` to `out` as `options.format` says (`convert`: as for `export_hf`); return the
     written directory."""
@@ -363,9 +367,9 @@ def _write_weight_files(
     return len(files), len(weight_map), num_parameters, weights_dtype
 
 
-def _checkpoint_loader(path: Path, entries: Mapping[str, Any], keys: list[str], dtype: torch.dtype | None) -> tuple[
-    list[tuple[str, int]], Any
-]:  # fmt: skip
+def _checkpoint_loader(
+    path: Path, entries: Mapping[str, Any], keys: list[str], dtype: torch.dtype | None
+) -> tuple[list[tuple[str, int]], Any]:
     """(sizes, load) of `_write_weight_files` for the checkpoint's model tensors `keys`, read from DCP
     file by file, under their model names."""
     sizes = [(key[len(MODEL_PREFIX) :], _tensor_nbytes(entries[key], dtype)) for key in keys]
@@ -450,10 +454,11 @@ def export_hf(
         source = _hf_source(meta.get("config") or {}, model_dir)
         tied = _tied_in_checkpoint(source, entries)
         config = None
-        sizes, load = _checkpoint_loader(path, entries, [k for k in entries if k[len(MODEL_PREFIX) :] not in tied],
-                                         dtype)  # fmt: skip
+        kept = [key for key in entries if key[len(MODEL_PREFIX) :] not in tied]
+        sizes, load = _checkpoint_loader(path, entries, kept, dtype)
     with _staged_out(out, overwrite) as staging:
-        files, tensors, num_parameters, weights_dtype = _write_weight_files(staging, sizes, load, max_shard_size)
+        written = _write_weight_files(staging, sizes, load, max_shard_size)
+        files, tensors, num_parameters, weights_dtype = written
         if config is not None:
             _write_converted_config(staging, config, weights_dtype)
         else:
@@ -463,7 +468,9 @@ def export_hf(
     return out
 
 
-def export_source(checkpoint: str | os.PathLike, out: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
+def export_source(
+    checkpoint: str | os.PathLike, out: str | os.PathLike | None = None, overwrite: bool = False
+) -> Path:
     """The verified checkpoint directory `checkpoint` names (a step_<N>/, or a root: its newest intact
     one); a `FileNotFoundError` naming it as given when there is none (a run directory says which). An
     occupied `out` (unless `overwrite`) fails first, before the checkpoint is read."""
@@ -580,8 +587,9 @@ def import_hf(
     provenance = _read_provenance(hf_dir)
     if provenance.get("converted"):
         raise ValueError(
-            f"{str(hf_dir)!r} holds a model converted by its recipe ({provenance.get('recipe')}); --format dcp "
-            "reads an export under the model's own names: fntrain export CKPT --format hf OUT --recipe none"
+            f"{str(hf_dir)!r} holds a model converted by its recipe ({provenance.get('recipe')}); "
+            "--format dcp reads an export under the model's own names: "
+            "fntrain export CKPT --format hf OUT --recipe none"
         )
     tensors: dict[str, torch.Tensor] = {}
     for file in files:

@@ -428,7 +428,9 @@ def make_sft_collate(
     require_int("pad_multiple", pad_multiple, min=1)
 
     def padded_length(longest: int) -> int:
-        return max_length if pad_to == "max_length" else min(-(-longest // pad_multiple) * pad_multiple, max_length)
+        if pad_to == "max_length":
+            return max_length
+        return min(-(-longest // pad_multiple) * pad_multiple, max_length)
 
     def collate(samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         if samples and "document_ids" in samples[0]:

@@ -500,7 +500,7 @@ def check_shard_vocab(field: str, directory: str, vocab_size: int | None) -> Non
         shards.close()
     if bound > vocab_size:
         raise ConfigError(
-            f"{field} {directory!r} holds token ids up to {bound - 1} (tokenizer {index.tokenizer!r}) but the "
-            f"model's vocabulary has {vocab_size}: tokenize with the model's tokenizer "
+            f"{field} {directory!r} holds token ids up to {bound - 1} (tokenizer {index.tokenizer!r}) "
+            f"but the model's vocabulary has {vocab_size}: tokenize with the model's tokenizer "
             "(fntrain tokenize ... --tokenizer MODEL_DIR)"
         )

@@ -211,8 +211,8 @@ def _checkpoint(inputs: HookInputs, wiring: Wiring) -> Hook | None:
     if not (config.enabled or config.save_on_interrupt):
         return None
     return checkpoint_hook(config, inputs.components, inputs.runtime,
-                           directory=checkpoint_root(config, inputs.run_dir),
-                           hooks=lambda: wiring.hooks, run_config=inputs.run_config, recipe=inputs.recipe)  # fmt: skip
+                           directory=checkpoint_root(config, inputs.run_dir), hooks=lambda: wiring.hooks,
+                           run_config=inputs.run_config, recipe=inputs.recipe)  # fmt: skip
 
 
 def _watchdog(inputs: HookInputs, wiring: Wiring) -> Hook | None:

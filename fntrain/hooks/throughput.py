@@ -214,9 +214,10 @@ def measure_flops_per_token(
     if tokens <= 0:
         raise ValueError(f"the example batch must hold at least one token, got {tokens}")
     meta_model = _meta_copy(model)
-    mask = example_batch.get("attention_mask")
-    shapes_only = {key: value for key, value in example_batch.items()
-                   if not (key == "attention_mask" and isinstance(mask, torch.Tensor) and mask.dim() == 2)}  # fmt: skip
+    shapes_only = dict(example_batch)
+    mask = shapes_only.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        del shapes_only["attention_mask"]
     meta_batch = optree.tree_map(
         lambda leaf: leaf.to("meta") if isinstance(leaf, torch.Tensor) else leaf, shapes_only
     )

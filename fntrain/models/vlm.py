@@ -258,8 +258,8 @@ def load_vlm(
 
     with quiet_progress_bars():
         model = AutoModelForImageTextToText.from_pretrained(
-            str(directory), local_files_only=True, use_safetensors=True, attn_implementation=attn_implementation,
-            **dtype_kwargs("auto" if dtype == "auto" else DTYPES[dtype]),
+            str(directory), local_files_only=True, use_safetensors=True,
+            attn_implementation=attn_implementation, **dtype_kwargs("auto" if dtype == "auto" else DTYPES[dtype]),
         )  # fmt: skip
     return parallelize(model.to(runtime.device), runtime, parallel)
 

@@ -3,8 +3,9 @@
 Writes `loss.png` (training loss, faint per log and as a moving average, and, when present, validation
 loss with its best value, against the step) and `throughput.png` (one panel each for tokens/s, MFU or
 else TFLOP/s per device when known, and step time, each with its median) into the run directory (or
-`--out`); legends sit beside the panels, never over the data. Needs matplotlib (the `plot` extra: pip install 'fntrain[plot]'); without it a
-clear error says so. A step logged twice (a run resumed from an earlier checkpoint) keeps its last value.
+`--out`); legends sit beside the panels, never over the data. Needs matplotlib (the `plot` extra:
+pip install 'fntrain[plot]'); without it a clear error says so. A step logged twice (a run resumed
+from an earlier checkpoint) keeps its last value.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def _outside_legend(axes: Any) -> None:
 def _noisy_line(axes: Any, steps: list[int], values: list[float], label: str, color: str) -> None:
     """The raw values faint, their moving average bold (the raw line alone when there are few)."""
     if len(values) < 10:
-        axes.plot(steps, values, label=label, color=color, linewidth=1.4, marker="." if len(values) < 3 else None)
+        marker = "." if len(values) < 3 else None  # a point or two would not show as a line
+        axes.plot(steps, values, label=label, color=color, linewidth=1.4, marker=marker)
         return
     axes.plot(steps, values, color=color, linewidth=0.8, alpha=0.35, label=f"{label} (each log)")
     axes.plot(steps, smoothed(values), color=color, linewidth=1.8, label=f"{label} (moving average)")
@@ -152,7 +154,8 @@ def _throughput_plot(records: Sequence[dict[str, Any]], path: Path, run_name: st
     for axes, (label, steps, values, color) in zip(axes_list, panels, strict=True):
         _noisy_line(axes, steps, values, label.split(" (")[0], color)
         median = sorted(values)[len(values) // 2]
-        axes.axhline(median, color="gray", linestyle="--", linewidth=1.0, label=f"median {short_number(median)}")
+        label_text = f"median {short_number(median)}"
+        axes.axhline(median, color="gray", linestyle="--", linewidth=1.0, label=label_text)
         axes.set_ylabel(label)
         axes.set_ylim(bottom=0)
         axes.grid(alpha=0.3)

@@ -21,7 +21,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["BUILT_IN", "ENTRY_POINT_GROUP", "is_built_in", "Recipe", "RecipeNotFound", "available_recipes", "load_recipe", "recipe_reference"]
+__all__ = [
+    "BUILT_IN", "ENTRY_POINT_GROUP", "Recipe", "RecipeNotFound", "available_recipes", "is_built_in", "load_recipe",
+    "recipe_reference",
+]  # fmt: skip
 
 ENTRY_POINT_GROUP = "fntrain.recipes"
 _PACKAGES = ("fntrain_recipes", "recipes")  # installed name first; the checkout's `recipes/` second

@@ -151,7 +151,6 @@ def tiny_llama(tmp_path_factory):
 
 
 def _config(model_dir: Path, data_path: Path, run_dir: Path, *, iters: int = 3, **lora):
-    from fntrain.data.sft import SFTDataConfig
     from fntrain.hooks.checkpoint import CheckpointConfig
     from fntrain.hooks.progress import ProgressConfig
     from fntrain.models.hf import HFModelConfig
