@@ -63,6 +63,8 @@ class DataConfig(SFTDataConfig):
 
     def validate(self, prefix: str = "data") -> None:
         require_str(f"{prefix}.shards", self.shards, optional=True, non_empty=True)
+        if self.shards is None and not self.path:
+            raise ValueError(f"{prefix}.path is required: a JSONL file of training examples (or {prefix}.shards)")
         if self.shards is None:
             return super().validate(prefix)
         for name, value in (("path", self.path), ("val_path", self.val_path), ("packing", self.packing)):
