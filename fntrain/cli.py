@@ -11,9 +11,9 @@
     fntrain export CKPT --format hf|dcp OUT [options]   a DCP checkpoint -> a Hugging Face directory, or back
     fntrain recipes                                     the recipes that can be named
 
-RECIPE is a name registered in the `fntrain.recipes` entry-point group (the built-ins: tiny_gpt,
-hf_causal_lm), a recipe of a source checkout's `recipes/`, a dotted module path, or a .py file (such as
-one `fntrain cp` wrote; `python DEST.py` runs it too). Every bad setting is one line naming the flag,
+RECIPE is a name registered in the `fntrain.recipes` entry-point group (the built-ins and any other
+project's, listed below and by `fntrain recipes`), a recipe of a source checkout's `recipes/`, a dotted
+module path, or a .py file (such as one `fntrain cp` wrote; `python DEST.py` runs it too). Every bad setting is one line naming the flag,
 exit status 2, before any file, model or device work. The options after it
 are the recipe's own, parsed by tyro from its config dataclass (`fntrain run tiny_gpt --help` lists
 them); `--config FILE` (TOML, YAML or JSON) seeds their defaults and flags override the file.
@@ -29,8 +29,15 @@ from typing import Annotated, Any, Literal
 
 from fntrain.config import ConfigError, as_flags
 from fntrain.hooks.signals import INTERRUPT_EXIT_CODE
-from fntrain.run.config_file import CONFIG_HELP, config_to_dict, dump_toml, load_config, split_config_args
-from fntrain.run.recipes import Recipe, RecipeNotFound, available_recipes, load_recipe
+from fntrain.run.config_file import (
+    CONFIG_HELP,
+    class_defaults,
+    config_to_dict,
+    dump_toml,
+    load_config,
+    split_config_args,
+)
+from fntrain.run.recipes import Recipe, RecipeNotFound, available_recipes, is_built_in, load_recipe
 
 __all__ = ["main", "dispatch", "resolve_config", "plan_report", "run_recipe", "recipe_main"]
 
@@ -51,9 +58,14 @@ def _usage() -> str:
 
 
 def _full_help() -> str:
-    recipes = available_recipes()
-    listed = "\n".join(f"  {name:<16} {module}" for name, module in recipes.items()) or "  (none found)"
+    listed = "\n".join(_recipe_lines()) or "  (none found)"
     return f"usage:\n{_usage()}\n\n{__doc__.split(chr(10) * 2, 2)[2].strip()}\n\nrecipes:\n{listed}\n"
+
+
+def _recipe_lines() -> list[str]:
+    """One line per recipe that can be named, from the registry: name, module, and whether it is built in."""
+    return [f"  {name:<16} {module}{'  (built-in)' if is_built_in(name, module) else ''}"
+            for name, module in available_recipes().items()]  # fmt: skip
 
 
 def _split_recipe(command: str, args: list[str]) -> tuple[str, list[str]]:
@@ -251,7 +263,10 @@ def _config(args: list[str]) -> str:
     )
     parsed = tyro.cli(command_cls, args=rest, prog=f"fntrain config {name}", description=_describe(recipe))
     data = config_to_dict(parsed.recipe_config)
-    text = dump_toml(data) if parsed.format == "toml" else json.dumps(data, indent=2, sort_keys=True) + "\n"
+    if parsed.format == "toml":
+        text = dump_toml(data, class_defaults(parsed.recipe_config))
+    else:
+        text = json.dumps(data, indent=2, sort_keys=True) + "\n"
     sys.stdout.write(text)
     return text
 
@@ -333,18 +348,44 @@ def _export(args: list[str]) -> Any:
     summary = "\n\n".join((hf_export.__doc__ or "").split("\n\n")[:2])
     parsed = tyro.cli(command_cls, args=args, prog="fntrain export", description=summary)
     try:
-        path = hf_export.export_checkpoint(parsed.checkpoint, parsed.out, parsed.options)
+        convert = _hf_conversion(parsed.checkpoint, parsed.out, parsed.options)
+        path = hf_export.export_checkpoint(parsed.checkpoint, parsed.out, parsed.options, convert)
     except (ValueError, OSError, KeyError) as error:  # a bad source, an occupied output: no traceback
         raise CommandError(str(error)) from error
     print(path)
     return path
 
 
+def _hf_conversion(checkpoint: str, out: str, options: Any) -> Any:
+    """The conversion of `--format hf` for `checkpoint`: the `hf_conversion` of `options.recipe`, else of
+    the recipe its meta.json records, bound to the run config it saved; None for a recipe without one,
+    an old checkpoint that records none, `--recipe none`, or another format."""
+    from fntrain.checkpoint import hf_export
+    from fntrain.checkpoint.restorer import read_meta
+    from fntrain.run.config_file import config_from_dict
+
+    if options.format != "hf" or options.recipe == "none":
+        return None
+    meta = read_meta(hf_export.export_source(checkpoint, out, options.overwrite))
+    name = options.recipe or meta.get("recipe")
+    if not name:
+        return None
+    try:
+        recipe = load_recipe(name)
+    except RecipeNotFound as error:
+        flag = "--recipe" if options.recipe else "the checkpoint's recipe"
+        hint = "--recipe none exports the model's own names"
+        raise CommandError(f"{flag} {name!r}: {error} ({hint})") from None
+    if recipe.spec.hf_conversion is None:
+        return None
+    config = config_from_dict(recipe.config_cls, meta.get("config") or {})
+    return lambda state: recipe.spec.hf_conversion(config, state)
+
+
 def _recipes(args: list[str]) -> dict[str, str]:
-    recipes = available_recipes()
-    for name, module in recipes.items():
-        print(f"{name:<16} {module}")
-    return recipes
+    for line in _recipe_lines():
+        print(line.strip())
+    return available_recipes()
 
 
 _DISPATCH = {

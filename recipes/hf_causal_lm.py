@@ -11,9 +11,13 @@ model, its config and the tokenizer are saved to `--output-dir` in the same layo
 
 Data (one JSON object per line): {"text": ...} trains on every token; {"prompt": ..., "completion": ...}
 and {"messages": [{"role": ..., "content": ...}, ...]} (the tokenizer's chat template, or
-`--assets.chat-template`) train on the completion / the assistant turns only. Examples are padded one
-per sample to `--data.max-length`, or packed into windows with `--data.packing` (each example attends
-only to itself).
+`--assets.chat-template`) train on the completion / the assistant turns only. Examples are one per
+sample, each micro-batch padded to its longest rounded up to a multiple of 8 (`--data.pad-to
+max_length`: every one to `--data.max-length`, static shapes), or packed into windows with
+`--data.packing` (each example attends only to itself). Continued pretraining: `--data.shards DIR`
+(token shards `fntrain tokenize --tokenizer MODEL_DIR` wrote) instead of `--data.path`, windows of
+`--data.max-length` tokens, every token trained on. A validation split (`--data.val-fraction`,
+`--data.val-path`) is evaluated at the end and every tenth of the run unless `--evaluate.*` says when.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fntrain.config import require_float, require_int, require_str
 from fntrain.data.sft import SFTDataConfig, build_sft_datasets, make_sft_collate
+from fntrain.data.shards import TokenWindows, check_shard_vocab, require_shards, split_windows
+from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.models.hf import (
     AssetsConfig,
     HFModelConfig,
@@ -32,6 +39,7 @@ from fntrain.models.hf import (
     check_vocab,
     load_assets,
     load_causal_lm,
+    model_vocab_size,
     save_hf_model,
 )
 from fntrain.models.hf_tp import hf_tensor_parallel
@@ -47,6 +55,31 @@ from fntrain.run.config import ExportingJobConfig, RecipeSpec, TrainConfig, requ
 
 
 @dataclass(frozen=True)
+class DataConfig(SFTDataConfig):
+    """JSONL examples (data.path), or token shards for continued pretraining (data.shards)."""
+
+    shards: str | None = None
+    """Token-shard directory `fntrain tokenize` wrote with the model's tokenizer, instead of data.path: windows of max_length tokens, every token trained on (val_fraction: the held-out tail)."""
+
+    def validate(self, prefix: str = "data") -> None:
+        require_str(f"{prefix}.shards", self.shards, optional=True, non_empty=True)
+        if self.shards is None and not self.path:
+            raise ValueError(f"{prefix}.path is required: a JSONL file of training examples (or {prefix}.shards)")
+        if self.shards is None:
+            return super().validate(prefix)
+        for name, value in (("path", self.path), ("val_path", self.val_path), ("packing", self.packing)):
+            if value:
+                raise ValueError(f"{prefix}.{name} does not apply to {prefix}.shards: unset one of them")
+        require_int(f"{prefix}.max_length", self.max_length, min=2)
+        require_float(f"{prefix}.val_fraction", self.val_fraction, min=0.0, max=0.5)
+        require_shards(f"{prefix}.shards", self.shards)
+
+    @property
+    def has_validation(self) -> bool:
+        return bool(self.val_path or self.val_fraction > 0)
+
+
+@dataclass(frozen=True)
 class Config(ExportingJobConfig):
     """Fine-tune a local Hugging Face causal LM and save it in save_pretrained layout."""
 
@@ -59,7 +92,9 @@ class Config(ExportingJobConfig):
     schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(warmup_iters=0, min_lr_ratio=0.1))
     model: HFModelConfig = field(default_factory=HFModelConfig)
     assets: AssetsConfig = field(default_factory=AssetsConfig)
-    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    evaluate: EvaluateConfig = field(default_factory=lambda: EvaluateConfig(with_validation=True))
+    """Validation loss on the validation split (data.val_fraction, data.val_path): with one and no cadence set, at the end and every tenth of the run."""
+    data: DataConfig = field(default_factory=DataConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters through peft (lora.rank > 0; the `lora` extra): only the adapters train, and output_dir receives the adapter (PEFT layout) or, with lora.merge_on_export, the merged model."""
 
@@ -68,8 +103,7 @@ class Config(ExportingJobConfig):
         check_packed_attention(self.model, self.data.packing)
         check_lora_parallel(self.lora, self.parallel.meta_init, tp_size=self.parallel.tp_size)
         check_tensor_parallel(self.model, self.parallel.tp_size)
-        require_validation(self, bool(self.data.val_path or self.data.val_fraction > 0),
-                           "set data.val_path or data.val_fraction > 0")
+        require_validation(self, self.data.has_validation, "set data.val_path or data.val_fraction > 0")
 
 
 def build_assets(config: Config) -> Any:
@@ -84,9 +118,21 @@ def model_factory(config: Config) -> Any:
 
 def check(config: Config, assets: Any) -> None:
     """Before any weight is loaded: the model directory builds (on the meta device) and names the
-    layers LoRA is to adapt."""
+    layers LoRA is to adapt; token shards hold only ids of the model's vocabulary."""
     targets = config.lora.target_modules if config.lora.enabled else ()
     check_lora_targets(lambda: model_factory(config), targets)
+    if config.data.shards:
+        check_shard_vocab("data.shards", config.data.shards, model_vocab_size(config.model))
+
+
+def build_datasets(config: Config, assets: Any) -> tuple[Any, Any]:
+    """(train, validation or None): the SFT examples, or windows of max_length tokens over the shards
+    (stride max_length - 1: every token after a window's first is a target exactly once)."""
+    if not config.data.shards:
+        return build_sft_datasets(config.data, assets)
+    windows = TokenWindows(config.data.shards, config.data.max_length, stride=config.data.max_length - 1)
+    train, val = split_windows(windows, config.data.val_fraction)
+    return train, (val if len(val) else None)
 
 
 def build_model(config: Config, runtime: Any) -> Any:
@@ -108,9 +154,10 @@ spec = RecipeSpec(
     config=Config,
     build_model=build_model,
     build_assets=build_assets,
-    build_datasets=lambda config, assets: build_sft_datasets(config.data, assets),
+    build_datasets=build_datasets,
     collate=lambda config, assets: make_sft_collate(
-        assets.pad_id, max_length=config.data.max_length, pad_to=config.data.pad_to
+        assets.pad_id, max_length=config.data.max_length, pad_to=config.data.pad_to,
+        pad_multiple=config.data.pad_multiple,
     ),
     model_factory=model_factory,
     check=check,
@@ -119,6 +166,7 @@ spec = RecipeSpec(
     describe=lambda config: {
         "strategy": config.parallel.strategy,
         "packing": config.data.packing,
+        "shards": config.data.shards,
         "max_length": config.data.max_length,
         "lora_rank": config.lora.rank,
         "output_dir": str(config.output_path()),

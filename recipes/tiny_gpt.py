@@ -18,12 +18,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fntrain.checkpoint.export import export_converted
 from fntrain.config import require_float, require_int, require_str
 from fntrain.data.byte_windows import byte_window_counts, byte_windows
 from fntrain.data.corpora import corpus_path
 from fntrain.data.shards import INDEX_NAME, TokenWindows, read_index, split_windows
 from fntrain.hooks.evaluate import EvaluateConfig
-from fntrain.models.gpt2 import export_gpt2
+from fntrain.models.gpt2 import gpt2_conversion
 from fntrain.optim import OptimizerConfig, ScheduleConfig
 from fntrain.run.config import JobConfig, RecipeSpec, TrainConfig
 from fntrain.runtime import PipelineSplit, build_seeded_model, pipeline_group, tensor_parallel_plan
@@ -221,6 +222,22 @@ def build_model(config: Config, runtime: Any) -> nn.Module:
                               post_init=TinyGPT._init, tensor_parallel=TENSOR_PARALLEL, pipeline=PIPELINE)  # fmt: skip
 
 
+def hf_conversion(config: Config, state: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tiny GPT as a transformers GPT-2 (config.json's dict, tensors), for the run's hf_model and
+    `fntrain export --format hf` alike: the vocabulary is the trained embedding's, EOS the shards'."""
+    shape = replace(config.model, vocab_size=state["tok.weight"].shape[0])
+    return gpt2_conversion(state, shape, eos_id=_shards_eos(config))
+
+
+def _shards_eos(config: Config) -> int | None:
+    if not config.data.shards:
+        return None
+    try:
+        return read_index(config.data.shards).eos_id
+    except (OSError, ValueError):  # the shards moved since the run: the model exports without an EOS id
+        return None
+
+
 spec = RecipeSpec(
     config=Config,
     build_model=build_model,
@@ -229,9 +246,9 @@ spec = RecipeSpec(
     dataset_sizes=dataset_sizes,
     tensor_parallel=TENSOR_PARALLEL,
     pipeline=PIPELINE,
-    export=lambda config, built, state: export_gpt2(  # <run_dir>/hf_model: a transformers GPT-2
-        built.components.model, built.run_dir / "hf_model", model_config(config),
-        eos_id=read_index(config.data.shards).eos_id if config.data.shards else None,
+    hf_conversion=hf_conversion,
+    export=lambda config, built, state: export_converted(  # <run_dir>/hf_model: a transformers GPT-2
+        built.components.model, built.run_dir / "hf_model", lambda full: hf_conversion(config, full),
         pipeline_group=pipeline_group(built.runtime),
     ),  # fmt: skip
 )

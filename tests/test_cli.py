@@ -318,6 +318,12 @@ def test_help_lists_commands_and_recipes(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "fntrain plan RECIPE" in out and "tiny_gpt" in out and "hf_causal_lm" in out
+    # [issue 27] the recipes named are the registry's, all of them, and the prose names no subset
+    prose, listing = out.split("\nrecipes:\n")
+    assert "the built-ins:" not in prose
+    listed = [line.split()[0] for line in listing.strip().splitlines()]
+    assert listed == sorted(available_recipes()) and {"tiny_gpt", "hf_causal_lm", "vlm"} <= set(listed)
+    assert all("(built-in)" in line for line in listing.splitlines() if line.split()[:1] == ["vlm"])
     with pytest.raises(SystemExit) as exit_info:
         dispatch(["run", "tiny_gpt", "--help"])
     assert exit_info.value.code == 0

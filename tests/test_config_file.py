@@ -14,6 +14,7 @@ import pytest
 from fntrain.run.config_file import (
     ConfigFileError,
     _toml_module,
+    class_defaults,
     config_from_dict,
     config_to_dict,
     dump_toml,
@@ -215,6 +216,29 @@ def test_dump_toml_is_valid_toml():
     data = config_to_dict(Outer())
     assert tomllib.loads(dump_toml(data))["inner"]["betas"] == [0.9, 0.95]
     assert tomllib.loads(dump_toml({"a": {"b": {"c": 1}}, "x": float("inf")}))["a"]["b"]["c"] == 1
+
+
+def test_toml_comments_out_nones_that_are_defaults_and_reads_back_the_same(tmp_path):
+    """[issue 27] `fntrain config` wrote every None as the string "None": a None that is the default is
+    now a commented line (an absent key keeps it), and only a None over another default stays "None"."""
+    tomllib = _toml_module()
+    config = Outer(inner=Inner(steps=None))  # steps' default is 10: the string; path's is None: commented
+    text = dump_toml(config_to_dict(config), class_defaults(config))
+    assert "# path = None" in text and 'steps = "None"' in text and 'path = "None"' not in text
+    assert text.startswith("# TOML has no null")
+    assert "path" not in tomllib.loads(text)["inner"]
+    assert load_config(Outer, write(tmp_path, "c.toml", text)) == config
+    assert dump_toml({"a": 1}, {"a": 1}) == "a = 1\n"  # nothing None: no note
+
+
+def test_fntrain_config_toml_reads_back_and_spells_no_default_none(tmp_path, capsys):
+    from fntrain.cli import dispatch
+    from recipes import hf_causal_lm
+
+    text = dispatch(["config", "recipes.hf_causal_lm"])
+    assert '= "None"' not in text and "# output_dir = None" in text
+    path = write(tmp_path, "c.toml", text)
+    assert load_config(hf_causal_lm.Config, path) == hf_causal_lm.Config()
 
 
 def test_tiny_gpt_resolved_config_round_trip(tmp_path):

@@ -102,6 +102,9 @@ def valid(tmp_path_factory) -> dict[type, Any]:
     (model / "model.safetensors").write_bytes(b"")
     instances = {cls: cls() for cls in CONFIGS}
     instances[SFTDataConfig] = SFTDataConfig(path=str(data))
+    from recipes import hf_causal_lm
+
+    instances[hf_causal_lm.DataConfig] = hf_causal_lm.DataConfig(path=str(data))
     instances[HFModelConfig] = HFModelConfig(path=str(model))
     return instances
 

@@ -37,14 +37,14 @@ def test_config_validation_names_fields_and_checks_paths(tiny_files):
     model_dir, data_path = tiny_files
     with pytest.raises(ValueError, match="model.path is required"):
         hf.Config().validate()
-    base = hf.Config(model=HFModelConfig(path=str(model_dir)), data=SFTDataConfig(path=str(data_path)))
+    base = hf.Config(model=HFModelConfig(path=str(model_dir)), data=hf.DataConfig(path=str(data_path)))
     base.validate()
     with pytest.raises(ValueError, match="data.max_length must be >= 2"):
         dataclasses.replace(base, data=dataclasses.replace(base.data, max_length=1)).validate()
     with pytest.raises(TypeError, match="data.packing must be a bool"):
         dataclasses.replace(base, data=dataclasses.replace(base.data, packing=1)).validate()
     with pytest.raises(ValueError, match="data.path"):  # a ConfigError: one line, exit status 2
-        dataclasses.replace(base, data=SFTDataConfig(path=str(data_path) + ".missing")).validate()
+        dataclasses.replace(base, data=hf.DataConfig(path=str(data_path) + ".missing")).validate()
     with pytest.raises(ValueError, match="evaluate needs validation data"):
         dataclasses.replace(base, evaluate=EvaluateConfig(eval_every=5)).validate()
     assert base.output_path() == Path("runs/hf_causal_lm/hf_model")
@@ -69,6 +69,25 @@ def test_bad_settings_are_one_line_naming_the_flag(tiny_files, capsys):
             dispatch(["run", "hf_causal_lm", *args])
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_shards_flags_are_checked_before_any_model_work(tiny_files, tmp_path, capsys):
+    """[issue 27] continued pretraining's --data.shards: one line each, exit status 2, nothing created."""
+    model_dir, data_path = tiny_files
+    (tmp_path / "unfinished").mkdir()
+    for args, words in (
+        (["--data.shards", str(tmp_path / "nowhere")], f"--data.shards {str(tmp_path / 'nowhere')!r} does not exist"),
+        (["--data.shards", str(tmp_path / "unfinished")], "holds no index.json"),
+        (["--data.shards", str(tmp_path / "unfinished"), "--data.path", str(data_path)],
+         "--data.path does not apply to --data.shards"),
+        (["--data.shards", str(tmp_path / "unfinished"), "--data.packing"], "--data.packing does not apply"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            dispatch(["run", "recipes.hf_causal_lm", "--model.path", str(model_dir),  # this checkout's
+                      "--run-dir", str(tmp_path / "run"), *args])  # fmt: skip
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.fixture
@@ -111,7 +130,7 @@ def _config(model_dir: Path, data_path: Path, run_dir: Path, **data) -> hf.Confi
         run_dir=str(run_dir),
         log_every=1,
         model=HFModelConfig(path=str(model_dir)),
-        data=SFTDataConfig(path=str(data_path), max_length=48, **data),
+        data=hf.DataConfig(path=str(data_path), max_length=48, **data),
         train=TrainConfig(train_iters=3, global_batch_size=4, micro_batch_size=2),
         optim=OptimizerConfig(lr=1e-2, weight_decay=0.0),
         progress=ProgressConfig(enabled=False),
@@ -323,7 +342,7 @@ def test_lora_flags_are_checked_before_any_model_work(tiny_files, capsys):
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
     config = dataclasses.replace(
-        hf.Config(model=HFModelConfig(path=str(model_dir)), data=SFTDataConfig(path=str(data_path))),
+        hf.Config(model=HFModelConfig(path=str(model_dir)), data=hf.DataConfig(path=str(data_path))),
         lora=LoraConfig(rank=8, target_modules=("q_proj", "v_proj"), merge_on_export=True),
     )
     config.validate()
@@ -361,3 +380,54 @@ def test_two_rank_fsdp2_lora_saves_a_loadable_adapter(tiny_hf_model, tmp_path, m
     base = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
     PeftModel.from_pretrained(base, out, local_files_only=True)
     AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_continued_pretraining_on_token_shards_and_a_padded_run_evaluate_and_count_flops(
+    tiny_hf_model, tmp_path, caplog
+):
+    """[issue 27] --data.shards: shards `fntrain tokenize` wrote with the model's tokenizer train in
+    max_length windows, every token a target; a validation split alone turns evaluation on; FLOPs per
+    token are measured on the padded chat data with no warning; a tokenizer larger than the model is
+    refused in one line."""
+    import logging
+
+    from fntrain.data.tokenize import tokenize_files
+
+    model_dir, data_path = tiny_hf_model
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_text()[:8_000])
+    index = tokenize_files([corpus], tmp_path / "shards", str(model_dir))
+    base = _config(model_dir, data_path, tmp_path / "run")
+    config = dataclasses.replace(base, data=hf.DataConfig(shards=str(tmp_path / "shards"), max_length=32,
+                                                          val_fraction=0.1))  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        run_job(config, hf.spec)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert train[-1]["consumed_tokens"] == 3 * 4 * 31  # every token after a window's first
+    assert [r["step"] for r in records if "val_loss" in r] == [1, 2, 3]  # 3 steps: every step and the end
+    assert "evaluating on" in caplog.text and "every 1 steps and at the end" in caplog.text
+    windows = len(hf.build_datasets(config, None)[0]) + len(hf.build_datasets(config, None)[1])
+    assert windows == (index.total_tokens - 32) // 31 + 1
+
+    caplog.clear()  # padded chat data: FLOPs measured, batches padded to multiples of 8 only
+    padded = dataclasses.replace(base, run_dir=str(tmp_path / "padded"),
+                                 data=dataclasses.replace(base.data, val_fraction=0.25, max_length=128))  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        run_job(padded, hf.spec)
+    assert "measuring FLOPs per token failed" not in caplog.text and "FLOPs per token" in caplog.text
+    last = [json.loads(line) for line in (tmp_path / "padded" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert "val_loss" in last
+    collate = hf.spec.collate(padded, hf.build_assets(padded))
+    sample, _ = hf.build_datasets(padded, hf.build_assets(padded))
+    shape = collate([sample[0], sample[1]])["input_ids"].shape
+    assert shape[1] % 8 == 0 and shape[1] < 128
+
+    small = json.loads((model_dir / "config.json").read_text())
+    small_dir = tmp_path / "small_vocab"
+    shutil.copytree(model_dir, small_dir)
+    (small_dir / "config.json").write_text(json.dumps({**small, "vocab_size": 100}))
+    with pytest.raises(Exception, match="data.shards .* token ids up to"):
+        hf.check(dataclasses.replace(config, model=HFModelConfig(path=str(small_dir))), None)

@@ -146,3 +146,56 @@ def test_missing_matplotlib_makes_no_out_dir(tmp_path, monkeypatch):
     with pytest.raises(ImportError):
         plot_run(tmp_path / "run", out_dir=tmp_path / "plots")
     assert not (tmp_path / "plots").exists()
+
+
+def _drawn_figures(monkeypatch) -> list:
+    """The figures plot_run draws, kept for inspection."""
+    from fntrain.run import plot as plot_module
+
+    figures = []
+    make = plot_module._figure
+
+    def keep(*args, **kwargs):
+        figures.append(make(*args, **kwargs))
+        return figures[-1]
+
+    monkeypatch.setattr(plot_module, "_figure", keep)
+    return figures
+
+
+def _legend_outside(figure, axes) -> bool:
+    renderer = figure.canvas.get_renderer()
+    legend = axes.get_legend().get_window_extent(renderer)
+    return legend.x0 >= axes.get_window_extent(renderer).x1  # right of the data area, not over it
+
+
+def test_throughput_panels_are_separate_and_legends_sit_beside_the_data(tmp_path, monkeypatch):
+    """[issue 27] tokens/s and TFLOP/s are proportional: on twin axes they overlapped exactly, under
+    the legend. One panel each (and step time), each with its median; legends beside the panels."""
+    records = [{"step": s, "loss": 5.0 - s / 40 + 0.1 * (s % 3), "tokens_per_s": 1000.0 + 10 * (s % 7),
+                "tflops": 0.02 + 0.0002 * (s % 7), "step_time_s": 0.5 - 0.005 * (s % 7)} for s in range(2, 82, 2)]
+    records.append({"step": 40, "val_loss": 4.1})
+    records.append({"step": 80, "val_loss": 3.2})
+    write_run(tmp_path / "run", records)
+    figures = _drawn_figures(monkeypatch)
+    assert [p.name for p in plot_run(tmp_path / "run")] == ["loss.png", "throughput.png"]
+    loss, throughput = figures[-2:]  # the first: plot_run making sure matplotlib is there
+    panels = throughput.get_axes()
+    assert [axes.get_ylabel() for axes in panels] == ["tokens/s (all ranks)", "TFLOP/s per device", "step time (s)"]
+    for axes in panels:
+        assert _legend_outside(throughput, axes)
+        labels = [text.get_text() for text in axes.get_legend().get_texts()]
+        assert any(label.startswith("median ") for label in labels) and len(axes.get_lines()) == 3  # raw, average, median
+    assert "median 1.03k" in [t.get_text() for t in panels[0].get_legend().get_texts()]
+    (loss_axes,) = loss.get_axes()
+    assert _legend_outside(loss, loss_axes)
+    labels = [text.get_text() for text in loss_axes.get_legend().get_texts()]
+    assert labels == ["train loss (each log)", "train loss (moving average)", "validation loss (best 3.2, step 80)"]
+
+
+def test_smoothing_and_short_numbers():
+    from fntrain.run.plot import short_number, smoothed
+
+    assert smoothed([1.0, 2.0, 3.0, 10.0], window=3) == [1.5, 2.0, 5.0, 6.5]
+    assert smoothed([4.0, 8.0]) == [4.0, 8.0]  # a window of 1 for a short series
+    assert [short_number(v) for v in (21420.0, 1.25e6, 0.01712, 3.0)] == ["21.4k", "1.25M", "0.0171", "3"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from fntrain.checkpoint import _dist
 
-__all__ = ["export_safetensors", "full_model_state", "set_usual_mode"]
+__all__ = ["export_safetensors", "export_converted", "full_model_state", "set_usual_mode"]
+
+# (config.json's dict, tensors under their new names) of a model's full state dict: a recipe's
+# `hf_conversion` bound to its config.
+Conversion = Callable[[Mapping[str, torch.Tensor]], tuple[dict[str, Any], dict[str, torch.Tensor]]]
 
 
 def full_model_state(model: torch.nn.Module, pipeline_group: Any = None) -> dict[str, torch.Tensor]:
@@ -81,6 +85,31 @@ def export_safetensors(
     set_usual_mode(tmp)
     os.replace(tmp, path)
     return path
+
+
+def export_converted(
+    model: torch.nn.Module, out_dir: str | os.PathLike, convert: Conversion, *, pipeline_group: Any = None
+) -> Path:
+    """Write `model` converted by `convert` to `out_dir`: model.safetensors and config.json (modes 0666
+    less the umask), the files `fntrain export --format hf` writes for the same conversion. A collective
+    under a process group (the full weights are gathered as for `full_model_state`); rank 0 writes.
+    Returns `out_dir`."""
+    from safetensors.torch import save_file
+
+    full = full_model_state(model, pipeline_group)
+    out = Path(out_dir).expanduser()
+    if _dist.rank() != 0:
+        return out
+    config, tensors = convert(full)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = out / "model.safetensors"
+    tmp = weights.with_name(f".{weights.name}.tmp-{os.getpid()}")
+    contiguous = {name: tensor.contiguous() for name, tensor in tensors.items()}
+    save_file(contiguous, str(tmp), metadata={"format": "pt"})
+    set_usual_mode(tmp)
+    os.replace(tmp, weights)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
 
 
 def set_usual_mode(path: str | os.PathLike) -> None:

@@ -14,8 +14,12 @@ one output file's tensors are ever in memory. Beside them:
   directory with a config.json, or `model_dir` is given) that config, with its dtype set to the
   exported weights' dtype; the model directory's generation config and tokenizer files are copied too,
   and weights tied in that architecture are written once, as `save_pretrained` does, so
-  `AutoModelForCausalLM.from_pretrained(out)` loads the result. For any other model (tiny_gpt) a
-  config.json of fntrain's own: `{"model_type": "fntrain", "fntrain_model": <the run config's "model"
+  `AutoModelForCausalLM.from_pretrained(out)` loads the result. A checkpoint of a recipe with an
+  `hf_conversion` (tiny_gpt: a GPT-2; `fntrain export` finds the recipe the checkpoint's meta.json
+  records, or `--recipe`) is written as that conversion says: the same config.json and tensors the run's
+  own export writes, loadable by `from_pretrained` (the whole model is read at once then, as a
+  conversion may fuse tensors). For any other model (or `--recipe none`) a config.json of fntrain's
+  own: `{"model_type": "fntrain", "fntrain_model": <the run config's "model"
   section>, "dtype": ..., "num_parameters": ...}` -- the recipe's own architecture, not a transformers
   one (rebuild tiny_gpt with `TinyGPT(ModelConfig(**config["fntrain_model"]))` and load the weights with
   `load_state_dict`; every state-dict key is written, tied weights as separate copies).
@@ -26,7 +30,8 @@ HF -> DCP reads the safetensors memory-mapped (nothing is copied into memory up 
 complete fntrain checkpoint `<out>/step_<N>/` (DCP data, meta.json, the completion marker) and the
 `latest` pointer; N is `step`, else the exported checkpoint's step, else 0. It holds model weights only:
 restore it with `checkpoint.weights_only` (a full restore warns that optimizer, schedulers and RNG
-start fresh). Tied names the HF directory leaves out (fntrain_export.json, or the transformers
+start fresh); a converted export is refused (its names are the transformers model's, not the recipe's).
+Tied names the HF directory leaves out (fntrain_export.json, or the transformers
 architecture of its config.json) are written under each name, as fntrain's own checkpoints hold them.
 
 Both directions are offline tools for one process (no torchrun); the output must not exist yet (or be
@@ -55,7 +60,7 @@ from typing import Any, Literal
 import torch
 
 from fntrain.checkpoint import _dist
-from fntrain.checkpoint.export import _umask, set_usual_mode
+from fntrain.checkpoint.export import Conversion, _umask, set_usual_mode
 from fntrain.checkpoint.hf_load import set_offline
 from fntrain.checkpoint.layout import step_dir, step_of, write_json_atomic, write_latest, write_marker
 from fntrain.checkpoint.verify import write_manifest
@@ -66,6 +71,7 @@ __all__ = [
     "ExportOptions",
     "export_checkpoint",
     "export_hf",
+    "export_source",
     "import_hf",
     "parse_size",
     "PROVENANCE",
@@ -105,6 +111,8 @@ class ExportOptions:
     """Cast floating-point weights to this dtype (keep: as stored)."""
     model_dir: str | None = None
     """hf: the Hugging Face model directory whose config.json, generation config and tokenizer files go with the weights (None: the run config's model.path, when it is one)."""
+    recipe: str | None = None
+    """hf: the recipe whose conversion to a transformers model applies (tiny_gpt: GPT-2); None: the one the checkpoint records; none: the model's own names and an fntrain config.json."""
     step: int | None = None
     """dcp: the step number of the written checkpoint (None: the exported checkpoint's, else 0)."""
     overwrite: bool = False
@@ -117,6 +125,7 @@ class ExportOptions:
             raise ValueError(f"{prefix}.max_shard_size must be at least 1 byte, got {self.max_shard_size!r}")
         require_choice(f"{prefix}.dtype", self.dtype, tuple(DTYPES))
         require_str(f"{prefix}.model_dir", self.model_dir, optional=True)
+        require_str(f"{prefix}.recipe", self.recipe, optional=True, non_empty=True)
         if self.step is not None:
             require_int(f"{prefix}.step", self.step, min=0)
         require_bool(f"{prefix}.overwrite", self.overwrite)
@@ -133,8 +142,14 @@ def parse_size(text: str | int, field: str = "export.max_shard_size") -> int:
     return int(float(number) * _UNITS[(unit or "B").upper()])
 
 
-def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, options: ExportOptions) -> Path:
-    """Convert `source` to `out` as `options.format` says; return the written directory."""
+def export_checkpoint(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    options: ExportOptions,
+    convert: Conversion | None = None,
+) -> Path:
+    """Convert `source` to `out` as `options.format` says (`convert`: as for `export_hf`); return the
+    written directory."""
     options.validate("export")
     if options.format == "hf":
         return export_hf(
@@ -144,6 +159,7 @@ def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, options
             dtype=DTYPES[options.dtype],
             model_dir=options.model_dir,
             overwrite=options.overwrite,
+            convert=convert,
         )
     return import_hf(source, out, step=options.step, dtype=DTYPES[options.dtype], overwrite=options.overwrite)
 
@@ -316,15 +332,15 @@ def _tied_in_checkpoint(source: Path | None, entries: Mapping[str, Any]) -> dict
 
 
 def _write_weight_files(
-    path: Path, entries: Mapping[str, Any], keys: list[str], out: Path, max_shard_size: int,
-    dtype: torch.dtype | None,
-) -> tuple[int, int, int, str | None]:  # fmt: skip
-    """Write the tensors of `keys` to `out` as one safetensors file, or shards of at most
-    `max_shard_size` bytes plus an index, one file's tensors in memory at a time. Returns (files,
+    out: Path, sizes: list[tuple[str, int]], load: Any, max_shard_size: int
+) -> tuple[int, int, int, str | None]:
+    """Write the tensors named in `sizes` ((name, exported bytes) pairs) to `out` as one safetensors
+    file, or shards of at most `max_shard_size` bytes plus an index; `load(names)` returns one file's
+    tensors (name -> tensor, cast), so one file's tensors are in memory at a time. Returns (files,
     tensors, parameters) counts and the weights' dtype name (None when they mix dtypes)."""
     from safetensors.torch import save_file
 
-    shards = _plan_shards(((key, _tensor_nbytes(entries[key], dtype)) for key in keys), max_shard_size)
+    shards = _plan_shards(sizes, max_shard_size)
     files = (
         [SAFE_WEIGHTS]
         if len(shards) == 1
@@ -334,10 +350,7 @@ def _write_weight_files(
     dtypes: set[torch.dtype] = set()
     num_parameters = 0
     for file, shard in zip(files, shards, strict=True):
-        loaded = _load_model_keys(path, entries, shard)
-        tensors = {
-            key[len(MODEL_PREFIX) :]: _cast(tensor, dtype).contiguous() for key, tensor in loaded.items()
-        }
+        tensors = {name: tensor.contiguous() for name, tensor in load(shard).items()}
         for name, tensor in tensors.items():
             weight_map[name] = file
             num_parameters += tensor.numel()
@@ -345,13 +358,39 @@ def _write_weight_files(
                 dtypes.add(tensor.dtype)
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         set_usual_mode(out / file)  # save_file makes 0600 files; the rest of the export is 0644
-        del loaded, tensors
+        del tensors
     if len(files) > 1:
-        total = sum(_tensor_nbytes(entries[key], dtype) for key in keys)
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        index = {"metadata": {"total_size": sum(size for _, size in sizes)},
+                 "weight_map": dict(sorted(weight_map.items()))}  # fmt: skip
         (out / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     weights_dtype = _dtype_name(dtypes.pop()) if len(dtypes) == 1 else None
     return len(files), len(weight_map), num_parameters, weights_dtype
+
+
+def _checkpoint_loader(
+    path: Path, entries: Mapping[str, Any], keys: list[str], dtype: torch.dtype | None
+) -> tuple[list[tuple[str, int]], Any]:
+    """(sizes, load) of `_write_weight_files` for the checkpoint's model tensors `keys`, read from DCP
+    file by file, under their model names."""
+    sizes = [(key[len(MODEL_PREFIX) :], _tensor_nbytes(entries[key], dtype)) for key in keys]
+
+    def load(names: list[str]) -> dict[str, torch.Tensor]:
+        loaded = _load_model_keys(path, entries, [MODEL_PREFIX + name for name in names])
+        return {key[len(MODEL_PREFIX) :]: _cast(tensor, dtype) for key, tensor in loaded.items()}
+
+    return sizes, load
+
+
+def _converted_loader(
+    path: Path, entries: Mapping[str, Any], convert: Any, dtype: torch.dtype | None
+) -> tuple[dict[str, Any], list[tuple[str, int]], Any]:
+    """(config.json's dict, sizes, load) for a recipe's conversion: the whole model is read at once
+    (a conversion may fuse or split tensors across names)."""
+    loaded = _load_model_keys(path, entries, list(entries))
+    config, tensors = convert({key[len(MODEL_PREFIX) :]: tensor for key, tensor in loaded.items()})
+    tensors = {name: _cast(tensor, dtype) for name, tensor in tensors.items()}
+    sizes = [(name, tensor.numel() * tensor.element_size()) for name, tensor in tensors.items()]
+    return config, sizes, lambda names: {name: tensors[name] for name in names}
 
 
 def _write_config(
@@ -392,15 +431,53 @@ def export_hf(
     dtype: torch.dtype | None = None,
     model_dir: str | None = None,
     overwrite: bool = False,
+    convert: Conversion | None = None,
 ) -> Path:
     """Write the model weights of the fntrain checkpoint `checkpoint` (a step_<N>/ directory, or a
     checkpoint root: its newest intact checkpoint) to the Hugging Face directory `out` (see the module
     docstring). The checkpoint is verified first (a damaged one is a `CheckpointDamagedError` naming the
-    file and the reason), and `out` appears only once complete (written beside it, then renamed)."""
-    from fntrain.checkpoint.restorer import read_meta, resolve_source
+    file and the reason), and `out` appears only once complete (written beside it, then renamed).
+    `convert` (a recipe's `hf_conversion` bound to its config) turns the model's full state dict into
+    a transformers model's config.json and tensors; None: the weights keep their names."""
+    from fntrain.checkpoint.restorer import read_meta
 
     out = Path(out).expanduser()
-    _check_out(out, overwrite)  # an occupied output fails before the checkpoint is read
+    path = export_source(checkpoint, out, overwrite)
+    meta = read_meta(path)
+    entries = _model_tensors(path)
+    if not entries:
+        raise ValueError(f"checkpoint {path} holds no model tensors")
+    if convert is not None:
+        config, sizes, load = _converted_loader(path, entries, convert, dtype)
+        source, tied = None, {}
+    else:
+        source = _hf_source(meta.get("config") or {}, model_dir)
+        tied = _tied_in_checkpoint(source, entries)
+        config = None
+        kept = [key for key in entries if key[len(MODEL_PREFIX) :] not in tied]
+        sizes, load = _checkpoint_loader(path, entries, kept, dtype)
+    with _staged_out(out, overwrite) as staging:
+        written = _write_weight_files(staging, sizes, load, max_shard_size)
+        files, tensors, num_parameters, weights_dtype = written
+        if config is not None:
+            _write_converted_config(staging, config, weights_dtype)
+        else:
+            _write_config(staging, source, meta.get("config") or {}, weights_dtype, num_parameters)
+        _write_provenance(staging, path, meta, tied, converted=convert is not None)
+    log.info("exported %s to %s (%d file(s), %d tensors)", path, out, files, tensors)
+    return out
+
+
+def export_source(
+    checkpoint: str | os.PathLike, out: str | os.PathLike | None = None, overwrite: bool = False
+) -> Path:
+    """The verified checkpoint directory `checkpoint` names (a step_<N>/, or a root: its newest intact
+    one); a `FileNotFoundError` naming it as given when there is none (a run directory says which). An
+    occupied `out` (unless `overwrite`) fails first, before the checkpoint is read."""
+    from fntrain.checkpoint.restorer import resolve_source
+
+    if out is not None:
+        _check_out(Path(out).expanduser(), overwrite)
     _require_source_dir(checkpoint, "checkpoint")
     if (Path(checkpoint).expanduser() / "checkpoints").is_dir():
         raise FileNotFoundError(
@@ -410,43 +487,30 @@ def export_hf(
     path = resolve_source(str(checkpoint))
     if path is None:
         raise FileNotFoundError(f"no checkpoint at {str(checkpoint)!r}")
-    meta = read_meta(path)
-    run_config = meta.get("config") or {}
-    entries = _model_tensors(path)
-    if not entries:
-        raise ValueError(f"checkpoint {path} holds no model tensors")
-    source = _hf_source(run_config, model_dir)
-    tied = _tied_in_checkpoint(source, entries)
-    keys = [key for key in entries if key[len(MODEL_PREFIX) :] not in tied]
-    with _staged_out(out, overwrite) as staging:
-        files, tensors = _write_hf_dir(
-            staging, path, meta, entries, keys, source, tied, max_shard_size, dtype
-        )
-    log.info("exported %s to %s (%d file(s), %d tensors)", path, out, files, tensors)
-    return out
+    return path
 
 
-def _write_hf_dir(
-    out: Path, path: Path, meta: Mapping[str, Any], entries: Mapping[str, Any], keys: list[str],
-    source: Path | None, tied: Mapping[str, str], max_shard_size: int, dtype: torch.dtype | None,
-) -> tuple[int, int]:  # fmt: skip
-    """Weights, config and provenance into `out`; returns the (files, tensors) counts."""
-    run_config = meta.get("config") or {}
-    files, tensors, num_parameters, weights_dtype = _write_weight_files(
-        path, entries, keys, out, max_shard_size, dtype
-    )
-    _write_config(out, source, run_config, weights_dtype, num_parameters)
+def _write_converted_config(out: Path, config: Mapping[str, Any], weights_dtype: str | None) -> None:
+    config = dict(config)
+    if weights_dtype is not None:
+        config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = weights_dtype
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _write_provenance(out: Path, path: Path, meta: Mapping[str, Any], tied: Mapping[str, str], *,
+                      converted: bool) -> None:  # fmt: skip
     provenance = {
         "format": PROVENANCE_FORMAT,
         "source": str(path),
         "step": meta.get("step"),
         "train_state": meta.get("train_state"),
-        "run_config": run_config or None,
+        "run_config": meta.get("config") or None,
+        "recipe": meta.get("recipe"),
+        "converted": converted,
         "tied": tied,
         "exported_at": time.time(),
     }
     (out / PROVENANCE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
-    return files, tensors
 
 
 # ----------------------------------------------------------------------------- HF -> DCP
@@ -521,6 +585,12 @@ def import_hf(
             )
         raise FileNotFoundError(f"{str(hf_dir)!r} holds no *.safetensors files")
     provenance = _read_provenance(hf_dir)
+    if provenance.get("converted"):
+        raise ValueError(
+            f"{str(hf_dir)!r} holds a model converted by its recipe ({provenance.get('recipe')}); "
+            "--format dcp reads an export under the model's own names: "
+            "fntrain export CKPT --format hf OUT --recipe none"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         for name, tensor in _mapped_tensors(file).items():

@@ -136,6 +136,7 @@ def _prepare(
     device: torch.device | str | None,
     process_group: Any,
     temporary: bool = False,
+    recipe: str | None = None,
 ) -> tuple[Path, dict[str, torch.Tensor]]:
     """Make the step directory, write the JSON parts, return (directory, tensors for DCP)."""
     path = step_dir(root, state.global_step)
@@ -178,6 +179,7 @@ def _prepare(
                 "world_size": world,
                 "values": values,
                 "config": dict(config) if config is not None else None,
+                "recipe": recipe,
                 "torch_version": torch.__version__,
                 "num_threads": torch.get_num_threads(),
                 "saved_at": time.time(),
@@ -235,15 +237,18 @@ def save(
     process_group: Any = None,
     thread_count: int = 1,
     temporary: bool = False,
+    recipe: str | None = None,
 ) -> Path:
     """Save `<root>/step_<global_step>/` and return it, complete, on every rank (a collective).
 
     `hooks` (a list, or a callable returning it) contributes the `state_dict()` of each stateful hook;
     `config` is the resolved run config (JSON-able); `keep_last` > 0 deletes older complete checkpoints.
-    `temporary`: deleted once a later checkpoint is complete. Saving before the first optimizer step
+    `temporary`: deleted once a later checkpoint is complete. `recipe` (how `fntrain.run.recipes.load_recipe`
+    finds the recipe that wrote it) goes into meta.json, for `fntrain export`. Saving before the first
+    optimizer step
     initialises the optimizers' state (see `app_state`).
     """
-    path, tensors = _prepare(root, state, components, hooks, config, device, process_group, temporary)
+    path, tensors = _prepare(root, state, components, hooks, config, device, process_group, temporary, recipe)
     with _dist.quiet_single_process():
         dcp.save(
             tensors,
@@ -404,6 +409,7 @@ def save_async(
     thread_count: int = 1,
     stager: Any = None,
     temporary: bool = False,
+    recipe: str | None = None,
 ) -> PendingSave:
     """Like `save`, but returns once the state is staged (copied off the live tensors); DCP writes in a
     background thread. Settle the returned `PendingSave` before the next save.
@@ -412,7 +418,7 @@ def save_async(
     With a process group, pass a dedicated group (e.g. a gloo group from `dist.new_group`) so the
     background collectives never interleave with training collectives (it must include a CPU backend).
     """
-    path, tensors = _prepare(root, state, components, hooks, config, device, process_group, temporary)
+    path, tensors = _prepare(root, state, components, hooks, config, device, process_group, temporary, recipe)
     if not _dist.initialized():
         # The write runs in DCP's thread, outside any `catch_warnings` here; the single-process intent
         # is explicit (no_dist), so its warning about assuming it is noise.

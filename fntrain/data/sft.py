@@ -3,7 +3,8 @@
     data = SFTDataConfig(path="chat.jsonl", max_length=1024, packing=True)
     data.validate()                                   # before any model work: fields and files
     train_set, val_set = build_sft_datasets(data, assets)
-    collate = make_sft_collate(assets.pad_id, max_length=data.max_length, pad_to=data.pad_to)
+    collate = make_sft_collate(assets.pad_id, max_length=data.max_length, pad_to=data.pad_to,
+                               pad_multiple=data.pad_multiple)
 
 Formats (one JSON object per line): {"text": ...} trains on every token; {"prompt": ..., "completion": ...}
 and {"messages": [{"role": ..., "content": ...}, ...]} (rendered with the tokenizer's chat template)
@@ -14,7 +15,9 @@ train on the completion / the assistant turns only: every other token's label is
 `fntrain.models.hf.ModelAssets` is one).
 
 Padding: one example per sample, truncated to `max_length`; the collate right-pads (labels IGNORE_INDEX)
-and adds a 2-D `attention_mask` [batch, seq] (1: real token) only when something was padded.
+each micro-batch to its longest example rounded up to `pad_multiple` (at most `max_length`; `pad_to
+max_length`: every micro-batch to `max_length`, static shapes) and adds a 2-D `attention_mask` [batch,
+seq] (1: real token) only when something was padded.
 
 Packing keeps examples apart, so each one trains exactly as if it were alone (fntrain.data.packing):
 whole examples are bin-packed into `max_length`-token windows (best fit decreasing, deterministic); an
@@ -72,7 +75,7 @@ __all__ = [
 log = logging.getLogger("fntrain.data.sft")
 
 FORMATS = ("auto", "text", "prompt_completion", "chat")
-PAD_TO = ("max_length", "longest")
+PAD_TO = ("longest", "max_length")
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,10 @@ class SFTDataConfig:
     """Tokens per sample: longer examples are truncated (padding) or split across windows (packing)."""
     packing: bool = False
     """Pack whole examples into max_length windows (each example attends only to itself) instead of padding one example per sample."""
-    pad_to: Literal["max_length", "longest"] = "max_length"
-    """Padding: every micro-batch to max_length (static shapes), or to its longest example."""
+    pad_to: Literal["longest", "max_length"] = "longest"
+    """Padding: each micro-batch to its longest example rounded up to pad_multiple, or every one to max_length (static shapes, e.g. for compile)."""
+    pad_multiple: int = 8
+    """pad_to longest: round the padded length up to a multiple of this (capped at max_length; 1: the longest example exactly)."""
     train_on_prompt: bool = False
     """Also train on prompt tokens (system/user turns, prompts); by default their labels are ignored."""
     add_eos: bool = True
@@ -120,6 +125,7 @@ class SFTDataConfig:
         for name in ("packing", "train_on_prompt", "add_eos"):
             require_bool(f"{prefix}.{name}", getattr(self, name))
         require_choice(f"{prefix}.pad_to", self.pad_to, PAD_TO)
+        require_int(f"{prefix}.pad_multiple", self.pad_multiple, min=1)
         require_str(f"{prefix}.val_path", self.val_path, optional=True)
         require_float(f"{prefix}.val_fraction", self.val_fraction, min=0.0, max=0.5)
         require_file(f"{prefix}.path", self.path)
@@ -405,25 +411,33 @@ def _collate_packed(samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Ten
 
 
 def make_sft_collate(
-    pad_id: int, *, max_length: int, pad_to: str = "max_length"
+    pad_id: int, *, max_length: int, pad_to: str = "max_length", pad_multiple: int = 1
 ) -> Callable[[list[Any]], dict[str, torch.Tensor]]:
     """Stack samples into a micro-batch.
 
     Padded samples: right-padded with `pad_id` (labels IGNORE_INDEX) to `max_length` or to the longest
-    sample, with a 2-D `attention_mask` (1: real token); when nothing needs padding there is no mask,
+    sample rounded up to a multiple of `pad_multiple` (at most `max_length`: a few distinct shapes, not
+    one per batch, and no compute on padding up to max_length), with a 2-D `attention_mask` (1: real
+    token); when nothing needs padding there is no mask,
     which keeps attention on its causal fast path. Packed samples (they carry `document_ids`): stacked
     as they are, plus `attention_mask`, the 4-D boolean block-diagonal causal mask [batch, 1, seq, seq]
     (True: may attend), next to their `position_ids` and `document_ids`.
     """
     require_int("max_length", max_length, min=1)
     require_choice("pad_to", pad_to, PAD_TO)
+    require_int("pad_multiple", pad_multiple, min=1)
+
+    def padded_length(longest: int) -> int:
+        if pad_to == "max_length":
+            return max_length
+        return min(-(-longest // pad_multiple) * pad_multiple, max_length)
 
     def collate(samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         if samples and "document_ids" in samples[0]:
             return _collate_packed(samples)
         ids = [torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples]
         labels = [torch.as_tensor(s["labels"], dtype=torch.long) for s in samples]
-        length = max_length if pad_to == "max_length" else min(max(len(t) for t in ids), max_length)
+        length = padded_length(max(len(t) for t in ids))
         if all(len(t) == length for t in ids):  # nothing to pad: no mask needed
             return {"input_ids": torch.stack(ids), "labels": torch.stack(labels)}
         batch_ids = torch.full((len(samples), length), pad_id, dtype=torch.long)

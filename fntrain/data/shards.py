@@ -53,6 +53,8 @@ __all__ = [
     "TokenWindows",
     "split_windows",
     "TokenDocuments",
+    "require_shards",
+    "check_shard_vocab",
 ]
 
 INDEX_NAME = "index.json"
@@ -460,3 +462,45 @@ class TokenDocuments(torch.utils.data.Dataset):
         """Tokens in each document (int64)."""
         starts = np.asarray(self.shards.document_offsets(), dtype=np.int64)
         return np.diff(np.append(starts, len(self.shards)))
+
+
+# ----------------------------------------------------------------------------- phase-1 checks
+
+
+def require_shards(field: str, directory: str) -> ShardIndex:
+    """The index of the token shards at `directory`, or one line naming `field` and the value: the
+    directory is missing, is a file, or holds no complete `fntrain tokenize` output (or a bad index)."""
+    path = Path(directory).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"{field} {directory!r} does not exist")
+    if not path.is_dir():
+        raise FileNotFoundError(f"{field} {directory!r} is a file, not a token-shard directory")
+    if not (path / INDEX_NAME).is_file():
+        raise FileNotFoundError(
+            f"{field} {directory!r} holds no {INDEX_NAME}: not `fntrain tokenize` output, or unfinished"
+        )
+    try:
+        return read_index(path)
+    except (ConfigError, ValueError, OSError) as error:
+        raise ConfigError(f"{field} {directory!r}: {error}") from None
+
+
+def check_shard_vocab(field: str, directory: str, vocab_size: int | None) -> None:
+    """A `ConfigError` naming `field` when the shards may hold token ids >= `vocab_size` (the model's):
+    the index's vocabulary (what `fntrain tokenize` guarantees every id is below) is larger, or, for an
+    index without one, the largest id read from the shards is."""
+    if vocab_size is None:
+        return
+    index = require_shards(field, directory)
+    bound = index.vocab_size
+    if bound is None:  # an index that names no vocabulary: read the ids (in chunks, memory flat)
+        shards, bound, chunk = TokenShards(index), 0, 1 << 22
+        for start in range(0, len(shards), chunk):
+            bound = max(bound, int(shards.read(start, min(start + chunk, len(shards))).max()) + 1)
+        shards.close()
+    if bound > vocab_size:
+        raise ConfigError(
+            f"{field} {directory!r} holds token ids up to {bound - 1} (tokenizer {index.tokenizer!r}) "
+            f"but the model's vocabulary has {vocab_size}: tokenize with the model's tokenizer "
+            "(fntrain tokenize ... --tokenizer MODEL_DIR)"
+        )

@@ -147,6 +147,7 @@ class _Setup:
     run_config: Mapping[str, Any] | None
     agreement: Agreement
     distributed: bool
+    recipe: str | None = None
 
 
 @dataclass(slots=True)
@@ -168,11 +169,13 @@ def checkpoint_hook(
     directory: str | Path,
     hooks: HooksArg = (),
     run_config: Mapping[str, Any] | None = None,
+    recipe: str | None = None,
     preemption: Preemption | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> StatefulHook:
     """The checkpoint hook (state name "checkpoint"); `hooks` (a list or a callable returning it) are the
-    hooks whose `state_dict()` each checkpoint holds; `run_config` is the resolved config saved with it.
+    hooks whose `state_dict()` each checkpoint holds; `run_config` is the resolved config saved with it,
+    `recipe` the name that loads the recipe again (for `fntrain export`).
 
     The hook builds its own preemption handlers from `config.preempt_signals`; `preemption` replaces
     them (tests call its `request()`). `clock` (seconds, monotonic) times `save_every_minutes`; only
@@ -190,7 +193,7 @@ def checkpoint_hook(
     )
     setup = _Setup(
         config, components, runtime, Path(directory), hooks, run_config, agreement,
-        distributed=runtime.world_size > 1 and runtime.backend is not None,
+        distributed=runtime.world_size > 1 and runtime.backend is not None, recipe=recipe,
     )  # fmt: skip
     memory = _CheckpointMemory()
 
@@ -268,7 +271,7 @@ def _save_now(
     config, runtime = setup.config, setup.runtime
     kwargs = dict(
         hooks=setup.hooks, config=setup.run_config, keep_last=config.keep_last, device=runtime.device,
-        temporary=temporary,
+        temporary=temporary, recipe=setup.recipe,
     )  # fmt: skip
     kind = " (temporary)" if temporary else ""
     t0 = time.perf_counter()

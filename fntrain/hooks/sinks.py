@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,17 +135,25 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    """Each metric as a TensorBoard scalar at its step; the config and summary as text."""
+    """Each metric as a TensorBoard scalar at its step; the config and summary as text, all in one
+    event file: a sink reopened after `close()` (the job's summary comes after the metrics hook closed
+    the sinks, a final evaluation may too) appends to the file it wrote, where a new SummaryWriter would
+    start a second event file holding only those few events."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self._writer: Any = None
+        self._event_file: Path | None = None
 
     def _open(self) -> Any:
-        if self._writer is None:
+        if self._writer is None and self._event_file is not None:
+            self._writer = _AppendedEvents(self._event_file)
+        elif self._writer is None:
             from torch.utils.tensorboard import SummaryWriter  # needs the optional tensorboard package
 
-            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+            suffix = f".{uuid.uuid4().hex[:12]}"  # finds this writer's file among other runs' files
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), filename_suffix=suffix)
+            self._event_file = next(self.log_dir.glob(f"events.out.tfevents.*{suffix}"), None)
         return self._writer
 
     def write(self, step: int, record: Mapping[str, Any]) -> None:
@@ -168,6 +177,41 @@ class TensorBoardSink:
         opened, self._writer = self._writer, None
         if opened is not None:
             opened.close()
+
+
+class _AppendedEvents:
+    """The few SummaryWriter calls a reopened `TensorBoardSink` makes, appended synchronously to its
+    event file (TFRecord files concatenate: TensorBoard reads the events on). SummaryWriter cannot
+    append: it always starts a new file; the records and protos are tensorboard's and torch's own."""
+
+    def __init__(self, path: Path) -> None:
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        self._records = RecordWriter(open(path, "ab"))  # noqa: SIM115 - closed by close()
+
+    def _add(self, summary: Any, step: int | None) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+
+        event = Event(wall_time=time.time(), summary=summary)
+        if step is not None:
+            event.step = step
+        self._records.write(event.SerializeToString())
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        from torch.utils.tensorboard.summary import scalar
+
+        self._add(scalar(tag, value), step)
+
+    def add_text(self, tag: str, text: str) -> None:
+        from torch.utils.tensorboard.summary import text as text_summary
+
+        self._add(text_summary(tag, text), None)
+
+    def flush(self) -> None:
+        self._records.flush()
+
+    def close(self) -> None:
+        self._records.close()
 
 
 class WandbSink:

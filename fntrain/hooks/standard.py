@@ -18,6 +18,7 @@ A recipe's config is expected to carry the hook sections under these names (`mem
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from fntrain.hooks.watchdog import watchdog_hook
 from fntrain.loop import Hook
 from fntrain.runtime import Runtime
 from fntrain.state import RunPlan
+
+log = logging.getLogger("fntrain.hooks.evaluate")
 
 __all__ = [
     "EarlyHooks",
@@ -113,6 +116,7 @@ class HookInputs:
     flops_per_token: Any = None  # a number or a callable measured at TRAIN_BEGIN (see throughput_meter)
     extra_eval: Callable[[], Mapping[str, float]] | None = None  # more metrics per evaluation (every rank)
     run_config: dict[str, Any] | None = None  # the resolved config: trackers and checkpoints get it
+    recipe: str | None = None  # the name that loads the recipe again: checkpoints record it
     extra: Sequence[Hook] = ()  # the spec's hooks, just before the checkpoint hook
     attempt: int = 0  # which launch of the run this is; tags each metrics record
 
@@ -156,9 +160,13 @@ def _progress(inputs: HookInputs, wiring: Wiring) -> Hook | None:
 
 
 def _evaluate(inputs: HookInputs, wiring: Wiring) -> Hook | None:
-    config, components = inputs.config.evaluate, inputs.components
-    if not config.enabled or inputs.val_dataset is None or len(inputs.val_dataset) == 0:
+    has_validation = inputs.val_dataset is not None and len(inputs.val_dataset) > 0
+    config = inputs.config.evaluate.resolved(has_validation, inputs.plan.train_iters)
+    components = inputs.components
+    if not config.enabled or not has_validation:
         return None
+    log.info("evaluating on %d validation samples %s (--evaluate.eval-every, --evaluate.at-end)",
+             len(inputs.val_dataset), config.describe())  # fmt: skip
     eval_fn = make_eval_fn(
         components.model,
         inputs.eval_loss or components.loss_fn,
@@ -203,8 +211,8 @@ def _checkpoint(inputs: HookInputs, wiring: Wiring) -> Hook | None:
     if not (config.enabled or config.save_on_interrupt):
         return None
     return checkpoint_hook(config, inputs.components, inputs.runtime,
-                           directory=checkpoint_root(config, inputs.run_dir),
-                           hooks=lambda: wiring.hooks, run_config=inputs.run_config)  # fmt: skip
+                           directory=checkpoint_root(config, inputs.run_dir), hooks=lambda: wiring.hooks,
+                           run_config=inputs.run_config, recipe=inputs.recipe)  # fmt: skip
 
 
 def _watchdog(inputs: HookInputs, wiring: Wiring) -> Hook | None:

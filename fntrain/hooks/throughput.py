@@ -203,7 +203,10 @@ def measure_flops_per_token(
     `model` is an unwrapped module (copied to meta through deepcopy's memo) or a factory called under
     the meta device. `example_batch` is one micro-batch of host tensors; its tokens are counted like the
     loop counts them (`count_tokens`), so FLOPs per step = this x the step's tokens for batches of that
-    shape. Backward uses `loss_fn(output, batch)`, else the output's sum.
+    shape. Backward uses `loss_fn(output, batch)`, else the output's sum. A padded batch's 2-D
+    `attention_mask` is left out of the meta forward: the kernels compute the padded positions all the
+    same (the count depends on shapes only), and a model that inspects its mask (transformers asks
+    whether it is all ones) cannot read a meta tensor.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -211,8 +214,12 @@ def measure_flops_per_token(
     if tokens <= 0:
         raise ValueError(f"the example batch must hold at least one token, got {tokens}")
     meta_model = _meta_copy(model)
+    shapes_only = dict(example_batch)
+    mask = shapes_only.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        del shapes_only["attention_mask"]
     meta_batch = optree.tree_map(
-        lambda leaf: leaf.to("meta") if isinstance(leaf, torch.Tensor) else leaf, dict(example_batch)
+        lambda leaf: leaf.to("meta") if isinstance(leaf, torch.Tensor) else leaf, shapes_only
     )
     forward = forward or default_forward
     with FlopCounterMode(display=False) as counter:

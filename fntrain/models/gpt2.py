@@ -13,7 +13,6 @@ neither transformers nor peft: config.json is written here.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -22,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["gpt2_config", "gpt2_state_dict", "export_gpt2"]
+__all__ = ["gpt2_config", "gpt2_state_dict", "gpt2_conversion", "export_gpt2"]
 
 # fntrain name pattern -> (GPT-2 name, transpose)
 _RENAMES: tuple[tuple[str, str, bool], ...] = (
@@ -97,6 +96,16 @@ def gpt2_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
+def gpt2_conversion(
+    state: Mapping[str, torch.Tensor], config: Any, *, eos_id: int | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(GPT2Config as config.json's dict, GPT2LMHeadModel's tensors) of a tiny GPT's full state dict:
+    what `export_gpt2` writes and `fntrain export --format hf` writes for a tiny GPT checkpoint."""
+    tensors = gpt2_state_dict(state)
+    dtype = str(tensors["transformer.wte.weight"].dtype).removeprefix("torch.")
+    return gpt2_config(config, eos_id=eos_id, dtype=dtype), tensors
+
+
 def export_gpt2(
     model: torch.nn.Module,
     out_dir: str | os.PathLike,
@@ -109,24 +118,9 @@ def export_gpt2(
     as a Hugging Face GPT-2: model.safetensors and config.json (modes 0666 less the umask). Under a
     process group every rank must call it (the full weights are gathered, from every pipeline stage of
     `pipeline_group`); rank 0 writes. Returns `out_dir`."""
-    from safetensors.torch import save_file
+    from fntrain.checkpoint.export import export_converted
 
-    from fntrain.checkpoint import _dist
-    from fntrain.checkpoint.export import full_model_state, set_usual_mode
+    def convert(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return gpt2_conversion(state, config, eos_id=eos_id)
 
-    full = full_model_state(model, pipeline_group)
-    out = Path(out_dir).expanduser()
-    if _dist.rank() != 0:
-        return out
-    tensors = gpt2_state_dict(full)
-    dtype = str(tensors["transformer.wte.weight"].dtype).removeprefix("torch.")
-    out.mkdir(parents=True, exist_ok=True)
-    weights = out / "model.safetensors"
-    tmp = weights.with_name(f".{weights.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    set_usual_mode(tmp)
-    os.replace(tmp, weights)
-    (out / "config.json").write_text(
-        json.dumps(gpt2_config(config, eos_id=eos_id, dtype=dtype), indent=2) + "\n"
-    )
-    return out
+    return export_converted(model, out_dir, convert, pipeline_group=pipeline_group)

@@ -13,9 +13,11 @@ imported. transformers (the `hf` extra) is imported inside functions only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +44,8 @@ __all__ = [
     "causal_lm_from_config",
     "load_causal_lm",
     "check_vocab",
+    "model_vocab_size",
+    "quiet_progress_bars",
     "check_packed_attention",
     "unwrap",
     "save_hf_model",
@@ -217,6 +221,30 @@ def dtype_kwargs(dtype: torch.dtype | str | None) -> dict[str, Any]:
 # cache is wasted work, and activation checkpointing's recomputed forward would append to it a second time.
 
 
+@contextlib.contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """transformers' progress bars ("Loading weights") off inside the block when stderr is not a
+    terminal: in a log file or a pipe a bar is a line per redraw, not a bar. Scoped: the setting the
+    process had (the user's, or the progress hook's) is back after the block."""
+    from transformers.utils import logging as hf_logging
+
+    if _stderr_is_terminal() or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
+        return False
+
+
 def load_pretrained(config: HFModelConfig, device: torch.device | str) -> torch.nn.Module:
     """The causal LM from the local directory `config.path` (config + safetensors), on `device`,
     not parallelized."""
@@ -224,13 +252,14 @@ def load_pretrained(config: HFModelConfig, device: torch.device | str) -> torch.
     directory = _require_model_dir("model.path", config.path)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(directory),
-        local_files_only=True,
-        use_safetensors=True,
-        attn_implementation=config.attn_implementation,
-        **dtype_kwargs("auto" if config.dtype == "auto" else DTYPES[config.dtype]),
-    )
+    with quiet_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(directory),
+            local_files_only=True,
+            use_safetensors=True,
+            attn_implementation=config.attn_implementation,
+            **dtype_kwargs("auto" if config.dtype == "auto" else DTYPES[config.dtype]),
+        )
     model.config.use_cache = False  # see _TRAINING_CONFIG
     return model.to(device)
 
@@ -323,10 +352,17 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def model_vocab_size(config: HFModelConfig) -> int | None:
+    """The model's vocabulary size from its config.json (None when it names none), read without loading
+    the model."""
+    vocab = json.loads((Path(config.path).expanduser() / "config.json").read_text()).get("vocab_size")
+    return vocab if isinstance(vocab, int) else None
+
+
 def check_vocab(config: HFModelConfig, assets: ModelAssets) -> ModelAssets:
     """`assets`, or a `ConfigError` when the tokenizer has more tokens than the model's vocabulary (its
     config.json's vocab_size: read without loading the model)."""
-    vocab = json.loads((Path(config.path).expanduser() / "config.json").read_text()).get("vocab_size")
+    vocab = model_vocab_size(config)
     if isinstance(vocab, int) and len(assets.tokenizer) > vocab:
         raise ConfigError(
             f"the tokenizer has {len(assets.tokenizer)} tokens but the model's vocabulary only {vocab}: "

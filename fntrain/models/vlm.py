@@ -38,6 +38,7 @@ from fntrain.models.hf import (
     ModelAssets,
     _require_model_dir,
     dtype_kwargs,
+    quiet_progress_bars,
     save_hf_model,
     set_offline,
     unwrap,
@@ -255,10 +256,11 @@ def load_vlm(
 
     from fntrain.runtime.parallel import parallelize
 
-    model = AutoModelForImageTextToText.from_pretrained(
-        str(directory), local_files_only=True, use_safetensors=True, attn_implementation=attn_implementation,
-        **dtype_kwargs("auto" if dtype == "auto" else DTYPES[dtype]),
-    )  # fmt: skip
+    with quiet_progress_bars():
+        model = AutoModelForImageTextToText.from_pretrained(
+            str(directory), local_files_only=True, use_safetensors=True,
+            attn_implementation=attn_implementation, **dtype_kwargs("auto" if dtype == "auto" else DTYPES[dtype]),
+        )  # fmt: skip
     return parallelize(model.to(runtime.device), runtime, parallel)
 
 

@@ -26,6 +26,7 @@ from fntrain.pipeline_step import make_pipeline_eval, make_pipeline_step, pipeli
 from fntrain.run.checks import Checked, dataset_len, full_model_on_meta
 from fntrain.run.config import Built, JobConfig, RecipeSpec
 from fntrain.run.config_file import config_to_dict
+from fntrain.run.recipes import recipe_reference
 from fntrain.runtime.parallel import (
     autocast_dtype,
     build_grad_scaler,
@@ -159,6 +160,7 @@ def job_hooks(built: Built, spec: RecipeSpec, early: Any = None, *, attempt: int
         flops_per_token=_flops_per_token(built, spec),
         extra_eval=spec.eval_metrics(config, built) if spec.eval_metrics else None,
         run_config=config_to_dict(config),
+        recipe=recipe_reference(spec),
         extra=list(spec.hooks(built)) if spec.hooks else (),
         attempt=attempt,
     ))

@@ -230,6 +230,10 @@ class RecipeSpec:
     - `dataset_sizes(config)`: (train, validation) sample counts without reading the data, for plans.
     - `export(config, built, state)`: write the trained model after a run that was not preempted
       (besides `<run_dir>/model.safetensors`, written when checkpoint.export is set).
+    - `hf_conversion(config, state_dict)`: the recipe's own model as a transformers one: (config.json's
+      dict, tensors under the transformers names) of the model's full state dict. `fntrain export
+      --format hf` applies it to a checkpoint of this recipe (None: the model's own names and an
+      fntrain config.json); a recipe's `export` uses it too, so both write the same model.
     - `eval_metrics(config, built)`: a function returning extra validation metrics (e.g. answer
       accuracy), called at every evaluation on every rank, beside the validation loss.
     - `hooks(built)`: extra hooks, run after the standard ones and before the checkpoint hook.
@@ -253,6 +257,7 @@ class RecipeSpec:
     model_factory: Callable[[Any], Any] | None = None
     dataset_sizes: Callable[[Any], tuple[int, int]] | None = None
     export: Callable[[Any, Built, TrainState], Any] | None = None
+    hf_conversion: Callable[[Any, Mapping[str, Any]], tuple[dict[str, Any], dict[str, Any]]] | None = None
     eval_metrics: Callable[[Any, Built], Callable[[], Mapping[str, float]]] | None = None
     hooks: Callable[[Built], Sequence[Hook]] | None = None
     describe: Callable[[Any], Mapping[str, Any]] | None = None

@@ -6,9 +6,11 @@
 A file is a (nested) table whose keys are the config's field names (`train_iters` or `train-iters`);
 a key the config does not have, or a value of the wrong type, is an error naming the dotted field
 (`train.train_iters must be an int, got '5' (str)`) before any model or device work. Fields a file
-leaves out keep the config's defaults. TOML has no null: write the string "None" for an optional
-field (the TOML this module writes does exactly that). Formats by suffix: `.toml` (standard library
-`tomllib`, or `tomli` before Python 3.11), `.yaml`/`.yml` (PyYAML, the `yaml` extra), `.json`.
+leaves out keep the config's defaults. TOML has no null: leave out (or comment out) a field to keep
+its default, or write the string "None" for an optional field; the TOML this module writes comments
+out a None whose default is None and spells any other None "None", and says so at its top. Formats
+by suffix: `.toml` (standard library `tomllib`, or `tomli` before Python 3.11), `.yaml`/`.yml`
+(PyYAML, the `yaml` extra), `.json`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "load_config",
     "config_to_dict",
     "dump_toml",
+    "class_defaults",
     "write_config",
     "split_config_args",
     "parse_config_cli",
@@ -310,9 +313,19 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     return plain(config)
 
 
-def dump_toml(data: Mapping[str, Any]) -> str:
-    """A nested dict of scalars and lists as TOML (None written as the string "None", which
-    `config_from_dict` reads back as None for an optional field)."""
+_MISSING = object()
+NULL_NOTE = (
+    "# TOML has no null: a field that is None (its default) is written commented out, `# key = None`,\n"
+    "# and an absent key keeps its default; a None over another default is the string \"None\"."
+)
+
+
+def dump_toml(data: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> str:
+    """A nested dict of scalars and lists as TOML. TOML has no null: with `defaults` (the config class's
+    own values, `config_to_dict(type(config)())`), a None whose default is None too is written
+    commented out (reading the file leaves it at that default); any other None is the string "None",
+    which `config_from_dict` reads back as None for an optional field. Either way the file reads back
+    to the same config, and a note at its top says so."""
     lines: list[str] = []
 
     def scalar(value: Any) -> str:
@@ -336,18 +349,31 @@ def dump_toml(data: Mapping[str, Any]) -> str:
             return "{" + ", ".join(f"{_toml_key(k)} = {scalar(v)}" for k, v in value.items()) + "}"
         raise TypeError(f"cannot write {value!r} ({type(value).__name__}) as TOML")
 
-    def table(name: str, values: Mapping[str, Any]) -> None:
+    def line(key: str, value: Any, default: Any) -> str:
+        if value is None and default is None:
+            return f"# {_toml_key(key)} = None"
+        return f"{_toml_key(key)} = {scalar(value)}"
+
+    def table(name: str, values: Mapping[str, Any], known: Any) -> None:
+        known = known if isinstance(known, Mapping) else {}
         plain = {k: v for k, v in values.items() if not (isinstance(v, Mapping) and v and _is_table(v))}
         nested = {k: v for k, v in values.items() if k not in plain}
         if name and (plain or not nested):
             lines.append(f"\n[{name}]")
         for key, value in plain.items():
-            lines.append(f"{_toml_key(key)} = {scalar(value)}")
+            lines.append(line(key, value, known.get(key, _MISSING)))
         for key, value in nested.items():
-            table(f"{name}.{_toml_key(key)}" if name else _toml_key(key), value)
+            table(f"{name}.{_toml_key(key)}" if name else _toml_key(key), value, known.get(key))
 
-    table("", data)
-    return "\n".join(lines).lstrip("\n") + "\n"
+    table("", data, defaults)
+    text = "\n".join(lines).lstrip("\n") + "\n"
+    return f"{NULL_NOTE}\n{text}" if any(v is None for v in _leaves(data)) else text
+
+
+def _leaves(data: Any) -> list[Any]:
+    if isinstance(data, Mapping):
+        return [leaf for value in data.values() for leaf in _leaves(value)]
+    return [data]
 
 
 def _is_table(value: Mapping[str, Any]) -> bool:
@@ -357,6 +383,14 @@ def _is_table(value: Mapping[str, Any]) -> bool:
 def _toml_key(key: Any) -> str:
     key = str(key)
     return key if key and all(c.isalnum() or c in "_-" for c in key) else json.dumps(key)
+
+
+def class_defaults(config: Any) -> dict[str, Any] | None:
+    """The config class's own values (what a file's absent key keeps), or None when it has required fields."""
+    try:
+        return config_to_dict(type(config)())
+    except TypeError:
+        return None
 
 
 def write_config(
@@ -372,7 +406,7 @@ def write_config(
         if fmt == "json":
             text = json.dumps(data, indent=2, sort_keys=True) + "\n"
         elif fmt == "toml":
-            text = dump_toml(data)
+            text = dump_toml(data, class_defaults(config))
         else:
             raise ValueError(f"unknown config format {fmt!r}; use json or toml")
         path = run_dir / f"config.{fmt}"

@@ -1,9 +1,11 @@
 """Plots of a run from its metrics.jsonl: `python -m fntrain.run.plot RUN_DIR`.
 
-Writes `loss.png` (training loss and, when present, validation loss against the step) and
-`throughput.png` (tokens/s and, when known, MFU or TFLOP/s per device, against the step) into the run
-directory (or `--out`). Needs matplotlib (the `plot` extra: pip install 'fntrain[plot]'); without it a
-clear error says so. A step logged twice (a run resumed from an earlier checkpoint) keeps its last value.
+Writes `loss.png` (training loss, faint per log and as a moving average, and, when present, validation
+loss with its best value, against the step) and `throughput.png` (one panel each for tokens/s, MFU or
+else TFLOP/s per device when known, and step time, each with its median) into the run directory (or
+`--out`); legends sit beside the panels, never over the data. Needs matplotlib (the `plot` extra:
+pip install 'fntrain[plot]'); without it a clear error says so. A step logged twice (a run resumed
+from an earlier checkpoint) keeps its last value.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_run", "plot_command", "read_metrics", "series", "main"]
+__all__ = ["plot_run", "plot_command", "read_metrics", "series", "smoothed", "short_number", "main"]
 
 _MATPLOTLIB_MISSING = "fntrain.run.plot needs matplotlib: pip install 'fntrain[plot]' (or pip install matplotlib)"
 
@@ -58,16 +60,52 @@ def series(records: Sequence[dict[str, Any]], name: str) -> tuple[list[int], lis
     return steps, [by_step[step] for step in steps]
 
 
-def _figure() -> Any:
+def _figure(height: float = 4.5) -> Any:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # optional (extra `plot`)
         from matplotlib.figure import Figure  # optional (extra `plot`)
     except ImportError as error:
         raise ImportError(_MATPLOTLIB_MISSING) from error
     # The object API with the Agg canvas: no pyplot, no global backend switch, no display needed.
-    figure = Figure(figsize=(8, 4.5), dpi=100, layout="constrained")
+    figure = Figure(figsize=(9, height), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
     return figure
+
+
+def smoothed(values: Sequence[float], window: int | None = None) -> list[float]:
+    """A centred moving average of `values` (the window: about a twentieth of them, odd, at least 1;
+    shorter at the ends), the trend a noisy per-log curve hides. Written here, as numpy's convolve
+    would need the same edge handling."""
+    count = len(values)
+    half = (window if window is not None else max(1, count // 20) | 1) // 2
+    out = []
+    for index in range(count):
+        part = values[max(0, index - half) : index + half + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def short_number(value: float) -> str:
+    """3 significant digits, thousands as k and millions as M: 21.4k, 1.25M, 0.0171."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def _outside_legend(axes: Any) -> None:
+    """The legend beside the panel, right of the data, never over it."""
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize="small")
+
+
+def _noisy_line(axes: Any, steps: list[int], values: list[float], label: str, color: str) -> None:
+    """The raw values faint, their moving average bold (the raw line alone when there are few)."""
+    if len(values) < 10:
+        marker = "." if len(values) < 3 else None  # a point or two would not show as a line
+        axes.plot(steps, values, label=label, color=color, linewidth=1.4, marker=marker)
+        return
+    axes.plot(steps, values, color=color, linewidth=0.8, alpha=0.35, label=f"{label} (each log)")
+    axes.plot(steps, smoothed(values), color=color, linewidth=1.8, label=f"{label} (moving average)")
 
 
 def _loss_plot(records: Sequence[dict[str, Any]], path: Path, run_name: str) -> bool:
@@ -78,43 +116,52 @@ def _loss_plot(records: Sequence[dict[str, Any]], path: Path, run_name: str) -> 
     figure = _figure()
     axes = figure.add_subplot()
     if train_steps:
-        axes.plot(train_steps, train_loss, label="train loss", linewidth=1.2)
+        _noisy_line(axes, train_steps, train_loss, "train loss", "tab:blue")
     if val_steps:
-        axes.plot(val_steps, val_loss, label="validation loss", marker="o", linewidth=1.2)
+        best = min(range(len(val_loss)), key=val_loss.__getitem__)
+        label = f"validation loss (best {val_loss[best]:.4g}, step {val_steps[best]})"
+        axes.plot(val_steps, val_loss, label=label, color="tab:orange", marker="o", linewidth=1.4)
     axes.set_xlabel("step")
     axes.set_ylabel("loss")
     axes.set_title(f"loss: {run_name}")
     axes.grid(alpha=0.3)
-    axes.legend()
+    _outside_legend(axes)
     figure.savefig(path)
     return True
 
 
+def _throughput_panels(records: Sequence[dict[str, Any]]) -> list[tuple[str, list[int], list[float], str]]:
+    """(y label, steps, values, color) of each throughput panel the run logged: tokens/s, then MFU
+    (when the peak is known) or else TFLOP/s per device, then step time."""
+    panels = [("tokens/s (all ranks)", *series(records, "tokens_per_s"), "tab:blue")]
+    mfu_steps, mfu = series(records, "mfu")
+    if mfu_steps:
+        panels.append(("MFU (%)", mfu_steps, [100.0 * v for v in mfu], "tab:red"))
+    else:
+        panels.append(("TFLOP/s per device", *series(records, "tflops"), "tab:green"))
+    panels.append(("step time (s)", *series(records, "step_time_s"), "tab:purple"))
+    return [panel for panel in panels if panel[1]]
+
+
 def _throughput_plot(records: Sequence[dict[str, Any]], path: Path, run_name: str) -> bool:
-    steps, tokens_per_s = series(records, "tokens_per_s")
-    if not steps:
+    """One panel per figure (tokens/s and TFLOP/s are proportional: on shared axes they overlap), each
+    with its median, the steady rate a user compares runs by."""
+    if not series(records, "tokens_per_s")[0]:
         return False
-    figure = _figure()
-    axes = figure.add_subplot()
-    axes.plot(steps, tokens_per_s, label="tokens/s", color="tab:blue", linewidth=1.2)
-    axes.set_xlabel("step")
-    axes.set_ylabel("tokens/s (all ranks)")
-    axes.grid(alpha=0.3)
-    handles = axes.get_legend_handles_labels()[0]
-    for name, label, scale, color in (
-        ("mfu", "MFU (%)", 100.0, "tab:red"),
-        ("tflops", "TFLOP/s per device", 1.0, "tab:green"),
-    ):
-        other_steps, values = series(records, name)
-        if other_steps:
-            twin = axes.twinx()
-            handles += twin.plot(
-                other_steps, [v * scale for v in values], label=label, color=color, linewidth=1.2
-            )
-            twin.set_ylabel(label)
-            break  # MFU when the peak is known, else TFLOP/s
-    axes.legend(handles=handles, loc="lower right")
-    axes.set_title(f"throughput: {run_name}")
+    panels = _throughput_panels(records)
+    figure = _figure(height=2.3 * len(panels) + 0.6)
+    axes_list = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for axes, (label, steps, values, color) in zip(axes_list, panels, strict=True):
+        _noisy_line(axes, steps, values, label.split(" (")[0], color)
+        median = sorted(values)[len(values) // 2]
+        label_text = f"median {short_number(median)}"
+        axes.axhline(median, color="gray", linestyle="--", linewidth=1.0, label=label_text)
+        axes.set_ylabel(label)
+        axes.set_ylim(bottom=0)
+        axes.grid(alpha=0.3)
+        _outside_legend(axes)
+    axes_list[-1].set_xlabel("step")
+    axes_list[0].set_title(f"throughput: {run_name}")
     figure.savefig(path)
     return True
 

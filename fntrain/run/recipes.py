@@ -21,11 +21,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["ENTRY_POINT_GROUP", "Recipe", "RecipeNotFound", "available_recipes", "load_recipe"]
+__all__ = [
+    "BUILT_IN", "ENTRY_POINT_GROUP", "Recipe", "RecipeNotFound", "available_recipes", "is_built_in", "load_recipe",
+    "recipe_reference",
+]  # fmt: skip
 
 ENTRY_POINT_GROUP = "fntrain.recipes"
 _PACKAGES = ("fntrain_recipes", "recipes")  # installed name first; the checkout's `recipes/` second
-_BUILT_IN = ("tiny_gpt", "hf_causal_lm", "vlm")
+BUILT_IN = ("tiny_gpt", "hf_causal_lm", "vlm")
+_FILE_MODULE_PREFIX = "fntrain_recipe_file_"
 
 
 class RecipeNotFound(LookupError):
@@ -75,7 +79,7 @@ def available_recipes() -> dict[str, str]:
     for package in _PACKAGES:
         if not _module_exists(package):
             continue
-        for name in _BUILT_IN:
+        for name in BUILT_IN:
             if name not in names and _module_exists(f"{package}.{name}"):
                 names[name] = f"{package}.{name}"
     return dict(sorted(names.items()))
@@ -114,10 +118,25 @@ def _import_by_name(name: str) -> ModuleType:
     raise RecipeNotFound(f"no recipe named {name!r} (known recipes: {known}; or give a dotted module path)")
 
 
+def is_built_in(name: str, module: str) -> bool:
+    """Whether `available_recipes()`'s `name -> module` is one fntrain ships (not another project's)."""
+    return name in BUILT_IN and module in {f"{package}.{name}" for package in _PACKAGES}
+
+
+def recipe_reference(spec: Any) -> str:
+    """What `load_recipe` takes to load `spec`'s recipe again: the module's dotted name, or the path of
+    the .py file it was imported from (a file recipe's module name is made up here)."""
+    name = spec.config.__module__
+    module = sys.modules.get(name)
+    if name.startswith(_FILE_MODULE_PREFIX) or name == "__main__":
+        return str(Path(getattr(module, "__file__", None) or name).resolve())
+    return name
+
+
 def _import_file(path: Path) -> ModuleType:
     """The Python file at `path` imported as a module named after it (its directory goes first on
     sys.path, as for `python path`, so the file's own neighbours import)."""
-    name = f"fntrain_recipe_file_{path.stem}"
+    name = f"{_FILE_MODULE_PREFIX}{path.stem}"
     loader_spec = importlib.util.spec_from_file_location(name, path)
     if loader_spec is None or loader_spec.loader is None:
         raise RecipeNotFound(f"{str(path)!r} is not a Python file")

@@ -217,3 +217,97 @@ def test_hf_model_checkpoint_exports_to_a_from_pretrained_directory_and_back(tmp
     assert original.keys() == returned.keys()  # lm_head.weight is back under its own name
     for key, tensor in original.items():
         assert torch.equal(returned[key], tensor), key
+
+
+# ----------------------------------------------------------------------------- a recipe's conversion
+
+
+def _tiny_gpt_run(tmp_path: Path) -> Path:
+    """A 2-step tiny_gpt run with a checkpoint at its end and its own hf_model; returns the run dir."""
+    import dataclasses
+
+    from fntrain.hooks.evaluate import EvaluateConfig
+    from fntrain.hooks.progress import ProgressConfig
+    from fntrain.run.job import run_job
+    from recipes import tiny_gpt
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("To be, or not to be, that is the question.\n" * 40)
+    base = tiny_gpt.Config()
+    config = dataclasses.replace(
+        base, run_dir=str(tmp_path / "run"), log_every=0, model=MODEL,
+        data=dataclasses.replace(base.data, path=str(corpus)),
+        train=dataclasses.replace(base.train, train_iters=2, global_batch_size=2, micro_batch_size=2),
+        checkpoint=dataclasses.replace(base.checkpoint, save_every=2, export=False),
+        evaluate=EvaluateConfig(), progress=ProgressConfig(enabled=False),
+    )  # fmt: skip
+    run_job(config, tiny_gpt.spec)
+    return tmp_path / "run"
+
+
+@pytest.fixture
+def tiny_gpt_run(tmp_path) -> Path:
+    return _tiny_gpt_run(tmp_path)
+
+
+def test_a_tiny_gpt_checkpoint_exports_as_the_runs_own_gpt2(tiny_gpt_run, tmp_path, capsys):
+    """[issue 27] `fntrain export CKPT --format hf OUT` of a tiny GPT writes what its run's hf_model
+    holds (a GPT-2: same config, same tensors, the tied head once), through the recipe the checkpoint's
+    meta.json records."""
+    from fntrain.cli import dispatch
+
+    root = tiny_gpt_run / "checkpoints"
+    assert json.loads((root / "step_2" / "meta.json").read_text())["recipe"] == "recipes.tiny_gpt"
+    out = dispatch(["export", str(root), "--format", "hf", str(tmp_path / "hf")])
+    own = tiny_gpt_run / "hf_model"
+    config, run_config = (json.loads((d / "config.json").read_text()) for d in (out, own))
+    assert config == run_config and config["model_type"] == "gpt2"
+    exported, expected = load_file(out / SAFE_WEIGHTS), load_file(own / SAFE_WEIGHTS)
+    assert exported.keys() == expected.keys() and "lm_head.weight" not in exported
+    for name, tensor in expected.items():
+        assert torch.equal(exported[name], tensor), name
+    tiny = TinyGPT(MODEL)
+    untied = sum(p.numel() for p in tiny.parameters())  # the tied head counted once
+    assert sum(t.numel() for t in exported.values()) == untied
+    provenance = json.loads((out / PROVENANCE).read_text())
+    assert provenance["converted"] and provenance["recipe"] == "recipes.tiny_gpt"
+
+    with pytest.raises(SystemExit):  # the way back needs the recipe's own names
+        dispatch(["export", str(out), "--format", "dcp", str(tmp_path / "dcp")])
+    assert "--recipe none" in capsys.readouterr().err
+    raw = dispatch(["export", str(root), "--format", "hf", str(tmp_path / "raw"), "--recipe", "none"])
+    assert json.loads((raw / "config.json").read_text())["model_type"] == "fntrain"
+    back = dispatch(["export", str(raw), "--format", "dcp", str(tmp_path / "dcp")])
+    assert is_complete(back)
+
+
+def test_export_names_a_recipe_that_does_not_load(checkpoint, tmp_path, capsys):
+    from fntrain.cli import dispatch
+
+    root, _ = checkpoint
+    with pytest.raises(SystemExit) as exit_info:
+        dispatch(["export", str(root), "--format", "hf", str(tmp_path / "hf"), "--recipe", "no_such_recipe"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--recipe 'no_such_recipe'" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "hf").exists()
+    # --recipe on a checkpoint that records none (saved by hand): converted all the same (the checkout's
+    # module, as an installed fntrain_recipes may be another checkout's)
+    out = dispatch(["export", str(root), "--format", "hf", str(tmp_path / "hf"), "--recipe", "recipes.tiny_gpt"])
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_exported_tiny_gpt_loads_in_transformers_with_the_runs_logits(tiny_gpt_run, tmp_path):
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
+
+    from fntrain.cli import dispatch
+
+    out = dispatch(["export", str(tiny_gpt_run / "checkpoints"), "--format", "hf", str(tmp_path / "hf")])
+    exported = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    own = AutoModelForCausalLM.from_pretrained(tiny_gpt_run / "hf_model", local_files_only=True).eval()
+    assert isinstance(exported, GPT2LMHeadModel)
+    assert exported.lm_head.weight.data_ptr() == exported.transformer.wte.weight.data_ptr()  # tied, not copied
+    ids = torch.randint(0, 256, (2, MODEL.context), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(exported(input_ids=ids).logits, own(input_ids=ids).logits)

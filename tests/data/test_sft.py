@@ -431,3 +431,28 @@ def test_packed_logits_equal_each_example_alone_in_tiny_gpt():
     torch.manual_seed(0)
     model = TinyGPT(ModelConfig(context=24, n_layer=2, n_head=2, d_model=32, vocab_size=64)).eval()
     _assert_each_example_as_if_alone(model, context=24, vocab=64)
+
+
+def test_padding_goes_to_the_longest_row_rounded_up_to_eight_by_default():
+    """[issue 27] a 2048-token max_length must not pad every batch to 2048: the default pads to the
+    longest row rounded up to data.pad_multiple (8), at most max_length; pad_to max_length gives static
+    shapes."""
+    data = SFTDataConfig(path="x.jsonl", max_length=20)
+    assert (data.pad_to, data.pad_multiple) == ("longest", 8)
+
+    def samples(*lengths):
+        return [{"input_ids": list(range(1, n + 1)), "labels": list(range(1, n + 1))} for n in lengths]
+
+    collate = make_sft_collate(0, max_length=data.max_length, pad_to=data.pad_to, pad_multiple=data.pad_multiple)
+    batch = collate(samples(5, 11))
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (2, 16)
+    assert batch["attention_mask"][1].tolist() == [1] * 11 + [0] * 5
+    assert (batch["labels"][0, 5:] == IGNORE_INDEX).all()
+    assert collate(samples(3))["input_ids"].shape == (1, 8)
+    assert collate(samples(8, 8))["input_ids"].shape == (2, 8) and "attention_mask" not in collate(samples(8, 8))
+    assert collate(samples(17))["input_ids"].shape == (1, 20)  # rounded up, capped at max_length
+    static = make_sft_collate(0, max_length=20, pad_to="max_length", pad_multiple=8)
+    assert static(samples(5, 11))["input_ids"].shape == (2, 20)
+    assert make_sft_collate(0, max_length=20, pad_to="longest")(samples(5, 11))["input_ids"].shape == (2, 11)
+    with pytest.raises(ValueError, match="data.pad_multiple"):
+        dataclasses.replace(data, pad_multiple=0).validate()

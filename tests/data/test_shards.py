@@ -20,8 +20,10 @@ from fntrain.data.shards import (
     TokenDocuments,
     TokenShards,
     TokenWindows,
+    check_shard_vocab,
     open_shards,
     read_index,
+    require_shards,
     write_index,
 )
 from fntrain.data.tokenize import tokenize_documents
@@ -258,3 +260,39 @@ def test_memory_stays_flat_while_iterating(tmp_path):
     grown = _walk_epoch(open_shards(tmp_path, release_bytes=None), 2048)
     assert flat < 6 << 20, f"RSS grew by {flat / 2**20:.1f} MiB over a 24 MiB corpus"
     assert grown > 16 << 20, f"without releasing, RSS grew by only {grown / 2**20:.1f} MiB"
+
+
+# ----------------------------------------------------------------------------- phase-1 checks
+
+
+def test_shard_directories_are_checked_in_one_line_each(tmp_path):
+    """[issue 27] hf_causal_lm's data.shards: missing, a file, no index.json, a bad index, ids beyond
+    the model's vocabulary (by the index's vocabulary, or by the ids when the index names none)."""
+    from fntrain.config import ConfigError
+
+    with pytest.raises(FileNotFoundError, match=r"^data.shards 'nowhere' does not exist$"):
+        require_shards("data.shards", "nowhere")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileNotFoundError, match="is a file"):
+        require_shards("data.shards", str(tmp_path / "file"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no index.json"):
+        require_shards("data.shards", str(tmp_path / "empty"))
+    (tmp_path / "empty" / INDEX_NAME).write_text("{")
+    with pytest.raises(ConfigError, match=r"^data.shards .*not JSON"):
+        require_shards("data.shards", str(tmp_path / "empty"))
+
+    write_corpus(tmp_path / "c", documents(5), shard_tokens=50)  # vocabulary 1000, ids below 1000
+    assert require_shards("data.shards", str(tmp_path / "c")).vocab_size == 1000
+    check_shard_vocab("data.shards", str(tmp_path / "c"), 1000)
+    with pytest.raises(ConfigError, match=r"data.shards .* token ids up to 999 .* vocabulary has 500"):
+        check_shard_vocab("data.shards", str(tmp_path / "c"), 500)
+    index = json.loads((tmp_path / "c" / INDEX_NAME).read_text())
+    index["vocab_size"] = None  # no vocabulary recorded: the ids themselves are read
+    (tmp_path / "c" / INDEX_NAME).write_text(json.dumps(index))
+    shards = TokenShards(read_index(tmp_path / "c"))
+    largest = int(shards.read(0, len(shards)).max())
+    shards.close()
+    check_shard_vocab("data.shards", str(tmp_path / "c"), largest + 1)
+    with pytest.raises(ConfigError, match=f"token ids up to {largest} "):
+        check_shard_vocab("data.shards", str(tmp_path / "c"), largest)

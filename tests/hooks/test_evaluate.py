@@ -228,3 +228,17 @@ def test_two_ranks_give_the_single_rank_result(tmp_path):
     two_ranks = json.loads(out.read_text())
     one_rank = make_eval_fn(TinyLM(), causal_lm_loss, Samples(), micro_batch_size=2, runtime=Runtime())()
     assert two_ranks["val_loss"] == pytest.approx(one_rank["val_loss"], rel=1e-6)  # float32 forwards
+
+
+def test_with_validation_resolves_to_a_cadence_only_when_none_is_set():
+    """[issue 27] the cadence a validation split implies, and the user's own winning over it."""
+    auto = EvaluateConfig(with_validation=True)
+    assert not auto.enabled  # a recipe may default to it without needing a validation split
+    assert auto.resolved(True, 100) == EvaluateConfig(with_validation=True, eval_every=10, at_end=True)
+    assert auto.resolved(True, 5).eval_every == 1
+    assert auto.resolved(False, 100) == auto
+    own = EvaluateConfig(with_validation=True, eval_every=7)
+    assert own.resolved(True, 100) == own
+    assert EvaluateConfig().resolved(True, 100) == EvaluateConfig()
+    assert auto.resolved(True, 100).describe() == "every 10 steps and at the end"
+    assert EvaluateConfig(eval_epochs=2).describe() == "every 2 epochs" and EvaluateConfig().describe() == "never"

@@ -189,7 +189,7 @@ def test_tensorboard_scalars_written_when_available(tmp_path, monkeypatch):
     written, closed = [], []
 
     class FakeWriter:
-        def __init__(self, log_dir):
+        def __init__(self, log_dir, **options):  # filename_suffix: the sink finds its file by it
             self.log_dir = log_dir
 
         def add_scalar(self, name, value, step):

@@ -131,6 +131,22 @@ def test_evaluation_is_off_without_validation_data_and_extra_is_empty_without_ho
     assert standard._metrics(inputs, make_wiring(inputs)) is not None  # never off: it ends the log
 
 
+def test_a_validation_split_implies_evaluation_and_a_line_says_when(tmp_path, caplog):
+    """[issue 27] evaluate.with_validation and no cadence: a validation split is evaluated at the end
+    and every tenth of the run (here every step of 4), and one log line says so; without a split, or
+    with with_validation off, there is no evaluation."""
+    config = sections(tmp_path, evaluate=EvaluateConfig(with_validation=True))
+    inputs = inputs_for(config)
+    with caplog.at_level(logging.INFO, logger="fntrain.hooks.evaluate"):
+        hook = standard._evaluate(inputs, make_wiring(inputs))
+    assert hook is not None
+    assert "evaluating on 3 validation samples every 1 steps and at the end" in caplog.text
+    none = dataclasses.replace(inputs, val_dataset=[])
+    assert standard._evaluate(none, make_wiring(none)) is None
+    off = inputs_for(sections(tmp_path, evaluate=EvaluateConfig()))
+    assert standard._evaluate(off, make_wiring(off)) is None
+
+
 FACTORIES = [factory for factory in standard.STANDARD_FACTORIES if factory is not standard._extra]
 
 

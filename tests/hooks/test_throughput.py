@@ -103,6 +103,56 @@ def test_flops_measured_from_a_factory_on_meta_keeps_tied_weights():
     assert from_module == (2 + 2 + 2) * 6 * 10 * 10 / 8
 
 
+def test_flops_of_a_padded_batch_are_measured_although_the_model_reads_its_mask():
+    """[issue 27] transformers asks whether a padding mask is all ones (`.item()`), which a meta tensor
+    cannot answer: the padded batch is measured by its shapes, per valid token."""
+
+    class ReadsMask(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 6)
+            self.head = torch.nn.Linear(6, 10, bias=False)
+
+        def forward(self, input_ids, attention_mask=None, **_):
+            if attention_mask is not None and not bool(attention_mask.all()):  # what HF's mask code does
+                pass
+            return self.head(self.embed(input_ids))
+
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    padded = measure_flops_per_token(ReadsMask, {"input_ids": ids, "labels": labels, "attention_mask": mask})
+    # the head's three matmuls over all 2 x 8 positions, per valid target: 7 + 4 of labels[..., 1:]
+    assert padded == (2 + 2 + 2) * 6 * 10 * 16 / 11
+    with pytest.raises(RuntimeError, match="meta"):  # the failure the measure steps around
+        ReadsMask().to("meta")(ids.to("meta"), mask.to("meta"))
+
+
+@pytest.mark.slow
+def test_flops_of_a_padded_batch_through_a_transformers_llama(recwarn):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fntrain.step import causal_lm_loss
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    ids = torch.randint(0, 64, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 10:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    padded = measure_flops_per_token(lambda: LlamaForCausalLM(config),
+                                     {"input_ids": ids, "labels": labels, "attention_mask": mask},
+                                     loss_fn=causal_lm_loss)  # fmt: skip
+    full = measure_flops_per_token(lambda: LlamaForCausalLM(config), {"input_ids": ids, "labels": ids},
+                                   loss_fn=causal_lm_loss)  # fmt: skip
+    assert padded == full * 30 / 24  # the same work over fewer valid tokens (15 + 9 of labels[..., 1:])
+    model = LlamaForCausalLM(config)
+    matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert 1.0 < full / (6 * matmul_weights) < 1.5  # sane: ~6 FLOPs per weight and token, plus attention
+    assert not [w for w in recwarn if "FLOPs" in str(w.message)]
+
+
 def test_dense_transformer_formula():
     assert dense_transformer_flops_per_token(1000, 2, 8, 16) == 6 * 1000 + 12 * 2 * 8 * 16
 

@@ -289,3 +289,31 @@ def test_building_the_mlflow_sink_creates_no_directory_until_its_first_record(tm
     writer.write(1, 0, {"loss": 1.0})
     writer.stop()
     assert (run_dir / "mlflow.db").is_file()
+
+
+def test_tensorboard_writes_one_event_file_even_when_reopened_after_close(tmp_path):
+    """[issue 27] the job's summary comes after the metrics hook closed the sinks: it (and any record
+    after close) goes into the same event file, not a second one holding only that."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fntrain.hooks.sinks import TensorBoardSink
+
+    other = tmp_path / "tb" / "events.out.tfevents.1.other.1.0"  # another run's file in the same directory
+    other.parent.mkdir()
+    other.write_bytes(b"")
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.log_config({"seed": 1}, {})
+    sink.write(1, {"step": 1, "epoch": 0, "loss": 2.5})
+    sink.summary({"loss": 2.5})
+    sink.close()
+    sink.summary({"outcome": "completed"})  # reopened after close
+    sink.write(2, {"step": 2, "epoch": 0, "loss": 2.0})
+    sink.close()
+    files = sorted(p for p in (tmp_path / "tb").iterdir() if p != other)
+    assert len(files) == 1
+    events = EventAccumulator(str(files[0]))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 2.5), (2, 2.0)]
+    texts = [event.tensor_proto.string_val[0].decode() for event in events.Tensors("summary/text_summary")]
+    assert len(texts) == 2 and "completed" in texts[1]

@@ -232,3 +232,25 @@ def test_packing_needs_the_sdpa_kernel():
     check_packed_attention(HFModelConfig(path="m", attn_implementation="eager"), packing=False)
     with pytest.raises(ValueError, match="model.attn_implementation 'eager' cannot take packed data"):
         check_packed_attention(HFModelConfig(path="m", attn_implementation="eager"), packing=True)
+
+
+def test_loading_draws_no_progress_bar_into_a_log_and_restores_the_setting(tiny_model_dir, capsys, monkeypatch):
+    """[issue 27] transformers' "Loading weights" bar in a non-terminal log: off while fntrain loads
+    (stderr here is pytest's capture, not a terminal), the process's setting back afterwards; on a
+    terminal it is left alone."""
+    from transformers.utils import logging as hf_logging
+
+    from fntrain.models import hf as hf_module
+    from fntrain.models.hf import load_pretrained, quiet_progress_bars
+
+    hf_logging.enable_progress_bar()
+    load_pretrained(HFModelConfig(path=str(tiny_model_dir)), "cpu")
+    assert "Loading weights" not in capsys.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # scoped: not turned off for the rest of the process
+    monkeypatch.setattr(hf_module, "_stderr_is_terminal", lambda: True)
+    with quiet_progress_bars():
+        assert hf_logging.is_progress_bar_enabled()
+    monkeypatch.setattr(hf_module, "_stderr_is_terminal", lambda: False)
+    with quiet_progress_bars():
+        assert not hf_logging.is_progress_bar_enabled()
+    assert hf_logging.is_progress_bar_enabled()

@@ -151,7 +151,6 @@ def tiny_llama(tmp_path_factory):
 
 
 def _config(model_dir: Path, data_path: Path, run_dir: Path, *, iters: int = 3, **lora):
-    from fntrain.data.sft import SFTDataConfig
     from fntrain.hooks.checkpoint import CheckpointConfig
     from fntrain.hooks.progress import ProgressConfig
     from fntrain.models.hf import HFModelConfig
@@ -163,7 +162,7 @@ def _config(model_dir: Path, data_path: Path, run_dir: Path, *, iters: int = 3, 
         run_dir=str(run_dir),
         log_every=1,
         model=HFModelConfig(path=str(model_dir)),
-        data=SFTDataConfig(path=str(data_path), max_length=48),
+        data=hf.DataConfig(path=str(data_path), max_length=48),
         train=TrainConfig(train_iters=iters, global_batch_size=4, micro_batch_size=2),
         optim=OptimizerConfig(lr=1e-2, weight_decay=0.0),
         schedule=ScheduleConfig(lr_schedule_iters=4),  # the same schedule for a 2-step and a 4-step run
