@@ -120,7 +120,7 @@ def encode_unit(unit: TextBlock | TableText, settings: _Settings) -> EncodedBloc
     arrays, numbers, row = [], [], piece.first_row
     name = lambda k: _label(piece.where, "row", k)  # noqa: E731 - k is a row number of the file here
     for batch in read_piece(piece, [unit.column], batch_rows=max(settings.batch_size, 1)):
-        part, part_numbers = _encode_texts(batch.column(0).to_pylist(), settings, lambda k: name(row + k))
+        part, part_numbers = _encode_texts(batch.column(0).to_pylist(), settings, lambda k, first=row: name(first + k))
         arrays.extend(part)
         numbers.extend(row + k for k in part_numbers)
         row += batch.num_rows
