@@ -163,3 +163,25 @@ def test_the_cli_reads_a_column_with_workers(bad_tables, capsys):
     index = dispatch(["tokenize", "in/body.parquet", "--text-key", "body", "--output", "out", "--workers", "2"])
     assert index.documents == 2
     assert np.asarray(open_shards(bad_tables / "out").read(0, 4)).tolist() == [*b"a", 256, *b"b", 256]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_units_are_pulled_lazily_so_memory_is_bounded(workers):
+    """At most 2 x workers units are in flight: the first block comes back before the rest of the input
+    is read (an eager pool.map would read every unit first)."""
+    from fntrain.data.tokenize import byte_tokenizer
+    from fntrain.data.tokenize_pool import TextBlock, encoded_blocks
+
+    pulled = []
+
+    def units():
+        for n in range(50):
+            pulled.append(n)
+            yield TextBlock((f"text {n}",), first=n)
+
+    blocks = encoded_blocks(units(), byte_tokenizer(), dtype=np.dtype("<u2"), limit=256, batch_size=4,
+                            workers=workers)  # fmt: skip
+    first = next(blocks)
+    assert bytes(first.tokens[:-1].tolist()) == b"text 0" and len(pulled) <= 2 * workers
+    assert [bytes(b.tokens[:-1].tolist()) for b in blocks] == [f"text {n}".encode() for n in range(1, 50)]
+    assert len(pulled) == 50
