@@ -115,7 +115,8 @@ def hf_model(tmp_path_factory) -> Path:
 
 
 def _hf_argv(tmp_path: Path, hf_model: Path, data: Path) -> list[str]:
-    return ["run", "hf_causal_lm", "--run-dir", str(tmp_path / "run"), "--model.path", str(hf_model),
+    # The recipe by module path: this checkout's, whatever the installed entry point names.
+    return ["run", "recipes.hf_causal_lm", "--run-dir", str(tmp_path / "run"), "--model.path", str(hf_model),
             "--data.path", str(data), "--data.prompt-key", "question", "--data.completion-key", "answer",
             "--data.max-length", "32", "--train.train-iters", "2", "--train.global-batch-size", "2",
             "--train.micro-batch-size", "2", "--progress.no-enabled"]  # fmt: skip
