@@ -7,7 +7,7 @@
     fntrain config RECIPE [--format toml|json] [--config FILE] [overrides]
                                                         the resolved config, ready to be fed back as --config
     fntrain plot RUN_DIR [options]                      plots of a run's metrics
-    fntrain tokenize INPUT... --output DIR [options]    text/JSONL -> memory-mapped token shards
+    fntrain tokenize INPUT... --output DIR [options]    text/JSONL/Parquet/Arrow -> token shards
     fntrain export CKPT --format hf|dcp OUT [options]   a DCP checkpoint -> a Hugging Face directory, or back
     fntrain recipes                                     the recipes that can be named
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from fntrain.config import require_int
-from fntrain.data.sft import read_jsonl
+from fntrain.data.files import count_rows
 from fntrain.data.vlm import VLMDataConfig, build_vlm_datasets, make_vlm_collate, shapes_texts
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.models.vlm import (
@@ -85,9 +85,9 @@ def dataset_sizes(config: Config) -> tuple[int, int]:
     data = config.data
     if not data.path:
         return data.train_samples, data.val_samples
-    rows = len(read_jsonl(data.path))
+    rows = count_rows(data.path, "data.path")
     if data.val_path:
-        return rows, len(read_jsonl(data.val_path, "data.val_path"))
+        return rows, count_rows(data.val_path, "data.val_path")
     held = max(1, int(rows * data.val_fraction)) if data.val_fraction > 0 else 0
     return rows - held, held
 

@@ -1,10 +1,13 @@
 """Files named by a setting, checked with errors a user can act on; JSONL (optionally gzipped, one
-JSON object per line) read whole or streamed.
+JSON object per line) read whole or streamed; rows of JSONL or of tables (Parquet, Arrow, save_to_disk
+folders: `fntrain.data.tables`) read alike.
 
     file = require_file("data.path", config.data.path)      # exists and is a file, else one clear line
     parent = existing_ancestor(Path(out), "output")         # where a new output directory would go
     rows = read_jsonl_rows("train.jsonl", "data.path")       # [(line number, object), ...], whole file
     for number, row in jsonl_rows(path, "input 'a.jsonl'"):  # streamed, for files too big to hold
+    source = require_source("data.path", config.data.path)  # a file, or a table folder
+    rows = read_rows("train.parquet", "data.path", ["prompt", "completion"])  # [("row 0", {...}), ...]
 
 Every problem is a `fntrain.config.ConfigError` (the command line prints it as one line, exit status 2)
 that starts with the field and the file as the user typed it, and names the line:
@@ -17,13 +20,24 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from fntrain.config import ConfigError
+from fntrain.data.tables import count_table_rows, is_table_source, read_table_rows
 
-__all__ = ["open_text", "require_file", "existing_ancestor", "jsonl_rows", "read_jsonl_rows"]
+__all__ = [
+    "open_text",
+    "require_file",
+    "require_source",
+    "existing_ancestor",
+    "jsonl_rows",
+    "read_jsonl_rows",
+    "read_rows",
+    "count_rows",
+    "position_label",
+]
 
 
 def require_file(field_name: str, path: str) -> Path:
@@ -95,3 +109,40 @@ def read_jsonl_rows(path: str, field_name: str = "data.path") -> list[tuple[int,
     if not rows:
         raise ConfigError(f"{where} is empty: expected one JSON object per line")
     return rows
+
+
+def require_source(field_name: str, path: str) -> Path:
+    """`path` (`~` expanded) when it is an existing file, a `datasets.save_to_disk` folder or a folder
+    of .parquet/.arrow files; else a `ConfigError` saying what it is."""
+    source = Path(path).expanduser()
+    if source.is_dir() and is_table_source(source):
+        return source
+    if source.is_dir():
+        raise ConfigError(
+            f"{field_name} {path!r} is a directory, not a file (nor a folder of .parquet/.arrow files or a "
+            "datasets.save_to_disk dataset)"
+        )
+    return require_file(field_name, path)
+
+
+def read_rows(path: str, field_name: str, columns: Sequence[str]) -> list[tuple[int | str, dict[str, Any]]]:
+    """Every row of a JSONL file (position: its line number) or of a table source (position: "row N",
+    0-based, as `datasets` indexes it; only `columns`, null cells left out), read in full; errors as
+    `read_jsonl_rows` / `fntrain.data.tables.read_table_rows`."""
+    source = require_source(field_name, path)
+    if is_table_source(source):
+        return list(read_table_rows(path, field_name, columns))
+    return list(read_jsonl_rows(path, field_name))
+
+
+def count_rows(path: str, field_name: str) -> int:
+    """The number of rows `read_rows` gives, from table metadata where it can."""
+    source = require_source(field_name, path)
+    if is_table_source(source):
+        return count_table_rows(path, field_name)
+    return len(read_jsonl_rows(path, field_name))
+
+
+def position_label(position: int | str) -> str:
+    """How an error names a row at `position` of `read_rows`: "line 3" or "row 2"."""
+    return f"line {position}" if isinstance(position, int) else position

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning data: JSONL examples -> token ids and labels -> padded or packed samples.
+"""Supervised fine-tuning data: JSONL or table rows -> token ids and labels -> padded or packed samples.
 
     data = SFTDataConfig(path="chat.jsonl", max_length=1024, packing=True)
     data.validate()                                   # before any model work: fields and files
@@ -9,6 +9,9 @@
 Formats (one JSON object per line): {"text": ...} trains on every token; {"prompt": ..., "completion": ...}
 and {"messages": [{"role": ..., "content": ...}, ...]} (rendered with the tokenizer's chat template)
 train on the completion / the assistant turns only: every other token's label is IGNORE_INDEX.
+A Parquet/Arrow file or a `datasets.save_to_disk` folder serves as well: each row is an example whose
+columns are its keys (a null cell is a missing key), so the key settings map columns
+(`fntrain.data.files.read_rows`); errors name its rows 0-based, as `datasets` indexes them.
 
 `assets` is any object with `tokenizer` (a Hugging Face tokenizer, or anything with its call,
 `apply_chat_template` and `is_fast`), `pad_id`, `eos_id` and `chat_template` (`TokenizerAssets`;
@@ -51,7 +54,7 @@ from fntrain.config import (
     require_int,
     require_str,
 )
-from fntrain.data.files import read_jsonl_rows, require_file
+from fntrain.data.files import position_label, read_jsonl_rows, read_rows, require_source
 from fntrain.data.packing import PackedDocuments, document_causal_mask
 from fntrain.data.tokens import IGNORE_INDEX
 
@@ -80,20 +83,20 @@ PAD_TO = ("longest", "max_length")
 
 @dataclass(frozen=True)
 class SFTDataConfig:
-    """The JSONL training data and how it becomes token windows."""
+    """The training data (JSONL or a table) and how it becomes token windows."""
 
     path: str = ""
-    """JSONL file, one example per line: {"text"}, {"prompt", "completion"} or {"messages"}. Required."""
+    """JSONL file (.jsonl or .jsonl.gz), one example per line: {"text"}, {"prompt", "completion"} or {"messages"}; or a .parquet/.arrow file, a folder of them or a datasets.save_to_disk folder, one example per row with those columns. Required."""
     format: Literal["auto", "text", "prompt_completion", "chat"] = "auto"
     """Example format (auto: decided per line by the keys present)."""
     text_key: str = "text"
-    """Key of the text of a text example."""
+    """Key (column) of the text of a text example."""
     prompt_key: str = "prompt"
-    """Key of the prompt of a prompt/completion example."""
+    """Key (column) of the prompt of a prompt/completion example."""
     completion_key: str = "completion"
-    """Key of the completion of a prompt/completion example."""
+    """Key (column) of the completion of a prompt/completion example."""
     messages_key: str = "messages"
-    """Key of the message list of a chat example."""
+    """Key (column) of the message list of a chat example."""
     max_length: int = 1024
     """Tokens per sample: longer examples are truncated (padding) or split across windows (packing)."""
     packing: bool = False
@@ -107,14 +110,14 @@ class SFTDataConfig:
     add_eos: bool = True
     """Append the EOS token to text examples and completions (chat templates end turns themselves)."""
     val_path: str | None = None
-    """JSONL validation examples for evaluation (None: the val_fraction tail of data.path)."""
+    """Validation examples for evaluation, in any format data.path takes (None: the val_fraction tail of data.path)."""
     val_fraction: float = 0.0
     """Tail fraction of data.path's examples held out for evaluation when val_path is None."""
 
     def validate(self, prefix: str = "data") -> None:
-        """Value rules, each error naming `prefix.field`; the JSONL files must exist (a `ConfigError`
-        otherwise), so a bad path fails before any model work. Their rows are read and checked by
-        `build_sft_datasets`."""
+        """Value rules, each error naming `prefix.field`; the data files (or table folders) must exist (a
+        `ConfigError` otherwise), so a bad path fails before any model work. Their rows are read and
+        checked by `build_sft_datasets`."""
         require_str(f"{prefix}.path", self.path)
         if not self.path:
             raise ValueError(f"{prefix}.path is required: a JSONL file of training examples")
@@ -128,9 +131,9 @@ class SFTDataConfig:
         require_int(f"{prefix}.pad_multiple", self.pad_multiple, min=1)
         require_str(f"{prefix}.val_path", self.val_path, optional=True)
         require_float(f"{prefix}.val_fraction", self.val_fraction, min=0.0, max=0.5)
-        require_file(f"{prefix}.path", self.path)
+        require_source(f"{prefix}.path", self.path)
         if self.val_path:
-            require_file(f"{prefix}.val_path", self.val_path)
+            require_source(f"{prefix}.val_path", self.val_path)
 
 
 class TokenizerAssets(Protocol):
@@ -304,16 +307,16 @@ def build_examples(
     assets: TokenizerAssets,
     data: SFTDataConfig,
     source: str = "data.path",
-    lines: Sequence[int] | None = None,
+    lines: Sequence[int | str] | None = None,
 ) -> list[Example]:
-    """Every record transformed, each error naming `source` and the record's line (`lines`, the
-    records' line numbers in their file) or its number; examples with no trained token (within
+    """Every record transformed, each error naming `source` and the record's position (`lines`: the
+    records' line numbers in their file, or table row labels such as "row 3") or its number; examples with no trained token (within
     max_length when padding; the first label is never a target) are dropped with a warning. No example
     left is a `ConfigError`."""
     limit = None if data.packing else data.max_length
     examples, empty = [], 0
     for number, record in enumerate(records, start=1):
-        where = f"{source} line {lines[number - 1]}" if lines is not None else f"{source} example {number}"
+        where = f"{source} {position_label(lines[number - 1])}" if lines is not None else f"{source} example {number}"
         example = transform_example(record, assets, data, where=where)
         if all(label == IGNORE_INDEX for label in example.labels[1:limit]):
             empty += 1
@@ -376,10 +379,10 @@ def build_dataset(
 def build_sft_datasets(
     data: SFTDataConfig, assets: TokenizerAssets
 ) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset | None]:
-    """(train, validation or None): JSONL -> examples -> padded or packed datasets. Validation comes
-    from data.val_path, else the data.val_fraction tail of the training examples. Every row is read and
-    tokenized here, so a bad file or row is a `ConfigError` naming the field, the file and the line
-    before any training (never a failure at step N)."""
+    """(train, validation or None): JSONL or table rows -> examples -> padded or packed datasets.
+    Validation comes from data.val_path, else the data.val_fraction tail of the training examples. Every
+    row is read and tokenized here, so a bad file or row is a `ConfigError` naming the field, the file
+    and the line (or row) before any training (never a failure at step N)."""
     examples = _file_examples(data.path, "data.path", assets, data)
     val_examples: list[Example] = []
     if data.val_path:
@@ -395,7 +398,8 @@ def build_sft_datasets(
 
 
 def _file_examples(path: str, field_name: str, assets: TokenizerAssets, data: SFTDataConfig) -> list[Example]:
-    rows = read_jsonl_rows(path, field_name)
+    columns = (data.text_key, data.prompt_key, data.completion_key, data.messages_key)
+    rows = read_rows(path, field_name, columns)
     lines = [number for number, _ in rows]
     return build_examples([record for _, record in rows], assets, data, f"{field_name} {path!r}", lines)
 

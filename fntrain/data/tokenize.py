@@ -1,4 +1,5 @@
-"""Text and JSONL to memory-mapped token shards (`fntrain tokenize`), read back by `data.shards`.
+"""Text, JSONL, Parquet and Arrow to memory-mapped token shards (`fntrain tokenize`), read back by
+`data.shards`.
 
 Each document is tokenized without special tokens and followed by the tokenizer's EOS id, and the
 documents are concatenated, in input order, into shards of `shard_tokens` tokens (the last one shorter;
@@ -11,11 +12,19 @@ A tokenizer is anything that turns text into ids: `byte_tokenizer()` (UTF-8 byte
 
 Inputs: `.jsonl` (one JSON object per line; its `text_key` field is a document), `.txt` (the whole file,
 each line, or each blank-line separated paragraph is a document: `split`), either optionally gzipped;
-a directory stands for its matching files, recursively, in sorted order.
+`.parquet` and Arrow IPC `.arrow` files (each row's `text_key` column is a document; a null is none) and
+`datasets.save_to_disk` folders (their Arrow files, memory-mapped: `fntrain.data.tables`); a directory
+stands for its matching files, recursively, in sorted order.
 
-A failed tokenization leaves the disk as it found it: the inputs are read through once (every JSONL
-line parsed, every file decoded) before any tokenizing, and the shards are written into a temporary
-directory beside the output, moved into place only when complete (removed on any failure).
+The work is cut into units (blocks of `batch_size` text/JSONL documents, Parquet row groups, runs of
+Arrow record batches) encoded by `workers` processes and written in input order
+(`fntrain.data.tokenize_pool`): the output is byte-identical for any number of workers, and memory is
+bounded by the unit size, never the corpus.
+
+A failed tokenization leaves the disk as it found it: the inputs are checked before any tokenizing
+(every JSONL line parsed, every text file decoded, every table's schema and column read), and the shards
+are written into a temporary directory beside the output, moved into place only when complete (removed
+on any failure).
 """
 
 from __future__ import annotations
@@ -36,6 +45,15 @@ import numpy as np
 from fntrain.config import ConfigError, require_bool, require_choice, require_int, require_str
 from fntrain.data.files import existing_ancestor, jsonl_rows, open_text
 from fntrain.data.shards import INDEX_NAME, ShardIndex, ShardInfo, read_index, token_dtype, write_index
+from fntrain.data.tables import (
+    TABLE_SUFFIXES,
+    is_dataset_folder,
+    read_piece,
+    require_text_column,
+    table_files,
+    table_pieces,
+)
+from fntrain.data.tokenize_pool import EncodedBlock, TableText, TextBlock, encoded_blocks, text_blocks
 
 __all__ = [
     "Tokenizer",
@@ -56,6 +74,7 @@ DOCUMENT_INDEX = "documents.bin"
 FORMATS = ("bin", "npy")
 SPLITS = ("file", "line", "paragraph")
 _TEXT_SUFFIXES = (".txt", ".jsonl")
+_INPUT_SUFFIXES = (*_TEXT_SUFFIXES, *TABLE_SUFFIXES)
 _OWN_FILE = re.compile(r"^(shard_\d+\.(bin|npy)|documents\.bin|index\.json|\.index\.json\.tmp)$")
 
 
@@ -159,19 +178,32 @@ def _stem_suffix(path: Path) -> str:
     return Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
 
 
+def _is_table(path: Path) -> bool:
+    return path.suffix in TABLE_SUFFIXES
+
+
 def input_files(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
-    """The files to read, in order: each file as given, each directory's .txt/.jsonl(.gz) files sorted."""
+    """The files to read, in order: each file as given, a save_to_disk folder's Arrow files in its
+    state.json order, each other directory's .txt/.jsonl(.gz)/.parquet/.arrow files sorted."""
     files: list[Path] = []
     for item in inputs:
         path = Path(item).expanduser()
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and _stem_suffix(p) in _TEXT_SUFFIXES)
+        if is_dataset_folder(path):
+            files.extend(table_files(path, f"input {str(item)!r}"))
+        elif path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and _stem_suffix(p) in _INPUT_SUFFIXES
+                           and not (p.suffix == ".gz" and _is_table(Path(p.stem))))  # fmt: skip
             if not found:
-                raise FileNotFoundError(f"input directory {str(item)!r} holds no .txt or .jsonl files")
+                raise FileNotFoundError(
+                    f"input directory {str(item)!r} holds no .txt, .jsonl, .parquet or .arrow files"
+                )
             files.extend(found)
         elif path.is_file():
-            if _stem_suffix(path) not in _TEXT_SUFFIXES:
-                raise ValueError(f"input {str(item)!r} must be a .txt or .jsonl file (optionally .gz)")
+            if _stem_suffix(path) not in _INPUT_SUFFIXES or (path.suffix == ".gz" and _is_table(Path(path.stem))):
+                raise ValueError(
+                    f"input {str(item)!r} must be a .txt or .jsonl file (optionally .gz), a .parquet or "
+                    ".arrow file, or a datasets.save_to_disk folder"
+                )
             files.append(path)
         else:
             raise FileNotFoundError(f"input {str(item)!r} does not exist")
@@ -213,10 +245,41 @@ def read_documents(
     line."""
     require_choice("split", split, SPLITS)
     for path in input_files(inputs):
-        if _stem_suffix(path) == ".jsonl":
-            yield from _jsonl_documents(path, text_key)
+        yield from _file_documents(path, text_key, split)
+
+
+def _file_documents(path: Path, text_key: str, split: str) -> Iterator[str]:
+    if _is_table(path):
+        for piece in table_pieces(path, f"input {str(path)!r}"):
+            for batch in read_piece(piece, [text_key]):
+                yield from (text for text in batch.column(0).to_pylist() if text is not None)
+    elif _stem_suffix(path) == ".jsonl":
+        yield from _jsonl_documents(path, text_key)
+    else:
+        yield from _text_documents(path, split)
+
+
+def _check_inputs(files: Sequence[Path], text_key: str, split: str) -> None:
+    """Phase 1 of a tokenization: every table's schema has a string `text_key` column and its metadata
+    reads (for all of them, before any text is read); then every text/JSONL file is read through."""
+    for path in files:
+        if _is_table(path):
+            require_text_column(path, text_key, f"input {str(path)!r}")
+            table_pieces(path, f"input {str(path)!r}")
+    for path in files:
+        if not _is_table(path):
+            collections.deque(_file_documents(path, text_key, split), maxlen=0)
+
+
+def _work_units(files: Sequence[Path], text_key: str, split: str, batch_size: int) -> Iterator[TextBlock | TableText]:
+    """The files' deterministic units, in input order: each table piece, and blocks of `batch_size`
+    documents of each text/JSONL file."""
+    for path in files:
+        where = f"input {str(path)!r}"
+        if _is_table(path):
+            yield from (TableText(piece, text_key) for piece in table_pieces(path, where))
         else:
-            yield from _text_documents(path, split)
+            yield from text_blocks(_file_documents(path, text_key, split), batch_size, where)
 
 
 # ----------------------------------------------------------------------------- writing shards
@@ -262,21 +325,6 @@ def _staged_output(output: Path) -> Iterator[Path]:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _encoded(documents: Iterable[str], tokenizer: Tokenizer, batch_size: int) -> Iterator[np.ndarray]:
-    """Each document's ids as a 1-D integer array, in order; batched when the tokenizer can."""
-    if tokenizer.encode_batch is None or batch_size <= 1:
-        for text in documents:
-            yield np.asarray(tokenizer.encode(text))
-        return
-    batch: list[str] = []
-    for text in documents:
-        batch.append(text)
-        if len(batch) == batch_size:
-            yield from (np.asarray(ids) for ids in tokenizer.encode_batch(batch))
-            batch = []
-    if batch:
-        yield from (np.asarray(ids) for ids in tokenizer.encode_batch(batch))
-
 
 @dataclass
 class _ShardWriter:
@@ -315,44 +363,20 @@ def _append_ids(shards: _ShardWriter, ids: np.ndarray) -> None:
             _flush_shard(shards)
 
 
-def _check_ids(number: int, ids: np.ndarray, limit: int, tokenizer: Tokenizer, dtype: np.dtype) -> None:
-    """Document `number`'s ids must be a flat integer array within [0, limit] (ValueError naming it)."""
-    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-        raise ValueError(f"document {number}: the tokenizer must return a flat list of int ids")
-    if ids.size == 0:
-        return
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high > limit:
-        raise ValueError(
-            f"document {number}: token id {low if low < 0 else high} is outside [0, {limit}] "
-            f"(vocabulary {tokenizer.vocab_size}, dtype {dtype})"
-        )
 
-
-def _write_documents(
-    documents: Iterable[str], tokenizer: Tokenizer, batch_size: int, shards: _ShardWriter, index_path: Path
-) -> int:
-    """Append each non-empty document's ids and EOS to `shards`, and its start offset (int64 little-endian)
+def _write_blocks(blocks: Iterable[EncodedBlock], shards: _ShardWriter, index_path: Path) -> int:
+    """Append each block's tokens to `shards`, and its documents' start offsets (int64 little-endian)
     to the document index at `index_path`; return the number of documents written."""
-    dtype = shards.buffer.dtype
-    limit = (tokenizer.vocab_size or np.iinfo(dtype).max + 1) - 1
-    eos = np.asarray([tokenizer.eos_id], dtype=dtype)
-    starts: list[int] = []
     position = documents_written = 0
     with open(index_path, "wb") as document_index:
-        for number, ids in enumerate(_encoded(documents, tokenizer, batch_size)):
-            _check_ids(number, ids, limit, tokenizer, dtype)
-            if ids.size == 0:
+        for block in blocks:
+            if not block.lengths.size:
                 continue
-            starts.append(position)
-            if len(starts) >= 1 << 16:
-                np.asarray(starts, dtype="<i8").tofile(document_index)
-                starts.clear()
-            _append_ids(shards, ids)
-            _append_ids(shards, eos)
-            position += len(ids) + 1
-            documents_written += 1
-        np.asarray(starts, dtype="<i8").tofile(document_index)
+            starts = position + np.cumsum(block.lengths) - block.lengths
+            starts.astype("<i8").tofile(document_index)
+            _append_ids(shards, block.tokens)
+            position += len(block.tokens)
+            documents_written += len(block.lengths)
     return documents_written
 
 
@@ -366,32 +390,46 @@ def tokenize_documents(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     format: str = "bin",
     batch_size: int = 1000,
+    workers: int = 1,
     overwrite: bool = False,
 ) -> ShardIndex:
     """Tokenize `documents` (texts, in order) into shards under `output`; return the checked index.
 
     Empty documents (no ids) are skipped. Ids must fit the shard dtype (uint16 for vocabularies up to
-    65536 ids, else uint32) and, when the vocabulary size is known, lie below it. `index.json` is written
-    last: a directory holding it is complete.
+    65536 ids, else uint32) and, when the vocabulary size is known, lie below it. Blocks of `batch_size`
+    documents are encoded by `workers` processes (byte-identical output for any number). `index.json`
+    is written last: a directory holding it is complete.
     """
     tok = as_tokenizer(tokenizer, eos_id=eos_id, vocab_size=vocab_size)
+    require_int("batch_size", batch_size, min=1)
+    return _tokenize_units(lambda: text_blocks(iter(documents), batch_size), output, tok, shard_tokens=shard_tokens,
+                           format=format, batch_size=batch_size, workers=workers, overwrite=overwrite)  # fmt: skip
+
+
+def _tokenize_units(units: Callable[[], Iterator[TextBlock | TableText]], output: str | os.PathLike[str],
+                    tok: Tokenizer, *, shard_tokens: int, format: str, batch_size: int, workers: int,
+                    overwrite: bool) -> ShardIndex:  # fmt: skip
+    """The settings checked, then the units' shards written into a staged directory that becomes `output`."""
     require_int("shard_tokens", shard_tokens, min=1)
     require_choice("format", format, FORMATS)
     require_int("batch_size", batch_size, min=1)
+    require_int("workers", workers, min=1)
     require_bool("overwrite", overwrite)
     out = Path(output).expanduser()
     _check_output(out, overwrite)
     with _staged_output(out) as staging:
-        _write_shards(documents, tok, staging, shard_tokens, format, batch_size)
+        _write_shards(units(), tok, staging, shard_tokens, format, batch_size, workers)
     return read_index(out)
 
 
-def _write_shards(documents: Iterable[str], tok: Tokenizer, out: Path, shard_tokens: int, format: str,
-                  batch_size: int) -> None:  # fmt: skip
-    """The shards, the document index and (last) index.json of `documents` in the directory `out`."""
+def _write_shards(units: Iterator[TextBlock | TableText], tok: Tokenizer, out: Path, shard_tokens: int, format: str,
+                  batch_size: int, workers: int) -> None:  # fmt: skip
+    """The shards, the document index and (last) index.json of the units' documents in the directory `out`."""
     dtype = token_dtype(tok.vocab_size)
+    limit = (tok.vocab_size or np.iinfo(dtype).max + 1) - 1
     shards = _ShardWriter(out, format, np.empty(shard_tokens, dtype=dtype))
-    documents_written = _write_documents(documents, tok, batch_size, shards, out / DOCUMENT_INDEX)
+    blocks = encoded_blocks(units, tok, dtype=dtype, limit=limit, batch_size=batch_size, workers=workers)
+    documents_written = _write_blocks(blocks, shards, out / DOCUMENT_INDEX)
     if shards.filled or not shards.written:
         _flush_shard(shards)
     index = ShardIndex(
@@ -414,22 +452,32 @@ def tokenize_files(
     *,
     text_key: str = "text",
     split: str = "file",
+    eos_id: int | None = None,
+    vocab_size: int | None = None,
+    batch_size: int = 1000,
     **options: Any,
 ) -> ShardIndex:
-    """`tokenize_documents` over the documents of text/JSONL files (see `read_documents`). The inputs
-    are read through once before anything is tokenized or written (a bad line fails in seconds, not
-    after hours of tokenizing)."""
+    """`tokenize_documents` over the documents of text/JSONL/Parquet/Arrow inputs (see `read_documents`).
+    The inputs are checked before anything is tokenized or written (`_check_inputs`: a bad line or a
+    missing column fails in seconds, not after hours of tokenizing); tables are then read piece by
+    piece by the workers themselves."""
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     if not inputs:
         raise ValueError("tokenize needs at least one input file or directory")
     require_str("text_key", text_key, non_empty=True)
     require_choice("split", split, SPLITS)
+    require_int("batch_size", batch_size, min=1)
     _check_output(Path(output).expanduser(), bool(options.get("overwrite", False)))
-    collections.deque(read_documents(inputs, text_key=text_key, split=split), maxlen=0)  # the scan
-    return tokenize_documents(
-        read_documents(inputs, text_key=text_key, split=split), output, tokenizer, **options
-    )
+    files = input_files(inputs)
+    _check_inputs(files, text_key, split)
+    tok = as_tokenizer(tokenizer, eos_id=eos_id, vocab_size=vocab_size)
+    options.setdefault("shard_tokens", DEFAULT_SHARD_TOKENS)
+    options.setdefault("format", "bin")
+    options.setdefault("workers", 1)
+    options.setdefault("overwrite", False)
+    return _tokenize_units(lambda: _work_units(files, text_key, split, batch_size), output, tok,
+                           batch_size=batch_size, **options)  # fmt: skip
 
 
 def tokenize_command(
@@ -443,20 +491,23 @@ def tokenize_command(
     text_key: str = "text",
     split: Literal["file", "line", "paragraph"] = "file",
     batch_size: int = 1000,
+    workers: int = 1,
     overwrite: bool = False,
 ) -> ShardIndex:
-    """Tokenize text/JSONL files into memory-mapped token shards (read with fntrain.data.shards).
+    """Tokenize text, JSONL, Parquet or Arrow files into memory-mapped token shards (read with
+    fntrain.data.shards).
 
     Args:
-        inputs: .txt / .jsonl files (optionally .gz) or directories of them, read in the order given.
+        inputs: .txt / .jsonl files (optionally .gz), .parquet / .arrow files, datasets.save_to_disk folders, or directories of them, read in the order given.
         output: Directory for the shards, documents.bin and index.json.
         tokenizer: "bytes" (UTF-8 bytes) or a local Hugging Face tokenizer directory.
         eos_id: Id appended after every document (default: the tokenizer's EOS; 256 for bytes).
         shard_tokens: Tokens per shard file.
         format: Shard files as raw little-endian .bin or as .npy arrays.
-        text_key: Field of each JSONL object that holds the document's text.
+        text_key: Field of each JSONL object, or column of each Parquet/Arrow row, that holds the document's text.
         split: For .txt inputs: the whole file, each line, or each blank-line separated paragraph is a document.
-        batch_size: Documents per call of a batching (Hugging Face) tokenizer.
+        batch_size: Documents per call of a batching (Hugging Face) tokenizer, and per unit of work of a text/JSONL file.
+        workers: Processes that tokenize; the output is byte-identical for any number.
         overwrite: Replace the shards already in output.
     """
     return tokenize_files(
@@ -469,5 +520,6 @@ def tokenize_command(
         text_key=text_key,
         split=split,
         batch_size=batch_size,
+        workers=workers,
         overwrite=overwrite,
     )

@@ -1,4 +1,4 @@
-"""Vision-language fine-tuning data: image + chat JSONL (or a generated shapes set) -> the model's own
+"""Vision-language fine-tuning data: image + chat JSONL or tables (or a generated shapes set) -> the model's own
 processor -> input_ids, labels (assistant turns only) and per-sample pixel_values -> padded batches.
 
     data = VLMDataConfig(path="vqa.jsonl", val_fraction=0.05)
@@ -14,6 +14,11 @@ is rendered with the processor's chat template and encoded by the processor (whi
 placeholder into the model's image tokens and resizes the images: nothing here resizes by hand). Only
 the assistant turns are trained on: every other label, the image tokens included, is IGNORE_INDEX.
 
+A Parquet/Arrow file or a `datasets.save_to_disk` folder serves as well, one row per example, its
+columns the keys (`fntrain.data.files.read_rows`; errors name rows 0-based). Its image column may hold
+paths (relative to the file's directory, or to the save_to_disk folder), encoded image bytes, or what
+`datasets.Image` stores ({"bytes", "path"} structs), or lists of them.
+
 With no `path`, a generated set is used (`ShapesQA`): coloured shapes on noise backgrounds, each asking
 "What colour is the shape?" or "What shape is it?" (4 answers each); images are drawn from (seed,
 index), so the set needs no file and validation images are never trained on.
@@ -25,6 +30,7 @@ Pillow is imported inside functions only.
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -36,7 +42,7 @@ import numpy as np
 import torch
 
 from fntrain.config import ConfigError, require_choice, require_float, require_int, require_str
-from fntrain.data.files import read_jsonl_rows, require_file
+from fntrain.data.files import position_label, read_rows, require_source
 from fntrain.data.sft import _chat_spans, make_sft_collate
 from fntrain.data.tokens import IGNORE_INDEX
 
@@ -68,22 +74,22 @@ QUESTIONS = {"colour": "What colour is the shape?", "shape": "What shape is it?"
 
 @dataclass(frozen=True)
 class VLMDataConfig:
-    """The image + text training data (a JSONL file, or the generated shapes set)."""
+    """The image + text training data (a JSONL file or a table, or the generated shapes set)."""
 
     path: str = ""
-    """JSONL file, one row per line: {"image", "messages"} or {"image", "prompt", "completion"}; image paths are relative to the file. Empty: the generated shapes question-answer set."""
+    """JSONL file, one row per line: {"image", "messages"} or {"image", "prompt", "completion"}; image paths are relative to the file. Or a .parquet/.arrow file, a folder of them or a datasets.save_to_disk folder with those columns (images as paths, bytes or datasets.Image). Empty: the generated shapes question-answer set."""
     val_path: str | None = None
-    """JSONL validation rows (None: the val_fraction tail of data.path, or generated held-out images)."""
+    """Validation rows, in any format data.path takes (None: the val_fraction tail of data.path, or generated held-out images)."""
     val_fraction: float = 0.0
     """Tail fraction of data.path's rows held out for validation when val_path is None."""
     image_key: str = "image"
-    """Key of a row's image path (or list of paths)."""
+    """Key (column) of a row's image path (or list of paths; in a table also image bytes)."""
     messages_key: str = "messages"
-    """Key of a chat row's message list."""
+    """Key (column) of a chat row's message list."""
     prompt_key: str = "prompt"
-    """Key of a prompt/completion row's prompt."""
+    """Key (column) of a prompt/completion row's prompt."""
     completion_key: str = "completion"
-    """Key of a prompt/completion row's completion."""
+    """Key (column) of a prompt/completion row's completion."""
     max_length: int = 512
     """Most tokens per example, image tokens included; a longer example is an error (cutting it could cut its image tokens)."""
     pad_to: Literal["longest", "max_length"] = "longest"
@@ -96,8 +102,8 @@ class VLMDataConfig:
     """Generated set: image side in pixels (the processor resizes to the model's input size)."""
 
     def validate(self, prefix: str = "data") -> None:
-        """Value rules naming `prefix.field`; given JSONL files must exist (a `ConfigError`); their rows
-        and images are checked by `build_vlm_datasets`."""
+        """Value rules naming `prefix.field`; given data files (or table folders) must exist (a
+        `ConfigError`); their rows and images are checked by `build_vlm_datasets`."""
         require_str(f"{prefix}.path", self.path)
         require_str(f"{prefix}.val_path", self.val_path, optional=True)
         require_float(f"{prefix}.val_fraction", self.val_fraction, min=0.0, max=0.5)
@@ -109,9 +115,9 @@ class VLMDataConfig:
         require_int(f"{prefix}.val_samples", self.val_samples, min=0)
         require_int(f"{prefix}.image_size", self.image_size, min=8)
         if self.path:
-            require_file(f"{prefix}.path", self.path)
+            require_source(f"{prefix}.path", self.path)
         if self.val_path:
-            require_file(f"{prefix}.val_path", self.val_path)
+            require_source(f"{prefix}.val_path", self.val_path)
 
 
 # ----------------------------------------------------------------------------- the generated set
@@ -199,12 +205,15 @@ def write_shapes_jsonl(directory: str | Path, count: int, *, seed: int = 0, star
 
 
 def _image_sources(value: Any, root: Path | None, where: str) -> list[Any]:
-    """The images of a row's image value (a path, a PIL image, or a list of them): PIL images as they
-    are, paths resolved against `root` and checked to be files (a `ConfigError` naming `where` and the
-    path as written in the row)."""
+    """The images of a row's image value (a path, a PIL image, encoded bytes, a `datasets.Image`
+    {"bytes", "path"} struct, or a list of them): PIL images and bytes as they are, paths resolved
+    against `root` and checked to be files (a `ConfigError` naming `where` and the path as written in
+    the row)."""
     sources = []
     for item in value if isinstance(value, list) else [value]:
-        if hasattr(item, "convert"):  # a PIL image (generated rows)
+        if isinstance(item, Mapping) and ("bytes" in item or "path" in item):  # datasets.Image
+            item = item.get("bytes") or item.get("path")
+        if hasattr(item, "convert") or isinstance(item, bytes):  # a PIL image (generated rows), bytes
             sources.append(item)
             continue
         if not isinstance(item, str):
@@ -223,8 +232,8 @@ def _load_images(value: Any, root: Path | None, where: str) -> list[Any]:
 
     images = []
     for source in _image_sources(value, root, where):
-        if isinstance(source, Path):
-            with Image.open(source) as opened:
+        if isinstance(source, (Path, bytes)):
+            with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as opened:
                 images.append(opened.convert("RGB"))
         else:
             images.append(source.convert("RGB"))
@@ -274,11 +283,14 @@ def check_vlm_rows(rows: Sequence[Mapping[str, Any]], data: VLMDataConfig, *, ro
 
     for record, where in zip(rows, wheres, strict=True):
         images = _image_sources(record[data.image_key], root, where) if data.image_key in record else []
-        for path in (image for image in images if isinstance(image, Path)):
+        for index, image in enumerate(images):
+            if not isinstance(image, (Path, bytes)):
+                continue
             try:
-                Image.open(path).close()  # the header only: what decoding would refuse first
+                Image.open(io.BytesIO(image) if isinstance(image, bytes) else image).close()  # the header only
             except (UnidentifiedImageError, OSError) as error:
-                raise ConfigError(f"{where}: image {str(path)!r} is not an image Pillow reads ({error})") from None
+                name = f"{index} (bytes)" if isinstance(image, bytes) else repr(str(image))
+                raise ConfigError(f"{where}: image {name} is not an image Pillow reads ({error})") from None
         messages = vlm_messages(record, data, len(images), where)
         if not any(m["role"] == "assistant" for m in messages):
             raise ConfigError(f"{where}: no assistant turn to train on")
@@ -366,7 +378,7 @@ class VLMExamples(torch.utils.data.Dataset):
     line in its file (`lines`) or its number."""
 
     def __init__(self, rows: Sequence[Mapping[str, Any]], processor: Any, data: VLMDataConfig, *,
-                 root: Path | None = None, source: str = "data.path", lines: Sequence[int] | None = None):  # fmt: skip
+                 root: Path | None = None, source: str = "data.path", lines: Sequence[int | str] | None = None):  # fmt: skip
         self.rows, self.processor, self.data, self.root, self.source = rows, processor, data, root, source
         self.lines = lines
 
@@ -374,9 +386,9 @@ class VLMExamples(torch.utils.data.Dataset):
         return len(self.rows)
 
     def where(self, index: int) -> str:
-        """How errors name row `index`: its line in the file, else its number."""
+        """How errors name row `index`: its line in the file (or its table row), else its number."""
         line = self.lines[index] if self.lines is not None else None
-        return f"{self.source} line {line}" if line is not None else f"{self.source} row {index + 1}"
+        return f"{self.source} {position_label(line)}" if line is not None else f"{self.source} row {index + 1}"
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         where = self.where(index)
@@ -404,7 +416,7 @@ class VLMPrompts(torch.utils.data.Dataset):
 def build_vlm_datasets(
     data: VLMDataConfig, processor: Any, *, seed: int = 0
 ) -> tuple[VLMExamples, VLMExamples | None]:
-    """(train, validation or None): the JSONL rows of data.path (validation: data.val_path, else the
+    """(train, validation or None): the JSONL or table rows of data.path (validation: data.val_path, else the
     data.val_fraction tail), or the generated set (validation: data.val_samples held-out images). Every
     JSONL row is read and checked here (its conversation, that its image files exist), so a bad row is a
     `ConfigError` naming the field, the file and the line before training."""
@@ -430,13 +442,16 @@ def build_vlm_datasets(
     return VLMExamples(rows, processor, data, root=root, source=source, lines=lines), val
 
 
-def _checked_rows(path: str, field_name: str, data: VLMDataConfig) -> tuple[list[dict], list[int], Path]:
-    """(rows, their line numbers, the directory image paths are relative to) of a JSONL file, every row
-    checked (`check_vlm_rows`)."""
-    numbered = read_jsonl_rows(path, field_name)
+def _checked_rows(path: str, field_name: str, data: VLMDataConfig) -> tuple[list[dict], list[int | str], Path]:
+    """(rows, their positions, the directory image paths are relative to) of a JSONL file or a table
+    source, every row checked (`check_vlm_rows`)."""
+    columns = (data.image_key, data.messages_key, data.prompt_key, data.completion_key)
+    numbered = read_rows(path, field_name, columns)
     rows, lines = [row for _, row in numbered], [number for number, _ in numbered]
-    root = Path(path).expanduser().parent
-    check_vlm_rows(rows, data, root=root, wheres=[f"{field_name} {path!r} line {n}" for n in lines])
+    source = require_source(field_name, path)
+    root = source if source.is_dir() else source.parent
+    wheres = [f"{field_name} {path!r} {position_label(n)}" for n in lines]
+    check_vlm_rows(rows, data, root=root, wheres=wheres)
     return rows, lines, root
 
 
