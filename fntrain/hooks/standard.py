@@ -115,6 +115,7 @@ class HookInputs:
     run_config: dict[str, Any] | None = None  # the resolved config: trackers and checkpoints get it
     extra: Sequence[Hook] = ()  # the spec's hooks, just before the checkpoint hook
     attempt: int = 0  # which launch of the run this is; tags each metrics record
+    data_fingerprint: Mapping[str, Any] | None = None  # what the data was: every checkpoint records it
 
 
 @dataclass(frozen=True)
@@ -200,11 +201,12 @@ def _checkpoint(inputs: HookInputs, wiring: Wiring) -> Hook | None:
     """Saves the state of every stateful hook of the list (itself included) and `run_config`; handles
     the preemption signals itself (a preemption ends the run with outcome "preempted")."""
     config = inputs.config.checkpoint
-    if not (config.enabled or config.save_on_interrupt):
+    if not (config.enabled or config.save_on_interrupt or config.saves_at_end):
         return None
     return checkpoint_hook(config, inputs.components, inputs.runtime,
                            directory=checkpoint_root(config, inputs.run_dir),
-                           hooks=lambda: wiring.hooks, run_config=inputs.run_config)  # fmt: skip
+                           hooks=lambda: wiring.hooks, run_config=inputs.run_config,
+                           data=inputs.data_fingerprint)  # fmt: skip
 
 
 def _watchdog(inputs: HookInputs, wiring: Wiring) -> Hook | None:
