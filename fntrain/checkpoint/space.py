@@ -1,7 +1,7 @@
 """Room for a checkpoint, and the one line a failed save leaves.
 
     needed_bytes(root, tensors)       what the next save writes: the newest complete checkpoint's size
-                                      (from its manifest), else the state's global tensor bytes
+                                      (from its manifest), else an estimate from the state's tensors
     free_bytes(root)                  free space of the checkpoint filesystem, for this (unprivileged) user
     room_problem(root, tensors)       None, or why the save will not fit (bytes needed and free)
     CheckpointSaveError               a save that failed: the checkpoint, the OS error, bytes needed and
@@ -41,10 +41,10 @@ __all__ = [
 
 log = logging.getLogger("fntrain.checkpoint")
 
-# Bytes a save writes besides the tensors: DCP's metadata, the JSON files, the manifest, per-tensor
-# headers. Generous, so that an estimate from the state alone errs towards a warning, never a surprise.
-_OVERHEAD = 1 << 20
-_PER_TENSOR = 4 << 10
+# Bytes a save writes besides the tensors: DCP's metadata, the JSON files and the manifest, and each
+# tensor's torch.save header (about 1 kB). Generous, so that an estimate errs towards caution.
+_OVERHEAD = 64 << 10
+_PER_TENSOR = 2 << 10
 
 
 class CheckpointSaveError(RuntimeError):
@@ -114,15 +114,14 @@ def _previous_bytes(root: Path) -> int | None:
         return None
     if not manifest:
         return None
-    return sum(int(entry.get("size", 0)) for entry in manifest.get("files", {}).values()) + _OVERHEAD
+    return sum(int(entry.get("size", 0)) for entry in manifest.get("files", {}).values())
 
 
 def needed_bytes(root: str | os.PathLike, tensors: Mapping[str, Any]) -> int:
-    """What the next save into `root` will write: the larger of the previous checkpoint's size and the
-    state's global tensor bytes (a model that grew, or a first save, still counts)."""
+    """What the next save into `root` will write: the size of the previous checkpoint (the same state
+    saved again), else, before the first save, the state's tensors at their global size plus headers."""
     previous = _previous_bytes(Path(root))
-    estimate = _tensor_bytes(tensors)
-    return max(previous or 0, estimate)
+    return previous if previous is not None else _tensor_bytes(tensors)
 
 
 def room_problem(root: str | os.PathLike, tensors: Mapping[str, Any]) -> tuple[int, int | None, str | None]:
