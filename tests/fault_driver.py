@@ -10,6 +10,8 @@ FAULT is `none` or `<kind>:<rank>:<step>[:<seconds>]`:
   stall:R:K:S    rank R sleeps S seconds inside step K (in optimizer.step, after the backward's collectives)
   sigterm:R:K    rank R sends itself SIGTERM at STEP_BEGIN of step K (a preemption notice), first launch only
   sigint:R:K     rank R sends itself SIGINT (Ctrl-C) at STEP_BEGIN of step K, first launch only
+  nospacecheck   the free-space check before each save always passes (so that a full filesystem fails
+                 inside DCP's write, as it would where free space cannot be known in advance)
   sigstop:R:K    rank R sends itself SIGSTOP at STEP_BEGIN of step K, first launch only: a frozen rank
                  (every thread stopped, its watchdog too), as a dead NFS mount or a debugger leaves it
 
@@ -79,6 +81,11 @@ def main(argv: list[str]) -> None:
             maybe_stall._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
             optimizer.step = maybe_stall
         return [recorder]
+
+    if kind == "nospacecheck":
+        import fntrain.checkpoint.saver as saver
+
+        saver.room_problem = lambda root, tensors: (saver.needed_bytes(root, tensors), None, None)
 
     from fntrain.cli import _reporting, run_recipe
     from fntrain.run.config_file import parse_config_cli
