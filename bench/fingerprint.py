@@ -86,8 +86,16 @@ def main(argv: list[str] | None = None) -> None:
         logical = sum(os.path.getsize(f) for f in big.glob("shard_*.bin"))
         full_s = logical / crc_bps
     rows = [
-        ("100 x 10 GiB shards (1 TiB, sparse)", f"{1000 * big_s / SHARDS:.3f} ms/shard", f"{big_s * 1000:.1f} ms"),
-        ("100 x 4 MiB shards (random tokens)", f"{1000 * small_s / SHARDS:.3f} ms/shard", f"{small_s * 1000:.1f} ms"),
+        (
+            "100 x 10 GiB shards (1 TiB, sparse)",
+            f"{1000 * big_s / SHARDS:.3f} ms/shard",
+            f"{big_s * 1000:.1f} ms",
+        ),
+        (
+            "100 x 4 MiB shards (random tokens)",
+            f"{1000 * small_s / SHARDS:.3f} ms/shard",
+            f"{small_s * 1000:.1f} ms",
+        ),
         ("full CRC-32 (baseline)", f"{crc_bps / 1e9:.2f} GB/s", f"1 TiB: {full_s / 60:.0f} min"),
         ("fingerprint / full CRC, 1 TiB", f"{big_s / full_s:.1e}x", ""),
     ]

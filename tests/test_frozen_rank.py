@@ -38,7 +38,9 @@ def torchrun(run_dir: Path, fault: str, corpus: Path, restarts: int) -> subproce
         "--checkpoint.save-every", "2", "--checkpoint.restore-from", "auto",
         "--watchdog.floor-s", str(FLOOR_S), "--watchdog.grace-s", "0", "--watchdog.poll-s", str(POLL_S),
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -74,7 +76,10 @@ def test_a_frozen_worker_is_found_by_the_healthy_rank_restarted_and_resumed_bitw
     expected, recorded = dict(losses(tmp_path / "reference")), losses(run_dir)
     assert [step for step, _ in recorded] == list(range(1, 11)), recorded
     assert all(value == expected[step] for step, value in recorded), "losses differ from the reference"
-    want, got = load_file(tmp_path / "reference" / "model.safetensors"), load_file(run_dir / "model.safetensors")
+    want, got = (
+        load_file(tmp_path / "reference" / "model.safetensors"),
+        load_file(run_dir / "model.safetensors"),
+    )
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     metadata = json.loads((run_dir / "run_metadata.json").read_text())
     assert metadata["restart_count"] >= 1 and metadata["launches"][-1]["start_step"] == 4

@@ -44,7 +44,11 @@ def run(tmp_path: Path, run_dir: Path, *args: str, size: int | None = None, driv
     if not corpus.exists():
         corpus.write_bytes((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:3000])
     checkpoints = run_dir / "checkpoints"
-    head = ["-m", "fntrain", "run", "tiny_gpt"] if driver is None else ["-m", "tests.fault_driver", str(tmp_path / "faults"), driver]
+    head = (
+        ["-m", "fntrain", "run", "tiny_gpt"]
+        if driver is None
+        else ["-m", "tests.fault_driver", str(tmp_path / "faults"), driver]
+    )
     command = [sys.executable, *head, *TINY, "--data.path", str(corpus), "--run-dir", str(run_dir), *args]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -101,7 +105,10 @@ def test_a_save_that_will_not_fit_is_refused_early_and_the_run_resumes(tmp_path,
     result = run(tmp_path, run_dir, size=int(one_checkpoint * 1.6))
     line = last_line(result)
     assert result.returncode == 1, result.stderr[-3000:]
-    assert "checkpoint step_6 not saved: ENOSPC not enough free space" in line and "nothing was left behind" in line
+    assert (
+        "checkpoint step_6 not saved: ENOSPC not enough free space" in line
+        and "nothing was left behind" in line
+    )
     held = run_dir / "checkpoints.tmpfs"
     assert sorted(p.name for p in held.iterdir()) == ["latest", "step_3"]
     # given room (what the tmpfs held, moved to the real disk), the run resumes from step_3
@@ -119,7 +126,10 @@ def test_continue_and_make_room_on_a_small_disk(tmp_path, one_checkpoint):
     assert kept.returncode == 0, kept.stderr[-3000:]
     warnings = [line for line in kept.stderr.splitlines() if "not saved" in line]
     assert "step_6 not saved" in warnings[0] and "step_9 not saved" in warnings[1]  # each cadence warns
-    assert {line.split(" not saved")[0].split()[-1] for line in warnings} == {"step_6", "step_9"}  # (the end retries 9)
+    assert {line.split(" not saved")[0].split()[-1] for line in warnings} == {
+        "step_6",
+        "step_9",
+    }  # (the end retries 9)
     assert all("training goes on" in line and "step_3 is the newest good" in line for line in warnings)
 
     roomy = tmp_path / "roomy"

@@ -17,6 +17,15 @@ Threads: each `save_async` runs its write in an executor thread DCP starts; `Pen
 stager from `make_stager`) joins any that is left, so a run that closes its stager ends with no thread
 the checkpoint started.
 
+A save that fails [issue 29] (a full disk, a quota, an I/O error, a permission change; in the JSON
+parts, DCP's write or the completion) raises `CheckpointSaveError` on every rank together (the ranks
+agree on a failure where DCP does not: before its write and after it), one line naming the
+checkpoint, the OS error, bytes needed and free and the newest good checkpoint; rank 0 removes the
+partial directory (`fntrain.checkpoint.space`). Before anything is written rank 0 compares the free
+space with what the save needs (the previous checkpoint's size, else the state's): a save that will not
+fit fails at once, one that leaves no room for the next warns. Retention runs only after a save is
+complete, so it never deletes a verified checkpoint to make room, unless `make_room` allows it.
+
 A checkpoint saved with `temporary=True` (time-based saves, optionally) says so in meta.json and in its
 `COMPLETE` marker; completing any later checkpoint deletes the temporary ones with a lower step.
 """
@@ -55,7 +64,14 @@ from fntrain.checkpoint.layout import (
 )
 from fntrain.checkpoint.retention import remove_superseded_temporary, retain
 from fntrain.checkpoint.rng import rng_state
-from fntrain.checkpoint.space import CheckpointSaveError, human_bytes, needed_bytes, room_problem, save_failure, what_failed
+from fntrain.checkpoint.space import (
+    CheckpointSaveError,
+    human_bytes,
+    needed_bytes,
+    room_problem,
+    save_failure,
+    what_failed,
+)
 from fntrain.checkpoint.tree import split
 from fntrain.checkpoint.verify import write_manifest
 from fntrain.components import Components
@@ -141,7 +157,9 @@ class _Prepared:
     needed: int
 
 
-def _room_for(root: Path, path: Path, tensors: dict[str, torch.Tensor], keep_last: int, make_room: bool) -> tuple[int, str | None]:
+def _room_for(
+    root: Path, path: Path, tensors: dict[str, torch.Tensor], keep_last: int, make_room: bool
+) -> tuple[int, str | None]:
     """Rank 0, before anything is written: (bytes needed, a problem or None). With `make_room` (and
     keep_last >= 2, so a good checkpoint always remains) a short disk first loses the oldest verified
     checkpoints that retention would delete after this save anyway; otherwise nothing is deleted."""
@@ -302,7 +320,8 @@ def _finalize(
         remove_superseded_temporary(root, path)
         retain(root, keep_last, protect=path)
     except OSError as error:
-        log.warning("checkpoint %s saved, but removing older checkpoints failed: %s", path, what_failed(error))
+        log.warning("checkpoint %s saved, but removing older checkpoints failed: %s", path,
+                    what_failed(error))  # fmt: skip
     log.info("checkpoint saved: %s", path)
     return None
 
@@ -437,8 +456,9 @@ class PendingSave:
                 self.path, timeout,
             )  # fmt: skip
         except BaseException as error:  # noqa: BLE001 - an abort path must not raise
-            log.error("%s", error if isinstance(error, CheckpointSaveError) else
-                      f"asynchronous checkpoint save to {self.path} failed: {error.__cause__ or error!r}")  # fmt: skip
+            if not isinstance(error, CheckpointSaveError):
+                error = f"asynchronous checkpoint save to {self.path} failed: {error.__cause__ or error!r}"
+            log.error("%s", error)
         return False
 
 

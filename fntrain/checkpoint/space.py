@@ -163,7 +163,8 @@ def what_failed(error: BaseException) -> str:
     if isinstance(failures, Mapping) and failures:  # DCP: report the first rank's own error
         rank, pair = next(iter(failures.items()))
         inner = pair[0] if isinstance(pair, tuple) else pair
-        return f"rank {rank}: {type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner).strip() else ''}"
+        first = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+        return f"rank {rank}: {type(inner).__name__}: {first}"
     message = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
@@ -194,10 +195,24 @@ def save_failure(
     left = discard_partial(path) if discard else ""
     free = free_bytes(root)
     good = find_latest(root)
-    remains = f"{good.name} is the newest good checkpoint" if good is not None else "no complete checkpoint exists yet"
-    if "ENOSPC" not in what and "EDQUOT" not in what and needed is not None and free is not None and free < needed:
+    remains = (
+        f"{good.name} is the newest good checkpoint"
+        if good is not None
+        else "no complete checkpoint exists yet"
+    )
+    if (
+        "ENOSPC" not in what
+        and "EDQUOT" not in what
+        and needed is not None
+        and free is not None
+        and free < needed
+    ):
         what += " (the filesystem is full)"  # e.g. torch.save's zip writer, which hides the OS error
-    room = f"needs ~{human_bytes(needed)}, {human_bytes(free)} free" if needed is not None else f"{human_bytes(free)} free"
+    room = (
+        f"needs ~{human_bytes(needed)}, {human_bytes(free)} free"
+        if needed is not None
+        else f"{human_bytes(free)} free"
+    )
     line = f"checkpoint {Path(path).name} not saved: {what} ({room})"
     line += f"; {left}" if left else ""
     line += f"; {remains} in {root}"

@@ -12,6 +12,14 @@ cadence set the hook saves nothing (save_on_interrupt aside) and installs no han
   TRAIN_END drains it. ABORT waits at most `abort_wait_s` for it (completing it if it succeeded) and
   never raises. Multi-rank async saves run on a dedicated gloo group so their collectives never
   interleave with training's.
+- on_save_failure: a save that fails (`fntrain.checkpoint.CheckpointSaveError`: a full disk, a quota,
+  an I/O error; sync, or async at the next step boundary) stops the run with its one line ("stop", the
+  default: exit status 1, outcome "failed", resumable from the newest good checkpoint), or is a warning
+  and the step counts as unsaved, so the next cadence and the end try again ("continue"). A preemption's
+  save always stops on failure. make_room lets a save that will not fit delete the oldest checkpoints
+  keep_last would delete after it.
+- The end: the final step is saved when a cadence is set or the run resumes from a checkpoint
+  (`saves_at_end`), so a run extended with allow_changes train.train_iters ends with a checkpoint.
 - save_on_interrupt: Ctrl-C (SIGINT) is a notice like a preemption signal: the run saves at the next
   step boundary (never a half-applied update, on every rank together) and stops with the outcome
   "interrupted" and exit status 130; a second Ctrl-C ends the process at once.
@@ -284,7 +292,8 @@ def _save_failed(setup: _Setup, memory: _CheckpointMemory, error: CheckpointSave
     memory.last_saved = memory.last_good
     if stop or setup.config.on_save_failure == "stop":
         raise error
-    log.warning("%s; training goes on (checkpoint.on_save_failure continue), the next save tries again", error.line)
+    log.warning("%s; training goes on (checkpoint.on_save_failure continue), the next save tries again",
+                error.line)  # fmt: skip
 
 
 def _save_now(
@@ -325,7 +334,8 @@ def _save_now(
         else:
             save(setup.root, state, setup.components, thread_count=config.thread_count, **kwargs)
             memory.last_good = state.global_step
-            log.info("checkpoint step %d%s saved in %.3f s", state.global_step, kind, time.perf_counter() - t0)
+            log.info("checkpoint step %d%s saved in %.3f s", state.global_step, kind,
+                     time.perf_counter() - t0)  # fmt: skip
     except CheckpointSaveError as error:
         _save_failed(setup, memory, error, stop=stop)
 

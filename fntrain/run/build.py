@@ -137,7 +137,8 @@ def _eval_functions(built: Built, spec: RecipeSpec) -> tuple[Callable, Callable 
 
 
 def job_hooks(built: Built, spec: RecipeSpec, early: Any = None, *, attempt: int = 0,
-              last: Hook | None = None, data_fingerprint: dict[str, Any] | None = None) -> list[Hook]:  # fmt: skip
+              last: Hook | None = None,
+              data_fingerprint: dict[str, Any] | None = None) -> list[Hook]:  # fmt: skip
     """The standard hook list (memory, throughput, metrics, progress, evaluate, gc, profiler, the
     spec's extra hooks, checkpoint, watchdog), wired to what `build_job` made; `last` goes at the end;
     `data_fingerprint` goes into every checkpoint."""

@@ -34,8 +34,10 @@ from fntrain.run.config_file import config_to_dict
 from fntrain.run.directory import config_changes
 from fntrain.state import TrainState
 
-__all__ = ["Resume", "first_launch", "starting_over", "decide_resume", "with_data", "data_changes", "verified_resume",
-           "resume_changes", "restore_state"]  # fmt: skip
+__all__ = [
+    "Resume", "first_launch", "starting_over", "decide_resume", "with_data", "data_changes", "verified_resume",
+    "resume_changes", "restore_state",
+]  # fmt: skip
 
 log = logging.getLogger("fntrain.run.resume")
 
@@ -111,7 +113,9 @@ def resume_changes(config: JobConfig, path: Path | None) -> dict[str, list[Any]]
     return {name: [old, new] for name, old, new in changes}
 
 
-def data_changes(config: JobConfig, path: Path | None, fingerprint: dict[str, Any] | None) -> dict[str, list[Any]]:
+def data_changes(
+    config: JobConfig, path: Path | None, fingerprint: dict[str, Any] | None
+) -> dict[str, list[Any]]:
     """{"data": [as saved, now]} when the data `fingerprint` differs from the one the checkpoint `path`
     recorded and `data` is in checkpoint.allow_changes; a `ConfigError` naming each changed file and
     fact when it is not. Nothing to compare (no checkpoint, one saved before fingerprints, a

@@ -25,8 +25,15 @@ from pathlib import Path
 import pytest
 
 from fntrain import StepInfo, TrainState
-from fntrain.checkpoint import CheckpointSaveError, find_latest, list_checkpoints, save, save_async, step_dir
-from fntrain.checkpoint import space
+from fntrain.checkpoint import (
+    CheckpointSaveError,
+    find_latest,
+    list_checkpoints,
+    save,
+    save_async,
+    space,
+    step_dir,
+)
 from fntrain.checkpoint.layout import LATEST
 from fntrain.hooks import checkpoint as checkpoint_module
 from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook
@@ -40,7 +47,7 @@ INFO = StepInfo({"loss": 0.0})
 class _FullFile:
     """A file whose writes fail with `code` once `budget` bytes were written."""
 
-    def __init__(self, file, budget: int, code: int, shim: "FullDisk"):
+    def __init__(self, file, budget: int, code: int, shim: FullDisk):
         self._file, self._budget, self._code, self._shim = file, budget, code, shim
 
     def write(self, data):
@@ -131,7 +138,9 @@ def test_a_full_disk_at_any_file_of_a_save_is_one_line_and_loses_nothing(tmp_pat
     assert (tmp_path / LATEST).read_text().strip() == "step_3" and find_latest(tmp_path).name == "step_3"
 
 
-@pytest.mark.parametrize(("code", "name"), [(errno.EDQUOT, "EDQUOT"), (errno.EIO, "EIO"), (errno.EACCES, "EACCES")])
+@pytest.mark.parametrize(
+    ("code", "name"), [(errno.EDQUOT, "EDQUOT"), (errno.EIO, "EIO"), (errno.EACCES, "EACCES")]
+)
 def test_other_write_errors_name_the_os_error(tmp_path, monkeypatch, code, name):
     parts = toy.components()
     FullDisk(monkeypatch, tmp_path, "*.distcp", code=code)
@@ -142,7 +151,9 @@ def test_other_write_errors_name_the_os_error(tmp_path, monkeypatch, code, name)
     assert not step_dir(tmp_path, 2).exists()
 
 
-def test_the_os_error_is_found_under_dcp_and_a_partial_that_cannot_be_removed_moves_aside(tmp_path, monkeypatch):
+def test_the_os_error_is_found_under_dcp_and_a_partial_that_cannot_be_removed_moves_aside(
+    tmp_path, monkeypatch
+):
     error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "x.distcp")
     wrapped = RuntimeError("outer")
     wrapped.__cause__ = error
@@ -164,7 +175,11 @@ def test_a_save_that_will_not_fit_is_refused_before_writing_anything(tmp_path, m
     capacity(monkeypatch, tmp_path, int(one * 1.5))
     written: list[str] = []
     real = builtins.open
-    monkeypatch.setattr(builtins, "open", lambda f, m="r", *a, **k: (written.append(str(f)) if "w" in m else None) or real(f, m, *a, **k))
+    monkeypatch.setattr(
+        builtins,
+        "open",
+        lambda f, m="r", *a, **k: (written.append(str(f)) if "w" in m else None) or real(f, m, *a, **k),
+    )
     with pytest.raises(CheckpointSaveError) as caught:
         save(tmp_path, TrainState(0, 6, 6), parts)
     line = caught.value.line
@@ -180,7 +195,9 @@ def test_a_nearly_full_disk_is_said_early(tmp_path, monkeypatch, caplog):
     capacity(monkeypatch, tmp_path, int(one * 2.6))  # room for this save, not for the one after it
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
         save(tmp_path, TrainState(0, 6, 6), parts)
-    assert "checkpoint filesystem nearly full" in caplog.text and "the save after it will not fit" in caplog.text
+    assert (
+        "checkpoint filesystem nearly full" in caplog.text and "the save after it will not fit" in caplog.text
+    )
 
 
 def test_needed_bytes_counts_the_state_before_the_first_save(tmp_path):
@@ -215,7 +232,9 @@ def test_a_failed_async_write_is_the_same_line_and_removes_its_partial(tmp_path,
     FullDisk(monkeypatch, tmp_path, "*.distcp")
     pending = save_async(tmp_path, TrainState(0, 6, 6), parts)
     assert pending.wait(60)
-    with pytest.raises(CheckpointSaveError, match=r"checkpoint step_6 not saved: ENOSPC No space left on device"):
+    with pytest.raises(
+        CheckpointSaveError, match=r"checkpoint step_6 not saved: ENOSPC No space left on device"
+    ):
         pending.result()
     assert not step_dir(tmp_path, 6).exists() and find_latest(tmp_path).name == "step_3"
 
@@ -359,7 +378,9 @@ def _tiny(tmp_path, **checkpoint):
     from recipes import tiny_gpt
 
     corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes((Path(__file__).resolve().parents[2] / "fntrain/data/corpora/shakespeare.txt").read_bytes()[:3000])
+    corpus.write_bytes(
+        (Path(__file__).resolve().parents[2] / "fntrain/data/corpora/shakespeare.txt").read_bytes()[:3000]
+    )
     base = tiny_gpt.Config()
     return tiny_gpt, dataclasses.replace(
         base, run_dir=str(tmp_path / "run"), log_every=0,
@@ -389,7 +410,9 @@ def test_a_run_stopped_by_a_full_disk_says_what_is_good_and_resumes(tmp_path, mo
     line = caught.value.line
     assert caught.value.exit_code == 1 and "\n" not in line
     # (the failure line counts the step after the last finished one: step 6 finished, its save failed)
-    assert re.match(r"run failed at step \d+: CheckpointSaveError: checkpoint step_6 not saved: ENOSPC", line), line
+    assert re.match(
+        r"run failed at step \d+: CheckpointSaveError: checkpoint step_6 not saved: ENOSPC", line
+    ), line
     assert "step_3 is the newest good checkpoint" in line
     metadata = json.loads((tmp_path / "run" / "run_metadata.json").read_text())
     assert metadata["outcome"] == "failed" and "step_6 not saved" in metadata["error"]
@@ -413,3 +436,13 @@ def test_extending_a_finished_run_saves_its_new_end(tmp_path):
     )  # fmt: skip
     assert run_job(longer, recipe.spec).state.global_step == 10
     assert saved(root) == [4, 8, 10]
+
+
+def test_the_plan_lists_the_end_save_of_a_resumed_run():
+    from fntrain.plan.report import _checkpoint_section
+    from fntrain.state import make_run_plan
+
+    plan = make_run_plan(global_batch_size=4, micro_batch_size=4, train_iters=10, dataset_len=100)
+    resumed = _checkpoint_section(CheckpointConfig(restore_from="latest"), plan)
+    assert resumed["enabled"] and resumed["steps"] == [10]
+    assert _checkpoint_section(CheckpointConfig(), plan)["steps"] == []

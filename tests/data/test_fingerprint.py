@@ -110,7 +110,9 @@ def test_retokenized_shards_and_mixing_weights_are_named(tmp_path):
     shards(directory, seed=1, overwrite=True)  # re-tokenized: other documents
     again = TokenWindows(directory, 16)
     retrain, _ = split_windows(again, 0.1)
-    changes = fingerprint_changes(saved, data_fingerprint(config, Mixture([retrain, list(range(10))], [0.7, 0.3])))
+    changes = fingerprint_changes(
+        saved, data_fingerprint(config, Mixture([retrain, list(range(10))], [0.7, 0.3]))
+    )
     assert any(change.startswith("data.shards/index.json: ") for change in changes), changes
     assert any(change.startswith("data.shards/shard_00000.bin: ") for change in changes), changes
     assert any(change.startswith("weights [0.5, 0.5] -> [0.7, 0.3]") for change in changes), changes
@@ -142,7 +144,9 @@ def test_a_resume_on_changed_data_is_refused_naming_the_file_unless_allowed(tmp_
     text = (ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()
     corpus.write_bytes(text[:3000])
     config = _tiny(tmp_path, corpus, save_every=2)
-    run_job(dataclasses.replace(config, train=dataclasses.replace(config.train, train_iters=2)), tiny_gpt.spec)
+    run_job(
+        dataclasses.replace(config, train=dataclasses.replace(config.train, train_iters=2)), tiny_gpt.spec
+    )
     meta = json.loads((tmp_path / "run" / "checkpoints" / "step_2" / "meta.json").read_text())
     assert meta["data"]["files"]["data.path"]["size"] == 3000 and meta["data"]["dataset"]["samples"] > 0
 
