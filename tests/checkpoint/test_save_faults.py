@@ -446,3 +446,40 @@ def test_the_plan_lists_the_end_save_of_a_resumed_run():
     resumed = _checkpoint_section(CheckpointConfig(restore_from="latest"), plan)
     assert resumed["enabled"] and resumed["steps"] == [10]
     assert _checkpoint_section(CheckpointConfig(), plan)["steps"] == []
+
+
+# ----------------------------------------------------------------------------- slow: two ranks
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_ranks_fail_a_save_together_when_one_ranks_disk_is_full(tmp_path):
+    """Rank 1's writes fail (its JSON part; its DCP data file, sync and async): both ranks raise the
+    same line, none hangs, no partial stays, `latest` keeps step_1, and the next save works."""
+    import subprocess
+    import sys
+
+    from tests.checkpoint.test_verify import ROOT, free_port
+
+    port, processes = free_port(), []
+    for rank in (0, 1):
+        env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK",)}
+        env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # fmt: skip
+        command = [sys.executable, "-m", "tests.checkpoint.save_fault_worker", str(tmp_path / "ckpt"),
+                   str(tmp_path / f"{rank}.json")]  # fmt: skip
+        processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True))
+    for process in processes:
+        _, err = process.communicate(timeout=200)
+        assert process.returncode == 0, err[-3000:]
+    results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    seen, other = results[0]["seen"], results[1]["seen"]
+    for case in seen:  # the same failure on both ranks (rank 0 alone removes the partial, says so)
+        assert seen[case].split(" (needs")[0] == other[case].split(" (needs")[0], (seen[case], other[case])
+        assert "was removed" in seen[case] and other[case].endswith(seen[case].split("; ")[-1])
+    assert seen["json"].startswith("checkpoint step_2 not saved: rank 1: ENOSPC") and "rank_1.json" in seen["json"]
+    for case, step in (("data", 3), ("async", 4)):
+        assert seen[case].startswith(f"checkpoint step_{step} not saved: ENOSPC No space left on device"), seen
+        assert "__1_0.distcp" in seen[case] and "step_1 is the newest good checkpoint" in seen[case]
+    assert results[0]["complete"] == ["step_1", "step_5"]
+    assert results[0]["entries"] == [LATEST, "step_1", "step_5"]  # no partial under any name
