@@ -10,6 +10,10 @@ FAULT is `none` or `<kind>:<rank>:<step>[:<seconds>]`:
   stall:R:K:S    rank R sleeps S seconds inside step K (in optimizer.step, after the backward's collectives)
   sigterm:R:K    rank R sends itself SIGTERM at STEP_BEGIN of step K (a preemption notice), first launch only
   sigint:R:K     rank R sends itself SIGINT (Ctrl-C) at STEP_BEGIN of step K, first launch only
+  nospacecheck   the free-space check before each save always passes (so that a full filesystem fails
+                 inside DCP's write, as it would where free space cannot be known in advance)
+  sigstop:R:K    rank R sends itself SIGSTOP at STEP_BEGIN of step K, first launch only: a frozen rank
+                 (every thread stopped, its watchdog too), as a dead NFS mount or a debugger leaves it
 
 Rank 0 appends `<global_step> <loss as float.hex()>` to OUT_DIR/losses.txt at every STEP_END, flushed
 at once; OUT_DIR/exit_<rank>.txt receives the SystemExit code when the run exits through one.
@@ -56,8 +60,9 @@ def main(argv: list[str]) -> None:
             if armed and current["step"] == fault_step:
                 if kind == "crash":
                     raise RuntimeError(f"injected crash on rank {rank} at step {fault_step}")
-                if kind in ("sigterm", "sigint"):
-                    os.kill(os.getpid(), signal.SIGTERM if kind == "sigterm" else signal.SIGINT)
+                if kind in ("sigterm", "sigint", "sigstop"):
+                    sent = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT, "sigstop": signal.SIGSTOP}[kind]
+                    os.kill(os.getpid(), sent)
         elif event is Event.STEP_END and losses is not None:
             losses.write(f"{state.global_step} {float(info.metrics['loss']).hex()}\n")
             losses.flush()
@@ -76,6 +81,11 @@ def main(argv: list[str]) -> None:
             maybe_stall._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
             optimizer.step = maybe_stall
         return [recorder]
+
+    if kind == "nospacecheck":
+        import fntrain.checkpoint.saver as saver
+
+        saver.room_problem = lambda root, tensors: (saver.needed_bytes(root, tensors), None, None)
 
     from fntrain.cli import _reporting, run_recipe
     from fntrain.run.config_file import parse_config_cli

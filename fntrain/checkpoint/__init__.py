@@ -8,6 +8,10 @@
     damage(path)                                                # None, or the damaged file and why
     close_async_saves()                                         # join the async saves' threads
 
+A save that fails (a full disk, a quota, an I/O error) raises `CheckpointSaveError` on every rank: one
+line naming the checkpoint, the OS error, bytes needed and free and the newest good checkpoint; its
+partial directory is removed (`fntrain.checkpoint.space`).
+
 Every checkpoint carries a manifest (each file's size and CRC-32); restore verifies it first and skips
 damaged checkpoints ("latest"/"auto") or refuses them (a path) with a `CheckpointDamagedError`.
 
@@ -29,6 +33,7 @@ from fntrain.checkpoint.restorer import MissingKeysError, read_meta, resolve_sou
 from fntrain.checkpoint.retention import remove_superseded_temporary, retain
 from fntrain.checkpoint.rng import rng_state, set_rng_state
 from fntrain.checkpoint.saver import (
+    CheckpointSaveError,
     PendingSave,
     app_state,
     close_async_saves,
@@ -42,6 +47,7 @@ __all__ = [
     "save",
     "save_async",
     "PendingSave",
+    "CheckpointSaveError",
     "make_stager",
     "close_async_saves",
     "restore",

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["initialized", "rank", "world_size", "barrier", "broadcast_text", "quiet_single_process"]
+__all__ = ["initialized", "rank", "world_size", "barrier", "broadcast_text", "agree", "quiet_single_process"]
 
 SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
@@ -39,6 +39,16 @@ def broadcast_text(text: str | None, group: Any = None) -> str | None:
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def agree(problem: str | None, group: Any = None) -> str | None:
+    """The first rank's problem (a string), or None when no rank has one, on every rank alike (a
+    collective in place of a barrier: ranks that fail and ranks that do not leave it together)."""
+    if not initialized():
+        return problem
+    found: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, problem, group=group)
+    return next((text for text in found if text is not None), None)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,15 @@ Threads: each `save_async` runs its write in an executor thread DCP starts; `Pen
 stager from `make_stager`) joins any that is left, so a run that closes its stager ends with no thread
 the checkpoint started.
 
+A save that fails [issue 29] (a full disk, a quota, an I/O error, a permission change; in the JSON
+parts, DCP's write or the completion) raises `CheckpointSaveError` on every rank together (the ranks
+agree on a failure where DCP does not: before its write and after it), one line naming the
+checkpoint, the OS error, bytes needed and free and the newest good checkpoint; rank 0 removes the
+partial directory (`fntrain.checkpoint.space`). Before anything is written rank 0 compares the free
+space with what the save needs (the previous checkpoint's size, else the state's): a save that will not
+fit fails at once, one that leaves no room for the next warns. Retention runs only after a save is
+complete, so it never deletes a verified checkpoint to make room, unless `make_room` allows it.
+
 A checkpoint saved with `temporary=True` (time-based saves, optionally) says so in meta.json and in its
 `COMPLETE` marker; completing any later checkpoint deletes the temporary ones with a lower step.
 """
@@ -33,16 +42,19 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
 from fntrain.checkpoint import _dist
 from fntrain.checkpoint.layout import (
+    find_latest,
     is_complete,
     move_aside,
     step_dir,
@@ -52,6 +64,14 @@ from fntrain.checkpoint.layout import (
 )
 from fntrain.checkpoint.retention import remove_superseded_temporary, retain
 from fntrain.checkpoint.rng import rng_state
+from fntrain.checkpoint.space import (
+    CheckpointSaveError,
+    human_bytes,
+    needed_bytes,
+    room_problem,
+    save_failure,
+    what_failed,
+)
 from fntrain.checkpoint.tree import split
 from fntrain.checkpoint.verify import write_manifest
 from fntrain.components import Components
@@ -67,6 +87,7 @@ __all__ = [
     "make_stager",
     "PendingSave",
     "close_async_saves",
+    "CheckpointSaveError",
 ]
 
 log = logging.getLogger("fntrain.checkpoint")
@@ -127,6 +148,64 @@ def _device_of(components: Components, device: torch.device | str | None) -> tor
     return torch.device("cpu")
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """A save under way: its directory, the tensors for DCP, and the bytes it is expected to need."""
+
+    path: Path
+    tensors: dict[str, torch.Tensor]
+    needed: int
+
+
+def _room_for(
+    root: Path, path: Path, tensors: dict[str, torch.Tensor], keep_last: int, make_room: bool
+) -> tuple[int, str | None]:
+    """Rank 0, before anything is written: (bytes needed, a problem or None). With `make_room` (and
+    keep_last >= 2, so a good checkpoint always remains) a short disk first loses the oldest verified
+    checkpoints that retention would delete after this save anyway; otherwise nothing is deleted."""
+    needed, free, short = room_problem(root, tensors)
+    if short and make_room and keep_last >= 2:
+        removed = retain(root, keep_last - 1, protect=find_latest(root))
+        if removed:
+            log.warning("checkpoint.make_room: removed %s to make room for %s",
+                        ", ".join(p.name for p in removed), path.name)  # fmt: skip
+        needed, free, short = room_problem(root, tensors)
+    if short:
+        return needed, f"ENOSPC not enough free space on {_existing_parent(root)} for {path.name}"
+    if free is not None and free - needed < needed:
+        log.warning(
+            "checkpoint filesystem nearly full: %s free, %s needs ~%s; the save after it will not fit "
+            "unless space is freed", human_bytes(free), path.name, human_bytes(needed),
+        )  # fmt: skip
+    return needed, None
+
+
+def _existing_parent(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _clear_step_dir(path: Path) -> None:
+    """A directory for this step can only be a leftover (a crashed save, or a run resumed from an
+    earlier checkpoint that passes this step again), never merged into: a complete one is replaced
+    (this run supersedes it), anything else is moved aside, never deleted."""
+    if path.exists() and is_complete(path):
+        log.info("replacing existing checkpoint directory %s", path)
+        shutil.rmtree(path)
+    elif path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
+    elif path.exists():
+        moved = move_aside(path, "incomplete")
+        log.warning("moved the incomplete checkpoint directory %s aside to %s", path, moved.name)
+
+
+def _failed(root: str | os.PathLike, path: Path, step: int, what: str | None, needed: int | None) -> None:
+    """Raise the `CheckpointSaveError` of `what` (agreed by every rank), rank 0 discarding the partial."""
+    if what is not None:
+        raise save_failure(root, path, step, what, needed=needed, discard=_dist.rank() == 0)
+
+
 def _prepare(
     root: str | os.PathLike,
     state: TrainState,
@@ -136,28 +215,44 @@ def _prepare(
     device: torch.device | str | None,
     process_group: Any,
     temporary: bool = False,
+    data: Mapping[str, Any] | None = None,
+    keep_last: int = 0,
+    make_room: bool = False,
     recipe: str | None = None,
-) -> tuple[Path, dict[str, torch.Tensor]]:
-    """Make the step directory, write the JSON parts, return (directory, tensors for DCP)."""
+) -> _Prepared:
+    """Check the room, make the step directory, write the JSON parts; every rank agrees on a failure
+    (a `CheckpointSaveError` on every rank, the partial directory removed)."""
     path = step_dir(root, state.global_step)
     rank, world = _dist.rank(), _dist.world_size()
-    if rank == 0:
-        # A directory for this step can only be a leftover (a crashed save, or a run resumed from an
-        # earlier checkpoint that passes this step again), never merged into: a complete one is
-        # replaced (this run supersedes it), anything else is moved aside, never deleted.
-        if path.exists() and is_complete(path):
-            log.info("replacing existing checkpoint directory %s", path)
-            shutil.rmtree(path)
-        elif path.is_dir() and not any(path.iterdir()):
-            path.rmdir()
-        elif path.exists():
-            moved = move_aside(path, "incomplete")
-            log.warning("moved the incomplete checkpoint directory %s aside to %s", path, moved.name)
-        path.mkdir(parents=True)
-    _dist.barrier(process_group)
-
     tree = app_state(components)
     tensors, values = split(tree)
+    needed, problem = needed_bytes(root, tensors), None
+    if rank == 0:
+        try:
+            _clear_step_dir(path)
+            needed, problem = _room_for(Path(root), path, tensors, keep_last, make_room)
+            if problem is None:
+                path.mkdir(parents=True)
+        except OSError as error:
+            problem = what_failed(error)
+    _failed(root, path, state.global_step, _dist.agree(problem, process_group), needed)
+
+    try:
+        described = {"recipe": recipe, "data": dict(data) if data is not None else None}
+        _write_json_parts(path, state, components, hooks, config, device, temporary, described, tree, values)
+        problem = None
+    except OSError as error:
+        problem = f"rank {rank}: {what_failed(error)}" if world > 1 else what_failed(error)
+    _failed(root, path, state.global_step, _dist.agree(problem, process_group), needed)
+    return _Prepared(path, tensors, needed)
+
+
+def _write_json_parts(path: Path, state: TrainState, components: Components, hooks: HooksArg,
+                      config: Mapping[str, Any] | None, device: Any, temporary: bool,
+                      described: Mapping[str, Any], tree: dict[str, Any], values: Any) -> None:  # fmt: skip
+    """This rank's `rank_<r>.json` (RNG, hook states) and, on rank 0, `meta.json` (with `described`:
+    the recipe that wrote it and the data's fingerprint)."""
+    rank, world = _dist.rank(), _dist.world_size()
     rank_state = {
         "rank": rank,
         "world_size": world,
@@ -179,7 +274,7 @@ def _prepare(
                 "world_size": world,
                 "values": values,
                 "config": dict(config) if config is not None else None,
-                "recipe": recipe,
+                **described,
                 "torch_version": torch.__version__,
                 "num_threads": torch.get_num_threads(),
                 "saved_at": time.time(),
@@ -187,7 +282,6 @@ def _prepare(
                 "tied": _tied_names(components.model),
             },
         )
-    return path, tensors
 
 
 def _tied_names(model: torch.nn.Module) -> list[list[str]]:
@@ -204,25 +298,40 @@ def _writer(path: Path, thread_count: int) -> dcp.FileSystemWriter:
 
 def _finalize(
     root: str | os.PathLike, path: Path, state: TrainState, keep_last: int, temporary: bool = False
-) -> None:
+) -> str | None:
     """Rank 0: the manifest (checksums of the written files), the completion marker (only once DCP's
-    metadata exists), then `latest`, then the temporary checkpoints it supersedes, then retention."""
+    metadata exists), then `latest`, then the temporary checkpoints it supersedes, then retention.
+    Returns what failed before `latest` named the checkpoint (None: it is complete and named); a
+    failure of the clean-up after that is a warning, the checkpoint stays."""
     if _dist.rank() != 0:
-        return
-    write_manifest(path)
-    write_marker(
-        path,
-        {
-            "step": state.global_step,
-            "train_state": state.as_dict(),
-            "completed_at": time.time(),
-            "temporary": temporary,
-        },
-    )
-    write_latest(root, path)
-    remove_superseded_temporary(root, path)
-    retain(root, keep_last, protect=path)
+        return None
+    try:
+        write_manifest(path)
+        write_marker(
+            path,
+            {
+                "step": state.global_step,
+                "train_state": state.as_dict(),
+                "completed_at": time.time(),
+                "temporary": temporary,
+            },
+        )
+        write_latest(root, path)
+    except OSError as error:
+        return what_failed(error)
+    try:
+        remove_superseded_temporary(root, path)
+        retain(root, keep_last, protect=path)
+    except OSError as error:
+        log.warning("checkpoint %s saved, but removing older checkpoints failed: %s", path,
+                    what_failed(error))  # fmt: skip
     log.info("checkpoint saved: %s", path)
+    return None
+
+
+# What a failed DCP write raises: DCP's CheckpointException (a BaseException, gathered from every rank,
+# raised on every rank alike), or the writer's own error where DCP runs without a process group.
+_WRITE_ERRORS = (Exception, CheckpointException)
 
 
 def save(
@@ -238,26 +347,41 @@ def save(
     thread_count: int = 1,
     temporary: bool = False,
     recipe: str | None = None,
+    data: Mapping[str, Any] | None = None,
+    make_room: bool = False,
 ) -> Path:
     """Save `<root>/step_<global_step>/` and return it, complete, on every rank (a collective).
 
     `hooks` (a list, or a callable returning it) contributes the `state_dict()` of each stateful hook;
-    `config` is the resolved run config (JSON-able); `keep_last` > 0 deletes older complete checkpoints.
-    `temporary`: deleted once a later checkpoint is complete. `recipe` (how `fntrain.run.recipes.load_recipe`
-    finds the recipe that wrote it) goes into meta.json, for `fntrain export`. Saving before the first
-    optimizer step
+    `config` is the resolved run config (JSON-able); `data` the data's fingerprint
+    (`fntrain.data.fingerprint`); `keep_last` > 0 deletes older complete checkpoints.
+    `temporary`: deleted once a later checkpoint is complete. `recipe` (how
+    `fntrain.run.recipes.load_recipe` finds the recipe that wrote it) goes into meta.json, for
+    `fntrain export`. Saving before the first optimizer step
     initialises the optimizers' state (see `app_state`).
+
+    A save that does not fit or fails (ENOSPC, EDQUOT, EIO, a permission change; before, inside or
+    after DCP's write) raises `CheckpointSaveError` on every rank, with its partial directory removed
+    and the newest good checkpoint untouched. `make_room`: see `_room_for`.
     """
-    path, tensors = _prepare(root, state, components, hooks, config, device, process_group, temporary, recipe)
-    with _dist.quiet_single_process():
-        dcp.save(
-            tensors,
-            storage_writer=_writer(path, thread_count),
-            process_group=process_group,
-            no_dist=not _dist.initialized(),
-        )
-    _finalize(root, path, state, keep_last, temporary)
-    _dist.barrier(process_group)  # every rank returns only once the checkpoint is marked complete
+    prepared = _prepare(root, state, components, hooks, config, device, process_group, temporary, data,
+                        keep_last, make_room, recipe)  # fmt: skip
+    path = prepared.path
+    try:
+        with _dist.quiet_single_process():
+            dcp.save(
+                prepared.tensors,
+                storage_writer=_writer(path, thread_count),
+                process_group=process_group,
+                no_dist=not _dist.initialized(),
+            )
+        problem = None
+    except _WRITE_ERRORS as error:  # every rank has it (DCP gathers the failures): no agreement needed
+        problem = what_failed(error)
+    _failed(root, path, state.global_step, problem, prepared.needed)
+    problem = _finalize(root, path, state, keep_last, temporary)
+    # every rank returns only once the checkpoint is marked complete, or raises with rank 0
+    _failed(root, path, state.global_step, _dist.agree(problem, process_group), prepared.needed)
     return path
 
 
@@ -280,30 +404,37 @@ class PendingSave:
         future: Future,
         temporary: bool = False,
         threads: Iterable[threading.Thread] = (),
+        needed: int | None = None,
     ):
         self.root, self.path, self.state, self.keep_last = root, path, state, keep_last
         self.temporary = temporary
+        self.needed = needed
         self._threads = tuple(threads)
         self._finished = threading.Event()
         self._error: BaseException | None = None
         future.add_done_callback(self._complete)
 
     def _complete(self, future: Future) -> None:
-        """Runs once the write has finished, in DCP's thread (or at once if it already had)."""
+        """Runs once the write has finished, in DCP's thread (or at once if it already had). A failed
+        write or completion becomes a `CheckpointSaveError` (rank 0 removes the partial directory)."""
         try:
             failure = future.exception()
-            if failure is None:
-                _finalize(self.root, self.path, self.state, self.keep_last, self.temporary)
-            else:
-                error = RuntimeError(
-                    f"asynchronous checkpoint save of step {self.state.global_step} to {self.path} failed"
-                )
-                error.__cause__ = failure
-                self._error = error
+            problem = what_failed(failure) if failure is not None else None
+            if problem is None:
+                problem = _finalize(self.root, self.path, self.state, self.keep_last, self.temporary)
+            if problem is not None:
+                self._error = save_failure(self.root, self.path, self.state.global_step, problem,
+                                           needed=self.needed, discard=_dist.rank() == 0)  # fmt: skip
+                self._error.__cause__ = failure
         except BaseException as error:  # noqa: BLE001 - kept for result() to raise in the caller's thread
             self._error = error
         finally:
             self._finished.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the write and its completion finished (or `timeout` passed); True when they have.
+        Never raises: `result()` says how it went."""
+        return self._finished.wait(timeout)
 
     def done(self) -> bool:
         """True once the write and its completion have finished (successfully or not); never blocks."""
@@ -331,7 +462,9 @@ class PendingSave:
                 self.path, timeout,
             )  # fmt: skip
         except BaseException as error:  # noqa: BLE001 - an abort path must not raise
-            log.error("asynchronous checkpoint save to %s failed: %r", self.path, error.__cause__ or error)
+            if not isinstance(error, CheckpointSaveError):
+                error = f"asynchronous checkpoint save to {self.path} failed: {error.__cause__ or error!r}"
+            log.error("%s", error)
         return False
 
 
@@ -410,6 +543,8 @@ def save_async(
     stager: Any = None,
     temporary: bool = False,
     recipe: str | None = None,
+    data: Mapping[str, Any] | None = None,
+    make_room: bool = False,
 ) -> PendingSave:
     """Like `save`, but returns once the state is staged (copied off the live tensors); DCP writes in a
     background thread. Settle the returned `PendingSave` before the next save.
@@ -417,8 +552,12 @@ def save_async(
     `stager`: one from `make_stager`, reused across saves (else DCP stages into fresh, unpinned memory).
     With a process group, pass a dedicated group (e.g. a gloo group from `dist.new_group`) so the
     background collectives never interleave with training collectives (it must include a CPU backend).
+    A save that does not fit, or whose JSON parts fail, raises `CheckpointSaveError` here; a failure
+    of the background write is that error from `result()`.
     """
-    path, tensors = _prepare(root, state, components, hooks, config, device, process_group, temporary, recipe)
+    prepared = _prepare(root, state, components, hooks, config, device, process_group, temporary, data,
+                        keep_last, make_room, recipe)  # fmt: skip
+    path, tensors = prepared.path, prepared.tensors
     if not _dist.initialized():
         # The write runs in DCP's thread, outside any `catch_warnings` here; the single-process intent
         # is explicit (no_dist), so its warning about assuming it is noise.
@@ -442,4 +581,4 @@ def save_async(
     with _threads_lock:
         _threads.extend(started)
     future = getattr(response, "upload_completion", response)  # AsyncSaveResponse (async staging) or Future
-    return PendingSave(Path(root), path, state, keep_last, future, temporary, started)
+    return PendingSave(Path(root), path, state, keep_last, future, temporary, started, prepared.needed)

@@ -12,6 +12,14 @@ cadence set the hook saves nothing (save_on_interrupt aside) and installs no han
   TRAIN_END drains it. ABORT waits at most `abort_wait_s` for it (completing it if it succeeded) and
   never raises. Multi-rank async saves run on a dedicated gloo group so their collectives never
   interleave with training's.
+- on_save_failure: a save that fails (`fntrain.checkpoint.CheckpointSaveError`: a full disk, a quota,
+  an I/O error; sync, or async at the next step boundary) stops the run with its one line ("stop", the
+  default: exit status 1, outcome "failed", resumable from the newest good checkpoint), or is a warning
+  and the step counts as unsaved, so the next cadence and the end try again ("continue"). A preemption's
+  save always stops on failure. make_room lets a save that will not fit delete the oldest checkpoints
+  keep_last would delete after it.
+- The end: the final step is saved when a cadence is set or the run resumes from a checkpoint
+  (`saves_at_end`), so a run extended with allow_changes train.train_iters ends with a checkpoint.
 - save_on_interrupt: Ctrl-C (SIGINT) is a notice like a preemption signal: the run saves at the next
   step boundary (never a half-applied update, on every rank together) and stops with the outcome
   "interrupted" and exit status 130; a second Ctrl-C ends the process at once.
@@ -36,13 +44,13 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 
-from fntrain.checkpoint import PendingSave, make_stager, save, save_async
+from fntrain.checkpoint import CheckpointSaveError, PendingSave, make_stager, save, save_async
 from fntrain.components import Components
-from fntrain.config import require_bool, require_float, require_int, require_str
+from fntrain.config import require_bool, require_choice, require_float, require_int, require_str
 from fntrain.hooks.base import StatefulHook, chain, every, every_epoch, on, stateful
 from fntrain.hooks.preemption import Agreement, group_timeout, make_agreement
 from fntrain.hooks.signals import (
@@ -74,7 +82,7 @@ class CheckpointConfig:
     save_epochs: int = 0
     """Save every K epochs, at the epoch's end (0: off)."""
     save_at_end: bool = True
-    """When checkpointing is on (save_every or save_epochs), also save after the last step if unsaved."""
+    """When checkpointing is on (a cadence is set, or the run resumes from a checkpoint), also save after the last step if unsaved."""
     keep_last: int = 0
     """Keep the newest K complete checkpoints, delete older ones (0: keep all)."""
     async_save: bool = False
@@ -103,11 +111,21 @@ class CheckpointConfig:
     """On a failure, wait at most this long for an async save in flight before abandoning it."""
     thread_count: int = 1
     """Writer threads per rank."""
+    on_save_failure: Literal["stop", "continue"] = "stop"
+    """A save that fails (disk full, quota, I/O error): stop (exit status 1, resumable from the newest good checkpoint) or continue (warn, try again at the next cadence)."""
+    make_room: bool = False
+    """When a save will not fit, first delete the oldest verified checkpoints that keep_last (>= 2) would delete after it."""
 
     @property
     def enabled(self) -> bool:
         """Checkpointing is on when a cadence is set; preemption and interrupt saves need it too."""
         return self.save_every > 0 or self.save_epochs > 0 or self.save_every_minutes > 0
+
+    @property
+    def saves_at_end(self) -> bool:
+        """Whether the run's final step is checkpointed: save_at_end, when a cadence is set or the run
+        resumes from a checkpoint (a run extended by `restore_from` ends with a checkpoint of its new end)."""
+        return self.save_at_end and (self.enabled or self.restore_from != "none")
 
     def validate(self, prefix: str = "checkpoint") -> None:
         require_str(f"{prefix}.dir", self.dir, optional=True, non_empty=True)
@@ -117,12 +135,14 @@ class CheckpointConfig:
         require_int(f"{prefix}.thread_count", self.thread_count, min=1)
         for name in (
             "save_at_end", "async_save", "save_on_interrupt", "weights_only", "export", "time_based_temporary",
+            "make_room",
         ):  # fmt: skip
             require_bool(f"{prefix}.{name}", getattr(self, name))
         require_float(f"{prefix}.abort_wait_s", self.abort_wait_s, min=0.0)
         require_float(f"{prefix}.save_every_minutes", self.save_every_minutes, min=0.0)
         require_int(f"{prefix}.preempt_exit_code", self.preempt_exit_code, min=0, max=255)
         require_str(f"{prefix}.restore_from", self.restore_from, non_empty=True)
+        require_choice(f"{prefix}.on_save_failure", self.on_save_failure, ("stop", "continue"))
         if not isinstance(self.allow_changes, (tuple, list)) or not all(
             isinstance(name, str) and name for name in self.allow_changes
         ):
@@ -145,6 +165,7 @@ class _Setup:
     root: Path
     hooks: HooksArg
     run_config: Mapping[str, Any] | None
+    data: Mapping[str, Any] | None
     agreement: Agreement
     distributed: bool
     recipe: str | None = None
@@ -155,6 +176,7 @@ class _CheckpointMemory:
     """What the hook remembers between events."""
 
     last_saved: int = -1  # global_step of the newest checkpoint this run wrote or was restored from
+    last_good: int = -1  # ... of those, the newest known complete (a failed save falls back to it)
     pending: PendingSave | None = None  # the async save in flight
     group: Any = None  # dedicated gloo group for multi-rank async saves
     stager: Any = None  # reused across async saves (its pinned staging buffers are cached)
@@ -172,10 +194,12 @@ def checkpoint_hook(
     recipe: str | None = None,
     preemption: Preemption | None = None,
     clock: Callable[[], float] = time.monotonic,
+    data: Mapping[str, Any] | None = None,
 ) -> StatefulHook:
     """The checkpoint hook (state name "checkpoint"); `hooks` (a list or a callable returning it) are the
     hooks whose `state_dict()` each checkpoint holds; `run_config` is the resolved config saved with it,
-    `recipe` the name that loads the recipe again (for `fntrain export`).
+    `recipe` the name that loads the recipe again (for `fntrain export`), `data` the data's fingerprint
+    (`fntrain.data.fingerprint`), which a resume compares.
 
     The hook builds its own preemption handlers from `config.preempt_signals`; `preemption` replaces
     them (tests call its `request()`). `clock` (seconds, monotonic) times `save_every_minutes`; only
@@ -192,7 +216,7 @@ def checkpoint_hook(
         clock=clock,
     )
     setup = _Setup(
-        config, components, runtime, Path(directory), hooks, run_config, agreement,
+        config, components, runtime, Path(directory), hooks, run_config, data, agreement,
         distributed=runtime.world_size > 1 and runtime.backend is not None, recipe=recipe,
     )  # fmt: skip
     memory = _CheckpointMemory()
@@ -203,7 +227,7 @@ def checkpoint_hook(
         elif not memory.started:
             return  # ABORT (or anything) before TRAIN_BEGIN ran: nothing to do
         elif event is Event.STEP_BEGIN:
-            _poll(memory)
+            _poll(setup, memory)
         elif event is Event.STEP_END:
             _step_end(setup, memory, state)
         elif event is Event.TRAIN_END:
@@ -216,7 +240,7 @@ def checkpoint_hook(
         return {"last_saved_step": memory.last_saved}
 
     def load_state_dict(saved: Mapping[str, Any]) -> None:
-        memory.last_saved = int(saved.get("last_saved_step", -1))
+        memory.last_saved = memory.last_good = int(saved.get("last_saved_step", -1))
 
     return stateful("checkpoint", chain(*_cadence_saves(setup, memory), hook), state_dict, load_state_dict)
 
@@ -230,7 +254,7 @@ def _cadence_saves(setup: _Setup, memory: _CheckpointMemory) -> list[Hook]:
 
     def poll(state: TrainState, info: Any) -> None:
         if memory.started:
-            _poll(memory)
+            _poll(setup, memory)
 
     def save(state: TrainState, info: Any) -> None:
         if memory.started:
@@ -244,56 +268,79 @@ def _cadence_saves(setup: _Setup, memory: _CheckpointMemory) -> list[Hook]:
     return parts
 
 
-def _settle(memory: _CheckpointMemory) -> None:
-    """Finish the save in flight (raises if it failed)."""
+def _settle(setup: _Setup, memory: _CheckpointMemory, *, stop: bool = False) -> None:
+    """Finish the save in flight; a failed one is handled as `checkpoint.on_save_failure` says."""
     if memory.pending is not None:
         waiting, memory.pending = memory.pending, None
         t0 = time.perf_counter()
-        waiting.result()
+        try:
+            waiting.result()
+        except CheckpointSaveError as error:
+            _save_failed(setup, memory, error, stop=stop)
+            return
+        memory.last_good = max(memory.last_good, waiting.state.global_step)
         log.debug("async checkpoint %s settled after waiting %.3f s", waiting.path, time.perf_counter() - t0)
 
 
-def _poll(memory: _CheckpointMemory) -> None:
+def _poll(setup: _Setup, memory: _CheckpointMemory) -> None:
     """Settle the save in flight if it is done: a failed background save surfaces at this boundary."""
     if memory.pending is not None and memory.pending.done():
-        _settle(memory)
+        _settle(setup, memory)
+
+
+def _save_failed(setup: _Setup, memory: _CheckpointMemory, error: CheckpointSaveError, *, stop: bool) -> None:
+    """A save failed (its line says which, why, and what remains): raise it (on_save_failure stop, or
+    `stop`), else warn and go on, the step counting as unsaved so that the next cadence (or the end)
+    tries again."""
+    memory.last_saved = memory.last_good
+    if stop or setup.config.on_save_failure == "stop":
+        raise error
+    log.warning("%s; training goes on (checkpoint.on_save_failure continue), the next save tries again",
+                error.line)  # fmt: skip
 
 
 def _save_now(
-    setup: _Setup, memory: _CheckpointMemory, state: TrainState, *, background: bool, temporary: bool = False
-) -> None:
-    """Save `state` (in the background when `background`) unless it is step 0 or already saved."""
+    setup: _Setup, memory: _CheckpointMemory, state: TrainState, *, background: bool, temporary: bool = False,
+    stop: bool = False,
+) -> None:  # fmt: skip
+    """Save `state` (in the background when `background`) unless it is step 0 or already saved. A
+    failure is handled by `_save_failed` (`stop`: always raised)."""
     if state.global_step == memory.last_saved or state.global_step == 0:
         return
-    _settle(memory)
+    _settle(setup, memory, stop=stop)
     memory.last_saved = state.global_step  # before hook states are captured, so the checkpoint says so
     setup.agreement.restart_timer()  # any save restarts save_every_minutes
     config, runtime = setup.config, setup.runtime
     kwargs = dict(
         hooks=setup.hooks, config=setup.run_config, keep_last=config.keep_last, device=runtime.device,
-        temporary=temporary, recipe=setup.recipe,
+        temporary=temporary, recipe=setup.recipe, data=setup.data, make_room=config.make_room,
     )  # fmt: skip
     kind = " (temporary)" if temporary else ""
     t0 = time.perf_counter()
-    if background:
-        if memory.stager is None:
-            memory.stager = make_stager(runtime.device)
-        memory.pending = save_async(
-            setup.root,
-            state,
-            setup.components,
-            process_group=memory.group,
-            thread_count=config.thread_count,
-            stager=memory.stager,
-            **kwargs,
-        )
-        log.info(
-            "checkpoint step %d%s staged in %.3f s (writing in the background)",
-            state.global_step, kind, time.perf_counter() - t0,
-        )  # fmt: skip
-    else:
-        save(setup.root, state, setup.components, thread_count=config.thread_count, **kwargs)
-        log.info("checkpoint step %d%s saved in %.3f s", state.global_step, kind, time.perf_counter() - t0)
+    try:
+        if background:
+            if memory.stager is None:
+                memory.stager = make_stager(runtime.device)
+            memory.pending = save_async(
+                setup.root,
+                state,
+                setup.components,
+                process_group=memory.group,
+                thread_count=config.thread_count,
+                stager=memory.stager,
+                **kwargs,
+            )
+            log.info(
+                "checkpoint step %d%s staged in %.3f s (writing in the background)",
+                state.global_step, kind, time.perf_counter() - t0,
+            )  # fmt: skip
+        else:
+            save(setup.root, state, setup.components, thread_count=config.thread_count, **kwargs)
+            memory.last_good = state.global_step
+            log.info("checkpoint step %d%s saved in %.3f s", state.global_step, kind,
+                     time.perf_counter() - t0)  # fmt: skip
+    except CheckpointSaveError as error:
+        _save_failed(setup, memory, error, stop=stop)
 
 
 def _close_stager(memory: _CheckpointMemory) -> None:
@@ -310,6 +357,7 @@ def _begin(setup: _Setup, memory: _CheckpointMemory, state: TrainState) -> None:
     memory.started = True
     if state.global_step > 0:
         memory.last_saved = max(memory.last_saved, state.global_step)  # a restored step is not saved again
+        memory.last_good = max(memory.last_good, state.global_step)
     if config.async_save and setup.distributed and memory.group is None:
         memory.group = dist.new_group(backend="gloo", timeout=group_timeout())
     setup.agreement.begin()  # starts the timer, installs the handlers
@@ -342,8 +390,8 @@ def _stop_for_preemption(setup: _Setup, memory: _CheckpointMemory, state: TrainS
         state.global_step,
         exit_code,
     )
-    _save_now(setup, memory, state, background=False)
-    _settle(memory)  # an async save of this very step (save_every) must be complete before the exit
+    _save_now(setup, memory, state, background=False, stop=True)  # a notice's save must not fail quietly
+    _settle(setup, memory, stop=True)  # an async save of this very step (save_every) must be complete
     raise StopTraining(
         preemption_reason(received, state.global_step),
         outcome="interrupted" if interrupted else "preempted",
@@ -354,8 +402,8 @@ def _stop_for_preemption(setup: _Setup, memory: _CheckpointMemory, state: TrainS
 def _train_end(setup: _Setup, memory: _CheckpointMemory, state: TrainState) -> None:
     config = setup.config
     try:
-        _settle(memory)
-        if config.save_at_end and config.enabled:
+        _settle(setup, memory)
+        if config.saves_at_end:
             _save_now(setup, memory, state, background=False)
     finally:
         memory.started = False

@@ -119,6 +119,7 @@ class HookInputs:
     recipe: str | None = None  # the name that loads the recipe again: checkpoints record it
     extra: Sequence[Hook] = ()  # the spec's hooks, just before the checkpoint hook
     attempt: int = 0  # which launch of the run this is; tags each metrics record
+    data_fingerprint: Mapping[str, Any] | None = None  # what the data was: every checkpoint records it
 
 
 @dataclass(frozen=True)
@@ -208,11 +209,12 @@ def _checkpoint(inputs: HookInputs, wiring: Wiring) -> Hook | None:
     """Saves the state of every stateful hook of the list (itself included) and `run_config`; handles
     the preemption signals itself (a preemption ends the run with outcome "preempted")."""
     config = inputs.config.checkpoint
-    if not (config.enabled or config.save_on_interrupt):
+    if not (config.enabled or config.save_on_interrupt or config.saves_at_end):
         return None
     return checkpoint_hook(config, inputs.components, inputs.runtime,
-                           directory=checkpoint_root(config, inputs.run_dir), hooks=lambda: wiring.hooks,
-                           run_config=inputs.run_config, recipe=inputs.recipe)  # fmt: skip
+                           directory=checkpoint_root(config, inputs.run_dir),
+                           hooks=lambda: wiring.hooks, run_config=inputs.run_config,
+                           recipe=inputs.recipe, data=inputs.data_fingerprint)  # fmt: skip
 
 
 def _watchdog(inputs: HookInputs, wiring: Wiring) -> Hook | None:

@@ -155,11 +155,16 @@ def _checkpoint_section(config: Any, plan: RunPlan) -> dict:
     save_every = int(getattr(config, "save_every", 0) or 0)
     save_epochs = int(getattr(config, "save_epochs", 0) or 0)
     save_at_end = bool(getattr(config, "save_at_end", getattr(config, "save_last", True)))
-    enabled = bool(getattr(config, "enabled", getattr(config, "enable", True)))
+    # a run resumed from a checkpoint saves its final step even without a cadence (saves_at_end)
+    enabled = bool(getattr(config, "enabled", getattr(config, "enable", True))) or bool(
+        getattr(config, "saves_at_end", False)
+    )
     minutes = float(getattr(config, "save_every_minutes", 0) or 0)
     steps = checkpoint_steps(plan, save_every=save_every, save_epochs=save_epochs, save_at_end=save_at_end)
     if minutes > 0 and save_at_end and plan.train_iters not in steps:
         steps.append(plan.train_iters)  # time-based saves also end with a final one
+    if bool(getattr(config, "saves_at_end", False)) and plan.train_iters not in steps:
+        steps.append(plan.train_iters)  # a resumed run ends with a checkpoint of its final step
     section: dict[str, Any] = {
         "enabled": enabled and bool(steps or minutes > 0),
         "steps": steps if enabled else [],

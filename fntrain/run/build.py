@@ -138,9 +138,11 @@ def _eval_functions(built: Built, spec: RecipeSpec) -> tuple[Callable, Callable 
 
 
 def job_hooks(built: Built, spec: RecipeSpec, early: Any = None, *, attempt: int = 0,
-              last: Hook | None = None) -> list[Hook]:  # fmt: skip
+              last: Hook | None = None,
+              data_fingerprint: dict[str, Any] | None = None) -> list[Hook]:  # fmt: skip
     """The standard hook list (memory, throughput, metrics, progress, evaluate, gc, profiler, the
-    spec's extra hooks, checkpoint, watchdog), wired to what `build_job` made; `last` goes at the end."""
+    spec's extra hooks, checkpoint, watchdog), wired to what `build_job` made; `last` goes at the end;
+    `data_fingerprint` goes into every checkpoint."""
     config = built.config
     eval_forward, eval_loss = _eval_functions(built, spec)
     hooks = standard_hooks(HookInputs(
@@ -163,5 +165,6 @@ def job_hooks(built: Built, spec: RecipeSpec, early: Any = None, *, attempt: int
         recipe=recipe_reference(spec),
         extra=list(spec.hooks(built)) if spec.hooks else (),
         attempt=attempt,
+        data_fingerprint=data_fingerprint,
     ))
     return hooks + ([last] if last is not None else [])

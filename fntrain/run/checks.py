@@ -11,6 +11,7 @@ the flag, exit status 2), so a bad command leaves the run directory exactly as i
         check_paths                run_dir, the checkpoint root and output_dir are writable directories
         decide_resume              the checkpoint to continue from, decided once (resume.py)
         read_inputs                the recipe's tokenizer and data, read and parsed
+        with_data                  the data's fingerprint compared with the checkpoint's (resume.py)
         run_plan                   the run length over the data (data too small for one step)
         check_windows              profiler and memory windows inside the run
         spec.check                 the recipe's own checks (model directory, LoRA targets)
@@ -28,13 +29,14 @@ import torch.distributed as dist
 
 from fntrain.config import ConfigError
 from fntrain.data.files import existing_ancestor
+from fntrain.data.fingerprint import data_fingerprint
 from fntrain.data.stream import is_iterable_dataset
 from fntrain.hooks.checkpoint import checkpoint_root
 from fntrain.hooks.sinks import check_metric_packages
 from fntrain.hooks.standard import early_hooks
 from fntrain.run.config import JobConfig, RecipeSpec
 from fntrain.run.directory import check_run_dir
-from fntrain.run.resume import Resume, decide_resume
+from fntrain.run.resume import Resume, decide_resume, with_data
 from fntrain.runtime.device import resolve_device_type
 from fntrain.runtime.materialize import build_on_meta
 from fntrain.runtime.parallel import hsdp_shape
@@ -65,13 +67,14 @@ class Inputs:
 @dataclass(frozen=True)
 class Checked:
     """What phase 1 established: the launch, the data-parallel size, the resume decision, the inputs and
-    the run plan over them."""
+    the run plan over them, and the data's fingerprint (what each checkpoint records)."""
 
     launch: LaunchEnv
     dp_size: int
     resume: Resume
     inputs: Inputs
     plan: RunPlan
+    fingerprint: dict[str, Any] | None = None
 
 
 def check_run(config: JobConfig, spec: RecipeSpec) -> Checked:
@@ -86,6 +89,8 @@ def check_run(config: JobConfig, spec: RecipeSpec) -> Checked:
         check_paths(config)
         resume = decide_resume(config)
         inputs = read_inputs(config, spec)
+        fingerprint = data_fingerprint(config, inputs.train_set)
+        resume = with_data(config, resume, fingerprint)
         plan = run_plan(config, dataset_len(inputs.train_set), dp_size)
         check_windows(config, plan)
         if spec.check is not None:
@@ -94,7 +99,7 @@ def check_run(config: JobConfig, spec: RecipeSpec) -> Checked:
         raise
     except SETTING_ERRORS as error:
         raise ConfigError(str(error)) from error
-    return Checked(launch, dp_size, resume, inputs, plan)
+    return Checked(launch, dp_size, resume, inputs, plan, fingerprint)
 
 
 def model_parallel_size(parallel: Any) -> int:

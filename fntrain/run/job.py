@@ -109,8 +109,9 @@ def prepare(config: JobConfig, spec: RecipeSpec, runtime: Any, checked: Checked,
         for line in describe_start(built):  # parameters, world, plan: what is about to run
             log.info("%s", line)
     step_fn = train_step(built, spec)
-    hooks = job_hooks(built, spec, early, attempt=opened.attempt, last=opened.progress)
-    resume = verified_resume(config, checked.resume) if state is None else Resume()
+    hooks = job_hooks(built, spec, early, attempt=opened.attempt, last=opened.progress,
+                      data_fingerprint=checked.fingerprint)  # fmt: skip
+    resume = verified_resume(config, checked.resume, checked.fingerprint) if state is None else Resume()
     if state is None:
         state = restore_state(config, built, hooks, resume)
     if runtime.is_main and config.metrics.jsonl:

@@ -3,6 +3,8 @@
     starting_over(config)          --overwrite on a job's first launch resumes nothing of the old run
     decide_resume(config)          phase 1: the checkpoint checkpoint.restore_from names (or nothing),
                                    its file sizes checked, its settings compared with this run's
+    with_data(config, resume, fp)  phase 1, once the data was read: its fingerprint compared with the
+                                   one the checkpoint recorded (changed data is refused like a setting)
     verified_resume(resume, ...)   phase 2: the same choice verified in full by every rank together
                                    (a newest checkpoint damaged inside passes to an older one)
 
@@ -25,13 +27,17 @@ from fntrain.checkpoint.layout import MARKER
 from fntrain.checkpoint.restorer import NAMED_DAMAGED_HINT, resolve_source, restore
 from fntrain.checkpoint.verify import CheckpointDamagedError, damage
 from fntrain.config import ConfigError
+from fntrain.data.fingerprint import fingerprint_changes, fingerprint_summary
 from fntrain.hooks.checkpoint import checkpoint_root
 from fntrain.run.config import JobConfig
 from fntrain.run.config_file import config_to_dict
 from fntrain.run.directory import config_changes
 from fntrain.state import TrainState
 
-__all__ = ["Resume", "first_launch", "starting_over", "decide_resume", "verified_resume", "resume_changes", "restore_state"]
+__all__ = [
+    "Resume", "first_launch", "starting_over", "decide_resume", "with_data", "data_changes", "verified_resume",
+    "resume_changes", "restore_state",
+]  # fmt: skip
 
 log = logging.getLogger("fntrain.run.resume")
 
@@ -95,6 +101,7 @@ def resume_changes(config: JobConfig, path: Path | None) -> dict[str, list[Any]]
     if not saved:
         return {}
     allowed = {name.replace("-", "_") for name in checkpoint.allow_changes}
+    allowed.discard("data")  # the data itself, compared by its fingerprint (data_changes)
     changes = config_changes(saved, config_to_dict(config), free=config.FREE_FIELDS)
     refused = [(name, old, new) for name, old, new in changes if name not in allowed]
     if refused:
@@ -106,14 +113,50 @@ def resume_changes(config: JobConfig, path: Path | None) -> dict[str, list[Any]]
     return {name: [old, new] for name, old, new in changes}
 
 
-def verified_resume(config: JobConfig, resume: Resume) -> Resume:
+def data_changes(
+    config: JobConfig, path: Path | None, fingerprint: dict[str, Any] | None
+) -> dict[str, list[Any]]:
+    """{"data": [as saved, now]} when the data `fingerprint` differs from the one the checkpoint `path`
+    recorded and `data` is in checkpoint.allow_changes; a `ConfigError` naming each changed file and
+    fact when it is not. Nothing to compare (no checkpoint, one saved before fingerprints, a
+    weights-only restore): {}."""
+    if path is None or fingerprint is None or config.checkpoint.weights_only:
+        return {}
+    try:
+        saved = read_meta(path).get("data")
+    except (OSError, ValueError):  # unreadable: the verification in phase 2 says what is wrong with it
+        return {}
+    changes = fingerprint_changes(saved, fingerprint) if saved else []
+    if not changes:
+        return {}
+    listed = "; ".join(changes)
+    if "data" not in config.checkpoint.allow_changes:
+        raise ConfigError(
+            f"checkpoint.restore_from {str(path)!r} was saved with other data: {listed}; resume with the "
+            "same data, or add data to checkpoint.allow_changes"
+        )
+    log.warning("resuming with changed data (checkpoint.allow_changes data): %s", listed)
+    return {"data": [fingerprint_summary(saved), fingerprint_summary(fingerprint)]}
+
+
+def with_data(config: JobConfig, resume: Resume, fingerprint: dict[str, Any] | None) -> Resume:
+    """`resume` with the data change it brings (see `data_changes`)."""
+    changes = data_changes(config, resume.path, fingerprint)
+    return dataclasses.replace(resume, changes={**resume.changes, **changes}) if changes else resume
+
+
+def verified_resume(config: JobConfig, resume: Resume, fingerprint: dict[str, Any] | None = None) -> Resume:
     """Phase 2 (every rank; a collective under a process group): `resume` with its checkpoint verified
     in full. Under latest / auto a checkpoint damaged inside is passed over for the newest good one,
-    whose settings are then compared too; a named checkpoint that is damaged is an error."""
+    whose settings and data (`fingerprint`) are then compared too; a named checkpoint that is damaged is
+    an error."""
     if resume.source is None:
         return resume
     path = resolve_source(resume.source, checkpoint_root(config.checkpoint, config.run_dir))
-    changes = resume.changes if path == resume.path else resume_changes(config, path)
+    if path == resume.path:
+        changes = resume.changes
+    else:
+        changes = {**resume_changes(config, path), **data_changes(config, path, fingerprint)}
     for name, (old, new) in changes.items():
         log.warning("resuming with %s changed from %r to %r (checkpoint.allow_changes)", name, old, new)
     return Resume(resume.source, path, changes)

@@ -282,7 +282,7 @@ def test_failed_async_save_raises_and_is_never_complete(tmp_path, monkeypatch):
 
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", broken)
     pending = save_async(tmp_path, TrainState(0, 2, 2), parts)
-    with pytest.raises(RuntimeError, match="asynchronous checkpoint save of step 2"):
+    with pytest.raises(RuntimeError, match="checkpoint step_2 not saved: disk full"):
         pending.result()
     assert not is_complete(step_dir(tmp_path, 2))
     assert find_latest(tmp_path) == step_dir(tmp_path, 1)
