@@ -53,10 +53,12 @@ def test_logs_every_n_steps_and_the_last_step_to_logger_and_jsonl(tmp_path, capl
     with caplog.at_level(logging.INFO, logger="fntrain.metrics"):
         run_steps(hook, 5)
     lines = [r.getMessage() for r in caplog.records if r.name == "fntrain.metrics"]
-    assert lines == [f"step={s} epoch=0 grad_norm=0.75 loss=2.5 lr=3.000e-04" for s in (2, 4, 5)]
+    assert lines == [f"step={s} epoch=0 grad_norm=0.75 loss=2.5 loss_last=2.5 lr=3.000e-04" for s in (2, 4, 5)]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 5]
-    assert records[0] == {"step": 2, "epoch": 0, "attempt": 0, "grad_norm": 0.75, "loss": 2.5, "lr": 0.0003}
+    assert records[0] == {
+        "step": 2, "epoch": 0, "attempt": 0, "grad_norm": 0.75, "loss": 2.5, "loss_last": 2.5, "lr": 0.0003
+    }  # fmt: skip
 
 
 def test_log_every_zero_never_logs(tmp_path):
@@ -98,7 +100,7 @@ def test_values_leave_the_device_only_on_logging_steps(tmp_path, monkeypatch):
     runtime = Runtime()
     hook = metrics_hook(runtime, log_every=3, writer=metrics_log(MetricsConfig(), runtime, tmp_path))
     run_steps(hook, 7)
-    assert calls == [["grad_norm", "loss"], ["grad_norm", "loss"]]  # steps 3 and 6, tensors only
+    assert calls == [["grad_norm", "loss", "loss_last"]] * 2  # steps 3 and 6, tensors only
 
 
 def test_non_logging_step_runs_no_torch_op(tmp_path):
@@ -210,7 +212,10 @@ def test_tensorboard_scalars_written_when_available(tmp_path, monkeypatch):
     hook = metrics_hook(runtime, log_every=2, writer=writer)
     run_steps(hook, 2)
     tb_dir = str(tmp_path / "tensorboard")
-    assert written == [(tb_dir, "grad_norm", 0.75, 2), (tb_dir, "loss", 2.5, 2), (tb_dir, "lr", 3e-4, 2)]
+    assert written == [
+        (tb_dir, "grad_norm", 0.75, 2), (tb_dir, "loss", 2.5, 2), (tb_dir, "loss_last", 2.5, 2),
+        (tb_dir, "lr", 3e-4, 2),
+    ]  # fmt: skip
     assert closed == [True]
 
 
