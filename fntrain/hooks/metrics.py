@@ -82,7 +82,7 @@ def metrics_hook(
     require_int("log_every", log_every, min=0)
     if last_step is not None:
         require_int("last_step", last_step, min=1)
-    device = runtime.device
+    device, across_ranks = runtime.device, runtime.world_size > 1
     due = cadence(log_every, last_step) if log_every else None
     window = Window()
     keep_last = log_every > 1  # with one step per log, loss_last would repeat loss
@@ -93,7 +93,7 @@ def metrics_hook(
                 return
             add_step(window, info.metrics)
             if due(state.global_step):
-                record = _record(state, info, window, sources, device, keep_last)
+                record = _record(state, info, window, sources, device, keep_last, across_ranks)
                 writer.write(state.global_step, state.epoch, record)
         elif event is Event.TRAIN_END:
             writer.stop()
@@ -106,9 +106,10 @@ def metrics_hook(
     )
 
 
-def _step_metrics(info: StepInfo, window: Window, keep_last: bool) -> dict[str, Any]:
+def _step_metrics(info: StepInfo, window: Window, keep_last: bool, across_ranks: bool) -> dict[str, Any]:
     """The logging step's metrics with the window's means for loss and grad_norm (the step's own loss
-    kept as loss_last when `keep_last`) and without the window's weight."""
+    kept as loss_last when `keep_last`) and without the window's weight; `across_ranks`: there are ranks to
+    reduce the means over."""
     metrics = {name: value for name, value in info.metrics.items() if name != WEIGHT}
     for name in ("loss", "grad_norm"):  # the window's mean would hide a non-scalar: checked here
         value = metrics.get(name)
@@ -116,7 +117,7 @@ def _step_metrics(info: StepInfo, window: Window, keep_last: bool) -> dict[str, 
             raise ValueError(f"metric {name!r} must be a scalar, got a tensor of shape {tuple(value.shape)}")
     if keep_last and "loss" in metrics:
         metrics["loss_last"] = metrics["loss"]
-    metrics.update(window_means(window))
+    metrics.update(window_means(window, reduced=across_ranks))
     return metrics
 
 
@@ -127,6 +128,7 @@ def _record(
     sources: Sequence[MetricSource],
     device: torch.device,
     keep_last: bool,
+    across_ranks: bool,
 ) -> dict[str, float]:
     """The record of one logging step: the sources' figures (asked first, in order, so every rank takes
     their collectives in the same order), then the window's means and the step's metrics reduced over
@@ -137,7 +139,7 @@ def _record(
             if name in posted:
                 raise ValueError(f"metric {name!r} was posted twice for step {state.global_step}")
             posted[name] = value
-    metrics = _step_metrics(info, window, keep_last)
+    metrics = _step_metrics(info, window, keep_last, across_ranks)
     tensors = {name: value for name, value in metrics.items() if isinstance(value, torch.Tensor)}
     reduced = reduce_scalars(tensors, "mean", device=device)
     record: dict[str, float] = {}
