@@ -54,8 +54,7 @@ class OptimizerConfig:
     decay_all: bool = False
     """Apply weight decay to norms, biases and embeddings too."""
     decay_grouping: Literal["fntrain", "hf"] = "fntrain"
-    """Which parameters skip weight decay: fntrain (vectors and embedding tables) or hf (as transformers'
-    Trainer: biases and LayerNorm/RMSNorm weights; embeddings decay)."""
+    """Undecayed: fntrain = vectors and embedding tables; hf = biases and norms (transformers' Trainer)."""
     fused: bool | None = None
     """Use the fused kernel (None: fused on cuda/npu where supported, foreach elsewhere)."""
 
@@ -163,8 +162,7 @@ class ScheduleConfig:
     warmup_iters: int = 0
     """Optimizer steps of linear warmup from 0 to the peak lr."""
     warmup_style: Literal["fntrain", "hf"] = "fntrain"
-    """fntrain: step k of the warmup trains at lr*k/W (the first step at lr/W); hf: at lr*(k-1)/W, the
-    first step at 0, as transformers' get_*_schedule_with_warmup."""
+    """Warmup's first step at lr/W (fntrain) or at 0 (hf, as transformers' get_*_schedule_with_warmup)."""
     min_lr_ratio: float = 0.1
     """Final lr as a fraction of the peak (linear and cosine)."""
     lr_schedule_iters: int | None = None
