@@ -225,3 +225,41 @@ def test_per_step_lr_and_loss_equal_a_torch_loop_with_transformers_schedule_and_
     assert want_lr[0] == 0.0
     assert [r["lr"] for r in records] == pytest.approx(want_lr, rel=1e-12, abs=0)
     assert [r["loss"] for r in records] == pytest.approx(want_loss, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- slow: the window over ranks
+
+WINDOW_RUN = [
+    "--runtime.device", "cpu", "--train.train-iters", "8", "--log-every", "4", "--train.global-batch-size", "8",
+    "--train.micro-batch-size", "2", "--model.n-layer", "2", "--model.d-model", "32", "--model.n-head", "4",
+    "--model.context", "32", "--evaluate.eval-every", "0", "--evaluate.no-at-end", "--seed", "3",
+]  # fmt: skip
+
+
+def _window_run(run_dir, ranks: int, *args: str) -> list[dict]:
+    import subprocess
+    import sys
+
+    from tests.test_distributed import ROOT, _env
+
+    command = [sys.executable, "-m", "recipes.tiny_gpt", *WINDOW_RUN, "--run-dir", str(run_dir), *args]
+    if ranks > 1:
+        command[1:3] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m",
+                        "recipes.tiny_gpt"]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{key: row[key] for key in ("step", "loss", "loss_last", "grad_norm", "lr")} for row in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_window_means_over_data_parallel_and_pipeline_ranks_equal_one_rank(tmp_path):
+    """loss_tokens is the count over all data-parallel ranks, so the per-rank window means average to the
+    global token-weighted mean: 2-rank DDP and a 2-stage pipeline log what one rank logs."""
+    one = _window_run(tmp_path / "one", 1)
+    assert [row["step"] for row in one] == [4, 8] and one[0]["loss"] != one[0]["loss_last"]
+    for name, args in (("ddp", ["--parallel.strategy", "ddp"]), ("pp", ["--parallel.pp-size", "2"])):
+        rows = _window_run(tmp_path / name, 2, *args)
+        for got, want in zip(rows, one, strict=True):
+            assert got == pytest.approx(want, rel=1e-5), name
