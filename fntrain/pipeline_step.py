@@ -1,7 +1,7 @@
 """`make_pipeline_step`: one optimizer step through a pipeline schedule (GPipe or 1F1B) [issue 20].
 
 The same contract as `fntrain.step.make_train_step`: `step_fn(state, batch) -> {"loss", "grad_norm",
-"lr"}` for the micro-batches of one global step, token-weighted [S23], clipped [S24], optimizers then
+"lr", "loss_tokens"}` for the micro-batches of one global step, token-weighted [S23], clipped [S24], optimizers then
 schedulers [S25]. What differs is who computes what:
 
 - the step's micro-batches are the pipeline's micro-batches (torch.distributed.pipelining runs them
@@ -247,7 +247,7 @@ def make_pipeline_step(
             _check_zero_tokens(state, total, record.raw, device.type == "cpu")
         grad_norm = finish_gradients()
         skip = should_skip(state.global_step + 1, reported, grad_norm)
-        return update(reported, grad_norm, skip)
+        return update(reported, grad_norm, skip, total if token_weighted else None)
 
     return step_fn
 

@@ -170,7 +170,7 @@ def make_train_step(
     ignore_index: int = IGNORE_INDEX,
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> Callable[[TrainState, Sequence[Mapping[str, Any]]], dict[str, Any]]:
-    """Build `step_fn(state, batch) -> {"loss", "grad_norm", "lr"}` for one optimizer step.
+    """Build `step_fn(state, batch) -> {"loss", "grad_norm", "lr", "loss_tokens"}` for one optimizer step.
 
     `batch` is the sequence of micro-batches of one global step (a lone mapping is one micro-batch).
     `model` is what `parallelize` returned (plain, DDP or FSDP2); `dp_size`/`dp_group` are the
@@ -180,6 +180,9 @@ def make_train_step(
     and the reported loss, averaged over data-parallel ranks, is the exact token-weighted mean; a step
     with zero valid tokens must have zero loss (else ValueError) and then takes a zero-gradient update.
     "mean": plain mean over micro-batches and ranks.
+    "lr" is the rate this step's update used (the schedulers step after it); "loss_tokens" (token mode
+    only) is the step's loss-token count over all data-parallel ranks, a device int64 count the
+    metrics hook weights its mean over the steps since the last log by (it is not logged).
     `max_grad_norm > 0` clips and `grad_norm` reports the pre-clip norm, else 0 [S24]. Order: optimizers
     step, zero_grad, schedulers step [S25]. `autocast_dtype` (bf16/fp16) runs forward under autocast;
     `grad_scaler` (needed for fp16; `ShardedGradScaler` under FSDP2) scales the backward, unscales
@@ -222,10 +225,10 @@ def make_train_step(
             raise ValueError(f"step {state.global_step + 1}: the batch holds no micro-batches")
         if not on_cpu:  # data on the host is already where a CPU step needs it: no tree walk per step
             micro_batches = [to_device(mb, device) for mb in micro_batches]
-        reported = backward(state, micro_batches)
+        reported, loss_tokens = backward(state, micro_batches)
         grad_norm = unscale_and_clip()
         skip = should_skip(state.global_step + 1, reported, grad_norm)
-        return update(reported, grad_norm, skip)
+        return update(reported, grad_norm, skip, loss_tokens)
 
     return step_fn
 
@@ -301,18 +304,20 @@ def _make_backward(
     dp_group: Any,
     ignore_index: int,
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> Callable[[TrainState, list[Mapping[str, Any]]], torch.Tensor]:
-    """`backward(state, micro_batches) -> reported loss`: forward and backward of every micro-batch,
-    each loss weighted by its token share (token mode) or 1/count (mean mode), gradients synced on the
-    last micro-batch only. The reported loss is the sum of the weighted losses, a device tensor."""
+) -> Callable[[TrainState, list[Mapping[str, Any]]], tuple[torch.Tensor, Any]]:
+    """`backward(state, micro_batches) -> (reported loss, loss tokens)`: forward and backward of every
+    micro-batch, each loss weighted by its token share (token mode) or 1/count (mean mode), gradients
+    synced on the last micro-batch only. The reported loss is the sum of the weighted losses, a device
+    tensor; the loss tokens are the step's count over all data-parallel ranks (token mode, else None)."""
     fsdp = hasattr(model, "set_requires_gradient_sync")
     ddp = not fsdp and hasattr(model, "no_sync")
     on_cpu = device.type == "cpu"
     autocast = _autocast_context(device.type, autocast_dtype)
     token_weights = _make_token_weights(device, dp_size, dp_group, ignore_index)
 
-    def backward(state: TrainState, micro_batches: list[Mapping[str, Any]]) -> torch.Tensor:
+    def backward(state: TrainState, micro_batches: list[Mapping[str, Any]]) -> tuple[torch.Tensor, Any]:
         count = len(micro_batches)
+        total_tokens = None
         if token_weighted:
             weights, total_tokens = token_weights(micro_batches)
         parts: list[torch.Tensor] = []
@@ -338,7 +343,7 @@ def _make_backward(
         reported = parts[0] if count == 1 else torch.stack(parts).sum()
         if token_weighted:
             _check_zero_tokens(state, total_tokens, raw_losses, on_cpu)
-        return reported
+        return reported, total_tokens
 
     return backward
 
@@ -412,10 +417,13 @@ def _make_update(
     grad_scaler: Any,
     skip_mode: bool,
 ) -> Callable[[torch.Tensor, Any, bool], dict[str, Any]]:
-    """`update(reported, grad_norm, skip) -> metrics`: step the optimizers (unless `skip`), zero the
-    gradients, step the schedulers (unless `skip`) [S25], and gather the step's metrics."""
+    """`update(reported, grad_norm, skip, loss_tokens) -> metrics`: step the optimizers (unless `skip`),
+    zero the gradients, step the schedulers (unless `skip`) [S25], and gather the step's metrics: "lr"
+    is the rate this step's update used (read before the schedulers step, a host float: no sync);
+    "loss_tokens" (token mode) the step's loss-token count over all data-parallel ranks, as given."""
 
-    def update(reported: torch.Tensor, grad_norm: Any, skip: bool) -> dict[str, Any]:
+    def update(reported: torch.Tensor, grad_norm: Any, skip: bool, loss_tokens: Any = None) -> dict[str, Any]:
+        lr = current_lr(optimizers, schedulers)  # the rate this step uses: read before the schedulers step
         if not skip:
             for optimizer in optimizers:
                 if grad_scaler is not None:
@@ -432,8 +440,10 @@ def _make_update(
         metrics: dict[str, Any] = {
             "loss": reported,
             "grad_norm": grad_norm,
-            "lr": current_lr(optimizers, schedulers),
+            "lr": lr,
         }
+        if loss_tokens is not None:
+            metrics["loss_tokens"] = loss_tokens
         if skip_mode:
             metrics["skipped"] = float(skip)
         return metrics

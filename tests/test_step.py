@@ -219,7 +219,8 @@ def test_metrics_are_device_tensors_and_lr_a_float():
     metrics = make_train_step(model, causal_lm_loss, optimizer, max_grad_norm=1.0)(
         TrainState(), make_samples(2)
     )
-    assert set(metrics) == {"loss", "grad_norm", "lr"}
+    assert set(metrics) == {"loss", "grad_norm", "lr", "loss_tokens"}
+    assert metrics["loss_tokens"].dtype == torch.int64
     for name in ("loss", "grad_norm"):
         assert isinstance(metrics[name], torch.Tensor) and metrics[name].dim() == 0
         assert not metrics[name].requires_grad
@@ -252,7 +253,7 @@ def test_order_is_optimizer_step_zero_grad_scheduler_step_for_every_optimizer():
     assert calls == ["step first", "step second", "zero first", "zero second", "sched first", "sched second"]
     assert not torch.equal(before, model.embed.weight)
     assert all(p.grad is None for p in model.parameters())
-    assert metrics["lr"] == pytest.approx(0.1)  # max of the schedulers' last lr after one step: 0.2 * 0.5
+    assert metrics["lr"] == pytest.approx(0.2)  # the rate the step used: the schedulers step after it
 
 
 def test_a_lone_mapping_is_one_micro_batch():

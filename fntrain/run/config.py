@@ -115,7 +115,7 @@ class JobConfig:
     seed: int = 42
     """Seed for initialisation, dropout and data order (python, numpy and torch)."""
     log_every: int = 10
-    """Log metrics every N steps (0 = never)."""
+    """Log metrics every N steps (0 = never); loss and grad_norm are the means since the last log."""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """Device, distributed backend, determinism."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

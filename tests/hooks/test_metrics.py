@@ -53,10 +53,14 @@ def test_logs_every_n_steps_and_the_last_step_to_logger_and_jsonl(tmp_path, capl
     with caplog.at_level(logging.INFO, logger="fntrain.metrics"):
         run_steps(hook, 5)
     lines = [r.getMessage() for r in caplog.records if r.name == "fntrain.metrics"]
-    assert lines == [f"step={s} epoch=0 grad_norm=0.75 loss=2.5 lr=3.000e-04" for s in (2, 4, 5)]
+    assert lines == [
+        f"step={s} epoch=0 grad_norm=0.75 loss=2.5 loss_last=2.5 lr=3.000e-04" for s in (2, 4, 5)
+    ]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 5]
-    assert records[0] == {"step": 2, "epoch": 0, "attempt": 0, "grad_norm": 0.75, "loss": 2.5, "lr": 0.0003}
+    assert records[0] == {
+        "step": 2, "epoch": 0, "attempt": 0, "grad_norm": 0.75, "loss": 2.5, "loss_last": 2.5, "lr": 0.0003
+    }  # fmt: skip
 
 
 def test_log_every_zero_never_logs(tmp_path):
@@ -98,7 +102,8 @@ def test_values_leave_the_device_only_on_logging_steps(tmp_path, monkeypatch):
     runtime = Runtime()
     hook = metrics_hook(runtime, log_every=3, writer=metrics_log(MetricsConfig(), runtime, tmp_path))
     run_steps(hook, 7)
-    assert calls == [["grad_norm", "loss"], ["grad_norm", "loss"]]  # steps 3 and 6, tensors only
+    # steps 3 and 6, tensors only: on one CPU rank the window's means are read on the host already
+    assert calls == [["loss_last"]] * 2
 
 
 def test_non_logging_step_runs_no_torch_op(tmp_path):
@@ -210,7 +215,10 @@ def test_tensorboard_scalars_written_when_available(tmp_path, monkeypatch):
     hook = metrics_hook(runtime, log_every=2, writer=writer)
     run_steps(hook, 2)
     tb_dir = str(tmp_path / "tensorboard")
-    assert written == [(tb_dir, "grad_norm", 0.75, 2), (tb_dir, "loss", 2.5, 2), (tb_dir, "lr", 3e-4, 2)]
+    assert written == [
+        (tb_dir, "grad_norm", 0.75, 2), (tb_dir, "loss", 2.5, 2), (tb_dir, "loss_last", 2.5, 2),
+        (tb_dir, "lr", 3e-4, 2),
+    ]  # fmt: skip
     assert closed == [True]
 
 
@@ -220,9 +228,7 @@ def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match="metrics.jsonl_name"):
         MetricsConfig(jsonl_name="").validate()
     with pytest.raises(ValueError, match="log_every"):
-        metrics_hook(
-            Runtime(), log_every=-1, writer=MetricsLog(enabled=False)
-        )
+        metrics_hook(Runtime(), log_every=-1, writer=MetricsLog(enabled=False))
 
 
 def test_reduce_scalars_without_a_process_group_reads_values_once():
@@ -266,3 +272,149 @@ def test_two_ranks_reduce_with_one_collective_and_rank_zero_writes(tmp_path):
     mp.spawn(_two_rank_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records == [{"step": 1, "epoch": 0, "attempt": 0, "loss": 3.0, "lr": 0.1}]
+
+
+# ----------------------------------------------------------------------------- the window since the last log
+# Issue 27 item 5: loss is the token-weighted mean over the steps since the last log, grad_norm the plain
+# mean, loss_last the logging step's own loss; kept by reference on the device, resumable mid-window.
+
+UNEVEN = [(2.0, 1, 0.5), (4.0, 9, 1.5), (1.0, 30, 2.5), (3.0, 2, 3.5), (5.0, 7, 1.0), (6.0, 1, 2.0)]
+"""(loss, loss tokens, grad_norm) per step: very uneven token counts."""
+
+
+def uneven_info(state: TrainState) -> StepInfo:
+    loss, tokens, norm = UNEVEN[state.global_step - 1]
+    metrics = {
+        "loss": torch.tensor(loss),
+        "grad_norm": torch.tensor(norm),
+        "lr": 0.1 * state.global_step,
+        "loss_tokens": torch.tensor(tokens, dtype=torch.int64),
+    }
+    return StepInfo(metrics, tokens, 1, 0.01)
+
+
+def window_expectation(steps: range) -> dict[str, float]:
+    rows = [UNEVEN[s - 1] for s in steps]
+    return {
+        "loss": sum(loss * tokens for loss, tokens, _ in rows) / sum(tokens for _, tokens, _ in rows),
+        "grad_norm": sum(norm for _, _, norm in rows) / len(rows),
+        "loss_last": rows[-1][0],
+        "lr": 0.1 * steps[-1],
+    }
+
+
+def logged(tmp_path, steps: int, log_every: int, **kwargs) -> list[dict]:
+    runtime = Runtime()
+    hook = metrics_hook(
+        runtime, log_every=log_every, writer=metrics_log(MetricsConfig(), runtime, tmp_path), **kwargs
+    )
+    drive(hook, steps, info=uneven_info)
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(params=["host", "device"])
+def window_path(request, monkeypatch):
+    """Both ways the window reduces: CPU tensors read on the host, and (forced here on CPU) the stacked
+    device path an accelerator takes."""
+    if request.param == "device":
+        from fntrain.hooks import metrics_window
+
+        monkeypatch.setattr(metrics_window, "_on_device", lambda items: all(map(torch.is_tensor, items)))
+    return request.param
+
+
+def test_log_every_4_logs_the_token_weighted_mean_on_uneven_token_counts(tmp_path, window_path):
+    records = logged(tmp_path, 6, 4, last_step=6)
+    assert [r["step"] for r in records] == [4, 6]
+    for record, window in zip(records, (range(1, 5), range(5, 7)), strict=True):
+        want = window_expectation(window)
+        assert {name: record[name] for name in want} == pytest.approx(want, rel=1e-12)
+        assert "loss_tokens" not in record  # the weight is consumed, not logged
+    assert records[0]["loss"] == pytest.approx((2 * 1 + 4 * 9 + 1 * 30 + 3 * 2) / 42)  # 1.762, not 3.0
+
+
+def test_log_every_1_logs_each_step_exactly_and_no_loss_last(tmp_path):
+    records = logged(tmp_path, 3, 1)
+    assert [r["loss"] for r in records] == [2.0, 4.0, 1.0]
+    assert all("loss_last" not in r for r in records)
+
+
+def test_steps_without_loss_tokens_weigh_equally(tmp_path, window_path):
+    runtime = Runtime()
+    hook = metrics_hook(runtime, log_every=3, writer=metrics_log(MetricsConfig(), runtime, tmp_path))
+    drive(hook, 3, info=lambda state: info(loss=float(state.global_step)))
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert record["loss"] == pytest.approx(2.0) and record["loss_last"] == 3.0
+
+
+def test_skipped_steps_stay_out_of_the_window(tmp_path, window_path):
+    def skipping(state):
+        base = uneven_info(state)
+        skipped = state.global_step == 2
+        metrics = {**base.metrics, "skipped": float(skipped)}
+        if skipped:
+            metrics["loss"] = torch.tensor(float("nan"))
+        return StepInfo(metrics, base.tokens, 1, 0.01)
+
+    runtime = Runtime()
+    hook = metrics_hook(runtime, log_every=3, writer=metrics_log(MetricsConfig(), runtime, tmp_path))
+    drive(hook, 3, info=skipping)
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert record["loss"] == pytest.approx((2 * 1 + 1 * 30) / 31)
+    assert record["grad_norm"] == pytest.approx((0.5 + 2.5) / 2)
+
+
+def test_a_long_window_folds_to_the_same_means(tmp_path, monkeypatch, window_path):
+    from fntrain.hooks import metrics_window
+
+    (unfolded,) = logged(tmp_path / "a", 6, 6)
+    folds = []
+    fold = metrics_window._fold
+    monkeypatch.setattr(metrics_window, "FOLD_AT", 2)
+    monkeypatch.setattr(metrics_window, "_fold", lambda window: (folds.append(1), fold(window)))
+    (folded,) = logged(tmp_path / "b", 6, 6)
+    assert len(folds) == 3 and folded == pytest.approx(unfolded, rel=1e-12)
+    assert unfolded["loss"] == pytest.approx(window_expectation(range(1, 7))["loss"])
+
+
+def test_a_resume_mid_window_logs_what_an_uninterrupted_run_logs(tmp_path, window_path):
+    uninterrupted = logged(tmp_path / "whole", 6, 4, last_step=6)
+    runtime = Runtime()
+    first = metrics_hook(runtime, log_every=4, writer=metrics_log(MetricsConfig(), runtime, tmp_path / "a"))
+    assert first.name == "metrics"
+    drive(first, 5, info=uneven_info)  # logs step 4; step 5 is in the window when the checkpoint is taken
+    saved = json.loads(json.dumps(first.state_dict()))  # the checkpoint keeps hook states as JSON
+    assert saved["grad_norm_steps"] == 1 and saved["loss_weight"] == 7
+    second = metrics_hook(runtime, log_every=4, writer=metrics_log(MetricsConfig(), runtime, tmp_path / "b"),
+                          last_step=6)  # fmt: skip
+    second.load_state_dict(saved)
+    drive(second, 1, start=step_state(5), info=uneven_info)
+    (resumed,) = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert resumed == pytest.approx(uninterrupted[-1], rel=1e-12)
+    with pytest.raises(ValueError, match="metrics state is missing"):
+        second.load_state_dict({"loss_sum": 1.0})
+
+
+def test_non_logging_steps_with_token_weights_run_no_torch_op(tmp_path):
+    """No host sync (and no device op at all) between logs: the window keeps references only."""
+    from torch.overrides import TorchFunctionMode
+
+    class Recorder(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    runtime = Runtime()
+    hook = metrics_hook(runtime, log_every=6, writer=metrics_log(MetricsConfig(), runtime, tmp_path))
+    hook(Event.TRAIN_BEGIN, TrainState(), None)
+    infos = [uneven_info(step_state(step)) for step in range(1, 7)]
+    with Recorder() as recorder:
+        drive(hook, 5, info=lambda state: infos[state.global_step - 1], begin=False, end=None)
+    assert recorder.calls == []
+    with Recorder() as recorder:  # the logging step reduces the window: torch ops, then one read
+        hook(Event.STEP_END, step_state(6), infos[5])
+    assert recorder.calls

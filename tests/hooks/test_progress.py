@@ -222,7 +222,7 @@ def test_redirected_run_has_log_lines_and_no_bar_redraws(tmp_path):
         subprocess.run([sys.executable, "-c", code], check=True, stderr=stream)
     text = err.read_text()
     assert "\r" not in text and "it/s" not in text and "step/s" not in text
-    assert text.splitlines() == [f"step={s} epoch=0 loss=2 lr=1.000e-03" for s in (5, 10, 15, 20)]
+    assert text.splitlines() == [f"step={s} epoch=0 loss=2 loss_last=2 lr=1.000e-03" for s in (5, 10, 15, 20)]
 
 
 def test_library_progress_bars_follow_enabled_for_imported_libraries_only(monkeypatch):

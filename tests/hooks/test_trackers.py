@@ -137,7 +137,7 @@ def test_wandb_offline_gets_metrics_config_tags_summary_and_is_finished_at_train
     history = wandb_history(records)
     steps = [row["_step"] for row in history if "loss" in row]
     assert steps == [2, 4, 5]
-    assert [row["loss"] for row in history if "loss" in row] == [2.5, 2.0, 1.75]
+    assert [row["loss"] for row in history if "loss" in row] == [2.625, 2.125, 1.75]  # means since the last log
     assert [row["consumed_tokens"] for row in history if "loss" in row] == [128, 256, 320]
     summary = wandb_summary(records)
     assert summary["loss"] == 1.75 and summary["step"] == 5
@@ -186,7 +186,7 @@ def test_mlflow_sqlite_gets_metrics_params_tags_summary_and_is_finished_at_train
     client, run = mlflow_run(run_dir)
     assert run.info.status == "FINISHED" and run.info.run_name == "run"
     history = client.get_metric_history(run.info.run_id, "loss")
-    assert [(m.step, m.value) for m in history] == [(2, 2.5), (4, 2.0), (5, 1.75)]
+    assert [(m.step, m.value) for m in history] == [(2, 2.625), (4, 2.125), (5, 1.75)]  # means since the last log
     tokens = client.get_metric_history(run.info.run_id, "consumed_tokens")
     assert [m.value for m in tokens] == [128, 256, 320]
     assert run.data.params["optim.lr"] == "0.003" and run.data.params["optim.name"] == "adamw"
