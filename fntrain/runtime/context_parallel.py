@@ -40,6 +40,8 @@ __all__ = [
     "shard_micro_batch",
     "seq_to_heads",
     "heads_to_seq",
+    "to_heads",
+    "to_seq",
     "ulysses_sdpa",
     "ulysses_attention",
     "CPOutput",
@@ -99,29 +101,34 @@ def _all_to_all(send: torch.Tensor, group: Any) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_to_all_single(send, None, None, group))
 
 
-def seq_to_heads(x: torch.Tensor, group: Any, exchange: Callable = _all_to_all) -> torch.Tensor:
+def seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
     """[B, H, S/cp, D] (this rank's tokens, every head) -> [B, H/cp, S, D] (every token, this rank's
-    heads: rank r gets heads [r H/cp, (r+1) H/cp)). `exchange(send, group)` is the all-to-all."""
-    size = dist.get_world_size(group) if group is not None else 1
-    if size == 1:
-        return x
+    heads: rank r gets heads [r H/cp, (r+1) H/cp)), over the cp `group`; differentiable."""
+    return to_heads(x, dist.get_world_size(group), lambda send: _all_to_all(send, group))
+
+
+def heads_to_seq(y: torch.Tensor, group: Any) -> torch.Tensor:
+    """The inverse of `seq_to_heads`: [B, H/cp, S, D] -> [B, H, S/cp, D]."""
+    return to_seq(y, dist.get_world_size(group), lambda send: _all_to_all(send, group))
+
+
+def to_heads(x: torch.Tensor, size: int, exchange: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`seq_to_heads` over `size` ranks with `exchange(send) -> received` as the all-to-all (a plain
+    function of the layout, so a test can exchange between simulated ranks)."""
     batch, heads, part, dim = x.shape
     if heads % size:
         raise ValueError(f"--parallel.cp-size {size} must divide the attention heads, got {heads}")
     send = x.reshape(batch, size, heads // size, part, dim).transpose(0, 1).contiguous()
-    received = exchange(send, group)  # [cp, B, H/cp, S/cp, D]: dim 0 is the sender = the sequence slice
+    received = exchange(send)  # [cp, B, H/cp, S/cp, D]: dim 0 is the sender = the sequence slice
     return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // size, size * part, dim)
 
 
-def heads_to_seq(y: torch.Tensor, group: Any, exchange: Callable = _all_to_all) -> torch.Tensor:
-    """The inverse of `seq_to_heads`: [B, H/cp, S, D] -> [B, H, S/cp, D]."""
-    size = dist.get_world_size(group) if group is not None else 1
-    if size == 1:
-        return y
+def to_seq(y: torch.Tensor, size: int, exchange: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`heads_to_seq` over `size` ranks with `exchange` as the all-to-all (see `to_heads`)."""
     batch, local_heads, length, dim = y.shape
     part = length // size
     send = y.reshape(batch, local_heads, size, part, dim).permute(2, 0, 1, 3, 4).contiguous()
-    received = exchange(send, group)  # [cp, B, H/cp, S/cp, D]: dim 0 is the sender = the head group
+    received = exchange(send)  # [cp, B, H/cp, S/cp, D]: dim 0 is the sender = the head group
     return received.transpose(0, 1).reshape(batch, size * local_heads, part, dim)
 
 
