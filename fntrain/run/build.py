@@ -26,7 +26,7 @@ from fntrain.pipeline_step import make_pipeline_eval, make_pipeline_step, pipeli
 from fntrain.run.checks import Checked, dataset_len, full_model_on_meta
 from fntrain.run.config import Built, JobConfig, RecipeSpec
 from fntrain.run.config_file import config_to_dict
-from fntrain.runtime.context_parallel import context_parallel_parts
+from fntrain.context_parallel import context_parallel_parts
 from fntrain.runtime.parallel import (
     autocast_dtype,
     build_grad_scaler,
@@ -100,7 +100,7 @@ def train_step(built: Built, spec: RecipeSpec) -> Any:
 
 
 def _context_parallel_parts(built: Built, spec: RecipeSpec) -> Any:
-    """The spec's forward and loss split over the cp ranks (`fntrain.runtime.context_parallel`)."""
+    """The spec's forward and loss split over the cp ranks (`fntrain.context_parallel`)."""
     return context_parallel_parts(spec.forward, built.components.loss_fn, mesh=context_parallel_mesh(built.runtime),
                                   style=built.config.parallel.cp_style)  # fmt: skip
 

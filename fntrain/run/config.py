@@ -243,7 +243,7 @@ class RecipeSpec:
       None: --parallel.pp-size must be 1. `build_model` passes both to `parallelize`.
     - `attention_heads(config)`: the model's attention heads per layer (key/value heads too must divide
       by cp), for context parallelism: its attention calls `F.scaled_dot_product_attention` with
-      (batch, heads, seq, dim) tensors and a whole-sequence mask, which `fntrain.runtime.context_parallel`
+      (batch, heads, seq, dim) tensors and a whole-sequence mask, which `fntrain.context_parallel`
       splits; None: --parallel.cp-size must be 1.
     """
 

@@ -51,7 +51,7 @@ HSDP_DIMS = ("dp_replicate", "dp_shard")  # the runtime mesh's dims under HSDP, 
 _UNSUPPORTED = {
     "ep_size": "expert parallelism",
 }
-CP_STYLES = ("ulysses", "ring")  # fntrain.runtime.context_parallel's
+CP_STYLES = ("ulysses", "ring")  # the styles fntrain.context_parallel implements
 DP_CP = "dp_cp"  # the runtime mesh's (dp, cp) dims flattened: the group gradients are averaged over
 
 

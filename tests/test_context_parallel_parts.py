@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fntrain.data.packing import document_causal_mask, pack_sequence
-from fntrain.runtime.context_parallel import (
+from fntrain.context_parallel import (
     context_parallel_parts,
     heads_to_seq,
     seq_to_heads,
@@ -21,6 +21,7 @@ from fntrain.runtime.context_parallel import (
     ulysses_attention,
 )
 from fntrain.step import causal_lm_loss
+from tests.runtime.conftest import one_rank_env  # noqa: F401 (the fixture: a 1-rank torchrun environment)
 from tests.test_bad_inputs import SMALL, expect_one_line
 
 
@@ -142,7 +143,7 @@ def test_the_all_to_alls_run_on_gloo_with_autograd(gloo):
 
 
 def test_ulysses_attention_routes_sdpa_and_is_entered_once(gloo, monkeypatch):
-    import fntrain.runtime.context_parallel as cp
+    import fntrain.context_parallel as cp
 
     calls = []
     real = cp.ulysses_sdpa

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from fntrain.data.tokens import IGNORE_INDEX, count_loss_tokens, loss_targets
+from fntrain.runtime.parallel import CP_STYLES
 
 __all__ = [
     "CP_STYLES",
@@ -48,7 +49,6 @@ __all__ = [
     "context_parallel_parts",
 ]
 
-CP_STYLES = ("ulysses", "ring")
 _SLICED = ("input_ids", "shift_labels", "position_ids")
 
 
