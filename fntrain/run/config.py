@@ -152,7 +152,7 @@ class JobConfig:
         "parallel.activation_checkpointing", "parallel.compile", "parallel.compile_backend",
         "parallel.ddp_bucket_cap_mb", "parallel.find_unused_parameters", "parallel.replicate",
         "parallel.meta_init", "parallel.tp_size", "parallel.pp_size", "parallel.pp_schedule",
-        "parallel.loss_parallel", "memory", "throughput", "metrics", "progress", "evaluate", "gc", "profiler",
+        "parallel.loss_parallel", "parallel.cp_size", "parallel.cp_style", "memory", "throughput", "metrics", "progress", "evaluate", "gc", "profiler",
         "checkpoint", "watchdog",
     )  # fmt: skip
 
