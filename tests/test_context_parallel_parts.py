@@ -220,3 +220,25 @@ def test_a_recipe_without_splittable_attention_refuses_cp(tmp_path):
     assert hf_causal_lm.spec.attention_heads is None
     with pytest.raises(ConfigError, match=r"^--parallel.cp-size 2: this recipe's model has no context-parallel attention"):
         check_context_parallel(config, hf_causal_lm.spec)
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def test_the_plan_shows_cp_in_the_mesh_and_divides_activations_by_it():
+    import dataclasses
+
+    from fntrain.run.job import plan_job
+    from recipes import tiny_gpt
+
+    def plan(world: int, cp: int) -> dict:
+        parallel = dataclasses.replace(tiny_gpt.Config().parallel, strategy="fsdp2", cp_size=cp)
+        return plan_job(dataclasses.replace(tiny_gpt.Config(), parallel=parallel), tiny_gpt.spec, world_size=world)
+
+    plain, split = plan(2, 1), plan(4, 2)  # both dp 2: the same batches per rank group
+    assert split["mesh"]["dims"] == [["dp", 2], ["cp", 2]]
+    assert split["mesh"]["ranks"][1]["groups"]["cp"] == [0, 1]
+    assert split["micro_batches"] == plain["micro_batches"]
+    memory, reference = split["memory_per_rank"], plain["memory_per_rank"]
+    assert memory["activations"] * 2 == pytest.approx(reference["activations"], rel=1e-3)
+    assert memory["params_per_rank"] * 2 == pytest.approx(reference["params_per_rank"], rel=1e-3)  # fsdp2 over dp x cp
