@@ -23,6 +23,7 @@ BENCHMARKS = [
     "bench.checkpoint",
     "bench.lora",
     "bench.pipeline_overhead",  # 2 ranks under torchrun: about 12 s quick, 95 s full
+    "bench.cp_overhead",  # 2 ranks under torchrun: about 30 s quick, 90 s full
 ]
 
 

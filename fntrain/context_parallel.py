@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed import _functional_collectives as funcol  # already loaded by torch.distributed
 from torch.overrides import TorchFunctionMode
 
 from fntrain.data.tokens import IGNORE_INDEX, count_loss_tokens, loss_targets
@@ -96,8 +97,6 @@ def shard_micro_batch(
 def _all_to_all(send: torch.Tensor, group: Any) -> torch.Tensor:
     """Chunk i of dim 0 goes to rank i; the result's chunk j came from rank j. torch's functional
     collective, which carries autograd (the backward is the same exchange)."""
-    from torch.distributed import _functional_collectives as funcol
-
     return funcol.wait_tensor(funcol.all_to_all_single(send, None, None, group))
 
 
