@@ -119,7 +119,34 @@ def run_case(runtime, strategy: str, cp_size: int, case: str) -> dict:
     return {"grads": first_grads, "losses": losses, "grad_norms": norms, "weights": weights}
 
 
+def ring_probe(out: str) -> None:
+    """--parallel.cp-style ring on CPU, 2 ranks: the slices torch's head-tail load balancer gives, and
+    what the forward meets inside torch's ring dispatcher (CPU attention has no sharding strategy)."""
+    from fntrain.context_parallel import _ring_shard
+
+    with setup_runtime(RuntimeConfig(device="cpu"), ParallelConfig(strategy="ddp", cp_size=2), seed=0) as runtime:
+        mesh = context_parallel_mesh(runtime)
+        parts = context_parallel_parts(default_forward, causal_lm_loss, mesh=mesh, style="ring")
+        ids = torch.arange(16).view(2, 8)
+        micro_batch = {"input_ids": ids, "labels": ids.clone()}
+        model = TinyGPT(ModelConfig(context=8, n_layer=1, n_head=2, d_model=8))
+        error = ""
+        try:
+            with parts.context():
+                parts.forward(model, micro_batch)
+        except NotImplementedError as caught:
+            error = str(caught)
+        slices = {key: value.tolist() for key, value in _ring_shard(mesh)(micro_batch, -100).items()}
+        every: list = [None] * runtime.world_size
+        dist.all_gather_object(every, {"slices": slices, "error": error})
+        if runtime.is_main:
+            torch.save(every, out)
+
+
 def main(argv: list[str]) -> None:
+    if argv[0] == "ring_probe":
+        ring_probe(argv[1])
+        return
     strategy, cp_size, out = argv[0], int(argv[1]), argv[2]
     cases = argv[3].split(",") if len(argv) > 3 else list(CASES)
     parallel = ParallelConfig(strategy=strategy, cp_size=cp_size)

@@ -126,3 +126,23 @@ def test_cp2_sigkill_resumes_bit_for_bit(tmp_path, corpus):
 
 
 corpus = resume.corpus  # the small-corpus fixture of the kill-and-resume tests
+
+
+@pytest.mark.timeout(200)
+def test_ring_slices_like_torchs_load_balancer_and_reaches_its_dispatcher(tmp_path):
+    """--parallel.cp-style ring on CPU (phase 1 refuses it; here the pieces are called directly): each
+    rank gets torch's head-tail chunks with global positions and targets, and the forward reaches torch's
+    ring dispatcher, which has no CPU attention kernel (what the refusal says). The numbers need a GPU:
+    bench/gpu_check.py's context_parallel section."""
+    out = tmp_path / "ring.pt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "tests.cp_worker", "ring_probe", str(out)]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-6000:]
+    first, second = torch.load(out)
+    assert first["slices"]["input_ids"] == [[0, 1, 6, 7], [8, 9, 14, 15]]  # chunks 0 and 3 of 4
+    assert second["slices"]["input_ids"] == [[2, 3, 4, 5], [10, 11, 12, 13]]  # chunks 1 and 2
+    assert first["slices"]["position_ids"] == [[0, 1, 6, 7], [0, 1, 6, 7]]
+    assert first["slices"]["shift_labels"] == [[1, 2, 7, -100], [9, 10, 15, -100]]
+    for rank in (first, second):
+        assert "does not have a sharding strategy" in rank["error"]
