@@ -242,3 +242,19 @@ def test_the_plan_shows_cp_in_the_mesh_and_divides_activations_by_it():
     memory, reference = split["memory_per_rank"], plain["memory_per_rank"]
     assert memory["activations"] * 2 == pytest.approx(reference["activations"], rel=1e-3)
     assert memory["params_per_rank"] * 2 == pytest.approx(reference["params_per_rank"], rel=1e-3)  # fsdp2 over dp x cp
+
+
+def test_the_plan_refuses_what_the_run_would_refuse_but_not_ring_off_the_gpu_machine():
+    import dataclasses
+
+    from fntrain.config import ConfigError
+    from fntrain.run.job import plan_job
+    from recipes import tiny_gpt
+
+    def config(**parallel) -> tiny_gpt.Config:
+        return dataclasses.replace(tiny_gpt.Config(), parallel=dataclasses.replace(tiny_gpt.Config().parallel, **parallel))
+
+    with pytest.raises(ConfigError, match=r"--parallel.cp-size 2 needs --parallel.strategy ddp or fsdp2"):
+        plan_job(config(cp_size=2), tiny_gpt.spec, world_size=2)
+    ring = plan_job(config(cp_size=2, strategy="fsdp2", cp_style="ring"), tiny_gpt.spec, world_size=2)
+    assert ring["mesh"]["dims"] == [["dp", 1], ["cp", 2]]

@@ -7,6 +7,7 @@ the flag, exit status 2), so a bad command leaves the run directory exactly as i
         check_launcher             a strategy that needs a process group is launched by torchrun
         check_model_parallel       tensor / pipeline parallelism the recipe's model supports
         check_context_parallel     context parallelism the recipe's model and the other settings allow
+        check_ring_device          ring attention runs on CUDA or NPU only
         check_device_settings      the device and the memory / profiler hooks' rank lists
         check_packages             optional packages the settings need are importable
         check_paths                run_dir, the checkpoint root and output_dir are writable directories
@@ -46,8 +47,8 @@ from fntrain.state import RunPlan, make_run_plan
 
 __all__ = [
     "Inputs", "Checked", "check_run", "check_values", "check_launcher", "check_model_parallel",
-    "check_context_parallel", "check_device_settings", "check_paths", "read_inputs", "run_plan", "dataset_len",
-    "full_model_on_meta",
+    "check_context_parallel", "check_ring_device", "check_device_settings", "check_paths", "read_inputs",
+    "run_plan", "dataset_len", "full_model_on_meta",
 ]  # fmt: skip
 
 # Errors a check raises about the user's settings or files; anything else is a bug and propagates.
@@ -84,6 +85,7 @@ def check_run(config: JobConfig, spec: RecipeSpec) -> Checked:
         check_launcher(config, launch)
         check_model_parallel(config, spec, dp_size)
         check_context_parallel(config, spec)
+        check_ring_device(config)
         check_device_settings(config, launch)
         check_packages(config)
         check_paths(config)
@@ -172,7 +174,7 @@ def check_model_parallel(config: JobConfig, spec: RecipeSpec, dp_size: int) -> N
 def check_context_parallel(config: JobConfig, spec: RecipeSpec) -> None:
     """--parallel.cp-size > 1 needs a recipe whose attention can be split (`spec.attention_heads`), heads
     that divide by it, a data-parallel strategy (the cp ranks' gradients are summed) and none of the
-    layouts it is not built for yet; ring attention needs CUDA or NPU (torch's has no CPU kernel)."""
+    layouts it is not built for yet."""
     parallel = config.parallel
     if parallel.cp_size == 1:
         return
@@ -195,8 +197,14 @@ def check_context_parallel(config: JobConfig, spec: RecipeSpec) -> None:
     for flag, value, alone in others:
         if value != alone:
             raise ConfigError(f"{cp} cannot be combined with {flag} {value} yet")
+
+
+def check_ring_device(config: JobConfig) -> None:
+    """--parallel.cp-style ring runs on CUDA or NPU only (torch's ring attention has no CPU kernel)."""
+    if config.parallel.cp_size == 1 or config.parallel.cp_style != "ring":
+        return
     device = resolve_device_type(config.runtime.device)
-    if parallel.cp_style == "ring" and device not in ("cuda", "npu"):
+    if device not in ("cuda", "npu"):
         raise ConfigError(
             f"--parallel.cp-style ring needs a CUDA or NPU device (torch's ring attention has no {device} "
             "kernel): use --parallel.cp-style ulysses"
