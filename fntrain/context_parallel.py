@@ -24,6 +24,7 @@ x cp undoes the 1/cp of gradient averaging over the (dp x cp) group, so the step
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
@@ -208,15 +209,16 @@ def ulysses_attention(group: Any) -> contextlib.AbstractContextManager:
 # ----------------------------------------------------------------------------- ring (torch's)
 
 
-def _ring_shard(mesh: Any) -> Callable[[Mapping[str, Any], int], dict[str, Any]]:
+def _ring_shard(mesh: Any, ignore_index: int = IGNORE_INDEX) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
     """Shard a micro-batch like torch's `context_parallel` does (its head-tail load balancer for causal
     attention), the targets and positions taken globally first (see `shard_micro_batch`)."""
+    # torch's private (prototype) module: imported only when the ring style is asked for.
     from torch.distributed.tensor.experimental._context_parallel._attention import (
         _context_parallel_buffers,
         _create_default_load_balancer,
     )
 
-    def shard(micro_batch: Mapping[str, Any], ignore_index: int) -> dict[str, Any]:
+    def shard(micro_batch: Mapping[str, Any]) -> dict[str, Any]:
         mask = micro_batch.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 4:
             raise ValueError("--parallel.cp-style ring supports causal attention only: use ulysses for document masks")
@@ -235,6 +237,7 @@ def _ring_shard(mesh: Any) -> Callable[[Mapping[str, Any], int], dict[str, Any]]
 def _torch_ring_dispatcher(mesh: Any) -> Iterator[None]:
     """torch's SDPA-to-ring-attention dispatcher (what `context_parallel` enables around its body,
     without its buffer sharding, which `_ring_shard` did): forward and backward must run inside."""
+    # torch's private (prototype) module, as above; `context_parallel` itself would reshard buffers in place.
     from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
     previous = cp._cp_options.enable_load_balance
@@ -285,12 +288,11 @@ def context_parallel_parts(
         raise ValueError(f"--parallel.cp-style must be one of {', '.join(CP_STYLES)}, got {style!r}")
     group, rank, size = mesh.get_group(), mesh.get_local_rank(), mesh.size()
     if style == "ulysses":
-        shard = lambda micro_batch: shard_micro_batch(micro_batch, rank, size, ignore_index)  # noqa: E731
-        context = lambda: ulysses_attention(group)  # noqa: E731
+        shard = functools.partial(shard_micro_batch, rank=rank, size=size, ignore_index=ignore_index)
+        context = functools.partial(ulysses_attention, group)
     else:
-        ring_shard = _ring_shard(mesh)
-        shard = lambda micro_batch: ring_shard(micro_batch, ignore_index)  # noqa: E731
-        context = lambda: _once(lambda: _torch_ring_dispatcher(mesh))  # noqa: E731
+        shard = _ring_shard(mesh, ignore_index)
+        context = functools.partial(_once, functools.partial(_torch_ring_dispatcher, mesh))
 
     def cp_forward(model: Any, micro_batch: Mapping[str, Any]) -> CPOutput:
         local = shard(micro_batch)

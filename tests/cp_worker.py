@@ -136,7 +136,7 @@ def ring_probe(out: str) -> None:
                 parts.forward(model, micro_batch)
         except NotImplementedError as caught:
             error = str(caught)
-        slices = {key: value.tolist() for key, value in _ring_shard(mesh)(micro_batch, -100).items()}
+        slices = {key: value.tolist() for key, value in _ring_shard(mesh)(micro_batch).items()}
         every: list = [None] * runtime.world_size
         dist.all_gather_object(every, {"slices": slices, "error": error})
         if runtime.is_main:
