@@ -180,29 +180,34 @@ def test_context_parallel_parts_on_one_rank_match_the_plain_forward_and_loss(glo
 # ----------------------------------------------------------------------------- phase 1: one line, exit 2
 
 
-@pytest.fixture
-def two_rank_env(monkeypatch):
-    """What torchrun gives rank 0 of 2: phase 1 sees a 2-rank world (it fails before any group)."""
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+def _launched_env(monkeypatch, world: int) -> None:
+    """What torchrun gives rank 0 of `world`: phase 1 sees that world (it fails before any group)."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():  # fmt: skip
         monkeypatch.setenv(name, value)
 
 
+# (id, world size, args besides --parallel.cp-size 2, what the one line says)
 CP_CASES = [
-    ("strategy-none", [], "--parallel.cp-size 2 needs --parallel.strategy ddp or fsdp2"),
-    ("heads", ["--parallel.strategy", "ddp", "--model.n-head", "1", "--model.d-model", "16"],
+    ("strategy-none", 2, [], "--parallel.cp-size 2 needs --parallel.strategy ddp or fsdp2"),
+    ("heads", 2, ["--parallel.strategy", "ddp", "--model.n-head", "1", "--model.d-model", "16"],
      "--parallel.cp-size 2 must divide the model's attention heads, got 1"),
-    ("context", ["--parallel.strategy", "ddp", "--model.context", "15"],
+    ("context", 2, ["--parallel.strategy", "ddp", "--model.context", "15"],
      "--parallel.cp-size 2 must divide --model.context, got 15"),
-    ("ring-on-cpu", ["--parallel.strategy", "ddp", "--parallel.cp-style", "ring"],
+    ("ring-on-cpu", 2, ["--parallel.strategy", "ddp", "--parallel.cp-style", "ring"],
      "--parallel.cp-style ring needs a CUDA or NPU device"),
-    ("with-activation-checkpointing", ["--parallel.strategy", "fsdp2", "--parallel.activation-checkpointing"],
+    ("with-activation-checkpointing", 2, ["--parallel.strategy", "fsdp2", "--parallel.activation-checkpointing"],
      "--parallel.cp-size 2 cannot be combined with --parallel.activation-checkpointing True yet"),
+    ("with-tensor-parallel", 4, ["--parallel.strategy", "fsdp2", "--parallel.tp-size", "2"],
+     "--parallel.cp-size 2 cannot be combined with --parallel.tp-size 2 yet"),
+    ("with-compile", 2, ["--parallel.strategy", "fsdp2", "--parallel.compile", "--parallel.compile-backend", "eager"],
+     "--parallel.cp-size 2 cannot be combined with --parallel.compile True yet"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("args, needle", [c[1:] for c in CP_CASES], ids=[c[0] for c in CP_CASES])
-def test_a_bad_cp_setting_is_one_line_and_creates_nothing(tmp_path, capsys, two_rank_env, args, needle):
+@pytest.mark.parametrize("world, args, needle", [c[1:] for c in CP_CASES], ids=[c[0] for c in CP_CASES])
+def test_a_bad_cp_setting_is_one_line_and_creates_nothing(tmp_path, capsys, monkeypatch, world, args, needle):
+    _launched_env(monkeypatch, world)
     # "recipes.tiny_gpt": this checkout's recipe (a bare "tiny_gpt" may find an installed copy first)
     argv = ["run", "recipes.tiny_gpt", "--run-dir", str(tmp_path / "run"), *SMALL, "--parallel.cp-size", "2", *args]
     expect_one_line(capsys, argv, needle)

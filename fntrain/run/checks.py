@@ -193,6 +193,7 @@ def check_context_parallel(config: JobConfig, spec: RecipeSpec) -> None:
         ("--parallel.tp-size", parallel.tp_size, 1), ("--parallel.pp-size", parallel.pp_size, 1),
         ("--parallel.replicate", parallel.replicate, 1),
         ("--parallel.activation-checkpointing", parallel.activation_checkpointing, False),
+        ("--parallel.compile", parallel.compile, False),  # the attention's function mode is untested under dynamo
     )  # fmt: skip
     for flag, value, alone in others:
         if value != alone:
