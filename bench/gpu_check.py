@@ -249,8 +249,61 @@ def checkpoint_async(report: Report) -> None:
                    row.goal, row.met)  # fmt: skip
 
 
+def _cp_loss_and_grads(style: str | None, mesh) -> tuple[float, dict[str, torch.Tensor]]:
+    """One forward and backward of a small TinyGPT (bf16 autocast, causal, 4 x 256 tokens) on CUDA:
+    plainly (`style` None) or through fntrain.context_parallel's `style` over `mesh`."""
+    from fntrain.context_parallel import context_parallel_parts
+    from fntrain.step import causal_lm_loss, default_forward
+    from recipes.tiny_gpt import ModelConfig, TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(ModelConfig(context=256, n_layer=2, n_head=4, d_model=128)).cuda()
+    ids = torch.randint(0, 256, (4, 256), generator=torch.Generator().manual_seed(1)).cuda()
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    forward, loss_fn, context = default_forward, causal_lm_loss, None
+    if style is not None:
+        parts = context_parallel_parts(default_forward, causal_lm_loss, mesh=mesh, style=style)
+        forward, loss_fn, context = parts.forward, parts.train_loss, parts.context
+    import contextlib
+
+    with (context or contextlib.nullcontext)(), torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = loss_fn(forward(model, batch), batch)
+        loss.backward()
+    return float(loss), {name: p.grad.float().clone() for name, p in model.named_parameters()}
+
+
+def context_parallel(report: Report) -> None:
+    """--parallel.cp-style ring (torch's ring attention through its private SDPA dispatcher, which
+    fntrain.context_parallel drives) and ulysses on CUDA, over a 1-rank NCCL group (one GPU: a cp mesh
+    of size 1, which runs the whole code path; the exchange between ranks needs 2 GPUs and torchrun):
+    the loss and gradients equal a plain step's to bf16 tolerance."""
+    if not _need_cuda(report, "context_parallel"):
+        return
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("cp",))
+        want_loss, want_grads = _cp_loss_and_grads(None, mesh)
+        for style in ("ring", "ulysses"):
+            loss, grads = _cp_loss_and_grads(style, mesh)
+            worst = max(float((grads[n] - g).abs().max() / (g.abs().max() + 1e-6)) for n, g in want_grads.items())
+            report.add("context_parallel", f"{style}: loss vs plain", f"{loss:.4f} vs {want_loss:.4f}", "equal to 2e-2",
+                       abs(loss - want_loss) <= 2e-2 * abs(want_loss))  # fmt: skip
+            report.add("context_parallel", f"{style}: worst relative gradient difference", f"{worst:.2e}", "<= 5e-2",
+                       worst <= 5e-2)  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
 SECTIONS: list[Callable[[Report], None]] = [
-    environment, matmul_peak, train_throughput, host_syncs, checkpoint_async, memory_snapshot,
+    environment, matmul_peak, train_throughput, host_syncs, checkpoint_async, memory_snapshot, context_parallel,
 ]  # fmt: skip
 
 

@@ -100,6 +100,8 @@ class Config(JobConfig):
             raise ValueError(f"model.vocab_size must be >= 256 for byte-level data, got {self.model.vocab_size}")
         if self.model.n_head % self.parallel.tp_size:  # each tp rank holds whole heads
             raise ValueError(f"parallel.tp_size ({self.parallel.tp_size}) must divide model.n_head ({self.model.n_head})")
+        if self.model.context % self.parallel.cp_size:  # each cp rank holds an equal slice of every sequence
+            raise ValueError(f"--parallel.cp-size {self.parallel.cp_size} must divide --model.context, got {self.model.context}")
 
 
 # ----------------------------------------------------------------------------- model (nanoGPT-style)
@@ -247,6 +249,7 @@ spec = RecipeSpec(
     tensor_parallel=TENSOR_PARALLEL,
     pipeline=PIPELINE,
     hf_conversion=hf_conversion,
+    attention_heads=lambda config: config.model.n_head,  # its attention is F.scaled_dot_product_attention
     export=lambda config, built, state: export_converted(  # <run_dir>/hf_model: a transformers GPT-2
         built.components.model, built.run_dir / "hf_model", lambda full: hf_conversion(config, full),
         pipeline_group=pipeline_group(built.runtime),

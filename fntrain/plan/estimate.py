@@ -136,15 +136,18 @@ class ParallelLayout:
     """With tp > 1, the logits and the loss stay vocabulary-sharded."""
     sequence_parallel: bool = False
     """With tp > 1, norms and dropout run sequence-sharded (their activations / tp)."""
+    cp_size: int = 1
+    """Context parallelism: each sequence split over cp ranks (Ulysses: every activation / cp, the
+    attention scores too, which are split by heads); parameters are sharded over dp x cp under fsdp2."""
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // (self.tp_size * self.pp_size)
+        return self.world_size // (self.tp_size * self.pp_size * self.cp_size)
 
     @property
     def shard_size(self) -> int:
-        """The ranks one parameter is sharded over: dp (dp / replicate under HSDP) for fsdp2, else 1."""
-        return self.dp_size // self.replicate if self.strategy == "fsdp2" else 1
+        """The ranks one parameter is sharded over: dp x cp (dp / replicate under HSDP) for fsdp2, else 1."""
+        return self.dp_size * self.cp_size // self.replicate if self.strategy == "fsdp2" else 1
 
     def validate(self, layers: int) -> None:
         if self.strategy not in STRATEGIES:
@@ -155,16 +158,17 @@ class ParallelLayout:
             )
         if self.pp_schedule not in SCHEDULES:
             raise ValueError(f"parallel.pp_schedule must be one of {SCHEDULES}, got {self.pp_schedule!r}")
-        model_parallel = self.tp_size * self.pp_size
-        if min(self.tp_size, self.pp_size, self.replicate) < 1 or self.world_size % model_parallel:
+        model_parallel = self.tp_size * self.pp_size * self.cp_size
+        if min(self.tp_size, self.pp_size, self.cp_size, self.replicate) < 1 or self.world_size % model_parallel:
             raise ValueError(
-                f"world size {self.world_size} must be divisible by parallel.tp_size x pp_size = {model_parallel}"
+                f"world size {self.world_size} must be divisible by parallel.tp_size x pp_size x cp_size "
+                f"= {model_parallel}"
             )
         if self.dp_size % self.replicate:
             raise ValueError(
                 f"parallel.replicate ({self.replicate}) must divide the data-parallel size ({self.dp_size})"
             )
-        if self.strategy == "none" and self.dp_size > 1:
+        if self.strategy == "none" and self.dp_size * self.cp_size > 1:
             raise ValueError(f"parallel.strategy 'none' needs data-parallel size 1, got {self.dp_size}")
         if self.pp_size > layers:
             raise ValueError(f"parallel.pp_size ({self.pp_size}) must not exceed the model's {layers} blocks")
@@ -279,8 +283,10 @@ def _stage_activations(
         sequence_parallel=parallel.sequence_parallel, flash_attention=batch.flash_attention,
         dropout=batch.dropout, bytes_per_value=e,
     )  # fmt: skip
+    # Ulysses: per-token activations hold seq/cp tokens, attention's seq x seq scores heads/cp heads.
+    full_layer = math.ceil(full_layer / parallel.cp_size)
     in_flight = _in_flight(parallel, batch.micro_batches, stage)
-    tokens = batch.seq_len * batch.micro_batch_size
+    tokens = math.ceil(batch.seq_len * batch.micro_batch_size / parallel.cp_size)
     parts = {"layers": 0, "recompute": 0, "logits": 0}
     if parallel.activation_checkpointing:
         block_input = e * tokens * model.hidden
@@ -396,7 +402,7 @@ def format_bytes(count: int) -> str:
 
 def layout_label(parallel: ParallelLayout) -> str:
     """A layout in words: "fsdp2 pp 2 x dp 2 x tp 2, 1f1b, AC"."""
-    dims = [("pp", parallel.pp_size), ("dp", parallel.dp_size), ("tp", parallel.tp_size)]
+    dims = [("pp", parallel.pp_size), ("dp", parallel.dp_size), ("cp", parallel.cp_size), ("tp", parallel.tp_size)]
     text = " x ".join(f"{name} {size}" for name, size in dims if size > 1 or name == "dp")
     if parallel.replicate > 1:
         text = text.replace(

@@ -122,6 +122,7 @@ def parallel_layout(parallel: Any, world_size: int) -> ParallelLayout:
         reshard_after_forward=parallel.reshard_after_forward,
         pp_schedule=getattr(parallel, "pp_schedule", "1f1b"),
         loss_parallel=getattr(parallel, "loss_parallel", True),
+        cp_size=getattr(parallel, "cp_size", 1),
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from torch.utils.data import default_collate
 
 from fntrain.components import Components
+from fntrain.context_parallel import context_parallel_parts
 from fntrain.data.pipeline import build_data
 from fntrain.hooks.standard import HookInputs, standard_hooks
 from fntrain.hooks.throughput import measure_flops_per_token
@@ -30,7 +31,9 @@ from fntrain.run.recipes import recipe_reference
 from fntrain.runtime.parallel import (
     autocast_dtype,
     build_grad_scaler,
+    context_parallel_mesh,
     data_parallel_group,
+    gradient_group_size,
     loss_context,
 )
 from fntrain.runtime.pipeline import stage_ties
@@ -80,9 +83,14 @@ def train_step(built: Built, spec: RecipeSpec) -> Any:
     parallel, train = config.parallel, config.train
     common = dict(
         max_grad_norm=train.max_grad_norm, loss_weighting=train.loss_weighting, device=runtime.device,
-        dp_size=runtime.dp_size, dp_group=data_parallel_group(runtime), autocast_dtype=autocast_dtype(parallel),
-        loss_context=loss_context(runtime, parallel),
+        dp_size=gradient_group_size(runtime), dp_group=data_parallel_group(runtime),
+        autocast_dtype=autocast_dtype(parallel), loss_context=loss_context(runtime, parallel),
     )  # fmt: skip
+    if runtime.cp_size > 1:
+        cp = _context_parallel_parts(built, spec)
+        return make_train_step(components.model, cp.train_loss, components.optimizers, components.schedulers,
+                               grad_scaler=components.grad_scaler, forward=cp.forward,
+                               **(common | {"loss_context": cp.context}))  # fmt: skip
     if runtime.pp_size > 1:
         layout = pipeline_layout(runtime, parallel, _pipeline_ties(config, spec))
         return make_pipeline_step(components.model, components.loss_fn, components.optimizers,
@@ -90,6 +98,12 @@ def train_step(built: Built, spec: RecipeSpec) -> Any:
                                   **common)  # fmt: skip
     return make_train_step(components.model, components.loss_fn, components.optimizers, components.schedulers,
                            grad_scaler=components.grad_scaler, forward=spec.forward, **common)  # fmt: skip
+
+
+def _context_parallel_parts(built: Built, spec: RecipeSpec) -> Any:
+    """The spec's forward and loss split over the cp ranks (`fntrain.context_parallel`)."""
+    return context_parallel_parts(spec.forward, built.components.loss_fn, mesh=context_parallel_mesh(built.runtime),
+                                  style=built.config.parallel.cp_style)  # fmt: skip
 
 
 def _sample_micro_batch(built: Built) -> Any:
@@ -123,6 +137,9 @@ def _eval_functions(built: Built, spec: RecipeSpec) -> tuple[Callable, Callable 
     parallelism, the loss under torch's loss_parallel() when the logits are split over the vocabulary."""
     runtime, parallel = built.runtime, built.config.parallel
     context = loss_context(runtime, parallel)
+    if runtime.cp_size > 1:
+        cp = _context_parallel_parts(built, spec)
+        return cp.forward, cp.eval_loss
     if runtime.pp_size > 1:
         layout = pipeline_layout(runtime, parallel)
         return make_pipeline_eval(built.components.model, built.components.loss_fn, layout, runtime.device, context)

@@ -6,6 +6,8 @@ the flag, exit status 2), so a bad command leaves the run directory exactly as i
         check_values               every section's value rules, once, and the batch shape over the ranks
         check_launcher             a strategy that needs a process group is launched by torchrun
         check_model_parallel       tensor / pipeline parallelism the recipe's model supports
+        check_context_parallel     context parallelism the recipe's model and the other settings allow
+        check_ring_device          ring attention runs on CUDA or NPU only
         check_device_settings      the device and the memory / profiler hooks' rank lists
         check_packages             optional packages the settings need are importable
         check_paths                run_dir, the checkpoint root and output_dir are writable directories
@@ -47,7 +49,8 @@ from fntrain.state import RunPlan, make_run_plan
 
 __all__ = [
     "Inputs", "Checked", "check_run", "check_values", "check_launcher", "check_model_parallel",
-    "check_device_settings", "check_paths", "read_inputs", "run_plan", "dataset_len", "full_model_on_meta",
+    "check_context_parallel", "check_ring_device", "check_device_settings", "check_paths", "read_inputs",
+    "run_plan", "dataset_len", "full_model_on_meta",
 ]  # fmt: skip
 
 # Errors a check raises about the user's settings or files; anything else is a bug and propagates.
@@ -84,6 +87,8 @@ def check_run(config: JobConfig, spec: RecipeSpec) -> Checked:
         dp_size = check_values(config, launch.world_size)
         check_launcher(config, launch)
         check_model_parallel(config, spec, dp_size)
+        check_context_parallel(config, spec)
+        check_ring_device(config)
         check_device_settings(config, launch)
         check_packages(config)
         check_paths(config)
@@ -168,6 +173,47 @@ def check_model_parallel(config: JobConfig, spec: RecipeSpec, dp_size: int) -> N
             f"--parallel.pp-schedule 1f1b needs at least --parallel.pp-size ({parallel.pp_size}) micro-batches "
             f"per step, got {micro_batches} (--train.global-batch-size / (--train.micro-batch-size x {dp_size} "
             "data-parallel ranks)): lower --train.micro-batch-size or use --parallel.pp-schedule gpipe"
+        )
+
+
+def check_context_parallel(config: JobConfig, spec: RecipeSpec) -> None:
+    """--parallel.cp-size > 1 needs a recipe whose attention can be split (`spec.attention_heads`), heads
+    that divide by it, a data-parallel strategy (the cp ranks' gradients are summed) and none of the
+    layouts it is not built for yet."""
+    parallel = config.parallel
+    if parallel.cp_size == 1:
+        return
+    cp = f"--parallel.cp-size {parallel.cp_size}"
+    if spec.attention_heads is None:
+        raise ConfigError(f"{cp}: this recipe's model has no context-parallel attention (use --parallel.cp-size 1)")
+    heads = spec.attention_heads(config)
+    if heads % parallel.cp_size:
+        raise ConfigError(f"{cp} must divide the model's attention heads, got {heads}")
+    if parallel.strategy == "none":
+        raise ConfigError(
+            f"{cp} needs --parallel.strategy ddp or fsdp2 (each cp rank's gradients cover only its slice "
+            "of the sequence)"
+        )
+    others = (
+        ("--parallel.tp-size", parallel.tp_size, 1), ("--parallel.pp-size", parallel.pp_size, 1),
+        ("--parallel.replicate", parallel.replicate, 1),
+        ("--parallel.activation-checkpointing", parallel.activation_checkpointing, False),
+        ("--parallel.compile", parallel.compile, False),  # the attention's function mode is untested under dynamo
+    )  # fmt: skip
+    for flag, value, alone in others:
+        if value != alone:
+            raise ConfigError(f"{cp} cannot be combined with {flag} {value} yet")
+
+
+def check_ring_device(config: JobConfig) -> None:
+    """--parallel.cp-style ring runs on CUDA or NPU only (torch's ring attention has no CPU kernel)."""
+    if config.parallel.cp_size == 1 or config.parallel.cp_style != "ring":
+        return
+    device = resolve_device_type(config.runtime.device)
+    if device not in ("cuda", "npu"):
+        raise ConfigError(
+            f"--parallel.cp-style ring needs a CUDA or NPU device (torch's ring attention has no {device} "
+            "kernel): use --parallel.cp-style ulysses"
         )
 
 

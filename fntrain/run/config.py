@@ -152,7 +152,7 @@ class JobConfig:
         "parallel.activation_checkpointing", "parallel.compile", "parallel.compile_backend",
         "parallel.ddp_bucket_cap_mb", "parallel.find_unused_parameters", "parallel.replicate",
         "parallel.meta_init", "parallel.tp_size", "parallel.pp_size", "parallel.pp_schedule",
-        "parallel.loss_parallel", "memory", "throughput", "metrics", "progress", "evaluate", "gc", "profiler",
+        "parallel.loss_parallel", "parallel.cp_size", "parallel.cp_style", "memory", "throughput", "metrics", "progress", "evaluate", "gc", "profiler",
         "checkpoint", "watchdog",
     )  # fmt: skip
 
@@ -245,6 +245,10 @@ class RecipeSpec:
       (`fntrain.runtime.tensor_parallel.tensor_parallel_plan`); None: --parallel.tp-size must be 1.
     - `pipeline`: where the model's pipeline stages are cut (`fntrain.runtime.pipeline.PipelineSplit`);
       None: --parallel.pp-size must be 1. `build_model` passes both to `parallelize`.
+    - `attention_heads(config)`: the model's attention heads per layer (key/value heads too must divide
+      by cp), for context parallelism: its attention calls `F.scaled_dot_product_attention` with
+      (batch, heads, seq, dim) tensors and a whole-sequence mask, which `fntrain.context_parallel`
+      splits; None: --parallel.cp-size must be 1.
     """
 
     config: type
@@ -264,6 +268,7 @@ class RecipeSpec:
     check: Callable[[Any, Any], None] | None = None
     tensor_parallel: Callable[[Any, Any, bool], None] | None = None
     pipeline: Any = None
+    attention_heads: Callable[[Any], int] | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.config, type) and issubclass(self.config, JobConfig)):

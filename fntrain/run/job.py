@@ -34,7 +34,15 @@ from fntrain.loop import Hook, TrainResult, run_training
 from fntrain.plan.memory import plan_memory
 from fntrain.plan.report import describe_run_plan
 from fntrain.run.build import build_job, job_hooks, train_step
-from fntrain.run.checks import Checked, check_model_parallel, check_run, check_values, dataset_len, run_plan
+from fntrain.run.checks import (
+    Checked,
+    check_context_parallel,
+    check_model_parallel,
+    check_run,
+    check_values,
+    dataset_len,
+    run_plan,
+)
 from fntrain.run.config import Built, JobConfig, RecipeSpec
 from fntrain.run.config_file import write_config
 from fntrain.run.finish import (
@@ -168,6 +176,7 @@ def plan_job(config: JobConfig, spec: RecipeSpec, world_size: int = 1) -> dict[s
         raise ConfigError(f"--world-size must be a positive int, got {world_size!r}")
     dp_size = check_values(config, world_size)
     check_model_parallel(config, spec, dp_size)
+    check_context_parallel(config, spec)  # not the ring's device: a plan may be made off the GPU machine
     if spec.dataset_sizes is not None:
         train_len, val_len = spec.dataset_sizes(config)
     else:

@@ -59,6 +59,7 @@ def describe_start(built: Any) -> list[str]:
         where += f", parallel {parallel.strategy}"
         where += f", tp {parallel.tp_size}" if parallel.tp_size > 1 else ""
         where += f", pp {parallel.pp_size} ({parallel.pp_schedule})" if parallel.pp_size > 1 else ""
+        where += f", cp {parallel.cp_size} ({parallel.cp_style})" if parallel.cp_size > 1 else ""
     lines.append(where)
     epochs = f"{plan.epochs} epoch{'s' if plan.epochs != 1 else ''} of up to {plan.steps_per_epoch} steps"
     if not getattr(plan, "sized", True):

@@ -38,6 +38,8 @@ __all__ = [
     "HSDP_DIMS",
     "loss_context",
     "pipeline_group",
+    "gradient_group_size",
+    "context_parallel_mesh",
 ]
 
 log = logging.getLogger(__name__)
@@ -47,9 +49,10 @@ MIXED_PRECISIONS = ("fp32", "bf16", "fp16")
 _LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HSDP_DIMS = ("dp_replicate", "dp_shard")  # the runtime mesh's dims under HSDP, flattened into "dp"
 _UNSUPPORTED = {
-    "cp_size": "context parallelism",
     "ep_size": "expert parallelism",
 }
+CP_STYLES = ("ulysses", "ring")  # the styles fntrain.context_parallel implements
+DP_CP = "dp_cp"  # the runtime mesh's (dp, cp) dims flattened: the group gradients are averaged over
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,9 @@ class ParallelConfig:
     loss_parallel: bool = True
     """Tensor parallelism: compute the cross-entropy on the vocabulary shards instead of gathering the full logits."""
     cp_size: int = 1
-    """Context-parallel degree (only 1 is supported yet)."""
+    """Context-parallel degree: each sequence split over this many ranks (they read the same batch); attention heads and the sequence length must divide by it; needs ddp or fsdp2."""
+    cp_style: Literal["ulysses", "ring"] = "ulysses"
+    """Context parallelism: ulysses (all-to-all between sequence and heads around attention, any device) or ring (torch's ring attention, CUDA/NPU only, causal attention without document masks)."""
     ep_size: int = 1
     """Expert-parallel degree (only 1 is supported yet)."""
     replicate: int = 1
@@ -100,7 +105,8 @@ class ParallelConfig:
             check_compile_backend(self.compile_backend, f"{prefix}.compile_backend")
         require_int(f"{prefix}.ddp_bucket_cap_mb", self.ddp_bucket_cap_mb, min=1)
         require_bool(f"{prefix}.find_unused_parameters", self.find_unused_parameters)
-        for name in ("tp_size", "pp_size", *_UNSUPPORTED):
+        require_choice(f"{prefix}.cp_style", self.cp_style, CP_STYLES)
+        for name in ("tp_size", "pp_size", "cp_size", *_UNSUPPORTED):
             require_int(f"{prefix}.{name}", getattr(self, name), min=1)
         require_choice(f"{prefix}.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         require_bool(f"{prefix}.loss_parallel", self.loss_parallel)
@@ -189,10 +195,13 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def data_parallel_group(runtime: Runtime) -> Any:
-    """The process group of this rank's data-parallel peers (None: the default group or no group)."""
+    """The process group of this rank's data-parallel peers (None: the default group or no group);
+    with context parallelism the (dp x cp) group, over which gradients are averaged."""
     mesh = runtime.mesh
     if mesh is None:
         return None
+    if runtime.cp_size > 1:  # the cp ranks of a replica hold the same weights: gradients reduce over dp x cp
+        return mesh.get_group(DP_CP)
     if _has_dims(mesh, "dp"):
         return mesh.get_group("dp")  # a mesh dim, or HSDP's (dp_replicate, dp_shard) flattened
     return mesh.get_group()
@@ -229,6 +238,8 @@ def _data_parallel_mesh(runtime: Runtime, replicate: int = 1) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(runtime.device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    if runtime.cp_size > 1:
+        return mesh[DP_CP]  # FSDP2 over the flattened (dp, cp) mesh, as torchtitan shards over dp_shard_cp
     if mesh.ndim > 1:
         return mesh["dp"]  # a dim of the mesh, or HSDP's (dp_replicate, dp_shard) flattened
     return mesh
@@ -362,6 +373,11 @@ def _check_strategy(config: ParallelConfig, runtime: Runtime) -> None:
                 f"parallel.strategy 'none' cannot train with {runtime.dp_size} data-parallel ranks "
                 "(their gradients would never be combined): use ddp or fsdp2"
             )
+        if runtime.cp_size > 1:
+            raise ValueError(
+                f"--parallel.cp-size {runtime.cp_size} needs --parallel.strategy ddp or fsdp2 (each cp rank's "
+                "gradients cover only its slice of the sequence)"
+            )
     elif not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             f"parallel.strategy {config.strategy!r} needs an initialized process group: launch with "
@@ -370,6 +386,16 @@ def _check_strategy(config: ParallelConfig, runtime: Runtime) -> None:
         )
     if (runtime.tp_size > 1 or runtime.pp_size > 1) and runtime.mesh is None:
         raise RuntimeError("tensor and pipeline parallelism need the runtime's DeviceMesh: use setup_runtime")
+
+
+def gradient_group_size(runtime: Runtime) -> int:
+    """Ranks `data_parallel_group` holds: dp, times cp under context parallelism (the step's dp_size)."""
+    return runtime.dp_size * runtime.cp_size
+
+
+def context_parallel_mesh(runtime: Runtime) -> Any:
+    """The runtime mesh's 1-D "cp" sub-mesh; None without context parallelism."""
+    return runtime.mesh["cp"] if runtime.cp_size > 1 else None
 
 
 def pipeline_group(runtime: Runtime) -> Any:

@@ -15,8 +15,9 @@ class Runtime:
     """Ranks, device and parallel sizes of this process. Constructible by keywords for tests.
 
     `dp_rank`/`dp_size` are this process's data-parallel coordinates (the data shard it reads),
-    `tp_rank`/`pp_rank` its tensor-parallel rank and pipeline stage; cp/ep sizes are carried so hooks can
-    report them. `mesh` is the DeviceMesh when one was built.
+    `tp_rank`/`pp_rank` its tensor-parallel rank and pipeline stage, `cp_rank` its context-parallel rank
+    (which slice of each sequence it computes; the cp ranks of a dp group read the same data); the ep
+    size is carried so hooks can report it. `mesh` is the DeviceMesh when one was built.
     """
 
     rank: int = 0
@@ -31,6 +32,7 @@ class Runtime:
     dp_rank: int = 0
     tp_rank: int = 0
     pp_rank: int = 0
+    cp_rank: int = 0
     backend: str | None = None
     mesh: Any = None
     seed: int = 42

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from fntrain.config import require_bool, require_choice, require_float, require_int, require_str
 from fntrain.runtime import device as devices
-from fntrain.runtime.parallel import HSDP_DIMS, ParallelConfig, hsdp_shape
+from fntrain.runtime.parallel import DP_CP, HSDP_DIMS, ParallelConfig, hsdp_shape
 from fntrain.runtime.runtime import Runtime
 
 __all__ = [
@@ -318,6 +318,8 @@ def _build_mesh(device_type: str, sizes: dict[str, int], replicate: int = 1) -> 
     )
     if hsdp:
         mesh[data_dims]._flatten("dp")
+    if sizes["cp_size"] > 1:  # gradients reduce over dp x cp (fntrain.runtime.parallel.DP_CP)
+        mesh[(*data_dims, "cp")]._flatten(DP_CP)
     return mesh
 
 
@@ -467,6 +469,7 @@ def _make_runtime(
         dp_rank=dp_rank,
         tp_rank=from_mesh["tp"],
         pp_rank=from_mesh["pp"],
+        cp_rank=_mesh_rank(mesh, "cp", (launch.rank // sizes["tp_size"]) % sizes["cp_size"]),
         backend=(dist.get_backend() if not owns_group else backend) if distributed else None,
         mesh=mesh,
         seed=seed,
@@ -474,9 +477,9 @@ def _make_runtime(
     )
     if runtime.is_main:
         log.info(
-            "runtime: world %d, device %s, backend %s, dp %d (rank %d), tp %d, pp %d, seed %d%s",
+            "runtime: world %d, device %s, backend %s, dp %d (rank %d), tp %d, pp %d, cp %d, seed %d%s",
             runtime.world_size, device, runtime.backend, runtime.dp_size, runtime.dp_rank, runtime.tp_size,
-            runtime.pp_size, runtime.seed, ", deterministic" if config.deterministic else "",
+            runtime.pp_size, runtime.cp_size, runtime.seed, ", deterministic" if config.deterministic else "",
         )  # fmt: skip
     return runtime
 

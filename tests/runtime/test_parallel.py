@@ -104,7 +104,7 @@ def test_parallel_config_validation_names_the_field():
         ParallelConfig(compile="yes").validate()
 
 
-@pytest.mark.parametrize(("field", "what"), [("cp_size", "context"), ("ep_size", "expert")])
+@pytest.mark.parametrize(("field", "what"), [("ep_size", "expert")])
 def test_parallelize_rejects_model_parallel_degrees(field, what):
     with pytest.raises(
         NotImplementedError, match=rf"parallel.{field}=2: {what} parallelism is not supported yet"
@@ -115,6 +115,11 @@ def test_parallelize_rejects_model_parallel_degrees(field, what):
         NotImplementedError, match=rf"runtime.{field}=2: {what} parallelism is not supported yet"
     ):
         parallelize(make_stack(), Runtime(**{field: 2}), "none")
+
+
+def test_context_parallelism_needs_a_data_parallel_strategy():
+    with pytest.raises(ValueError, match=r"--parallel.cp-size 2 needs --parallel.strategy ddp or fsdp2"):
+        parallelize(make_stack(), Runtime(cp_size=2), "none")
 
 
 @pytest.mark.parametrize("field", ["tp_size", "pp_size"])
