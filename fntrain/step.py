@@ -169,6 +169,7 @@ def make_train_step(
     nonfinite: str = "raise",
     ignore_index: int = IGNORE_INDEX,
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    step_end: Callable[[], Mapping[str, Any]] | None = None,
 ) -> Callable[[TrainState, Sequence[Mapping[str, Any]]], dict[str, Any]]:
     """Build `step_fn(state, batch) -> {"loss", "grad_norm", "lr"}` for one optimizer step.
 
@@ -193,6 +194,9 @@ def make_train_step(
     grad scaler it is left to the scaler.
     `loss_context` wraps every forward, loss and backward (tensor parallelism's vocabulary-parallel loss
     needs torch's `loss_parallel()` there).
+    `step_end()`, when given, runs after the schedulers on every step, outside autograd (a MoE router's
+    bias update); it returns more metrics (device tensors), merged into the step's (a name the step
+    already reports is a ValueError).
     """
     _check_step_args(loss_weighting, nonfinite, max_grad_norm, dp_size, autocast_dtype)
     optimizers = (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
@@ -214,7 +218,7 @@ def make_train_step(
     )  # fmt: skip
     unscale_and_clip = _make_unscale_and_clip(params, optimizers, max_grad_norm, grad_scaler)
     should_skip = _make_nonfinite_check(params, on_cpu, skip_mode, clip, grad_scaler, dp_size)
-    update = _make_update(optimizers, schedulers, grad_scaler, skip_mode)
+    update = _make_update(optimizers, schedulers, grad_scaler, skip_mode, step_end)
 
     def step_fn(state: TrainState, batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         micro_batches = [batch] if isinstance(batch, Mapping) else list(batch)
@@ -411,6 +415,7 @@ def _make_update(
     schedulers: tuple[Any, ...],
     grad_scaler: Any,
     skip_mode: bool,
+    step_end: Callable[[], Mapping[str, Any]] | None = None,
 ) -> Callable[[torch.Tensor, Any, bool], dict[str, Any]]:
     """`update(reported, grad_norm, skip) -> metrics`: step the optimizers (unless `skip`), zero the
     gradients, step the schedulers (unless `skip`) [S25], and gather the step's metrics."""
@@ -436,6 +441,11 @@ def _make_update(
         }
         if skip_mode:
             metrics["skipped"] = float(skip)
+        if step_end is not None:
+            extra = step_end()
+            if clash := sorted(set(extra) & set(metrics)):
+                raise ValueError(f"step_end metrics {clash} collide with the step's own")
+            metrics.update(extra)
         return metrics
 
     return update

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fntrain.config import ConfigError, require_bool, require_choice, require_int, require_str
+from fntrain.runtime.expert_parallel import expert_modules, shard_experts
 from fntrain.runtime.pipeline import PP_SCHEDULES, PipelineSplit, split_stage
 from fntrain.runtime.runtime import Runtime
 
@@ -48,7 +49,6 @@ _LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HSDP_DIMS = ("dp_replicate", "dp_shard")  # the runtime mesh's dims under HSDP, flattened into "dp"
 _UNSUPPORTED = {
     "cp_size": "context parallelism",
-    "ep_size": "expert parallelism",
 }
 
 
@@ -83,7 +83,7 @@ class ParallelConfig:
     cp_size: int = 1
     """Context-parallel degree (only 1 is supported yet)."""
     ep_size: int = 1
-    """Expert-parallel degree (only 1 is supported yet)."""
+    """Expert-parallel degree: each MoE layer's experts split over this many ranks, borrowed from the data-parallel ranks (must divide them); needs fsdp2 and a model with experts."""
     replicate: int = 1
     """fsdp2: HSDP replica groups R (e.g. nodes), sharded within one, all-reduced across; divides dp."""
     meta_init: bool = False
@@ -100,7 +100,7 @@ class ParallelConfig:
             check_compile_backend(self.compile_backend, f"{prefix}.compile_backend")
         require_int(f"{prefix}.ddp_bucket_cap_mb", self.ddp_bucket_cap_mb, min=1)
         require_bool(f"{prefix}.find_unused_parameters", self.find_unused_parameters)
-        for name in ("tp_size", "pp_size", *_UNSUPPORTED):
+        for name in ("tp_size", "pp_size", "ep_size", *_UNSUPPORTED):
             require_int(f"{prefix}.{name}", getattr(self, name), min=1)
         require_choice(f"{prefix}.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         require_bool(f"{prefix}.loss_parallel", self.loss_parallel)
@@ -112,6 +112,19 @@ class ParallelConfig:
                 f"got {self.strategy!r}"
             )
         require_bool(f"{prefix}.meta_init", self.meta_init)
+        self._validate_expert_parallel(prefix)
+
+    def _validate_expert_parallel(self, prefix: str) -> None:
+        """Expert parallelism shards experts over part of the data-parallel ranks: FSDP2 does the rest."""
+        if self.ep_size == 1:
+            return
+        if self.strategy != "fsdp2":
+            raise ValueError(f"{prefix}.ep_size={self.ep_size} needs {prefix}.strategy 'fsdp2', got {self.strategy!r}")
+        for name in ("replicate", "pp_size", "tp_size"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"{prefix}.ep_size={self.ep_size} cannot be combined with {prefix}.{name}={getattr(self, name)} yet")
+        if self.meta_init:
+            raise ValueError(f"{prefix}.meta_init is not supported with {prefix}.ep_size={self.ep_size} yet")
 
     def _validate_model_parallel(self, prefix: str) -> None:
         """The combinations tensor and pipeline parallelism support."""
@@ -297,6 +310,14 @@ def _apply_fsdp2(
         policy = MixedPrecisionPolicy(
             param_dtype=_LOW_PRECISION[config.mixed_precision], reduce_dtype=torch.float32
         )
+    if runtime.ep_size > 1:
+        for experts in expert_modules(model):
+            # Expert weights: sharded over ep already, FSDP2 shards them over the rest of dp. Their
+            # gradients sum every ep peer's tokens, so they are divided by the whole dp size, as the
+            # dense gradients are, not by dp_mod_ep's (torchtitan does the same).
+            fully_shard(experts, mesh=runtime.mesh["dp_mod_ep"], mp_policy=policy,
+                        reshard_after_forward=config.reshard_after_forward)  # fmt: skip
+            experts.set_gradient_divide_factor(float(runtime.dp_size))
     for index, block in enumerate(blocks):
         # The last block's weights are needed again as soon as backward starts: keeping them
         # gathered saves one all-gather per step (torchtitan does the same).
@@ -340,6 +361,8 @@ def parallelize(
         if tensor_parallel is None:
             raise ValueError(f"--parallel.tp-size {runtime.tp_size}: this model has no tensor-parallel plan")
         tensor_parallel(model, runtime.mesh["tp"], config.loss_parallel)
+    if runtime.ep_size > 1:
+        shard_experts(model, runtime.mesh["ep"])
     present = {id(module) for module in model.modules()}
     blocks = [b for b in blocks if id(b) in present] if blocks is not None else transformer_blocks(model)
     if (config.activation_checkpointing or config.compile or config.strategy == "fsdp2") and not blocks:
