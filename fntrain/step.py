@@ -362,10 +362,38 @@ def _make_unscale_and_clip(
             for optimizer in optimizers:
                 grad_scaler.unscale_(optimizer)
         if clip:
-            return _full(torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=None))
+            return _clip_grad_norm(groups, max_grad_norm)
         return 0.0  # a host float costs no device op
 
+    groups = _by_mesh(params)
     return unscale_and_clip
+
+
+def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The parameters grouped by the DeviceMesh they are DTensors on (plain tensors: one group)."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for param in params:
+        groups.setdefault(getattr(param, "device_mesh", None), []).append(param)
+    return list(groups.values())
+
+
+def _clip_grad_norm(groups: list[list[torch.Tensor]], max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ over all groups; the pre-clip total norm. DTensors on different meshes
+    (expert weights sharded over ep x dp beside the dense ones over dp) cannot meet in one norm, so
+    each mesh's norm is made whole and the total combined from those (what torchtitan does for ep)."""
+    if len(groups) == 1:
+        return _full(torch.nn.utils.clip_grad_norm_(groups[0], max_norm, foreach=None))
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    norms = [
+        _full(torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], foreach=None))
+        for group in groups
+    ]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    with implicit_replication():  # the total is a plain tensor; the grads are DTensors
+        for group in groups:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=None)
+    return total
 
 
 def _make_nonfinite_check(

@@ -318,6 +318,10 @@ def _apply_fsdp2(
             fully_shard(experts, mesh=runtime.mesh["dp_mod_ep"], mp_policy=policy,
                         reshard_after_forward=config.reshard_after_forward)  # fmt: skip
             experts.set_gradient_divide_factor(float(runtime.dp_size))
+            if runtime.backend == "gloo" and runtime.dp_size > runtime.ep_size:
+                # A divide factor makes a reduce-scatter over several ranks use PREMUL_SUM, which gloo
+                # lacks: sum, then divide (over one rank FSDP2 divides without a collective).
+                experts.set_force_sum_reduction_for_comms(True)
     for index, block in enumerate(blocks):
         # The last block's weights are needed again as soon as backward starts: keeping them
         # gathered saves one all-gather per step (torchtitan does the same).
