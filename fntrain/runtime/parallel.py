@@ -395,8 +395,8 @@ def _check_strategy(config: ParallelConfig, runtime: Runtime) -> None:
             "torchrun (e.g. torchrun --nproc_per_node=2 -m recipes.tiny_gpt ...) and build the runtime "
             "with setup_runtime"
         )
-    if (runtime.tp_size > 1 or runtime.pp_size > 1) and runtime.mesh is None:
-        raise RuntimeError("tensor and pipeline parallelism need the runtime's DeviceMesh: use setup_runtime")
+    if (runtime.tp_size > 1 or runtime.pp_size > 1 or runtime.ep_size > 1) and runtime.mesh is None:
+        raise RuntimeError("tensor, pipeline and expert parallelism need the runtime's DeviceMesh: use setup_runtime")
 
 
 def pipeline_group(runtime: Runtime) -> Any:

@@ -194,3 +194,35 @@ def test_expert_parallel_needs_experts_fsdp2_and_a_divisor():
         Config(model=ModelConfig(experts=4), parallel=ParallelConfig(strategy="ddp", ep_size=2)).validate()
     with pytest.raises(ValueError, match="cannot be combined with parallel.tp_size"):
         Config(model=ModelConfig(experts=4), parallel=ParallelConfig(strategy="fsdp2", tp_size=2)).validate()
+
+
+def test_mesh_layout_borrows_ep_from_dp():
+    from fntrain.mesh_layout import group_ranks, mesh_dims, rank_coordinates
+
+    dims = mesh_dims(8, ep_size=2, tp_size=2)
+    assert dims == (("dp_mod_ep", 2), ("ep", 2), ("tp", 2))
+    assert rank_coordinates(5, dims) == {"dp_mod_ep": 1, "ep": 0, "tp": 1, "dp": 2}
+    assert group_ranks(5, dims, "ep") == [5, 7]
+    assert group_ranks(5, dims, "dp_mod_ep") == [1, 5]
+    assert group_ranks(5, dims, "dp") == [1, 3, 5, 7]
+    with pytest.raises(ValueError, match=r"parallel.ep_size \(3\) must divide the data-parallel size \(4\)"):
+        mesh_dims(4, ep_size=3)
+
+
+def test_plan_counts_each_ranks_experts_only_in_what_it_gathers():
+    from fntrain.plan.memory import plan_memory
+    from recipes.tiny_gpt import model_config
+    from fntrain.runtime.parallel import ParallelConfig
+    from fntrain.run.config import TrainConfig
+
+    def memory(ep: int) -> dict:
+        config = Config(model=ModelConfig(experts=8), train=TrainConfig(global_batch_size=32, micro_batch_size=8),
+                        parallel=ParallelConfig(strategy="fsdp2", ep_size=ep))  # fmt: skip
+        return plan_memory(config, lambda c: TinyGPT(model_config(c)), 4)
+
+    one, two = memory(1), memory(2)
+    assert one["model_params"] == two["model_params"] and one["params_per_rank"] == two["params_per_rank"]
+    # 4 blocks x 8 experts x (2 x 128 x 512) expert weights; with ep 2 a gathered block holds 4 of its 8.
+    per_block_experts = 8 * 2 * 128 * 512
+    saved = one["transient_weights"] - two["transient_weights"]
+    assert saved == 4 * 3 * (per_block_experts // 2)  # fp32, the 3 blocks FSDP2 holds gathered at once

@@ -104,7 +104,7 @@ def test_parallel_config_validation_names_the_field():
         ParallelConfig(compile="yes").validate()
 
 
-@pytest.mark.parametrize(("field", "what"), [("cp_size", "context"), ("ep_size", "expert")])
+@pytest.mark.parametrize(("field", "what"), [("cp_size", "context")])
 def test_parallelize_rejects_model_parallel_degrees(field, what):
     with pytest.raises(
         NotImplementedError, match=rf"parallel.{field}=2: {what} parallelism is not supported yet"
@@ -117,7 +117,12 @@ def test_parallelize_rejects_model_parallel_degrees(field, what):
         parallelize(make_stack(), Runtime(**{field: 2}), "none")
 
 
-@pytest.mark.parametrize("field", ["tp_size", "pp_size"])
+def test_expert_parallelism_needs_fsdp2():
+    with pytest.raises(ValueError, match="parallel.ep_size=2 needs parallel.strategy 'fsdp2', got 'none'"):
+        parallelize(make_stack(), Runtime(), ParallelConfig(ep_size=2))
+
+
+@pytest.mark.parametrize("field", ["tp_size", "pp_size", "ep_size"])
 def test_tensor_and_pipeline_parallelism_need_the_mesh(field):
     with pytest.raises(RuntimeError, match="need the runtime's DeviceMesh: use setup_runtime"):
         parallelize(make_stack(), Runtime(**{field: 2}), "none")
