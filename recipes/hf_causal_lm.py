@@ -35,6 +35,8 @@ from fntrain.models.hf import (
     save_hf_model,
 )
 from fntrain.models.hf_tp import hf_tensor_parallel
+from fntrain.models.moe import loss_with_router_aux
+from fntrain.models.moe_hf import router_aux_forward
 from fntrain.models.lora import (
     LoraConfig,
     apply_lora,
@@ -112,6 +114,8 @@ spec = RecipeSpec(
     collate=lambda config, assets: make_sft_collate(
         assets.pad_id, max_length=config.data.max_length, pad_to=config.data.pad_to
     ),
+    forward=router_aux_forward,  # a MoE model's router loss joins the trained loss (fntrain.models.moe_hf)
+    loss=loss_with_router_aux,
     model_factory=model_factory,
     check=check,
     export=export,
