@@ -346,7 +346,9 @@ def parallelize(
     device (`fntrain.runtime.materialize.build_model` then materializes only the shards). Order (what
     torchtitan does): pipeline split (`runtime.pp_size` > 1: this rank keeps its stage, cut by
     `pipeline`) -> tensor parallelism (`runtime.tp_size` > 1: `tensor_parallel(model, tp_mesh,
-    loss_parallel)`) -> activation checkpointing -> compile -> data parallelism. With `replicate` > 1,
+    loss_parallel)`) -> expert parallelism (`runtime.ep_size` > 1: the experts modules' weights sharded
+    over the mesh's "ep", `fntrain.runtime.expert_parallel`) -> activation checkpointing -> compile ->
+    data parallelism (under ep, each experts module sharded by FSDP2 over "dp_mod_ep" first). With `replicate` > 1,
     fsdp2 shards over the runtime's 2-D (dp_replicate, dp_shard) mesh (HSDP). `blocks` are the
     repeated submodules that get checkpointed, compiled and sharded one by one (default:
     `transformer_blocks(model)`). Under fsdp2 the model is modified in place and returned; under ddp

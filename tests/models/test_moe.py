@@ -226,3 +226,16 @@ def test_plan_counts_each_ranks_experts_only_in_what_it_gathers():
     per_block_experts = 8 * 2 * 128 * 512
     saved = one["transient_weights"] - two["transient_weights"]
     assert saved == 4 * 3 * (per_block_experts // 2)  # fp32, the 3 blocks FSDP2 holds gathered at once
+
+
+def test_ep_must_divide_the_data_parallel_ranks_before_any_work():
+    from fntrain.config import ConfigError
+    from fntrain.run.checks import check_values
+    from fntrain.runtime.parallel import ParallelConfig
+    from fntrain.run.config import TrainConfig
+
+    config = Config(model=ModelConfig(experts=4), parallel=ParallelConfig(strategy="fsdp2", ep_size=4),
+                    train=TrainConfig(global_batch_size=8, micro_batch_size=2))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"--parallel.ep-size 4 must divide the data-parallel size \(2\)"):
+        check_values(config, 2)
+    assert check_values(config, 4) == 4
