@@ -377,6 +377,15 @@ def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
+def _total_grad_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
+    """The 2-norm of every gradient of `groups`, each group's norm made whole first."""
+    norms = [
+        _full(torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], foreach=None))
+        for group in groups
+    ]
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+
+
 def _clip_grad_norm(groups: list[list[torch.Tensor]], max_norm: float) -> torch.Tensor:
     """torch's clip_grad_norm_ over all groups; the pre-clip total norm. DTensors on different meshes
     (expert weights sharded over ep x dp beside the dense ones over dp) cannot meet in one norm, so
@@ -385,11 +394,7 @@ def _clip_grad_norm(groups: list[list[torch.Tensor]], max_norm: float) -> torch.
         return _full(torch.nn.utils.clip_grad_norm_(groups[0], max_norm, foreach=None))
     from torch.distributed.tensor.experimental import implicit_replication
 
-    norms = [
-        _full(torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], foreach=None))
-        for group in groups
-    ]
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    total = _total_grad_norm(groups)
     with implicit_replication():  # the total is a plain tensor; the grads are DTensors
         for group in groups:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=None)
@@ -430,7 +435,7 @@ def _make_nonfinite_check(
             norm = (
                 grad_norm
                 if clip
-                else _full(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+                else _total_grad_norm(_by_mesh(params))
             )
             return not bool(torch.isfinite(norm))  # documented host sync
         return False  # the scaler skips non-finite gradients itself, consistently over ranks
