@@ -2,7 +2,7 @@
 
 The runtime builds its mesh over ("pp", "dp", "cp", "tp") in that row-major order, pp outermost and tp
 innermost, dropping dims of size 1 except "dp"; under HSDP "dp" is laid out as ("dp_replicate",
-"dp_shard") (`fntrain.runtime.setup._build_mesh`). `mesh_dims` reproduces that list of dims and
+"dp_shard"), under expert parallelism as ("dp_mod_ep", "ep") (`fntrain.runtime.setup._build_mesh`). `mesh_dims` reproduces that list of dims and
 `rank_coordinates` / `group_ranks` unravel a global rank over it, so the plan printout and the profiler's
 pipeline-stage leaders agree with the real mesh by construction.
 """
@@ -17,16 +17,19 @@ MeshDims = tuple[tuple[str, int], ...]
 
 
 def mesh_dims(
-    world_size: int, *, tp_size: int = 1, pp_size: int = 1, cp_size: int = 1, replicate: int = 1
+    world_size: int, *, tp_size: int = 1, pp_size: int = 1, cp_size: int = 1, replicate: int = 1,
+    ep_size: int = 1,
 ) -> MeshDims:
     """The (name, size) dims of the runtime mesh for `world_size` ranks, outermost first: "pp", "dp"
     (or "dp_replicate", "dp_shard" when `replicate` > 1), "cp", "tp"; sizes of 1 dropped except the
-    data-parallel ones. Raises `ValueError` naming the field when the sizes do not divide the world."""
+    data-parallel ones. With `ep_size` > 1 "dp" is laid out as ("dp_mod_ep", "ep"): experts are sharded
+    over part of the data-parallel ranks (ep must divide dp; not with HSDP). Raises `ValueError` naming the field when the sizes do not divide the world."""
     for name, size in (
         ("tp_size", tp_size),
         ("pp_size", pp_size),
         ("cp_size", cp_size),
         ("replicate", replicate),
+        ("ep_size", ep_size),
     ):
         if type(size) is not int or size < 1:
             raise ValueError(f"parallel.{name} must be an int >= 1, got {size!r}")
@@ -44,6 +47,10 @@ def mesh_dims(
         if replicate > 1
         else (("dp", dp_size),)
     )
+    if ep_size > 1:
+        if dp_size % ep_size or replicate > 1:
+            raise ValueError(f"parallel.ep_size ({ep_size}) must divide the data-parallel size ({dp_size}), without HSDP")
+        data = (("dp_mod_ep", dp_size // ep_size), ("ep", ep_size))
     dims = (("pp", pp_size), *data, ("cp", cp_size), ("tp", tp_size))
     return tuple((name, size) for name, size in dims if name.startswith("dp") or size > 1)
 
@@ -61,6 +68,8 @@ def rank_coordinates(rank: int, dims: MeshDims) -> dict[str, int]:
     coords = {name: coords[name] for name, _ in dims}  # outermost first, as the dims read
     if "dp_shard" in coords:
         coords["dp"] = coords["dp_replicate"] * dict(dims)["dp_shard"] + coords["dp_shard"]
+    if "ep" in coords:
+        coords["dp"] = coords["dp_mod_ep"] * dict(dims)["ep"] + coords["ep"]
     return coords
 
 
@@ -70,7 +79,7 @@ def group_ranks(rank: int, dims: MeshDims, dim: str | Sequence[str]) -> list[int
     sizes = dict(dims)
     names = (dim,) if isinstance(dim, str) else tuple(dim)
     if names == ("dp",) and "dp" not in sizes:
-        names = ("dp_replicate", "dp_shard")
+        names = ("dp_mod_ep", "ep") if "ep" in sizes else ("dp_replicate", "dp_shard")
     unknown = [name for name in names if name not in sizes]
     if unknown:
         raise ValueError(f"mesh dim {unknown[0]!r} is not one of {[name for name, _ in dims]}")

@@ -169,6 +169,7 @@ def make_train_step(
     nonfinite: str = "raise",
     ignore_index: int = IGNORE_INDEX,
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    step_end: Callable[[], Mapping[str, Any]] | None = None,
 ) -> Callable[[TrainState, Sequence[Mapping[str, Any]]], dict[str, Any]]:
     """Build `step_fn(state, batch) -> {"loss", "grad_norm", "lr", "loss_tokens"}` for one optimizer step.
 
@@ -196,6 +197,9 @@ def make_train_step(
     grad scaler it is left to the scaler.
     `loss_context` wraps every forward, loss and backward (tensor parallelism's vocabulary-parallel loss
     needs torch's `loss_parallel()` there).
+    `step_end()`, when given, runs after the schedulers on every step, outside autograd (a MoE router's
+    bias update); it returns more metrics (device tensors), merged into the step's (a name the step
+    already reports is a ValueError).
     """
     _check_step_args(loss_weighting, nonfinite, max_grad_norm, dp_size, autocast_dtype)
     optimizers = (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
@@ -217,7 +221,7 @@ def make_train_step(
     )  # fmt: skip
     unscale_and_clip = _make_unscale_and_clip(params, optimizers, max_grad_norm, grad_scaler)
     should_skip = _make_nonfinite_check(params, on_cpu, skip_mode, clip, grad_scaler, dp_size)
-    update = _make_update(optimizers, schedulers, grad_scaler, skip_mode)
+    update = _make_update(optimizers, schedulers, grad_scaler, skip_mode, step_end)
 
     def step_fn(state: TrainState, batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         micro_batches = [batch] if isinstance(batch, Mapping) else list(batch)
@@ -363,10 +367,43 @@ def _make_unscale_and_clip(
             for optimizer in optimizers:
                 grad_scaler.unscale_(optimizer)
         if clip:
-            return _full(torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=None))
+            return _clip_grad_norm(groups, max_grad_norm)
         return 0.0  # a host float costs no device op
 
+    groups = _by_mesh(params)
     return unscale_and_clip
+
+
+def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The parameters grouped by the DeviceMesh they are DTensors on (plain tensors: one group)."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for param in params:
+        groups.setdefault(getattr(param, "device_mesh", None), []).append(param)
+    return list(groups.values())
+
+
+def _total_grad_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
+    """The 2-norm of every gradient of `groups`, each group's norm made whole first."""
+    norms = [
+        _full(torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], foreach=None))
+        for group in groups
+    ]
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _clip_grad_norm(groups: list[list[torch.Tensor]], max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ over all groups; the pre-clip total norm. DTensors on different meshes
+    (expert weights sharded over ep x dp beside the dense ones over dp) cannot meet in one norm, so
+    each mesh's norm is made whole and the total combined from those (what torchtitan does for ep)."""
+    if len(groups) == 1:
+        return _full(torch.nn.utils.clip_grad_norm_(groups[0], max_norm, foreach=None))
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    total = _total_grad_norm(groups)
+    with implicit_replication():  # the total is a plain tensor; the grads are DTensors
+        for group in groups:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=None)
+    return total
 
 
 def _make_nonfinite_check(
@@ -403,7 +440,7 @@ def _make_nonfinite_check(
             norm = (
                 grad_norm
                 if clip
-                else _full(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+                else _total_grad_norm(_by_mesh(params))
             )
             return not bool(torch.isfinite(norm))  # documented host sync
         return False  # the scaler skips non-finite gradients itself, consistently over ranks
@@ -416,6 +453,7 @@ def _make_update(
     schedulers: tuple[Any, ...],
     grad_scaler: Any,
     skip_mode: bool,
+    step_end: Callable[[], Mapping[str, Any]] | None = None,
 ) -> Callable[[torch.Tensor, Any, bool], dict[str, Any]]:
     """`update(reported, grad_norm, skip, loss_tokens) -> metrics`: step the optimizers (unless `skip`),
     zero the gradients, step the schedulers (unless `skip`) [S25], and gather the step's metrics: "lr"
@@ -446,6 +484,11 @@ def _make_update(
             metrics["loss_tokens"] = loss_tokens
         if skip_mode:
             metrics["skipped"] = float(skip)
+        if step_end is not None:
+            extra = step_end()
+            if clash := sorted(set(extra) & set(metrics)):
+                raise ValueError(f"step_end metrics {clash} collide with the step's own")
+            metrics.update(extra)
         return metrics
 
     return update

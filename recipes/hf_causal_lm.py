@@ -43,6 +43,8 @@ from fntrain.models.hf import (
     save_hf_model,
 )
 from fntrain.models.hf_tp import hf_tensor_parallel
+from fntrain.models.moe import loss_with_router_aux
+from fntrain.models.moe_hf import router_aux_forward
 from fntrain.models.lora import (
     LoraConfig,
     apply_lora,
@@ -159,6 +161,8 @@ spec = RecipeSpec(
         assets.pad_id, max_length=config.data.max_length, pad_to=config.data.pad_to,
         pad_multiple=config.data.pad_multiple,
     ),
+    forward=router_aux_forward,  # a MoE model's router loss joins the trained loss (fntrain.models.moe_hf)
+    loss=loss_with_router_aux,
     model_factory=model_factory,
     check=check,
     export=export,

@@ -10,6 +10,7 @@ checkpoints, evaluation, export). Copy it with `fntrain cp tiny_gpt my_gpt.py` t
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,21 @@ from fntrain.data.corpora import corpus_path
 from fntrain.data.shards import INDEX_NAME, TokenWindows, read_index, split_windows
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.models.gpt2 import gpt2_conversion
+from fntrain.models.moe import (
+    GroupedExperts,
+    MoE,
+    RouterOutput,
+    loss_with_router_aux,
+    mean_aux_loss,
+    moe_layers,
+    moe_step_end,
+)
 from fntrain.optim import OptimizerConfig, ScheduleConfig
 from fntrain.run.config import JobConfig, RecipeSpec, TrainConfig
 from fntrain.runtime import PipelineSplit, build_seeded_model, pipeline_group, tensor_parallel_plan
+from fntrain.runtime.parallel import data_parallel_group
+
+log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------- configuration
 
@@ -48,6 +61,18 @@ class ModelConfig:
     """Dropout probability (0 keeps runs bitwise reproducible across resumes)."""
     vocab_size: int = 256
     """Vocabulary size (bytes); with data.shards, raised to the shards' vocabulary (bytes + EOS: 257)."""
+    experts: int = 0
+    """Mixture of experts: routed experts per block (0: a dense MLP); tokens choose their top experts, none is dropped."""
+    experts_per_token: int = 2
+    """With model.experts: experts each token is routed to (top-k of the router's softmax, weights renormalised)."""
+    shared_experts: int = 0
+    """With model.experts: experts every token also passes through (one dense MLP of that many experts' width)."""
+    expert_hidden: int = 0
+    """With model.experts: hidden units of each expert's MLP (0: 4 x d_model, the dense MLP's)."""
+    router_aux_loss_weight: float = 0.01
+    """With model.experts: weight of the load-balancing loss (Switch/Mixtral form, 1.0 when balanced) added to the trained loss."""
+    router_bias_rate: float = 0.0
+    """With model.experts: DeepSeek-V3's auxiliary-loss-free balancing, the per-step update of the routing bias (0: off; e.g. 0.001)."""
 
     def validate(self, prefix: str = "model") -> None:
         for name in ("context", "n_layer", "n_head", "d_model", "vocab_size"):
@@ -55,6 +80,11 @@ class ModelConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"{prefix}.d_model ({self.d_model}) must be divisible by {prefix}.n_head ({self.n_head})")
         require_float(f"{prefix}.dropout", self.dropout, min=0.0, max=1.0)
+        for name in ("experts", "shared_experts", "expert_hidden"):
+            require_int(f"{prefix}.{name}", getattr(self, name), min=0)
+        require_int(f"{prefix}.experts_per_token", self.experts_per_token, min=1, max=self.experts or None)
+        for name in ("router_aux_loss_weight", "router_bias_rate"):
+            require_float(f"{prefix}.{name}", getattr(self, name), min=0.0)
 
 
 @dataclass(frozen=True)
@@ -102,6 +132,20 @@ class Config(JobConfig):
             raise ValueError(f"parallel.tp_size ({self.parallel.tp_size}) must divide model.n_head ({self.model.n_head})")
         if self.model.context % self.parallel.cp_size:  # each cp rank holds an equal slice of every sequence
             raise ValueError(f"--parallel.cp-size {self.parallel.cp_size} must divide --model.context, got {self.model.context}")
+        _validate_moe_parallel(self.model, self.parallel)
+
+
+def _validate_moe_parallel(model: ModelConfig, parallel: Any) -> None:
+    """What a MoE tiny GPT combines with: expert parallelism (ep dividing the experts), not tp, pp or cp."""
+    if model.experts == 0:
+        if parallel.ep_size > 1:
+            raise ValueError(f"parallel.ep_size {parallel.ep_size} needs a model with experts (model.experts > 0)")
+        return
+    for name in ("tp_size", "pp_size", "cp_size"):
+        if getattr(parallel, name) > 1:
+            raise ValueError(f"model.experts {model.experts} cannot be combined with parallel.{name} {getattr(parallel, name)} yet")
+    if model.experts % parallel.ep_size:
+        raise ValueError(f"parallel.ep_size ({parallel.ep_size}) must divide model.experts ({model.experts})")
 
 
 # ----------------------------------------------------------------------------- model (nanoGPT-style)
@@ -130,14 +174,21 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model),
-            nn.Dropout(cfg.dropout),
-        )  # fmt: skip
+        if cfg.experts:  # a mixture of experts instead of the MLP (fntrain.models.moe)
+            self.moe = MoE(cfg.d_model, cfg.expert_hidden or 4 * cfg.d_model, cfg.experts, cfg.experts_per_token,
+                           shared=cfg.shared_experts, aux_loss_weight=cfg.router_aux_loss_weight,
+                           bias_rate=cfg.router_bias_rate)  # fmt: skip
+            self.mlp = nn.Dropout(cfg.dropout)
+        else:
+            self.mlp = nn.Sequential(
+                nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model),
+                nn.Dropout(cfg.dropout),
+            )  # fmt: skip
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), attn_mask)
-        return x + self.mlp(self.ln2(x))
+        h = self.ln2(x)
+        return x + self.mlp(self.moe(h) if hasattr(self, "moe") else h)
 
 
 class TinyGPT(nn.Module):
@@ -157,6 +208,8 @@ class TinyGPT(nn.Module):
 
     @staticmethod
     def _init(module: nn.Module) -> None:
+        if isinstance(module, GroupedExperts):
+            module.reset_parameters()
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
@@ -169,7 +222,8 @@ class TinyGPT(nn.Module):
         attention_mask: torch.Tensor | None = None,
         **_: Any,
     ) -> torch.Tensor:
-        """Logits [batch, seq, vocab]. Packed sequences (fntrain.data.packing) pass `position_ids` that restart
+        """Logits [batch, seq, vocab] (a MoE model: a `RouterOutput` holding them and, in training, the
+        weighted router loss averaged over the blocks). Packed sequences (fntrain.data.packing) pass `position_ids` that restart
         at each document and a 4-D boolean `attention_mask` [batch, 1, seq, seq] (True: may attend) that
         keeps attention inside each document; a 2-D padding mask is ignored (attention stays causal)."""
         x = input_ids  # a pipeline stage after the first gets the previous stage's activations
@@ -180,7 +234,8 @@ class TinyGPT(nn.Module):
         attn_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 4 else None
         for block in self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks:
             x = block(x) if attn_mask is None else block(x, attn_mask)
-        return self.head(self.ln_f(x)) if self.head is not None else x
+        x = self.head(self.ln_f(x)) if self.head is not None else x
+        return RouterOutput(x, mean_aux_loss(moe_layers(self))) if self.cfg.experts else x
 
 
 # ----------------------------------------------------------------------------- data
@@ -227,6 +282,9 @@ def build_model(config: Config, runtime: Any) -> nn.Module:
 def hf_conversion(config: Config, state: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The tiny GPT as a transformers GPT-2 (config.json's dict, tensors), for the run's hf_model and
     `fntrain export --format hf` alike: the vocabulary is the trained embedding's, EOS the shards'."""
+    if config.model.experts:
+        raise ValueError(f"model.experts {config.model.experts}: a mixture of experts has no GPT-2 counterpart "
+                         "(export with --recipe none for the model's own names)")  # fmt: skip
     shape = replace(config.model, vocab_size=state["tok.weight"].shape[0])
     return gpt2_conversion(state, shape, eos_id=_shards_eos(config))
 
@@ -240,20 +298,36 @@ def _shards_eos(config: Config) -> int | None:
         return None
 
 
+def export(config: Config, built: Any, state: Any) -> Path | None:
+    """<run_dir>/hf_model: a transformers GPT-2 (a MoE model has no GPT-2 counterpart: not written)."""
+    if config.model.experts:
+        log.info("model.experts %d: a mixture of experts is not a GPT-2, hf_model not written", config.model.experts)
+        return None
+    return export_converted(built.components.model, built.run_dir / "hf_model",
+                            lambda full: hf_conversion(config, full),
+                            pipeline_group=pipeline_group(built.runtime))  # fmt: skip
+
+
+def step_end(config: Config, built: Any) -> Any:
+    """A MoE model's per-step router work and metrics (fntrain.models.moe.moe_step_end); None if dense."""
+    if not config.model.experts:
+        return None
+    return moe_step_end(built.components.model, data_parallel_group(built.runtime))
+
+
 spec = RecipeSpec(
     config=Config,
     build_model=build_model,
     build_datasets=build_datasets,
+    loss=loss_with_router_aux,  # the cross-entropy, plus the router loss of a MoE model in training
     model_factory=lambda config: TinyGPT(model_config(config)),
     dataset_sizes=dataset_sizes,
     tensor_parallel=TENSOR_PARALLEL,
     pipeline=PIPELINE,
     hf_conversion=hf_conversion,
     attention_heads=lambda config: config.model.n_head,  # its attention is F.scaled_dot_product_attention
-    export=lambda config, built, state: export_converted(  # <run_dir>/hf_model: a transformers GPT-2
-        built.components.model, built.run_dir / "hf_model", lambda full: hf_conversion(config, full),
-        pipeline_group=pipeline_group(built.runtime),
-    ),  # fmt: skip
+    export=export,
+    step_end=step_end,
 )
 
 if __name__ == "__main__":

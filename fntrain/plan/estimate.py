@@ -74,17 +74,23 @@ class PartParams:
     """Split over the tp ranks (the weights of attention, MLP, embedding and head)."""
     replicated: int = 0
     """Whole on every tp rank (norms, biases)."""
+    experts: int = 0
+    """The routed experts' weights of MoE layers: split over the ep ranks, whole over tp."""
 
     @property
     def total(self) -> int:
-        return self.sharded + self.replicated
+        return self.sharded + self.replicated + self.experts
 
     def __add__(self, other: PartParams) -> PartParams:
-        return PartParams(self.sharded + other.sharded, self.replicated + other.replicated)
+        return PartParams(self.sharded + other.sharded, self.replicated + other.replicated, self.experts + other.experts)
 
     def per_tp_rank(self, tp_size: int) -> int:
         """Parameters one tp rank holds (a sharded tensor's remainder rounds up)."""
-        return math.ceil(self.sharded / tp_size) + self.replicated
+        return math.ceil(self.sharded / tp_size) + self.replicated + self.experts
+
+    def per_rank(self, tp_size: int, ep_size: int) -> int:
+        """Parameters one rank computes with: its tp share and its ep share of the experts."""
+        return math.ceil(self.sharded / tp_size) + self.replicated + math.ceil(self.experts / ep_size)
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,8 @@ class ParallelLayout:
     """none (one process per model replica, no data parallelism), ddp or fsdp2."""
     tp_size: int = 1
     pp_size: int = 1
+    ep_size: int = 1
+    """fsdp2 only: the routed experts split over ep of the dp ranks, FSDP2 sharding them over the rest."""
     replicate: int = 1
     """fsdp2 only: HSDP replica groups; parameters are sharded over dp / replicate ranks."""
     mixed_precision: str = "bf16"
@@ -170,6 +178,8 @@ class ParallelLayout:
             )
         if self.strategy == "none" and self.dp_size * self.cp_size > 1:
             raise ValueError(f"parallel.strategy 'none' needs data-parallel size 1, got {self.dp_size}")
+        if self.ep_size < 1 or self.dp_size % self.ep_size:
+            raise ValueError(f"parallel.ep_size ({self.ep_size}) must divide the data-parallel size ({self.dp_size})")
         if self.pp_size > layers:
             raise ValueError(f"parallel.pp_size ({self.pp_size}) must not exceed the model's {layers} blocks")
 
@@ -333,7 +343,8 @@ def _stage_estimate(
         gradients *= 2  # the reducer's buckets hold a second copy
     if parallel.strategy == "fsdp2":
         # Gathered in the compute dtype: the root's weights and the blocks not (yet) resharded.
-        block_sizes = sorted((model.blocks[i].per_tp_rank(t) for i in blocks), reverse=True)
+        # A MoE block gathers only its ep rank's experts (FSDP2 shards them over dp / ep ranks).
+        block_sizes = sorted((model.blocks[i].per_rank(t, parallel.ep_size) for i in blocks), reverse=True)
         gathered = min(3, len(block_sizes)) if parallel.reshard_after_forward else len(block_sizes)
         transient = compute_bytes * (root.per_tp_rank(t) + sum(block_sizes[:gathered]))
     elif compute_bytes != _MASTER_BYTES:

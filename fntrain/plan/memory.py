@@ -62,13 +62,13 @@ def layout_from_module(model: Any, *, sharded: Callable[[Any, str], bool] = tp_s
             part = "head" if seen_blocks else "embedding"
         for name, param in module.named_parameters(recurse=False):
             kind = "sharded" if sharded(module, name) else "replicated"
+            if isinstance(getattr(module, "num_experts", None), int) and hasattr(module, "ep_group"):
+                kind = "experts"  # fntrain.runtime.expert_parallel's protocol: experts on dim 0
             parts.setdefault((part, kind), {})[id(param)] = param.numel()
             where.setdefault(id(param), set()).add(part)
 
     def count(part: Any) -> PartParams:
-        return PartParams(
-            sum(parts.get((part, "sharded"), {}).values()), sum(parts.get((part, "replicated"), {}).values())
-        )
+        return PartParams(*(sum(parts.get((part, kind), {}).values()) for kind in ("sharded", "replicated", "experts")))
 
     tied = PartParams(*(
         sum(n for pid, n in parts.get(("head", kind), {}).items() if "embedding" in where[pid])
@@ -116,6 +116,7 @@ def parallel_layout(parallel: Any, world_size: int) -> ParallelLayout:
         strategy=parallel.strategy,
         tp_size=parallel.tp_size,
         pp_size=parallel.pp_size,
+        ep_size=getattr(parallel, "ep_size", 1),
         replicate=parallel.replicate,
         mixed_precision=parallel.mixed_precision,
         activation_checkpointing=parallel.activation_checkpointing,

@@ -89,11 +89,14 @@ def _mesh_section(parallel: Any, world_size: int) -> dict:
         pp_size=parallel.pp_size,
         cp_size=getattr(parallel, "cp_size", 1),
         replicate=getattr(parallel, "replicate", 1),
+        ep_size=getattr(parallel, "ep_size", 1),
     )
     group_dims = [name for name, _ in dims if not name.startswith("dp")]
     group_dims.insert(1 if dims[0][0] == "pp" else 0, "dp")
     if getattr(parallel, "replicate", 1) > 1:
         group_dims.insert(group_dims.index("dp") + 1, "dp_shard")  # FSDP2 shards over it
+    if getattr(parallel, "ep_size", 1) > 1:
+        group_dims.insert(group_dims.index("dp") + 1, "dp_mod_ep")  # FSDP2 shards the experts over it
     if world_size <= _MESH_RANKS_ALL:
         shown = list(range(world_size))
     else:

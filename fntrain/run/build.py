@@ -86,18 +86,22 @@ def train_step(built: Built, spec: RecipeSpec) -> Any:
         dp_size=gradient_group_size(runtime), dp_group=data_parallel_group(runtime),
         autocast_dtype=autocast_dtype(parallel), loss_context=loss_context(runtime, parallel),
     )  # fmt: skip
+    step_end = spec.step_end(config, built) if spec.step_end is not None else None
     if runtime.cp_size > 1:
         cp = _context_parallel_parts(built, spec)
         return make_train_step(components.model, cp.train_loss, components.optimizers, components.schedulers,
-                               grad_scaler=components.grad_scaler, forward=cp.forward,
+                               grad_scaler=components.grad_scaler, forward=cp.forward, step_end=step_end,
                                **(common | {"loss_context": cp.context}))  # fmt: skip
     if runtime.pp_size > 1:
+        if step_end is not None:
+            raise ValueError(f"--parallel.pp-size {runtime.pp_size}: this recipe's step_end needs a pipeline-free step")
         layout = pipeline_layout(runtime, parallel, _pipeline_ties(config, spec))
         return make_pipeline_step(components.model, components.loss_fn, components.optimizers,
                                   components.schedulers, layout, micro_batches=built.plan.micro_batches,
                                   **common)  # fmt: skip
     return make_train_step(components.model, components.loss_fn, components.optimizers, components.schedulers,
-                           grad_scaler=components.grad_scaler, forward=spec.forward, **common)  # fmt: skip
+                           grad_scaler=components.grad_scaler, forward=spec.forward, step_end=step_end,
+                           **common)  # fmt: skip
 
 
 def _context_parallel_parts(built: Built, spec: RecipeSpec) -> Any:

@@ -121,6 +121,8 @@ def check_values(config: JobConfig, world_size: int) -> int:
         raise ConfigError(f"world size {world_size} is not divisible by tp x pp x cp = {model_parallel}")
     dp_size = world_size // model_parallel
     hsdp_shape(dp_size, config.parallel.replicate)
+    if dp_size % config.parallel.ep_size:  # the ep ranks are borrowed from the data-parallel ones
+        raise ConfigError(f"--parallel.ep-size {config.parallel.ep_size} must divide the data-parallel size ({dp_size})")
     if config.parallel.strategy == "none" and dp_size > 1:
         raise ConfigError(
             f"--parallel.strategy none cannot train {dp_size} data-parallel ranks (their gradients would never "

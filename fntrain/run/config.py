@@ -237,6 +237,9 @@ class RecipeSpec:
     - `eval_metrics(config, built)`: a function returning extra validation metrics (e.g. answer
       accuracy), called at every evaluation on every rank, beside the validation loss.
     - `hooks(built)`: extra hooks, run after the standard ones and before the checkpoint hook.
+    - `step_end(config, built)`: a function the step calls after every optimizer update, outside
+      autograd, returning more step metrics as device tensors (MoE: router bias update, expert load),
+      or None; not supported under pipeline parallelism.
     - `describe(config)`: extra lines for the plan printout.
     - `check(config, assets)`: the recipe's own checks before any file, model or device work, after its
       data was read (a model directory's contents, LoRA targets on a meta copy of the model); raises
@@ -264,6 +267,7 @@ class RecipeSpec:
     hf_conversion: Callable[[Any, Mapping[str, Any]], tuple[dict[str, Any], dict[str, Any]]] | None = None
     eval_metrics: Callable[[Any, Built], Callable[[], Mapping[str, float]]] | None = None
     hooks: Callable[[Built], Sequence[Hook]] | None = None
+    step_end: Callable[[Any, Built], Callable[[], Mapping[str, Any]] | None] | None = None
     describe: Callable[[Any], Mapping[str, Any]] | None = None
     check: Callable[[Any, Any], None] | None = None
     tensor_parallel: Callable[[Any, Any, bool], None] | None = None

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fntrain.config import ConfigError, require_bool, require_choice, require_int, require_str
+from fntrain.runtime.expert_parallel import expert_modules, shard_experts
 from fntrain.runtime.pipeline import PP_SCHEDULES, PipelineSplit, split_stage
 from fntrain.runtime.runtime import Runtime
 
@@ -33,7 +34,6 @@ __all__ = [
     "autocast_dtype",
     "build_grad_scaler",
     "data_parallel_group",
-    "check_supported_sizes",
     "hsdp_shape",
     "HSDP_DIMS",
     "loss_context",
@@ -48,9 +48,6 @@ STRATEGIES = ("none", "ddp", "fsdp2")
 MIXED_PRECISIONS = ("fp32", "bf16", "fp16")
 _LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HSDP_DIMS = ("dp_replicate", "dp_shard")  # the runtime mesh's dims under HSDP, flattened into "dp"
-_UNSUPPORTED = {
-    "ep_size": "expert parallelism",
-}
 CP_STYLES = ("ulysses", "ring")  # the styles fntrain.context_parallel implements
 DP_CP = "dp_cp"  # the runtime mesh's (dp, cp) dims flattened: the group gradients are averaged over
 
@@ -88,7 +85,7 @@ class ParallelConfig:
     cp_style: Literal["ulysses", "ring"] = "ulysses"
     """Context parallelism: ulysses (all-to-all between sequence and heads around attention, any device) or ring (torch's ring attention, CUDA/NPU only, causal attention without document masks)."""
     ep_size: int = 1
-    """Expert-parallel degree (only 1 is supported yet)."""
+    """Expert-parallel degree: each MoE layer's experts split over this many ranks, borrowed from the data-parallel ranks (must divide them); needs fsdp2 and a model with experts."""
     replicate: int = 1
     """fsdp2: HSDP replica groups R (e.g. nodes), sharded within one, all-reduced across; divides dp."""
     meta_init: bool = False
@@ -106,7 +103,7 @@ class ParallelConfig:
         require_int(f"{prefix}.ddp_bucket_cap_mb", self.ddp_bucket_cap_mb, min=1)
         require_bool(f"{prefix}.find_unused_parameters", self.find_unused_parameters)
         require_choice(f"{prefix}.cp_style", self.cp_style, CP_STYLES)
-        for name in ("tp_size", "pp_size", "cp_size", *_UNSUPPORTED):
+        for name in ("tp_size", "pp_size", "cp_size", "ep_size"):
             require_int(f"{prefix}.{name}", getattr(self, name), min=1)
         require_choice(f"{prefix}.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         require_bool(f"{prefix}.loss_parallel", self.loss_parallel)
@@ -118,6 +115,19 @@ class ParallelConfig:
                 f"got {self.strategy!r}"
             )
         require_bool(f"{prefix}.meta_init", self.meta_init)
+        self._validate_expert_parallel(prefix)
+
+    def _validate_expert_parallel(self, prefix: str) -> None:
+        """Expert parallelism shards experts over part of the data-parallel ranks: FSDP2 does the rest."""
+        if self.ep_size == 1:
+            return
+        if self.strategy != "fsdp2":
+            raise ValueError(f"{prefix}.ep_size={self.ep_size} needs {prefix}.strategy 'fsdp2', got {self.strategy!r}")
+        for name in ("replicate", "pp_size", "tp_size", "cp_size"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"{prefix}.ep_size={self.ep_size} cannot be combined with {prefix}.{name}={getattr(self, name)} yet")
+        if self.meta_init:
+            raise ValueError(f"{prefix}.meta_init is not supported with {prefix}.ep_size={self.ep_size} yet")
 
     def _validate_model_parallel(self, prefix: str) -> None:
         """The combinations tensor and pipeline parallelism support."""
@@ -159,17 +169,6 @@ def hsdp_shape(dp_size: int, replicate: int, prefix: str = "parallel") -> tuple[
     if replicate < 1 or dp_size % replicate:
         raise ValueError(f"{prefix}.replicate ({replicate}) must divide the data-parallel size ({dp_size})")
     return replicate, dp_size // replicate
-
-
-def check_supported_sizes(sizes: dict[str, int], prefix: str = "parallel") -> None:
-    """Reject cp/ep degrees other than 1: they are carried for reporting, not implemented."""
-    for name, what in _UNSUPPORTED.items():
-        size = sizes.get(name, 1)
-        if size != 1:
-            raise NotImplementedError(
-                f"{prefix}.{name}={size}: {what} is not supported yet; fntrain parallelizes with data, "
-                f"tensor and pipeline parallelism (set {name}=1)"
-            )
 
 
 def _as_config(strategy: str | ParallelConfig) -> ParallelConfig:
@@ -308,6 +307,18 @@ def _apply_fsdp2(
         policy = MixedPrecisionPolicy(
             param_dtype=_LOW_PRECISION[config.mixed_precision], reduce_dtype=torch.float32
         )
+    if runtime.ep_size > 1:
+        for experts in expert_modules(model):
+            # Expert weights: sharded over ep already, FSDP2 shards them over the rest of dp. Their
+            # gradients sum every ep peer's tokens, so they are divided by the whole dp size, as the
+            # dense gradients are, not by dp_mod_ep's (torchtitan does the same).
+            fully_shard(experts, mesh=runtime.mesh["dp_mod_ep"], mp_policy=policy,
+                        reshard_after_forward=config.reshard_after_forward)  # fmt: skip
+            experts.set_gradient_divide_factor(float(runtime.dp_size))
+            if runtime.backend == "gloo" and runtime.dp_size > runtime.ep_size:
+                # A divide factor makes a reduce-scatter over several ranks use PREMUL_SUM, which gloo
+                # lacks: sum, then divide (over one rank FSDP2 divides without a collective).
+                experts.set_force_sum_reduction_for_comms(True)
     for index, block in enumerate(blocks):
         # The last block's weights are needed again as soon as backward starts: keeping them
         # gathered saves one all-gather per step (torchtitan does the same).
@@ -332,7 +343,9 @@ def parallelize(
     device (`fntrain.runtime.materialize.build_model` then materializes only the shards). Order (what
     torchtitan does): pipeline split (`runtime.pp_size` > 1: this rank keeps its stage, cut by
     `pipeline`) -> tensor parallelism (`runtime.tp_size` > 1: `tensor_parallel(model, tp_mesh,
-    loss_parallel)`) -> activation checkpointing -> compile -> data parallelism. With `replicate` > 1,
+    loss_parallel)`) -> expert parallelism (`runtime.ep_size` > 1: the experts modules' weights sharded
+    over the mesh's "ep", `fntrain.runtime.expert_parallel`) -> activation checkpointing -> compile ->
+    data parallelism (under ep, each experts module sharded by FSDP2 over "dp_mod_ep" first). With `replicate` > 1,
     fsdp2 shards over the runtime's 2-D (dp_replicate, dp_shard) mesh (HSDP). `blocks` are the
     repeated submodules that get checkpointed, compiled and sharded one by one (default:
     `transformer_blocks(model)`). Under fsdp2 the model is modified in place and returned; under ddp
@@ -340,8 +353,6 @@ def parallelize(
     """
     config = _as_config(strategy)
     config.validate("parallel")
-    check_supported_sizes({name: getattr(config, name) for name in _UNSUPPORTED}, "parallel")
-    check_supported_sizes({name: getattr(runtime, name) for name in _UNSUPPORTED}, "runtime")
     _check_strategy(config, runtime)
     if runtime.pp_size > 1:
         if pipeline is None:
@@ -351,6 +362,8 @@ def parallelize(
         if tensor_parallel is None:
             raise ValueError(f"--parallel.tp-size {runtime.tp_size}: this model has no tensor-parallel plan")
         tensor_parallel(model, runtime.mesh["tp"], config.loss_parallel)
+    if runtime.ep_size > 1:
+        shard_experts(model, runtime.mesh["ep"])
     present = {id(module) for module in model.modules()}
     blocks = [b for b in blocks if id(b) in present] if blocks is not None else transformer_blocks(model)
     if (config.activation_checkpointing or config.compile or config.strategy == "fsdp2") and not blocks:
@@ -384,8 +397,8 @@ def _check_strategy(config: ParallelConfig, runtime: Runtime) -> None:
             "torchrun (e.g. torchrun --nproc_per_node=2 -m recipes.tiny_gpt ...) and build the runtime "
             "with setup_runtime"
         )
-    if (runtime.tp_size > 1 or runtime.pp_size > 1) and runtime.mesh is None:
-        raise RuntimeError("tensor and pipeline parallelism need the runtime's DeviceMesh: use setup_runtime")
+    if (runtime.tp_size > 1 or runtime.pp_size > 1 or runtime.ep_size > 1) and runtime.mesh is None:
+        raise RuntimeError("tensor, pipeline and expert parallelism need the runtime's DeviceMesh: use setup_runtime")
 
 
 def gradient_group_size(runtime: Runtime) -> int:

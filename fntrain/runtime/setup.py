@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from fntrain.config import require_bool, require_choice, require_float, require_int, require_str
 from fntrain.runtime import device as devices
+from fntrain.runtime.expert_parallel import EP_DIMS
 from fntrain.runtime.parallel import DP_CP, HSDP_DIMS, ParallelConfig, hsdp_shape
 from fntrain.runtime.runtime import Runtime
 
@@ -291,10 +292,9 @@ def _parallel_sizes(parallel: ParallelConfig | None, world_size: int) -> dict[st
             f"= {sizes['tp_size']} x {sizes['pp_size']} x {sizes['cp_size']} = {model_parallel}"
         )
     sizes["dp_size"] = world_size // model_parallel
-    if (sizes["dp_size"] * sizes["cp_size"]) % sizes["ep_size"]:
+    if sizes["dp_size"] % sizes["ep_size"]:  # experts are sharded over part of the data-parallel ranks
         raise ValueError(
-            f"parallel.ep_size ({sizes['ep_size']}) must divide data-parallel x context-parallel size "
-            f"({sizes['dp_size']} x {sizes['cp_size']})"
+            f"parallel.ep_size ({sizes['ep_size']}) must divide the data-parallel size ({sizes['dp_size']})"
         )
     hsdp_shape(sizes["dp_size"], getattr(parallel, "replicate", 1) if parallel else 1)  # R must divide dp
     return sizes
@@ -307,16 +307,18 @@ def _build_mesh(device_type: str, sizes: dict[str, int], replicate: int = 1) -> 
     from torch.distributed.device_mesh import init_device_mesh
 
     hsdp = replicate > 1
-    data_dims = HSDP_DIMS if hsdp else ("dp",)
+    expert_parallel = sizes.get("ep_size", 1) > 1  # ("dp_mod_ep", "ep") flattened into "dp" likewise
+    data_dims = HSDP_DIMS if hsdp else EP_DIMS if expert_parallel else ("dp",)
     sizes = dict(sizes)
     sizes["dp_replicate_size"], sizes["dp_shard_size"] = hsdp_shape(sizes["dp_size"], replicate)
+    sizes["dp_mod_ep_size"] = sizes["dp_size"] // sizes.get("ep_size", 1)
     names = ("pp", *data_dims, "cp", "tp")
     dims = [(name, sizes[f"{name}_size"]) for name in names]
     dims = [(name, size) for name, size in dims if name in data_dims or size > 1]
     mesh = init_device_mesh(
         device_type, tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims)
     )
-    if hsdp:
+    if hsdp or expert_parallel:
         mesh[data_dims]._flatten("dp")
     if sizes["cp_size"] > 1:  # gradients reduce over dp x cp (fntrain.runtime.parallel.DP_CP)
         mesh[(*data_dims, "cp")]._flatten(DP_CP)

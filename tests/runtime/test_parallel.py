@@ -104,17 +104,9 @@ def test_parallel_config_validation_names_the_field():
         ParallelConfig(compile="yes").validate()
 
 
-@pytest.mark.parametrize(("field", "what"), [("ep_size", "expert")])
-def test_parallelize_rejects_model_parallel_degrees(field, what):
-    with pytest.raises(
-        NotImplementedError, match=rf"parallel.{field}=2: {what} parallelism is not supported yet"
-    ):
-        parallelize(make_stack(), Runtime(), ParallelConfig(**{field: 2}))
-    # Degrees carried by the runtime (for hooks to report) are rejected the same way.
-    with pytest.raises(
-        NotImplementedError, match=rf"runtime.{field}=2: {what} parallelism is not supported yet"
-    ):
-        parallelize(make_stack(), Runtime(**{field: 2}), "none")
+def test_expert_parallelism_cannot_be_combined_with_context_parallelism():
+    with pytest.raises(ValueError, match=r"parallel.ep_size=2 cannot be combined with parallel.cp_size=2"):
+        ParallelConfig(strategy="fsdp2", ep_size=2, cp_size=2).validate()
 
 
 def test_context_parallelism_needs_a_data_parallel_strategy():
@@ -122,7 +114,12 @@ def test_context_parallelism_needs_a_data_parallel_strategy():
         parallelize(make_stack(), Runtime(cp_size=2), "none")
 
 
-@pytest.mark.parametrize("field", ["tp_size", "pp_size"])
+def test_expert_parallelism_needs_fsdp2():
+    with pytest.raises(ValueError, match="parallel.ep_size=2 needs parallel.strategy 'fsdp2', got 'none'"):
+        parallelize(make_stack(), Runtime(), ParallelConfig(ep_size=2))
+
+
+@pytest.mark.parametrize("field", ["tp_size", "pp_size", "ep_size"])
 def test_tensor_and_pipeline_parallelism_need_the_mesh(field):
     with pytest.raises(RuntimeError, match="need the runtime's DeviceMesh: use setup_runtime"):
         parallelize(make_stack(), Runtime(**{field: 2}), "none")
