@@ -21,18 +21,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from fntrain.config import ConfigError
+from fntrain.config import ConfigError, absent_input
 
 __all__ = ["open_text", "require_file", "existing_ancestor", "jsonl_rows", "read_jsonl_rows"]
 
 
 def require_file(field_name: str, path: str) -> Path:
     """`path` (as typed, `~` expanded) when it is an existing file; else a `ConfigError` saying whether
-    it is missing or a directory."""
+    it is missing or a directory. A missing file passes inside `fntrain.config.inputs_optional()`."""
     file = Path(path).expanduser()
     if file.is_dir():
         raise ConfigError(f"{field_name} {path!r} is a directory, not a file")
-    if not file.is_file():
+    if not file.is_file() and not absent_input(f"{field_name} {path!r} does not exist"):
         raise ConfigError(f"{field_name} {path!r} does not exist")
     return file
 
