@@ -105,9 +105,8 @@ def _setting_error(error: BaseException, config_cls: type) -> CommandError:
 
 def plan_report(recipe: Recipe, config: Any, world_size: int = 1) -> dict[str, Any]:
     """The recipe's plan for `world_size` ranks (`fntrain.run.job.plan_job`), with the recipe's name."""
-    from fntrain.run.job import plan_job
-
     from fntrain.run.config import config_fields
+    from fntrain.run.job import plan_job
 
     try:
         report = {"recipe": recipe.name, **plan_job(config, recipe.spec, world_size)}

@@ -22,9 +22,11 @@ def test_the_page_has_every_flag_with_its_default_and_docstring():
     assert ("| `--train.global-batch-size` | int | `32` | Samples per optimizer step, over all data-parallel "
             "ranks. |") in page  # fmt: skip
     assert "| `--parallel.strategy` | `none` \\| `ddp` \\| `fsdp2` | `none` |" in page
-    hf = page[page.index("## `hf_causal_lm`"):page.index("## `vlm`")]
+    hf = page[page.index("## `hf_causal_lm`") : page.index("## `vlm`")]
     assert "| `--optim.lr` | float | `2e-05` | Peak learning rate. |" in hf  # a default the recipe changes
-    assert "| `--model.path` | str | `\"\"` | Local model directory" in hf and "### `hf_causal_lm`: `lora`" in hf
+    assert (
+        '| `--model.path` | str | `""` | Local model directory' in hf and "### `hf_causal_lm`: `lora`" in hf
+    )
     assert "| `--checkpoint.restore-from` |" in page and "| `--watchdog.exit-code` | int | `124` |" in page
 
 

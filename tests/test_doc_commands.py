@@ -38,11 +38,16 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGUAGES = ("bash", "sh", "shell")
 # A command matching one of these cannot run on this machine: (pattern, reason).
 NOT_HERE = (
-    (r"^(python3? -m venv|\. \.venv/bin/activate|pip |\.venv/bin/pip )", "installs packages (CI runs the install lines)"),
+    (
+        r"^(python3? -m venv|\. \.venv/bin/activate|pip |\.venv/bin/pip )",
+        "installs packages (CI runs the install lines)",
+    ),
     (r"^\.venv/bin/python -m pytest", "the test suite itself"),
     (r"^python -c .import torch", "asks a GPU or NPU driver"),
 )
-GPU_OR_NODES = r"--runtime\.device[ =](cuda|npu)|--nnodes|^torchrun --nproc_per_node[ =]8 .*-m fntrain run hf_causal_lm"
+GPU_OR_NODES = (
+    r"--runtime\.device[ =](cuda|npu)|--nnodes|^torchrun --nproc_per_node[ =]8 .*-m fntrain run hf_causal_lm"
+)
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,9 @@ def doc_commands(paths=DOCS) -> list[DocCommand]:
                 continue
             words = shlex.split(pending, comments=True)
             pending = ""
-            for part in " ".join(shlex.quote(word) if word not in ("&&", ">") else word for word in words).split(" && "):
+            for part in " ".join(
+                shlex.quote(word) if word not in ("&&", ">") else word for word in words
+            ).split(" && "):
                 if part.strip():
                     found.append(DocCommand(str(path.relative_to(ROOT)), start, part.strip()))
     return found
@@ -100,9 +107,11 @@ def plan_argv(command: DocCommand) -> list[str] | None:
     argv = command.argv
     if argv[0] == "torchrun":
         module = argv.index("-m")
-        if argv[module + 1:module + 3] != ["fntrain", "run"]:
-            raise AssertionError(f"{command.file}:{command.line}: torchrun must start `-m fntrain run`: {command.text}")
-        return ["plan", *argv[module + 3:], "--world-size", str(_world_size(argv))]
+        if argv[module + 1 : module + 3] != ["fntrain", "run"]:
+            raise AssertionError(
+                f"{command.file}:{command.line}: torchrun must start `-m fntrain run`: {command.text}"
+            )
+        return ["plan", *argv[module + 3 :], "--world-size", str(_world_size(argv))]
     if argv[:2] == ["fntrain", "run"]:
         return ["plan", *argv[2:]]
     if argv[:2] == ["fntrain", "plan"]:
@@ -127,7 +136,9 @@ def write_fixtures(work: Path) -> None:
     default tier plans, it never loads weights)."""
     (work / "configs").symlink_to(ROOT / "configs")
     (work / "home" / "models").mkdir(parents=True)
-    shutil.copytree(ROOT / "tests" / "fixtures" / "models" / "Llama-3.2-1B", work / "home" / "models" / "Llama-3.2-1B")
+    shutil.copytree(
+        ROOT / "tests" / "fixtures" / "models" / "Llama-3.2-1B", work / "home" / "models" / "Llama-3.2-1B"
+    )
     (work / "my-llama").mkdir()
     (work / "my-llama" / "config.json").write_text(json.dumps(TINY_LLAMA))
     corpus = (ROOT / "fntrain" / "data" / "corpora").glob("*.txt")
@@ -158,7 +169,9 @@ def test_every_doc_command_is_checked_somewhere():
         if not_here(command) or command.file == "docs/guide.md":
             continue
         argv = command.argv
-        assert argv[0] in ("fntrain", "torchrun", "cp"), f"{where}: a new kind of command; say how it is checked"
+        assert argv[0] in ("fntrain", "torchrun", "cp"), (
+            f"{where}: a new kind of command; say how it is checked"
+        )
 
 
 @pytest.mark.slow  # ~40 commands, each a tyro parse and a plan: 15-25 s on 2 shared cores
@@ -185,7 +198,7 @@ def test_every_doc_command_plans_or_runs_as_written(tmp_path, monkeypatch, capsy
                 report = dispatch(plan)
                 assert report["train_iters"] > 0
             elif ">" in argv:
-                dispatch(argv[1:argv.index(">")])
+                dispatch(argv[1 : argv.index(">")])
                 (work / argv[argv.index(">") + 1]).write_text(capsys.readouterr().out)
             else:
                 dispatch(argv[1:])
@@ -195,7 +208,9 @@ def test_every_doc_command_plans_or_runs_as_written(tmp_path, monkeypatch, capsy
                 failures.append(f"{command.file}:{command.line}: {command.text}\n    exit {error.code}: "
                                 f"{capsys.readouterr().err.strip()[-300:]}")  # fmt: skip
         except Exception as error:  # the check itself reports every failing command at once
-            failures.append(f"{command.file}:{command.line}: {command.text}\n    {type(error).__name__}: {error}")
+            failures.append(
+                f"{command.file}:{command.line}: {command.text}\n    {type(error).__name__}: {error}"
+            )
         capsys.readouterr()
     assert not failures, "\n".join(failures)
     assert checked > 25
@@ -259,7 +274,9 @@ def test_the_doc_commands_run_on_cpu(tmp_path):
         if any(word.startswith("runs/tiny_gpt") or word in ("latest", "--overwrite") for word in argv):
             shutil.copytree(tmp_path / "prepared-runs", work / "runs")  # the finished run it refers to
         text = tiny(command)
-        result = subprocess.run(["bash", "-c", text], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+        result = subprocess.run(
+            ["bash", "-c", text], cwd=work, env=env, capture_output=True, text=True, timeout=600
+        )
         if result.returncode != 0:
             failures.append(f"{command.file}:{command.line}: {text}\n    exit {result.returncode}: "
                             f"{result.stderr.strip()[-600:]}")  # fmt: skip

@@ -51,8 +51,12 @@ def guide_commands() -> list[str]:
 def tiny_command(command: str) -> str:
     """`command` at the test's scale (see the module docstring)."""
     if command.startswith("torchrun --nnodes"):  # several nodes cannot run here: plan that world
-        nodes, per_node = (int(re.search(rf"--{flag} (\d+)", command).group(1)) for flag in ("nnodes", "nproc_per_node"))
-        command = "fntrain plan " + command.split(" -m fntrain run ", 1)[1] + f" --world-size {nodes * per_node}"
+        nodes, per_node = (
+            int(re.search(rf"--{flag} (\d+)", command).group(1)) for flag in ("nnodes", "nproc_per_node")
+        )
+        command = (
+            "fntrain plan " + command.split(" -m fntrain run ", 1)[1] + f" --world-size {nodes * per_node}"
+        )
     for old, new in REWRITES.items():
         command = command.replace(old, new)
     if " hf_causal_lm " in command:
@@ -66,13 +70,18 @@ def _corpora(tmp: Path) -> tuple[Path, Path]:
     chats = [[{"role": turn["role"], "content": f"{turn['content']} {index}"} for turn in CHATS[index % 2]]
              for index in range(200)]  # fmt: skip
     pq.write_table(pa.table({"messages": chats}), tmp / "sft.parquet")
-    texts = [f"Document {index}: {CHATS[index % 2][-1]['content']} and so on, line {index}." for index in range(1000)]
+    texts = [
+        f"Document {index}: {CHATS[index % 2][-1]['content']} and so on, line {index}."
+        for index in range(1000)
+    ]
     pq.write_table(pa.table({"text": texts}), tmp / "corpus.parquet")
     return tmp / "sft.parquet", tmp / "corpus.parquet"
 
 
 def _run(command: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def _probe(env: dict, cwd: Path, command: str) -> str | None:
@@ -88,7 +97,9 @@ def test_the_guide_commands_are_the_ones_this_test_runs():
         ["torchrun", "--nproc_per_node"], ["fntrain", "export"], ["torchrun", "--nproc_per_node"],
         ["fntrain", "tokenize"], ["torchrun", "--nproc_per_node"],
     ], "the guide changed: update the checks of test_the_guide_runs_at_a_tiny_scale"  # fmt: skip
-    assert tiny_command(commands[2]).startswith("fntrain plan hf_causal_lm --config configs/llama-3.2-1b-sft.toml")
+    assert tiny_command(commands[2]).startswith(
+        "fntrain plan hf_causal_lm --config configs/llama-3.2-1b-sft.toml"
+    )
     assert tiny_command(commands[2]).endswith("--world-size 16 " + SMALL + " " + TINY_ITERS)
     assert len(guide_blocks("python")) == 1
 
@@ -123,7 +134,9 @@ def test_the_guide_runs_at_a_tiny_scale(tmp_path):
     assert (run / "checkpoints" / "step_4").is_dir() and (run / "checkpoints" / "step_6").is_dir()
     steps = [line for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert [int(re.search(r'"step": (\d+)', line).group(1)) for line in steps] == [1, 2, 3, 4, 5, 6]
-    assert (run / "hf_model" / "config.json").is_file() and (work / "llama-1b-sft-hf" / "config.json").is_file()
+    assert (run / "hf_model" / "config.json").is_file() and (
+        work / "llama-1b-sft-hf" / "config.json"
+    ).is_file()
     loaded = subprocess.run([sys.executable, "-c", guide_blocks("python")[0]], cwd=work, env=env,
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert loaded.returncode == 0, loaded.stderr[-3000:]  # generated a reply from the exported model

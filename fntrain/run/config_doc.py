@@ -39,7 +39,7 @@ def _own_docstrings(cls: type) -> dict[str, str]:
         return {}
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
     found = {}
-    for node, after in zip(body, body[1:]):
+    for node, after in zip(body, body[1:], strict=False):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
                 and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):  # fmt: skip
             found[node.target.id] = " ".join(after.value.value.split())
@@ -69,7 +69,7 @@ def _type_name(hint: Any) -> str:
 def _default(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return "`" + (" ".join(map(str, value)) if value else "(empty)") + "`"
-    return f"`{value}`" if value != "" else "`\"\"`"
+    return f"`{value}`" if value != "" else '`""`'
 
 
 def _rows(cls: type, instance: Any, prefix: str) -> Iterator[tuple[str, str, str, str]]:
@@ -96,7 +96,9 @@ def _cell(text: str) -> str:
 
 def _table(rows: list[tuple[str, str, str, str]]) -> str:
     lines = ["| flag | type | default | meaning |", "|---|---|---|---|"]
-    lines += [f"| `{flag}` | {kind} | {default} | {_cell(meaning)} |" for flag, kind, default, meaning in rows]
+    lines += [
+        f"| `{flag}` | {kind} | {default} | {_cell(meaning)} |" for flag, kind, default, meaning in rows
+    ]
     return "\n".join(lines)
 
 
@@ -122,7 +124,7 @@ def config_reference(recipes: tuple[str, ...] = RECIPES) -> str:
         config_cls = load_recipe(recipe_name).spec.config
         recipe_default, doc = config_cls(), (config_cls.__doc__ or "").strip()
         own = {name: section for name, section in _sections(config_cls).items() if name not in shared}
-        changed = [row for row, old in zip(_rows(config_cls, recipe_default, ""), _shared_rows(config_cls, base))
+        changed = [row for row, old in zip(_rows(config_cls, recipe_default, ""), _shared_rows(config_cls, base), strict=True)
                    if old is not None and row[2] != old[2]]  # fmt: skip
         out += ["", f"## `{recipe_name}`", "", doc]
         if changed:
