@@ -258,7 +258,7 @@ def test_the_doc_commands_run_on_cpu(tmp_path):
     save_tiny_llama(work / "my-llama", [turn["content"] for chat in CHATS for turn in chat] * 4, vocab_size=300,
                     max_positions=128)  # fmt: skip
     (work / "chat.jsonl").write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in CHATS * 8))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HOME": str(work / "home"),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]), "OMP_NUM_THREADS": "1", "HOME": str(work / "home"),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "WANDB_SILENT": "true"}  # fmt: skip
     prepared = tiny(DocCommand("test", 0, "fntrain run tiny_gpt --checkpoint.save-every 100"))
     assert subprocess.run(["bash", "-c", prepared], cwd=work, env=env, capture_output=True).returncode == 0

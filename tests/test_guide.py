@@ -116,7 +116,7 @@ def test_the_guide_runs_at_a_tiny_scale(tmp_path):
     data, corpus = _corpora(tmp_path)
     lines = [turn["content"] for chat in CHATS for turn in chat] * 4
     model = save_tiny_llama(tmp_path / "Llama-3.2-1B", lines, vocab_size=300, max_positions=128)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MODEL": str(model), "DATA": str(data),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]), "OMP_NUM_THREADS": "1", "MODEL": str(model), "DATA": str(data),
            "CORPUS": str(corpus), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # fmt: skip
     reads = _probe(env, work, f"fntrain plan hf_causal_lm --model.path {shlex.quote(str(model))} --data.path "
                               f"{shlex.quote(str(data))}")  # fmt: skip
