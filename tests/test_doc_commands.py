@@ -126,29 +126,46 @@ def not_here(command: DocCommand) -> str | None:
     return None
 
 
-TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300, "hidden_size": 32,
-              "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": 128}  # fmt: skip
-
-
 def write_fixtures(work: Path) -> None:
-    """The files the docs' commands name, as a user would have them (config.json-only model dirs: the
-    default tier plans, it never loads weights)."""
+    """The files the docs' commands name, as a user would have them: `~/models/Llama-3.2-1B` holds only
+    the model's config.json (a plan reads no weights), `./my-llama` is a tiny Llama with its tokenizer,
+    the corpora are small text, JSONL, Parquet and `save_to_disk` sources."""
+    from tests.hf_helpers import CHATS, save_tiny_llama
+
     (work / "configs").symlink_to(ROOT / "configs")
     (work / "home" / "models").mkdir(parents=True)
-    shutil.copytree(
-        ROOT / "tests" / "fixtures" / "models" / "Llama-3.2-1B", work / "home" / "models" / "Llama-3.2-1B"
-    )
-    (work / "my-llama").mkdir()
-    (work / "my-llama" / "config.json").write_text(json.dumps(TINY_LLAMA))
-    corpus = (ROOT / "fntrain" / "data" / "corpora").glob("*.txt")
-    (work / "my_corpus.txt").write_text(next(iter(corpus)).read_text()[:60_000])
+    models = ROOT / "tests" / "fixtures" / "models"
+    shutil.copytree(models / "Llama-3.2-1B", work / "home" / "models" / "Llama-3.2-1B")
+    save_tiny_llama(work / "my-llama", [turn["content"] for chat in CHATS for turn in chat] * 4, vocab_size=300,
+                    max_positions=128)  # fmt: skip
+    (work / "chat.jsonl").write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in CHATS * 8))
+    text = next(iter((ROOT / "fntrain" / "data" / "corpora").glob("*.txt"))).read_text()[:60_000]
+    (work / "my_corpus.txt").write_text(text)
+    paragraphs = [part for part in text.split("\n\n") if part.strip()]
+    (work / "corpus.jsonl").write_text("".join(json.dumps({"text": part}) + "\n" for part in paragraphs))
+    with contextlib.suppress(ImportError):  # the `data` extra: Parquet and save_to_disk sources
+        import datasets
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        (work / "data").mkdir()
+        pq.write_table(pa.table({"content": paragraphs}), work / "data" / "part-0.parquet")
+        datasets.Dataset.from_dict({"text": paragraphs}).save_to_disk(str(work / "saved_dataset" / "train"))
     base = io.StringIO()
     with contextlib.redirect_stdout(base):
         from fntrain.cli import dispatch
 
         dispatch(["config", "tiny_gpt"])
     (work / "base.toml").write_text(base.getvalue())
+
+
+def clear_outputs(argv: list[str], work: Path) -> None:
+    """Each doc example starts where a user would: the output a `tokenize` or `cp` names not there yet."""
+    targets = [argv[argv.index("--output") + 1]] if "--output" in argv else []
+    targets += [argv[-1]] if argv[:2] == ["fntrain", "cp"] else []
+    for target in targets:
+        path = work / target
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 # Commands the default tier does not plan, with the reason (the slow tier runs them).
@@ -177,6 +194,7 @@ def test_every_doc_command_is_checked_somewhere():
 @pytest.mark.slow  # ~40 commands, each a tyro parse and a plan: 15-25 s on 2 shared cores
 def test_every_doc_command_plans_or_runs_as_written(tmp_path, monkeypatch, capsys):
     """Planned at its world size, or (plan, config, cp, tokenize, --version) run as written."""
+    pytest.importorskip("transformers")
     from fntrain.cli import dispatch
 
     work = tmp_path / "work"
@@ -191,6 +209,7 @@ def test_every_doc_command_plans_or_runs_as_written(tmp_path, monkeypatch, capsy
         if any(re.search(p, command.text) for p in (*NEEDS_A_RUN, *NEEDS_A_REAL_MODEL)):
             continue
         argv = command.argv
+        clear_outputs(argv, work)
         try:
             if argv[0] == "cp":
                 shutil.copyfile(argv[1], argv[2])
@@ -249,15 +268,9 @@ def tiny(command: DocCommand) -> str:
 @pytest.mark.timeout(3000)
 def test_the_doc_commands_run_on_cpu(tmp_path):
     pytest.importorskip("transformers")
-    from tests.hf_helpers import CHATS, save_tiny_llama
-
     work = tmp_path / "work"
     work.mkdir()
     write_fixtures(work)
-    shutil.rmtree(work / "my-llama")
-    save_tiny_llama(work / "my-llama", [turn["content"] for chat in CHATS for turn in chat] * 4, vocab_size=300,
-                    max_positions=128)  # fmt: skip
-    (work / "chat.jsonl").write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in CHATS * 8))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]), "OMP_NUM_THREADS": "1", "HOME": str(work / "home"),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "WANDB_SILENT": "true"}  # fmt: skip
     prepared = tiny(DocCommand("test", 0, "fntrain run tiny_gpt --checkpoint.save-every 100"))
@@ -271,6 +284,7 @@ def test_the_doc_commands_run_on_cpu(tmp_path):
         if any(re.search(p, command.text) for p in NEEDS_A_REAL_MODEL):
             continue
         shutil.rmtree(work / "runs", ignore_errors=True)
+        clear_outputs(argv, work)
         if any(word.startswith("runs/tiny_gpt") or word in ("latest", "--overwrite") for word in argv):
             shutil.copytree(tmp_path / "prepared-runs", work / "runs")  # the finished run it refers to
         text = tiny(command)
