@@ -150,6 +150,9 @@ def write_fixtures(work: Path) -> None:
 
         (work / "data").mkdir()
         pq.write_table(pa.table({"content": paragraphs}), work / "data" / "part-0.parquet")
+        questions = [chat[-2]["content"] for chat in CHATS] * 20
+        answers = [chat[-1]["content"] for chat in CHATS] * 20
+        pq.write_table(pa.table({"question": questions, "answer": answers}), work / "qa.parquet")
         datasets.Dataset.from_dict({"text": paragraphs}).save_to_disk(str(work / "saved_dataset" / "train"))
     base = io.StringIO()
     with contextlib.redirect_stdout(base):
