@@ -117,12 +117,16 @@ def _setting_error(error: BaseException, config_cls: type) -> CommandError:
 
 def plan_report(recipe: Recipe, config: Any, world_size: int = 1) -> dict[str, Any]:
     """The recipe's plan for `world_size` ranks (`fntrain.run.job.plan_job`), with the recipe's name."""
+    from fntrain.run.config import config_fields
     from fntrain.run.job import plan_job
 
     try:
-        return {"recipe": recipe.name, **plan_job(config, recipe.spec, world_size)}
-    except (TypeError, ValueError, OSError) as error:  # settings the job rejects, a missing data file
+        report = {"recipe": recipe.name, **plan_job(config, recipe.spec, world_size)}
+    except (TypeError, ValueError, OSError) as error:  # settings the job rejects, a bad data file
         raise _setting_error(error, recipe.config_cls) from None
+    fields = config_fields(recipe.config_cls)
+    report["notes"] = [as_flags(note, fields) for note in report.get("notes", ())]  # fields as flags
+    return report
 
 
 def run_recipe(spec: Any, config: Any) -> Any:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 __all__ = [
@@ -25,12 +27,37 @@ __all__ = [
     "require_choice",
     "require_str",
     "require_int_list",
+    "inputs_optional",
+    "absent_input",
 ]
+
+# The inputs found missing inside `inputs_optional()`; None outside it (a missing input is an error).
+_ABSENT_INPUTS: ContextVar[list[str] | None] = ContextVar("fntrain_absent_inputs", default=None)
 
 
 class ConfigError(ValueError):
     """A setting that is wrong for this run, found after parsing (e.g. a batch shape that does not divide
     over the ranks): the command line reports it as one line, exit status 2, like a bad flag."""
+
+
+@contextmanager
+def inputs_optional() -> Iterator[list[str]]:
+    """Within this block a missing input file (data, model weights) is recorded, not refused: `fntrain
+    plan` plans from the configs alone. Yields the list of what was missing, one line each."""
+    token = _ABSENT_INPUTS.set([])
+    try:
+        yield _ABSENT_INPUTS.get()
+    finally:
+        _ABSENT_INPUTS.reset(token)
+
+
+def absent_input(message: str, *, note: bool = True) -> bool:
+    """True inside `inputs_optional()`, recording `message` there when `note` (an input the plan would
+    read: data); False outside it, where the caller refuses the missing input (raises with `message`)."""
+    absent = _ABSENT_INPUTS.get()
+    if absent is not None and note:
+        absent.append(message)
+    return absent is not None
 
 
 def flag_name(field: str) -> str:

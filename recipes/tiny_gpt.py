@@ -1,7 +1,7 @@
 """Tiny GPT: a byte-level decoder-only transformer trained on bundled Shakespeare.
 
     fntrain run tiny_gpt --run-dir runs/tiny --train.train-iters 200
-    python -m recipes.tiny_gpt --help
+    fntrain run tiny_gpt --help
     fntrain tokenize my_corpus.txt --output shards && fntrain run tiny_gpt --data.shards shards
 
 The recipe is a spec: the model, the data and the defaults. fntrain.run.job runs it (runtime, hooks,

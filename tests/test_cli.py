@@ -535,3 +535,20 @@ def test_layers_only_import_downwards():
                         assert not name.startswith(("torch", "numpy", "optree")), (
                             f"{path.name} imports {name}"
                         )
+
+
+def test_plan_of_a_world_with_strategy_none_plans_ddp_and_says_so(capsys):
+    """Asked for 8 ranks, `fntrain plan` shows them (as ddp, with a note naming the flag); a run stays
+    strict: strategy none over 8 data-parallel ranks is refused, naming --parallel.strategy."""
+    from fntrain.run.checks import check_values
+    from recipes import tiny_gpt
+
+    report = dispatch(["plan", "tiny_gpt", "--world-size", "8", "--train.micro-batch-size", "4"])
+    assert (report["dp_size"], report["mesh"]["dims"]) == (8, [["dp", 8]])
+    assert report["notes"] == ["--parallel.strategy none cannot train 8 data-parallel ranks: planned as ddp; "
+                               "pass --parallel.strategy ddp (or fsdp2) to run it"]  # fmt: skip
+    assert "note                --parallel.strategy none cannot train 8" in capsys.readouterr().out
+    assert dispatch(["plan", "tiny_gpt", "--world-size", "8", "--train.micro-batch-size", "4",
+                     "--parallel.strategy", "fsdp2"])["notes"] == []  # fmt: skip
+    with pytest.raises(ValueError, match="--parallel.strategy none cannot train 8 data-parallel ranks"):
+        check_values(tiny_gpt.Config(), 8)

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from fntrain.config import ConfigError
+from fntrain.config import ConfigError, absent_input
 from fntrain.data.tables import count_table_rows, is_table_source, read_table_rows
 
 __all__ = [
@@ -42,11 +42,11 @@ __all__ = [
 
 def require_file(field_name: str, path: str) -> Path:
     """`path` (as typed, `~` expanded) when it is an existing file; else a `ConfigError` saying whether
-    it is missing or a directory."""
+    it is missing or a directory. A missing file passes inside `fntrain.config.inputs_optional()`."""
     file = Path(path).expanduser()
     if file.is_dir():
         raise ConfigError(f"{field_name} {path!r} is a directory, not a file")
-    if not file.is_file():
+    if not file.is_file() and not absent_input(f"{field_name} {path!r} does not exist"):
         raise ConfigError(f"{field_name} {path!r} does not exist")
     return file
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 
 from fntrain.checkpoint.hf_load import OFFLINE_SWITCHES, set_offline
-from fntrain.config import ConfigError, first_line, require_choice, require_str
+from fntrain.config import ConfigError, absent_input, first_line, require_choice, require_str
 from fntrain.models.hf_tp import hf_tensor_parallel
 from fntrain.runtime import Runtime
 from fntrain.runtime.parallel import ParallelConfig
@@ -80,9 +80,9 @@ def require_local_dir(field_name: str, path: str, *, needs: Sequence[str] = ()) 
     return directory
 
 
-def _require_model_dir(field_name: str, path: str) -> Path:
-    """A local model directory: a config.json holding a JSON object and safetensors weights (one file,
-    shards, or an index); else a `ConfigError` naming the field and the directory."""
+def _require_model_config(field_name: str, path: str) -> Path:
+    """A local directory holding a config.json with a JSON object (what building the model on the meta
+    device, and so `fntrain plan`, needs); else a `ConfigError` naming the field and the directory."""
     directory = require_local_dir(field_name, path, needs=("config.json",))
     try:
         saved = json.loads((directory / "config.json").read_text(encoding="utf-8"))
@@ -90,8 +90,18 @@ def _require_model_dir(field_name: str, path: str) -> Path:
         raise ConfigError(f"{field_name} {path!r}: config.json is not a JSON file ({error})") from None
     if not isinstance(saved, dict):
         raise ConfigError(f"{field_name} {path!r}: config.json must hold a JSON object")
+    return directory
+
+
+def _require_model_dir(field_name: str, path: str) -> Path:
+    """A local model directory: a config.json holding a JSON object and safetensors weights (one file,
+    shards, or an index); else a `ConfigError` naming the field and the directory. Missing weights pass
+    inside `fntrain.config.inputs_optional()` (a plan reads none)."""
+    directory = _require_model_config(field_name, path)
     if not any(directory.glob("*.safetensors")) and not (directory / SAFE_INDEX).exists():
-        raise ConfigError(f"{field_name} {path!r} holds no *.safetensors weights")
+        message = f"{field_name} {path!r} holds no *.safetensors weights"
+        if not absent_input(message, note=False):  # a plan reads no weights: nothing to say
+            raise ConfigError(message)
     return directory
 
 
@@ -269,7 +279,7 @@ def load_hf_config(config: HFModelConfig, field_name: str = "model.path") -> Any
     transformers cannot read one from (an unknown model_type, a broken file) is a `ConfigError` naming
     `field_name` and the directory."""
     set_offline()
-    directory = _require_model_dir(field_name, config.path)
+    directory = _require_model_config(field_name, config.path)
     from transformers import AutoConfig
 
     try:

@@ -311,7 +311,8 @@ def format_run_plan(report: Mapping[str, Any]) -> str:
     if report.get("dataset_len") is not None:
         rows.append(("dataset", f"{report['dataset_len']} samples"))
     rows.append(("train_iters", str(report["train_iters"])))
-    per_epoch = str(report["steps_per_epoch"]) + ("" if report.get("sized", True) else " (streaming)")
+    unsized = " (streaming)" if report.get("data_read", True) else " (data not read)"
+    per_epoch = str(report["steps_per_epoch"]) + ("" if report.get("sized", True) else unsized)
     rows.append(("steps per epoch", per_epoch))
     rows.append(("epochs", str(report["epochs"])))
     rows.append(
@@ -326,6 +327,7 @@ def format_run_plan(report: Mapping[str, Any]) -> str:
         if key in _SHOWN or isinstance(value, Mapping):
             continue
         rows.append((key.replace("_", " "), str(value)))
+    rows.extend(("note", note) for note in report.get("notes", ()))
 
     if report.get("mesh") is not None:
         rows.extend(_mesh_rows(report["mesh"]))
@@ -394,5 +396,7 @@ _SHOWN = frozenset(
         "lr_schedule_iters",
         "sized",
         "memory_per_rank",
+        "data_read",
+        "notes",
     }
 )

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from fntrain.config import ConfigError
+from fntrain.config import ConfigError, inputs_optional
 from fntrain.data.pipeline import data_fn
 from fntrain.data.tokens import count_batch
 from fntrain.hooks.checkpoint import checkpoint_root
@@ -171,19 +171,28 @@ def ended_by(error: BaseException, config: JobConfig, runtime: Any, opened: Open
 def plan_job(config: JobConfig, spec: RecipeSpec, world_size: int = 1) -> dict[str, Any]:
     """The resolved run plan for `world_size` ranks (what `fntrain plan` prints): run length, batch
     shape, checkpoint steps, profiler and memory windows and the ranks that record. Builds no model and
-    touches no device; reads the data only when the spec has no `dataset_sizes`."""
+    touches no device. It plans from the configs alone: model weights are never read, and missing data
+    files are noted, not refused (the run length is then train_iters over data of unknown size); the
+    data is read, with the recipe's tokenizer, only when it is there and the spec has no `dataset_sizes`.
+    Strategy none over several data-parallel ranks is planned as ddp, with a note (a run refuses it)."""
     if type(world_size) is not int or world_size < 1:
         raise ConfigError(f"--world-size must be a positive int, got {world_size!r}")
-    dp_size = check_values(config, world_size)
-    check_model_parallel(config, spec, dp_size)
-    check_context_parallel(config, spec)  # not the ring's device: a plan may be made off the GPU machine
-    if spec.dataset_sizes is not None:
+    config, notes = planned_strategy(config, world_size)
+    with inputs_optional() as absent:
+        dp_size = check_values(config, world_size)
+        check_model_parallel(config, spec, dp_size)
+        check_context_parallel(config, spec)  # not the ring's device: a plan may be made off the GPU machine
+    if absent:
+        train_len, val_len = None, 0
+        notes.append(f"data not read ({'; '.join(absent)}): steps per epoch and epochs unknown")
+    elif spec.dataset_sizes is not None:
         train_len, val_len = spec.dataset_sizes(config)
     else:
         assets = spec.build_assets(config) if spec.build_assets else None
         train_set, val_set = spec.build_datasets(config, assets)
         train_len, val_len = dataset_len(train_set), (len(val_set) if val_set is not None else 0)
-    extra = {"val_samples": val_len, "run_dir": config.run_dir, **(spec.describe(config) if spec.describe else {})}
+    extra = {"val_samples": val_len, "run_dir": config.run_dir, **(spec.describe(config) if spec.describe else {}),
+             "data_read": not absent, "notes": notes}  # fmt: skip
     # Built on the meta device (no weights, no device), for the model families with a tensor-parallel
     # plan or a pipeline split: the layouts the estimate knows (a VLM's factory may write its model).
     if spec.model_factory is not None and (spec.tensor_parallel is not None or spec.pipeline is not None):
@@ -197,3 +206,15 @@ def plan_job(config: JobConfig, spec: RecipeSpec, world_size: int = 1) -> dict[s
         parallel=config.parallel, device_type=config.runtime.device, dataset_len=train_len,
         profiler=profiler_config(config), memory=memory_config(config), checkpoint=checkpoint, extra=extra,
     )  # fmt: skip
+
+
+def planned_strategy(config: JobConfig, world_size: int) -> tuple[JobConfig, list[str]]:
+    """`config` with strategy none over several data-parallel ranks replaced by ddp, and a note saying
+    so: asked for a world size, a plan shows that world (a run keeps refusing none, naming the flag)."""
+    parallel = config.parallel
+    model_parallel = parallel.tp_size * parallel.pp_size * parallel.cp_size
+    if parallel.strategy != "none" or world_size % model_parallel or world_size // model_parallel < 2:
+        return config, []
+    note = (f"--parallel.strategy none cannot train {world_size // model_parallel} data-parallel ranks: planned "
+            "as ddp; pass --parallel.strategy ddp (or fsdp2) to run it")  # fmt: skip
+    return dataclasses.replace(config, parallel=dataclasses.replace(parallel, strategy="ddp")), [note]
