@@ -43,6 +43,7 @@ NOT_HERE = (
         "installs packages (CI runs the install lines)",
     ),
     (r"^\.venv/bin/python -m pytest", "the test suite itself"),
+    (r"^\.venv/bin/python -m coverage", "the test suite itself, under coverage"),
     (r"^python -c .import torch", "asks a GPU or NPU driver"),
 )
 GPU_OR_NODES = (
