@@ -14,9 +14,11 @@ back in unit order, so what is written is byte-identical for any number of worke
 from __future__ import annotations
 
 import collections
+import contextlib
 import multiprocessing
 import os
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,15 +158,34 @@ def encoded_blocks(units: Iterator[TextBlock | TableText], tokenizer: Any, *, dt
     # fork: the workers start at once with the tokenizer already loaded (nothing is pickled but units
     # and blocks); spawn would re-import torch and transformers in every worker and could not send a
     # tokenizer given as a Python function.
+    # concurrent.futures rather than multiprocessing.Pool: a worker that dies (killed, out of memory)
+    # fails the run with BrokenProcessPool instead of leaving it waiting forever.
     context = multiprocessing.get_context("fork")
-    with context.Pool(workers, initializer=_start_worker, initargs=(settings,)) as pool:
+    with _no_tokenizer_threads(), ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
+                                                      initargs=(settings,)) as pool:  # fmt: skip
         pending: collections.deque = collections.deque()
         for unit in units:
-            pending.append(pool.apply_async(_encode_in_worker, (unit,)))
+            pending.append(pool.submit(_encode_in_worker, unit))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+
+
+@contextlib.contextmanager
+def _no_tokenizer_threads() -> Iterator[None]:
+    """TOKENIZERS_PARALLELISM=false while the pool runs (the previous value back after): a fast
+    tokenizer whose thread pool is busy or was used in this process can deadlock in a forked worker;
+    the main process encodes nothing meanwhile, so it loses no speed."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
 def text_blocks(texts: Iterator[str], size: int, where: str = "") -> Iterator[TextBlock]:

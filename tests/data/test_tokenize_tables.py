@@ -100,7 +100,10 @@ def tiny_hf_tokenizer():
 
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "hf"])
-def test_one_and_three_workers_write_the_same_bytes(tmp_path, tokenizer):
+def test_one_and_three_workers_write_the_same_bytes(tmp_path, tokenizer, monkeypatch):
+    # No tokenizer threads in this process before the fork (a forked worker of a process whose fast
+    # tokenizer pool ran can hang; `fntrain tokenize` forks before any encoding).
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     tok = tiny_hf_tokenizer() if tokenizer == "hf" else "bytes"
     inputs = [write_parquet(tmp_path / "in" / "a.parquet", TEXTS, row_group_size=5),
               write_jsonl(tmp_path / "in" / "b.jsonl", TEXTS[::-1]),
