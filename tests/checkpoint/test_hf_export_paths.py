@@ -17,8 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fntrain.checkpoint import save
-from fntrain.checkpoint import hf_export
+from fntrain.checkpoint import hf_export, save
 from fntrain.checkpoint.hf_export import PROVENANCE, SAFE_WEIGHTS, export_hf, import_hf
 from fntrain.components import Components
 from fntrain.config import ConfigError
@@ -56,15 +55,25 @@ def test_an_hf_models_checkpoint_exports_with_its_files_and_ties(llama_run, tmp_
     root, model_dir, _, model = llama_run
     out = export_hf(root, tmp_path / "hf", dtype=torch.bfloat16)
     names = {p.name for p in out.iterdir()}
-    assert {"config.json", "generation_config.json", "tokenizer_config.json", SAFE_WEIGHTS, PROVENANCE} == names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "tokenizer_config.json",
+        SAFE_WEIGHTS,
+        PROVENANCE,
+    } == names
     weights = load_file(out / SAFE_WEIGHTS)
     assert "lm_head.weight" not in weights and {t.dtype for t in weights.values()} == {torch.bfloat16}
-    assert torch.equal(weights["model.embed_tokens.weight"], model.model.embed_tokens.weight.detach().bfloat16())
+    assert torch.equal(
+        weights["model.embed_tokens.weight"], model.model.embed_tokens.weight.detach().bfloat16()
+    )
     source_config = json.loads((model_dir / "config.json").read_text())
     config = json.loads((out / "config.json").read_text())
     key = "dtype" if "dtype" in source_config or "torch_dtype" not in source_config else "torch_dtype"
     assert config[key] == "bfloat16" and config["model_type"] == "llama"
-    assert json.loads((out / PROVENANCE).read_text())["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert json.loads((out / PROVENANCE).read_text())["tied"] == {
+        "lm_head.weight": "model.embed_tokens.weight"
+    }
 
     # The same from --model-dir, the run config's path gone; then back, re-tied from config.json alone.
     shutil.copytree(model_dir, tmp_path / "moved")
@@ -111,7 +120,9 @@ def test_bad_sources_and_outputs_name_themselves(tmp_path):
         export_hf(tmp_path / "run" / "checkpoints", tmp_path / "file")
     with pytest.raises(FileNotFoundError, match=r"checkpoint '.*file' is a file, not a directory"):
         export_hf(tmp_path / "file", tmp_path / "out")
-    with pytest.raises(FileNotFoundError, match=r"is a run directory; export one of its checkpoints: .*checkpoints"):
+    with pytest.raises(
+        FileNotFoundError, match=r"is a run directory; export one of its checkpoints: .*checkpoints"
+    ):
         export_hf(tmp_path / "run", tmp_path / "out")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"'.*empty' is not a complete checkpoint"):
@@ -167,6 +178,8 @@ def test_hand_written_safetensors_are_read_or_refused(tmp_path):
     for file in source.iterdir():
         file.unlink()
     _write_raw_safetensors(source / "c.safetensors", {"z": ("C64", [1], b"\0" * 8)}, 8)
-    with pytest.raises(ValueError, match=r"c.safetensors: tensor z has dtype C64, which fntrain does not read"):
+    with pytest.raises(
+        ValueError, match=r"c.safetensors: tensor z has dtype C64, which fntrain does not read"
+    ):
         import_hf(source, tmp_path / "x")
     assert not (tmp_path / "x").exists()

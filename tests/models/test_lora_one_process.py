@@ -94,7 +94,10 @@ def test_the_adapter_export_loads_with_peft(tmp_path):
     out = save_adapter_or_merged(model, LORA, tmp_path / "adapter", Runtime(), Assets())
     names = sorted(p.name for p in out.iterdir())
     assert names == ["README.md", "adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"]
-    assert sorted(json.loads((out / "adapter_config.json").read_text())["target_modules"]) == ["q_proj", "v_proj"]
+    assert sorted(json.loads((out / "adapter_config.json").read_text())["target_modules"]) == [
+        "q_proj",
+        "v_proj",
+    ]
     loaded = PeftModel.from_pretrained(tiny_llama(), out, local_files_only=True).eval()
     torch.testing.assert_close(logits(loaded), logits(model))
 
@@ -109,7 +112,9 @@ def test_the_merged_export_loads_as_a_plain_model(tmp_path, distributed):
     if distributed:  # a 1-rank group: the full state dict is gathered first
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        out = save_adapter_or_merged(model, merge, tmp_path / "merged", Runtime(backend="gloo" if distributed else None))
+        out = save_adapter_or_merged(
+            model, merge, tmp_path / "merged", Runtime(backend="gloo" if distributed else None)
+        )
     finally:
         if distributed:
             dist.destroy_process_group()
@@ -129,4 +134,6 @@ def test_lora_off_saves_the_whole_model(tmp_path):
     model = tiny_llama()
     out = save_adapter_or_merged(model, LoraConfig(), tmp_path / "full", Runtime(), Assets())
     assert (out / "tokenizer_config.json").is_file()
-    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(out, local_files_only=True)), logits(model))
+    torch.testing.assert_close(
+        logits(AutoModelForCausalLM.from_pretrained(out, local_files_only=True)), logits(model)
+    )

@@ -67,7 +67,11 @@ def test_one_op_is_one_all_reduce_over_both_ranks(world_group):
 
 def test_mixed_ops_are_gathered_and_reduced_per_name(world_group):
     def metrics(group, rank):
-        values = {"peak": 100.0 * (rank + 1), "step_time": torch.tensor(0.25 * (rank + 1)), "loss": 2.0 + rank}
+        values = {
+            "peak": 100.0 * (rank + 1),
+            "step_time": torch.tensor(0.25 * (rank + 1)),
+            "loss": 2.0 + rank,
+        }
         return reduce_scalars(values, {"peak": "max", "step_time": "min"}, group=group)
 
     for result in _on_two_ranks(metrics):

@@ -60,7 +60,9 @@ def test_a_tied_copy_counted_elsewhere_is_left_out_of_the_norm(one_rank_env):
         model, optimizer = _model_and_optimizer()
         reference, reference_optimizer = _model_and_optimizer()
         assert model.head.weight is model.tok.weight
-        layout = PipelineLayout(0, 1, dist.group.WORLD, "1f1b", (("head.weight", dist.group.WORLD),), (False,))
+        layout = PipelineLayout(
+            0, 1, dist.group.WORLD, "1f1b", (("head.weight", dist.group.WORLD),), (False,)
+        )
         step = make_pipeline_step(model, causal_lm_loss, [optimizer], [], layout, micro_batches=3,
                                   max_grad_norm=1e9, device=runtime.device)  # fmt: skip
         plain = make_train_step(reference, causal_lm_loss, reference_optimizer, max_grad_norm=1e9)
@@ -70,7 +72,9 @@ def test_a_tied_copy_counted_elsewhere_is_left_out_of_the_norm(one_rank_env):
         for name, grad in want_seen.items():  # one stage: the tie's all_reduce leaves its gradient whole
             torch.testing.assert_close(seen[name], grad, rtol=1e-6, atol=1e-7, msg=name)
         others = [grad for name, grad in seen.items() if name != "tok.weight"]
-        torch.testing.assert_close(got["grad_norm"], torch.nn.utils.get_total_norm(others), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(
+            got["grad_norm"], torch.nn.utils.get_total_norm(others), rtol=1e-6, atol=1e-7
+        )
         assert got["grad_norm"] < want["grad_norm"]  # the plain step counts the tied weight
 
 
@@ -90,7 +94,9 @@ def test_position_ids_reach_the_first_stage_and_no_norm_is_computed_unless_neede
         for name, param in reference.named_parameters():
             torch.testing.assert_close(model.get_parameter(name), param, rtol=1e-6, atol=1e-7, msg=name)
         unpositioned, unpositioned_optimizer = _model_and_optimizer()
-        other = make_train_step(unpositioned, causal_lm_loss, unpositioned_optimizer)(TrainState(), _batches(steps=1)[0])
+        other = make_train_step(unpositioned, causal_lm_loss, unpositioned_optimizer)(
+            TrainState(), _batches(steps=1)[0]
+        )
         assert not torch.allclose(other["loss"], got["loss"])  # the position ids were used
 
 
@@ -112,7 +118,9 @@ def test_tie_groups_join_the_holding_stages_of_each_pipeline(monkeypatch, rank, 
     mesh = SimpleNamespace(mesh_dim_names=("dp", "pp"), mesh=torch.arange(6).reshape(2, 3),
                            get_group=lambda name: f"{name} group")  # fmt: skip
     runtime = Runtime(rank=rank, world_size=6, dp_size=2, pp_size=3, pp_rank=rank % 3, mesh=mesh)
-    layout = pipeline_layout(runtime, SimpleNamespace(pp_schedule="1f1b"), [{0: "tok.weight", 2: "head.weight"}])
+    layout = pipeline_layout(
+        runtime, SimpleNamespace(pp_schedule="1f1b"), [{0: "tok.weight", 2: "head.weight"}]
+    )
     assert created == [[0, 2], [3, 5]] and layout.group == "pp group" and layout.stages == 3
     if counted is None:
         assert layout.ties == () and layout.tie_counted_here == ()
