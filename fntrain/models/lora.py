@@ -202,7 +202,14 @@ def _merged_model(peft_model: Any, state_dict: dict[str, torch.Tensor]) -> torch
         fresh = get_peft_model(
             AutoModelForCausalLM.from_config(base_config), peft_model.peft_config["default"]
         )
-    fresh.load_state_dict(state_dict, strict=True, assign=True)
+    # `assign` makes the fresh model hold these very tensors, which may be the trained model's own (one
+    # process, or a group without sharding); merging adds the adapters into the adapted layers' base
+    # weights in place, so those (only those: ".base_layer.") are copied first.
+    fresh.load_state_dict(
+        {key: value.clone() if ".base_layer." in key else value for key, value in state_dict.items()},
+        strict=True,
+        assign=True,
+    )
     merged = fresh.merge_and_unload()
     if getattr(merged.config, "tie_word_embeddings", False):
         merged.tie_weights()

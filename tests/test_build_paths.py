@@ -1,0 +1,61 @@
+"""`fntrain.run.build` helpers one process can run: the pipeline ties of tiny_gpt's split (found on a
+meta copy of the whole model), the FLOPs sample micro-batch from a sized or a streaming dataset, no
+FLOPs count without a model factory, and the evaluation loss run under loss_parallel when the logits
+are split over the vocabulary."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import torch
+from torch.utils.data import IterableDataset
+
+from fntrain.run import build
+from fntrain.runtime import Runtime
+from fntrain.runtime.parallel import ParallelConfig
+from recipes import tiny_gpt
+
+
+def test_pipeline_ties_of_tiny_gpt_join_its_first_and_last_stage():
+    config = tiny_gpt.Config()
+    assert build._pipeline_ties(config, tiny_gpt.spec) == []
+    two_stages = dataclasses.replace(config, parallel=ParallelConfig(pp_size=2))
+    assert build._pipeline_ties(two_stages, tiny_gpt.spec) == [{0: "tok.weight", 1: "head.weight"}]
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter([torch.full((2,), float(i)) for i in range(10)])
+
+
+def _built(dataset, collate=None):
+    config = SimpleNamespace(train=SimpleNamespace(micro_batch_size=3))
+    return SimpleNamespace(data=SimpleNamespace(dataset=dataset), config=config, collate_fn=collate)
+
+
+def test_the_flops_sample_is_one_micro_batch_of_either_kind_of_dataset():
+    streamed = build._sample_micro_batch(_built(Stream()))
+    assert torch.equal(streamed, torch.tensor([[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]))
+    sized = build._sample_micro_batch(_built([torch.ones(2), torch.zeros(2)], collate=torch.stack))
+    assert torch.equal(sized, torch.tensor([[1.0, 1.0], [0.0, 0.0]]))  # fewer samples than a micro-batch
+    assert build._flops_per_token(_built([]), SimpleNamespace(model_factory=None)) is None
+
+
+def test_eval_loss_runs_under_loss_parallel_when_logits_are_split(monkeypatch):
+    entered = []
+
+    class Context:
+        def __enter__(self):
+            entered.append(True)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(build, "loss_context", lambda runtime, parallel: Context)
+    loss_fn = lambda output, batch: output.sum() + batch["shift"]  # noqa: E731
+    built = SimpleNamespace(runtime=Runtime(tp_size=2), config=SimpleNamespace(parallel=ParallelConfig()),
+                            components=SimpleNamespace(loss_fn=loss_fn))  # fmt: skip
+    forward, eval_loss = build._eval_functions(built, SimpleNamespace(forward="spec forward"))
+    assert forward == "spec forward"
+    assert eval_loss(torch.ones(3), {"shift": 1.0}) == 4.0 and entered == [True]
