@@ -54,6 +54,7 @@ from fntrain.models.lora import (
     save_adapter_or_merged,
 )
 from fntrain.optim import OptimizerConfig, ScheduleConfig
+from fntrain.runtime.materialize import build_on_meta
 from fntrain.run.config import ExportingJobConfig, RecipeSpec, TrainConfig, require_validation
 
 
@@ -116,15 +117,20 @@ def build_assets(config: Config) -> Any:
 
 
 def model_factory(config: Config) -> Any:
-    """The bare model from its config.json (no weights), for counting FLOPs on the meta device."""
-    return causal_lm_from_config(config.model)
+    """The bare model from its config.json (no weights), for counting FLOPs on the meta device; under
+    parallel.ep_size > 1 with its experts modules ep-aware, so `plan` counts them as experts."""
+    model = causal_lm_from_config(config.model)
+    return _enable_expert_parallel(model) if config.parallel.ep_size > 1 else model
 
 
 def check(config: Config, assets: Any) -> None:
-    """Before any weight is loaded: the model directory builds (on the meta device) and names the
-    layers LoRA is to adapt; token shards hold only ids of the model's vocabulary."""
+    """Before any weight is loaded: the model directory builds (on the meta device), names the
+    layers LoRA is to adapt and under ep has experts modules ep supports; token shards hold only ids
+    of the model's vocabulary."""
     targets = config.lora.target_modules if config.lora.enabled else ()
     check_lora_targets(lambda: model_factory(config), targets)
+    if config.parallel.ep_size > 1:  # experts modules of a layout the ep forward computes
+        build_on_meta(lambda: model_factory(config))
     if config.data.shards:
         check_shard_vocab("data.shards", config.data.shards, model_vocab_size(config.model))
 

@@ -71,7 +71,7 @@ def hf_experts_modules(model: nn.Module) -> list[nn.Module]:
         extra = sorted(set(dict(module.named_parameters(recurse=False))) - {"gate_up_proj", "down_proj"})
         if odd or extra:
             raise ValueError(
-                f"--parallel.ep-size: {type(module).__name__} has a layout expert parallelism does not "
+                f"parallel.ep_size: {type(module).__name__} has a layout expert parallelism does not "
                 f"support ({', '.join(odd + extra)})"
             )
     return found

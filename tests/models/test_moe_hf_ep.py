@@ -162,3 +162,29 @@ def test_the_recipe_refuses_bad_ep_settings_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
+
+
+def _recipe_config(model_dir, ep: int, **model):
+    from fntrain.models.hf import HFModelConfig
+    from fntrain.runtime.parallel import ParallelConfig
+    from recipes import hf_causal_lm as hf
+
+    return hf.Config(model=HFModelConfig(path=str(model_dir), **model), data=hf.DataConfig(path="unused.jsonl"),
+                     parallel=ParallelConfig(strategy="fsdp2", ep_size=ep))  # fmt: skip
+
+
+def test_the_recipe_plans_experts_per_rank_and_checks_their_layout_on_meta(tmp_path):
+    """`plan` (the meta-built model_factory) counts E / ep experts in a rank's gathered weights; the
+    recipe's phase-1 check refuses an experts module of another layout (gpt-oss: transposed, biased)."""
+    from fntrain.plan.memory import plan_memory
+    from recipes import hf_causal_lm as hf
+
+    transformers.Qwen3MoeConfig(**TINY, moe_intermediate_size=16, num_experts=4).save_pretrained(tmp_path / "qwen")
+    transient = {ep: plan_memory(_recipe_config(tmp_path / "qwen", ep), hf.model_factory, 2)["transient_weights"]
+                 for ep in (1, 2)}  # fmt: skip
+    experts_bytes = 2 * 4 * (2 * 16 * 32 + 32 * 16) * 4  # two gathered blocks' fp32 experts
+    assert transient[1] - transient[2] == experts_bytes // 2
+    hf.check(_recipe_config(tmp_path / "qwen", 2), None)
+    transformers.GptOssConfig(**{**TINY, "intermediate_size": 16}, num_local_experts=4).save_pretrained(tmp_path / "oss")
+    with pytest.raises(ValueError, match=r"GptOssExperts has a layout expert parallelism does not support"):
+        hf.check(_recipe_config(tmp_path / "oss", 2, attn_implementation="eager"), None)
