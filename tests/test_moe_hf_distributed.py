@@ -1,7 +1,8 @@
 """Expert parallelism for a Hugging Face MoE model through hf_causal_lm under torchrun (gloo, CPU): a
 tiny Qwen3-MoE (4 experts, router loss on) at `--parallel.strategy fsdp2 --parallel.ep-size 2` on 2
 ranks trains as fsdp2 at ep 1 on 2 ranks and as one process do: the same losses over 4 steps and the
-same exported weights, every expert at its global index (fntrain.models.moe_hf_ep)."""
+same exported weights, every expert at its global index; its checkpoint resumes at ep 1
+(fntrain.models.moe_hf_ep)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,23 @@ def test_ep2_under_fsdp2_trains_like_ep1_and_one_process(tiny_moe, tmp_path):
     assert ep_weights.keys() == one_weights.keys()
     for key in one_weights:
         torch.testing.assert_close(ep_weights[key], one_weights[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_checkpoint_saved_at_ep2_resumes_in_one_process(tiny_moe, tmp_path):
+    """Step 2's checkpoint of the ep 2 run (experts DTensors over the ep mesh, SGD momentum) resumed by
+    one process: steps 3-4 log the uninterrupted run's losses, and the exported weights are its."""
+    import shutil
+
+    save = ["--checkpoint.save-every", "2", "--checkpoint.restore-from", "latest", "--optim.momentum", "0.9"]
+    reference = tmp_path / "reference"
+    want_losses, want_weights = _train(tiny_moe, reference, 2, "--parallel.strategy", "fsdp2",
+                                       "--parallel.ep-size", "2", *save)  # fmt: skip
+    resumed = tmp_path / "resumed"
+    shutil.copytree(reference / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
+    (resumed / "checkpoints" / "latest").write_text("step_2\n")
+    allow = ["--checkpoint.allow-changes", "parallel.ep_size", "parallel.strategy"]
+    got_losses, got_weights = _train(tiny_moe, resumed, 1, *save, *allow)
+    assert len(got_losses) == 2
+    assert got_losses == pytest.approx(want_losses[2:], rel=1e-5)
+    for key in want_weights:
+        torch.testing.assert_close(got_weights[key], want_weights[key], rtol=1e-5, atol=1e-6, msg=key)
