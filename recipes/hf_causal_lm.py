@@ -54,8 +54,8 @@ from fntrain.models.lora import (
     save_adapter_or_merged,
 )
 from fntrain.optim import OptimizerConfig, ScheduleConfig
-from fntrain.runtime.materialize import build_on_meta
 from fntrain.run.config import ExportingJobConfig, RecipeSpec, TrainConfig, require_validation
+from fntrain.runtime.materialize import build_on_meta
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ def build_model(config: Config, runtime: Any) -> Any:
 def _enable_expert_parallel(model: Any) -> Any:
     """`model` with its experts modules ep-aware; a ValueError when it has none this forward computes."""
     if not enable_expert_parallel(model):
-        raise ValueError(f"parallel.ep_size: {type(model).__name__} has no experts modules expert parallelism supports")
+        raise ValueError(f"parallel.ep_size: {type(model).__name__} has no experts modules ep supports")
     return model
 
 

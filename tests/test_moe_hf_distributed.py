@@ -55,12 +55,16 @@ def _train(tiny_moe: tuple[Path, Path], run_dir: Path, ranks: int, *layout: str)
         "--train.train-iters", "4", "--train.global-batch-size", "4", "--train.micro-batch-size", "1",
         "--optim.name", "sgd", "--optim.lr", "0.1", "--log-every", "1", "--progress.no-enabled", *layout,
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row["loss"] for row in rows if "loss" in row], load_file(run_dir / "hf_model" / "model.safetensors")
+    return [row["loss"] for row in rows if "loss" in row], load_file(
+        run_dir / "hf_model" / "model.safetensors"
+    )
 
 
 def test_ep2_under_fsdp2_trains_like_ep1_and_one_process(tiny_moe, tmp_path):
@@ -73,7 +77,9 @@ def test_ep2_under_fsdp2_trains_like_ep1_and_one_process(tiny_moe, tmp_path):
     assert ep_losses == pytest.approx(fsdp_losses, rel=1e-5)
     assert ep_losses == pytest.approx(one_losses, rel=1e-5)
     # Exported whole (transformers saves one tensor per expert): every expert, at its global index.
-    assert all(ep_weights[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"].shape == (16, 32) for e in range(4))
+    assert all(
+        ep_weights[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"].shape == (16, 32) for e in range(4)
+    )
     assert ep_weights.keys() == one_weights.keys()
     for key in one_weights:
         torch.testing.assert_close(ep_weights[key], one_weights[key], rtol=1e-5, atol=1e-6, msg=key)

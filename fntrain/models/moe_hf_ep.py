@@ -107,7 +107,9 @@ def expert_parallel_forward(module: nn.Module, hidden_states: torch.Tensor, top_
     order = torch.argsort(top_k_index.reshape(-1), stable=True)  # rows sorted by global expert
     token_of_row = order // top_k
     exchange = plan_exchange(expert_counts(top_k_index, module.num_experts), group)
-    local = _run_local_experts(module, dispatch(hidden_states[token_of_row], exchange, group), exchange.local_counts)
+    local = _run_local_experts(
+        module, dispatch(hidden_states[token_of_row], exchange, group), exchange.local_counts
+    )
     rows = combine(local, exchange, group) * top_k_weights.reshape(-1)[order].unsqueeze(-1)
     return torch.zeros_like(hidden_states).index_add(0, token_of_row, rows.to(hidden_states.dtype))
 
@@ -115,7 +117,9 @@ def expert_parallel_forward(module: nn.Module, hidden_states: torch.Tensor, top_
 def _run_local_experts(module: nn.Module, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """This rank's experts over their slices of `rows` (sorted by local expert); an expert with no
     rows still joins the graph, so its gradient is zero rather than missing."""
-    gate_up, down = (w.to_local() if hasattr(w, "to_local") else w for w in (module.gate_up_proj, module.down_proj))
+    gate_up, down = (
+        w.to_local() if hasattr(w, "to_local") else w for w in (module.gate_up_proj, module.down_proj)
+    )
     pieces = torch.split(rows, counts)
     return torch.cat([
         nn.functional.linear(module._apply_gate(nn.functional.linear(piece, gate_up[e])), down[e])
@@ -137,6 +141,10 @@ def check_expert_parallel(model_path: str, ep_size: int, *, lora: bool = False) 
             f"experts ({' / '.join(_EXPERT_COUNT_KEYS)})"
         )
     if experts % ep_size:
-        raise ValueError(f"parallel.ep_size ({ep_size}) must divide the model's number of experts ({experts})")
+        raise ValueError(
+            f"parallel.ep_size ({ep_size}) must divide the model's number of experts ({experts})"
+        )
     if lora:
-        raise ValueError(f"lora.rank > 0 cannot be combined with parallel.ep_size={ep_size} yet: turn one off")
+        raise ValueError(
+            f"lora.rank > 0 cannot be combined with parallel.ep_size={ep_size} yet: turn one off"
+        )

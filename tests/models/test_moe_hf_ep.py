@@ -130,7 +130,9 @@ def test_check_expert_parallel_reads_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"num_experts": 6}))
     check_expert_parallel(str(tmp_path), 1)
     check_expert_parallel(str(tmp_path), 2)
-    with pytest.raises(ValueError, match=r"parallel.ep_size \(4\) must divide the model's number of experts \(6\)"):
+    with pytest.raises(
+        ValueError, match=r"parallel.ep_size \(4\) must divide the model's number of experts \(6\)"
+    ):
         check_expert_parallel(str(tmp_path), 4)
     with pytest.raises(ValueError, match="lora.rank > 0 cannot be combined with parallel.ep_size=2"):
         check_expert_parallel(str(tmp_path), 2, lora=True)
@@ -179,12 +181,16 @@ def test_the_recipe_plans_experts_per_rank_and_checks_their_layout_on_meta(tmp_p
     from fntrain.plan.memory import plan_memory
     from recipes import hf_causal_lm as hf
 
-    transformers.Qwen3MoeConfig(**TINY, moe_intermediate_size=16, num_experts=4).save_pretrained(tmp_path / "qwen")
+    transformers.Qwen3MoeConfig(**TINY, moe_intermediate_size=16, num_experts=4).save_pretrained(
+        tmp_path / "qwen"
+    )
     transient = {ep: plan_memory(_recipe_config(tmp_path / "qwen", ep), hf.model_factory, 2)["transient_weights"]
                  for ep in (1, 2)}  # fmt: skip
     experts_bytes = 2 * 4 * (2 * 16 * 32 + 32 * 16) * 4  # two gathered blocks' fp32 experts
     assert transient[1] - transient[2] == experts_bytes // 2
     hf.check(_recipe_config(tmp_path / "qwen", 2), None)
-    transformers.GptOssConfig(**{**TINY, "intermediate_size": 16}, num_local_experts=4).save_pretrained(tmp_path / "oss")
+    transformers.GptOssConfig(**{**TINY, "intermediate_size": 16}, num_local_experts=4).save_pretrained(
+        tmp_path / "oss"
+    )
     with pytest.raises(ValueError, match=r"GptOssExperts has a layout expert parallelism does not support"):
         hf.check(_recipe_config(tmp_path / "oss", 2, attn_implementation="eager"), None)
