@@ -45,6 +45,7 @@ from fntrain.models.hf import (
 from fntrain.models.hf_tp import hf_tensor_parallel
 from fntrain.models.moe import loss_with_router_aux
 from fntrain.models.moe_hf import router_aux_forward
+from fntrain.models.moe_hf_ep import check_expert_parallel, enable_expert_parallel
 from fntrain.models.lora import (
     LoraConfig,
     apply_lora,
@@ -54,6 +55,7 @@ from fntrain.models.lora import (
 )
 from fntrain.optim import OptimizerConfig, ScheduleConfig
 from fntrain.run.config import ExportingJobConfig, RecipeSpec, TrainConfig, require_validation
+from fntrain.runtime.materialize import build_on_meta
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ class Config(ExportingJobConfig):
         check_packed_attention(self.model, self.data.packing)
         check_lora_parallel(self.lora, self.parallel.meta_init, tp_size=self.parallel.tp_size)
         check_tensor_parallel(self.model, self.parallel.tp_size)
+        check_expert_parallel(self.model.path, self.parallel.ep_size, lora=self.lora.enabled)
         require_validation(self, self.data.has_validation, "set data.val_path or data.val_fraction > 0")
 
 
@@ -114,15 +117,20 @@ def build_assets(config: Config) -> Any:
 
 
 def model_factory(config: Config) -> Any:
-    """The bare model from its config.json (no weights), for counting FLOPs on the meta device."""
-    return causal_lm_from_config(config.model)
+    """The bare model from its config.json (no weights), for counting FLOPs on the meta device; under
+    parallel.ep_size > 1 with its experts modules ep-aware, so `plan` counts them as experts."""
+    model = causal_lm_from_config(config.model)
+    return _enable_expert_parallel(model) if config.parallel.ep_size > 1 else model
 
 
 def check(config: Config, assets: Any) -> None:
-    """Before any weight is loaded: the model directory builds (on the meta device) and names the
-    layers LoRA is to adapt; token shards hold only ids of the model's vocabulary."""
+    """Before any weight is loaded: the model directory builds (on the meta device), names the
+    layers LoRA is to adapt and under ep has experts modules ep supports; token shards hold only ids
+    of the model's vocabulary."""
     targets = config.lora.target_modules if config.lora.enabled else ()
     check_lora_targets(lambda: model_factory(config), targets)
+    if config.parallel.ep_size > 1:  # experts modules of a layout the ep forward computes
+        build_on_meta(lambda: model_factory(config))
     if config.data.shards:
         check_shard_vocab("data.shards", config.data.shards, model_vocab_size(config.model))
 
@@ -138,9 +146,19 @@ def build_datasets(config: Config, assets: Any) -> tuple[Any, Any]:
 
 
 def build_model(config: Config, runtime: Any) -> Any:
-    """The loaded model, with LoRA adapters (seeded by `seed`) when lora.rank > 0, parallelized."""
+    """The loaded model, with LoRA adapters (seeded by `seed`) when lora.rank > 0, parallelized; under
+    parallel.ep_size > 1 its experts modules take part in expert parallelism (fntrain.models.moe_hf_ep)."""
     wrap = (lambda model: apply_lora(model, config.lora, seed=config.seed)) if config.lora.enabled else None
+    if config.parallel.ep_size > 1:  # validate refused LoRA with ep: the two wraps never meet
+        wrap = _enable_expert_parallel
     return load_causal_lm(config.model, runtime, config.parallel, wrap=wrap)
+
+
+def _enable_expert_parallel(model: Any) -> Any:
+    """`model` with its experts modules ep-aware; a ValueError when it has none this forward computes."""
+    if not enable_expert_parallel(model):
+        raise ValueError(f"parallel.ep_size: {type(model).__name__} has no experts modules ep supports")
+    return model
 
 
 def export(config: Config, built: Any, state: Any) -> Path:
