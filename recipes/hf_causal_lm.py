@@ -43,9 +43,6 @@ from fntrain.models.hf import (
     save_hf_model,
 )
 from fntrain.models.hf_tp import hf_tensor_parallel
-from fntrain.models.moe import loss_with_router_aux
-from fntrain.models.moe_hf import router_aux_forward
-from fntrain.models.moe_hf_ep import check_expert_parallel, enable_expert_parallel
 from fntrain.models.lora import (
     LoraConfig,
     apply_lora,
@@ -53,6 +50,9 @@ from fntrain.models.lora import (
     check_lora_targets,
     save_adapter_or_merged,
 )
+from fntrain.models.moe import loss_with_router_aux
+from fntrain.models.moe_hf import router_aux_forward
+from fntrain.models.moe_hf_ep import check_expert_parallel, enable_expert_parallel
 from fntrain.optim import OptimizerConfig, ScheduleConfig
 from fntrain.run.config import ExportingJobConfig, RecipeSpec, TrainConfig, require_validation
 from fntrain.runtime.materialize import build_on_meta
