@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -29,6 +29,7 @@ __all__ = [
     "require_int_list",
     "inputs_optional",
     "absent_input",
+    "flatten",
 ]
 
 # The inputs found missing inside `inputs_optional()`; None outside it (a missing input is an error).
@@ -188,3 +189,19 @@ def require_float_tuple(
             if item >= max:
                 raise ValueError(f"{field}[{i}] must be < {max}, got {item}")
     return items
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "", *, expand_lists: bool = False) -> dict[str, Any]:
+    """A nested dict as {dotted name: value}. Lists are kept whole, unless `expand_lists` and every item
+    is a mapping: then each item flattens under `name[i].` (a checkpoint's per-file facts)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{name}.", expand_lists=expand_lists))
+        elif expand_lists and isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value):
+            for number, item in enumerate(value):
+                flat.update(flatten(item, f"{name}[{number}].", expand_lists=True))
+        else:
+            flat[name] = value
+    return flat

@@ -202,13 +202,7 @@ def make_train_step(
     already reports is a ValueError).
     """
     _check_step_args(loss_weighting, nonfinite, max_grad_norm, dp_size, autocast_dtype)
-    optimizers = (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
-    schedulers = tuple(schedulers) if isinstance(schedulers, (list, tuple)) else (schedulers,)
-    if not optimizers:
-        raise ValueError("make_train_step needs at least one optimizer")
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("make_train_step: the model has no trainable parameters")
+    optimizers, schedulers, params = _step_parts(model, optimizers, schedulers)
     device = device if device is not None else params[0].device
     _check_dp_group(dp_size, dp_group)
     on_cpu = device.type == "cpu"
@@ -235,6 +229,18 @@ def make_train_step(
         return update(reported, grad_norm, skip, loss_tokens)
 
     return step_fn
+
+
+def _step_parts(model: torch.nn.Module, optimizers: Any, schedulers: Any) -> tuple[tuple, tuple, list]:
+    """(optimizers, schedulers) as tuples and the trainable parameters; none of either is a ValueError."""
+    optimizers = (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
+    schedulers = tuple(schedulers) if isinstance(schedulers, (list, tuple)) else (schedulers,)
+    if not optimizers:
+        raise ValueError("make_train_step needs at least one optimizer")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("make_train_step: the model has no trainable parameters")
+    return optimizers, schedulers, params
 
 
 def _check_dp_group(dp_size: int, dp_group: Any) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from fntrain.config import flatten
 from fntrain.data.mixing import Mixture
 
 __all__ = ["EDGE_BYTES", "file_fingerprint", "data_files", "data_fingerprint", "fingerprint_changes",
@@ -112,18 +113,6 @@ def data_fingerprint(config: Any, train_set: Any) -> dict[str, Any]:
     return {"files": files, "dataset": _dataset_facts(train_set)}
 
 
-def _flat(facts: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in facts.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(_flat(value, f"{name}."))
-        elif isinstance(value, list) and value and all(isinstance(item, Mapping) for item in value):
-            for number, item in enumerate(value):
-                flat.update(_flat(item, f"{name}[{number}]."))
-        else:
-            flat[name] = value
-    return flat
 
 
 def _file_change(name: str, old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> str | None:
@@ -147,7 +136,8 @@ def fingerprint_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> lis
         for name in sorted(set(old_files) | set(new_files))
         if (change := _file_change(name, old_files.get(name), new_files.get(name))) is not None
     ]
-    old_facts, new_facts = _flat(saved.get("dataset", {}) or {}), _flat(now.get("dataset", {}) or {})
+    old_facts = flatten(saved.get("dataset", {}) or {}, expand_lists=True)
+    new_facts = flatten(now.get("dataset", {}) or {}, expand_lists=True)
     for name in sorted(set(old_facts) | set(new_facts)):
         if old_facts.get(name) != new_facts.get(name):
             changes.append(f"{name} {old_facts.get(name)!r} -> {new_facts.get(name)!r}")

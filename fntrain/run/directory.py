@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from fntrain.config import ConfigError
+from fntrain.config import ConfigError, flatten
 
 __all__ = ["RUN_FILES", "holds_run", "check_run_dir", "move_aside", "config_changes", "flatten"]
 
@@ -69,16 +69,6 @@ def move_aside(run_dir: str | os.PathLike) -> Path:
     return candidate
 
 
-def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested config dict as {dotted field: value} (lists kept whole)."""
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, f"{name}."))
-        else:
-            flat[name] = value
-    return flat
 
 
 def _covered(field: str, names: Iterable[str]) -> bool:
