@@ -25,13 +25,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import fntrain  # noqa: F401  (before torch: sets OMP_WAIT_POLICY=PASSIVE like the recipe's workers)
-from bench.harness import Row, Timing, bench_main, interleave, paired_ratio_row, quiet
-from bench.pipeline_overhead import keep_going, slower_rank, worker_env
+from bench.harness import Row, Timing, bench_main, paired_ratio_row, quiet
+from bench.pipeline_overhead import rounds_on_every_rank, worker_env
 
 RANKS = 2
 CONTEXT = 256
@@ -98,7 +97,12 @@ def _step(runtime, cp: bool) -> Callable[[], None]:
     import torch
 
     from fntrain.context_parallel import context_parallel_parts
-    from fntrain.runtime.parallel import ParallelConfig, context_parallel_mesh, data_parallel_group, parallelize
+    from fntrain.runtime.parallel import (
+        ParallelConfig,
+        context_parallel_mesh,
+        data_parallel_group,
+        parallelize,
+    )
     from fntrain.state import TrainState
     from fntrain.step import causal_lm_loss, default_forward, make_train_step
     from recipes.tiny_gpt import ModelConfig, TinyGPT
@@ -155,21 +159,7 @@ def _worker(out: str, quick: bool) -> None:
         variants = {name: variant(name) for name in VARIANTS}
         for name in VARIANTS:  # warm-up
             variants[name]()
-        mine: dict[str, list[float]] = {name: [] for name in VARIANTS}
-        started = time.perf_counter()
-        while True:
-            chunk = interleave(variants, repeats=CHUNK, warmup=0, max_repeats=CHUNK)
-            for name in VARIANTS:
-                mine[name].extend(chunk.samples[name])
-            gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, mine)
-            combined = slower_rank(gathered)
-            ratios = [c / p for c, p in zip(combined["cp2"], combined["cp2_local"], strict=True)]
-            go = torch.tensor([keep_going(ratios, min_rounds=settings["min_rounds"], max_rounds=settings["max_rounds"],
-                                          elapsed_s=time.perf_counter() - started, budget_s=settings["budget_s"])])  # fmt: skip
-            dist.broadcast(go, src=0)  # rank 0 decides, so both ranks run the same rounds
-            if not bool(go):
-                break
+        combined = rounds_on_every_rank(variants, settings, ("cp2", "cp2_local"), chunk=CHUNK)
         if runtime.is_main:
             Path(out).write_text(json.dumps({"samples": combined, "steps": steps}))
 

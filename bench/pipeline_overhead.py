@@ -37,6 +37,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import fntrain  # noqa: F401  (before torch: sets OMP_WAIT_POLICY=PASSIVE like the recipe's workers)
 from bench.harness import Row, Timing, bench_main, bootstrap_median, interleave, paired_ratio_row, quiet
@@ -115,6 +116,31 @@ def slower_rank(per_rank: Sequence[dict[str, list[float]]]) -> dict[str, list[fl
     """Per variant and round, the slowest rank's time: the pipeline's step is done when every stage is."""
     return {name: [max(values) for values in zip(*(rank[name] for rank in per_rank), strict=True)]
             for name in per_rank[0]}  # fmt: skip
+
+
+def rounds_on_every_rank(variants: dict[str, Callable[[], Any]], settings: dict[str, Any],
+                         judged: tuple[str, str], chunk: int) -> dict[str, list[float]]:  # fmt: skip
+    """Interleaved rounds of `variants` on every rank, in chunks, until `keep_going` on the ratio
+    `judged[0] / judged[1]` of the slowest rank's times says stop (rank 0 decides, so every rank runs the
+    same rounds); the slowest rank's samples per variant. A collective: every rank calls it."""
+    import torch
+    import torch.distributed as dist
+
+    mine: dict[str, list[float]] = {name: [] for name in variants}
+    started = time.perf_counter()
+    while True:
+        times = interleave(variants, repeats=chunk, warmup=0, max_repeats=chunk)
+        for name in variants:
+            mine[name].extend(times.samples[name])
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        combined = slower_rank(gathered)
+        ratios = [a / b for a, b in zip(combined[judged[0]], combined[judged[1]], strict=True)]
+        go = torch.tensor([keep_going(ratios, min_rounds=settings["min_rounds"], max_rounds=settings["max_rounds"],
+                                      elapsed_s=time.perf_counter() - started, budget_s=settings["budget_s"])])  # fmt: skip
+        dist.broadcast(go, src=0)
+        if not bool(go):
+            return combined
 
 
 # ----------------------------------------------------------------------------- the workers (under torchrun)
@@ -238,22 +264,7 @@ def _worker(out: str, quick: bool) -> None:
     variants = {name: variant(steppers[name]) for name in VARIANTS}
     for name in VARIANTS:  # warm-up: shape inference, AdamW's state, first-touch allocations
         variants[name]()
-    mine: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    combined: dict[str, list[float]] = mine
-    started = time.perf_counter()
-    while True:
-        chunk = interleave(variants, repeats=CHUNK, warmup=0, max_repeats=CHUNK)
-        for name in VARIANTS:
-            mine[name].extend(chunk.samples[name])
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        combined = slower_rank(gathered)
-        ratios = [f / p for f, p in zip(combined["fntrain"], combined["plain_tied"], strict=True)]
-        go = torch.tensor([keep_going(ratios, min_rounds=settings["min_rounds"], max_rounds=settings["max_rounds"],
-                                      elapsed_s=time.perf_counter() - started, budget_s=settings["budget_s"])])  # fmt: skip
-        dist.broadcast(go, src=0)  # rank 0 decides, so both ranks run the same rounds
-        if not bool(go):
-            break
+    combined = rounds_on_every_rank(variants, settings, ("fntrain", "plain_tied"), chunk=CHUNK)
     if rank == 0:
         Path(out).write_text(json.dumps({"samples": combined, "steps": steps}))
     dist.barrier()
