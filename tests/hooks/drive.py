@@ -51,3 +51,20 @@ def drive(
     elif end is not None:
         send(hooks, end, state)
     return state
+
+
+def torch_op_recorder() -> Any:
+    """A TorchFunctionMode that records every torch function called inside it (`.calls`): a test
+    shows a hook does no device work (and so no host sync) on a step by finding `.calls` empty."""
+    from torch.overrides import TorchFunctionMode
+
+    class Recorder(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    return Recorder()

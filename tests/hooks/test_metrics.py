@@ -17,7 +17,7 @@ from fntrain.loop import Event, StepInfo
 from fntrain.runtime.collectives import reduce_scalars
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
-from tests.hooks.drive import drive
+from tests.hooks.drive import drive, torch_op_recorder
 
 
 def step_state(step: int, epoch: int = 0) -> TrainState:
@@ -107,22 +107,11 @@ def test_values_leave_the_device_only_on_logging_steps(tmp_path, monkeypatch):
 
 
 def test_non_logging_step_runs_no_torch_op(tmp_path):
-    from torch.overrides import TorchFunctionMode
-
-    class Recorder(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.calls.append(func)
-            return func(*args, **(kwargs or {}))
-
     runtime = Runtime()
     hook = metrics_hook(runtime, log_every=10, writer=metrics_log(MetricsConfig(), runtime, tmp_path))
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     step_info = info()
-    with Recorder() as recorder:
+    with torch_op_recorder() as recorder:
         drive(hook, 9, info=step_info, begin=False, end=None)
     assert recorder.calls == []
 
@@ -397,24 +386,13 @@ def test_a_resume_mid_window_logs_what_an_uninterrupted_run_logs(tmp_path, windo
 
 def test_non_logging_steps_with_token_weights_run_no_torch_op(tmp_path):
     """No host sync (and no device op at all) between logs: the window keeps references only."""
-    from torch.overrides import TorchFunctionMode
-
-    class Recorder(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.calls.append(func)
-            return func(*args, **(kwargs or {}))
-
     runtime = Runtime()
     hook = metrics_hook(runtime, log_every=6, writer=metrics_log(MetricsConfig(), runtime, tmp_path))
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     infos = [uneven_info(step_state(step)) for step in range(1, 7)]
-    with Recorder() as recorder:
+    with torch_op_recorder() as recorder:
         drive(hook, 5, info=lambda state: infos[state.global_step - 1], begin=False, end=None)
     assert recorder.calls == []
-    with Recorder() as recorder:  # the logging step reduces the window: torch ops, then one read
+    with torch_op_recorder() as recorder:  # the logging step reduces the window: torch ops, then one read
         hook(Event.STEP_END, step_state(6), infos[5])
     assert recorder.calls

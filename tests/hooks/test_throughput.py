@@ -19,7 +19,7 @@ from fntrain.hooks.throughput import (
 from fntrain.loop import Event, StepInfo
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
-from tests.hooks.drive import drive
+from tests.hooks.drive import drive, torch_op_recorder
 
 
 def state_at(step: int) -> TrainState:
@@ -226,21 +226,10 @@ def test_device_sync_and_memory_only_on_logging_steps(monkeypatch):
 
 
 def test_non_logging_step_runs_no_torch_op():
-    from torch.overrides import TorchFunctionMode
-
-    class Recorder(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.calls.append(func)
-            return func(*args, **(kwargs or {}))
-
     meter = throughput_meter(ThroughputConfig(), Runtime())
     meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
     infos = [StepInfo({"loss": torch.tensor(1.0)}, torch.tensor(7), 2, 0.01) for _ in range(9)]
-    with Recorder() as recorder:
+    with torch_op_recorder() as recorder:
         for step, step_info in enumerate(infos, start=1):
             meter.hook(Event.STEP_END, state_at(step), step_info)
     assert recorder.calls == []
