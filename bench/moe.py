@@ -112,4 +112,6 @@ def _spread(top: list[float], bottom: list[float]) -> tuple[float, float]:
 
 
 if __name__ == "__main__":
-    main()
+    from fntrain.runtime.process import run_main
+
+    run_main(main)  # os._exit under torchrun: see fntrain/runtime/process.py

@@ -273,9 +273,12 @@ def _worker(out: str, quick: bool) -> None:
 
 def main() -> None:
     if "--worker" in sys.argv:
+        # run_main ends a torchrun worker with os._exit: interpreter finalization after a gloo teardown
+        # can abort a worker at random (see fntrain/runtime/process.py).
+        from fntrain.runtime.process import run_main
+
         index = sys.argv.index("--worker")
-        _worker(sys.argv[index + 1], "--quick" in sys.argv)
-        return
+        run_main(lambda: _worker(sys.argv[index + 1], "--quick" in sys.argv))
     bench_main(run, "Pipeline step overhead", __doc__)
 
 

@@ -60,4 +60,6 @@ def main(root: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    from fntrain.runtime.process import run_main
+
+    run_main(lambda: main(*sys.argv[1:]))  # os._exit as a launched rank: see fntrain/runtime/process.py

@@ -463,8 +463,8 @@ def test_two_ranks_fail_a_save_together_when_one_ranks_disk_is_full(tmp_path):
 
     port, processes = free_port(), []
     for rank in (0, 1):
-        env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK",)}
-        env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        env = dict(os.environ)
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # fmt: skip
         command = [sys.executable, "-m", "tests.checkpoint.save_fault_worker", str(tmp_path / "ckpt"),
                    str(tmp_path / f"{rank}.json")]  # fmt: skip

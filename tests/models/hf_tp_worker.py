@@ -143,4 +143,6 @@ def main(model_root: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    from fntrain.runtime.process import run_main
+
+    run_main(lambda: main(*sys.argv[1:3]))  # os._exit under torchrun: see fntrain/runtime/process.py
