@@ -47,7 +47,15 @@ def fntrain(tmp_path: Path, *args: str, driver: str | None = None) -> subprocess
         head = ["-m", "tests.fault_driver", str(tmp_path / "faults"), driver]
         (tmp_path / "faults").mkdir(exist_ok=True)
     command = [sys.executable, *head, *TINY, "--data.path", str(corpus(tmp_path)), *args]
-    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+                          preexec_fn=_ctrl_c_as_in_a_terminal)  # fmt: skip
+
+
+def _ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT back to its default in the child: a shell's background job (`pytest ... &`) starts with
+    SIGINT ignored, and a Python started so never raises KeyboardInterrupt, so the Ctrl-C tests would
+    see a run that finishes."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def tiny(tmp_path: Path, **checkpoint) -> tiny_gpt.Config:
