@@ -29,8 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import fntrain  # noqa: F401  (before torch: sets OMP_WAIT_POLICY=PASSIVE like the recipe's workers)
-from bench.harness import Row, Timing, bench_main, paired_ratio_row, quiet
-from bench.pipeline_overhead import rounds_on_every_rank, worker_env
+from bench.harness import Row, Timing, paired_ratio_row, quiet
+from bench.pipeline_overhead import rounds_on_every_rank, torchrun_bench_main, worker_env
 
 RANKS = 2
 CONTEXT = 256
@@ -165,14 +165,7 @@ def _worker(out: str, quick: bool) -> None:
 
 
 def main() -> None:
-    if "--worker" in sys.argv:
-        # run_main ends a torchrun worker with os._exit: interpreter finalization after a gloo teardown
-        # can abort a worker at random (see fntrain/runtime/process.py).
-        from fntrain.runtime.process import run_main
-
-        index = sys.argv.index("--worker")
-        run_main(lambda: _worker(sys.argv[index + 1], "--quick" in sys.argv))
-    bench_main(run, "Context-parallel step (2 ranks, gloo on CPU)", __doc__)
+    torchrun_bench_main(_worker, run, "Context-parallel step (2 ranks, gloo on CPU)", __doc__)
 
 
 if __name__ == "__main__":

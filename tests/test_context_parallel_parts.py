@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fntrain.data.packing import document_causal_mask, pack_sequence
 from fntrain.context_parallel import (
     context_parallel_parts,
     heads_to_seq,
@@ -20,6 +19,7 @@ from fntrain.context_parallel import (
     to_seq,
     ulysses_attention,
 )
+from fntrain.data.packing import document_causal_mask, pack_sequence
 from fntrain.step import causal_lm_loss
 from tests.runtime.conftest import one_rank_env  # noqa: F401 (the fixture: a 1-rank torchrun environment)
 from tests.test_bad_inputs import SMALL, expect_one_line
@@ -128,7 +128,7 @@ def test_the_slices_token_shares_add_up_to_the_whole_sequence_loss(size):
 
 
 @pytest.fixture
-def gloo(one_rank_env):
+def gloo(one_rank_env):  # noqa: F811 (the imported fixture, requested by name)
     dist.init_process_group("gloo")
     yield dist.group.WORLD
     dist.destroy_process_group()
@@ -160,8 +160,8 @@ def test_ulysses_attention_routes_sdpa_and_is_entered_once(gloo, monkeypatch):
 def test_context_parallel_parts_on_one_rank_match_the_plain_forward_and_loss(gloo):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from recipes.tiny_gpt import ModelConfig, TinyGPT
     from fntrain.step import default_forward
+    from recipes.tiny_gpt import ModelConfig, TinyGPT
 
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
     parts = context_parallel_parts(default_forward, causal_lm_loss, mesh=mesh)

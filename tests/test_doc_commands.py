@@ -268,29 +268,26 @@ def tiny(command: DocCommand) -> str:
     return " ".join(shlex.quote(word) if word != ">" else word for word in argv)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(3000)
-def test_the_doc_commands_run_on_cpu(tmp_path):
-    pytest.importorskip("transformers")
-    work = tmp_path / "work"
-    work.mkdir()
-    write_fixtures(work)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]), "OMP_NUM_THREADS": "1", "HOME": str(work / "home"),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "WANDB_SILENT": "true"}  # fmt: skip
-    prepared = tiny(DocCommand("test", 0, "fntrain run tiny_gpt --checkpoint.save-every 100"))
-    assert subprocess.run(["bash", "-c", prepared], cwd=work, env=env, capture_output=True).returncode == 0
-    shutil.copytree(work / "runs", tmp_path / "prepared-runs")
+def chains(commands: list[DocCommand]) -> list[list[DocCommand]]:
+    """`commands` grouped by the doc line they came from: the parts of one `&&` chain run in order, in
+    one working directory (a `tokenize` then the run on its shards); separate lines do not depend on
+    each other, since each starts from the fixtures and, where it names one, the prepared finished run."""
+    grouped: dict[tuple[str, int], list[DocCommand]] = {}
+    for command in commands:
+        grouped.setdefault((command.file, command.line), []).append(command)
+    return list(grouped.values())
+
+
+def run_chain(chain: list[DocCommand], work: Path, prepared_runs: Path, env: dict[str, str]) -> list[str]:
+    """Run each command of `chain` as written (at the slow tier's scale) through bash in `work`; the
+    failures, one entry each."""
     failures = []
-    for command in doc_commands():
+    for command in chain:
         argv = command.argv
-        if not_here(command) or command.file == "docs/guide.md" or re.search(GPU_OR_NODES, command.text):
-            continue
-        if any(re.search(p, command.text) for p in NEEDS_A_REAL_MODEL):
-            continue
         shutil.rmtree(work / "runs", ignore_errors=True)
         clear_outputs(argv, work)
         if any(word.startswith("runs/tiny_gpt") or word in ("latest", "--overwrite") for word in argv):
-            shutil.copytree(tmp_path / "prepared-runs", work / "runs")  # the finished run it refers to
+            shutil.copytree(prepared_runs, work / "runs")  # the finished run it refers to
         text = tiny(command)
         result = subprocess.run(
             ["bash", "-c", text], cwd=work, env=env, capture_output=True, text=True, timeout=600
@@ -298,4 +295,51 @@ def test_the_doc_commands_run_on_cpu(tmp_path):
         if result.returncode != 0:
             failures.append(f"{command.file}:{command.line}: {text}\n    exit {result.returncode}: "
                             f"{result.stderr.strip()[-600:]}")  # fmt: skip
+    return failures
+
+
+# Doc lines run two at a time, each in its own copy of the working directory: the commands are
+# one-thread processes (OMP_NUM_THREADS=1) that spend their first seconds importing, so two keep both
+# of CI's cores busy and halve the test's time.
+PARALLEL_CHAINS = 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_the_doc_commands_run_on_cpu(tmp_path):
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    pytest.importorskip("transformers")
+    work = tmp_path / "work0"
+    work.mkdir()
+    write_fixtures(work)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]), "OMP_NUM_THREADS": "1", "HOME": str(work / "home"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "WANDB_SILENT": "true"}  # fmt: skip
+    prepared = tiny(DocCommand("test", 0, "fntrain run tiny_gpt --checkpoint.save-every 100"))
+    assert subprocess.run(["bash", "-c", prepared], cwd=work, env=env, capture_output=True).returncode == 0
+    shutil.copytree(work / "runs", tmp_path / "prepared-runs")
+    free: queue.SimpleQueue[tuple[Path, dict[str, str]]] = queue.SimpleQueue()
+    for index in range(PARALLEL_CHAINS):
+        copy = tmp_path / f"work{index}"
+        if index:
+            shutil.copytree(work, copy, symlinks=True)
+        free.put((copy, {**env, "HOME": str(copy / "home")}))
+    runnable = [
+        command
+        for command in doc_commands()
+        if not (not_here(command) or command.file == "docs/guide.md" or re.search(GPU_OR_NODES, command.text))
+        and not any(re.search(p, command.text) for p in NEEDS_A_REAL_MODEL)
+    ]
+
+    def run_in_a_free_copy(chain: list[DocCommand]) -> list[str]:
+        copy, copy_env = free.get()
+        try:
+            return run_chain(chain, copy, tmp_path / "prepared-runs", copy_env)
+        finally:
+            free.put((copy, copy_env))
+
+    with ThreadPoolExecutor(PARALLEL_CHAINS) as pool:
+        failures = [line for found in pool.map(run_in_a_free_copy, chains(runnable)) for line in found]
+    assert len(runnable) > 30
     assert not failures, "\n".join(failures)

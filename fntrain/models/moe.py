@@ -229,9 +229,9 @@ def moe_step_end(model: nn.Module, dp_group: Any = None) -> Callable[[], dict[st
             load = torch.stack([layer.step_load for layer in balanced])
             if reduce_load:
                 dist.all_reduce(load, group=dp_group)
-            for layer, layer_load in zip(balanced, load):
+            for layer, layer_load in zip(balanced, load, strict=True):
                 update_expert_bias(layer.expert_bias, layer_load, layer.bias_rate)
-        metrics = {"moe/aux_loss": torch.stack([l.step_aux / l.step_forwards for l in layers]).mean()}
+        metrics = {"moe/aux_loss": torch.stack([layer.step_aux / layer.step_forwards for layer in layers]).mean()}
         for index, layer in enumerate(layers):
             load = layer.step_load.float()
             metrics[f"moe/load_max_mean/{index}"] = load.max() / load.mean().clamp(min=1e-9)

@@ -10,6 +10,7 @@ restored by 1) are in the slow tier (`-m slow`). Runs go through tests/checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -70,19 +72,27 @@ def launch(run_dir: Path, kill: str, args: list[str], corpus: Path, *, ranks: in
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
         command += driver
         shutil.rmtree(run_dir / "pids", ignore_errors=True)  # the driver's kill reads the ranks' pids there
-    return subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    output = tempfile.TemporaryFile(mode="w+")  # read by finish(); see there why not a pipe
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env(), stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
+    process.output = output  # type: ignore[attr-defined]
+    return process
 
 
 def finish(process: subprocess.Popen, *, killed: bool, timeout: float = 240) -> None:
-    output, _ = process.communicate(timeout=timeout)
+    """Wait for the driver (or torchrun) to end, then end what it left in its session: a DataLoader
+    worker forked just before its parent's SIGKILL can take init (pid 1) for its parent and, its
+    parent-death check never firing, live on; it would hold a pipe open for ever (seen under coverage,
+    whose start-up in the forked worker widens that window). The output is read from a file."""
+    try:
+        process.wait(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # start_new_session: the driver's pid is its group's
+        process.output.seek(0)
+        output = process.output.read()
+        process.output.close()
     if killed:
         assert process.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), (
             process.returncode,

@@ -141,7 +141,7 @@ def test_step_end_updates_the_bias_reports_load_and_resets():
     aux = [layer.step_aux / 2 for layer in layers]
     metrics = moe_step_end(model)()
     assert sorted(metrics) == ["moe/aux_loss", "moe/load_max_mean/0", "moe/load_max_mean/1"]
-    for index, (layer, load) in enumerate(zip(layers, loads)):
+    for index, (layer, load) in enumerate(zip(layers, loads, strict=True)):
         assert int(load.sum()) == 2 * 4 * 8 * 2  # 2 forwards x 32 tokens x top-2
         assert float(metrics[f"moe/load_max_mean/{index}"]) == pytest.approx(float(load.max() / load.float().mean()))
         expected = 0.1 * torch.sign(load.float().mean() - load.float())
@@ -211,9 +211,9 @@ def test_mesh_layout_borrows_ep_from_dp():
 
 def test_plan_counts_each_ranks_experts_only_in_what_it_gathers():
     from fntrain.plan.memory import plan_memory
-    from recipes.tiny_gpt import model_config
-    from fntrain.runtime.parallel import ParallelConfig
     from fntrain.run.config import TrainConfig
+    from fntrain.runtime.parallel import ParallelConfig
+    from recipes.tiny_gpt import model_config
 
     def memory(ep: int) -> dict:
         config = Config(model=ModelConfig(experts=8), train=TrainConfig(global_batch_size=32, micro_batch_size=8),
@@ -231,8 +231,8 @@ def test_plan_counts_each_ranks_experts_only_in_what_it_gathers():
 def test_ep_must_divide_the_data_parallel_ranks_before_any_work():
     from fntrain.config import ConfigError
     from fntrain.run.checks import check_values
-    from fntrain.runtime.parallel import ParallelConfig
     from fntrain.run.config import TrainConfig
+    from fntrain.runtime.parallel import ParallelConfig
 
     config = Config(model=ModelConfig(experts=4), parallel=ParallelConfig(strategy="fsdp2", ep_size=4),
                     train=TrainConfig(global_batch_size=8, micro_batch_size=2))  # fmt: skip
