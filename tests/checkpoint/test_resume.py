@@ -80,11 +80,11 @@ def launch(run_dir: Path, kill: str, args: list[str], corpus: Path, *, ranks: in
     return process
 
 
-def finish(process: subprocess.Popen, *, killed: bool, timeout: float = 240) -> None:
-    """Wait for the driver (or torchrun) to end, then end what it left in its session: a DataLoader
-    worker forked just before its parent's SIGKILL can take init (pid 1) for its parent and, its
-    parent-death check never firing, live on; it would hold a pipe open for ever (seen under coverage,
-    whose start-up in the forked worker widens that window). The output is read from a file."""
+def ended(process: subprocess.Popen, timeout: float = 240) -> str:
+    """Wait for the driver (or torchrun) to end, then end what it left in its session; its output.
+    A DataLoader worker forked just before its parent's SIGKILL can take init (pid 1) for its parent
+    and, its parent-death check never firing, live on; it would hold a pipe open for ever (seen under
+    coverage, whose start-up in the forked worker widens that window), so the output is a file."""
     try:
         process.wait(timeout=timeout)
     finally:
@@ -93,6 +93,12 @@ def finish(process: subprocess.Popen, *, killed: bool, timeout: float = 240) -> 
         process.output.seek(0)
         output = process.output.read()
         process.output.close()
+    return output
+
+
+def finish(process: subprocess.Popen, *, killed: bool, timeout: float = 240) -> None:
+    """Wait for `process` (ended()) and check its status: SIGKILLed when `killed`, else 0."""
+    output = ended(process, timeout)
     if killed:
         assert process.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), (
             process.returncode,
@@ -261,7 +267,7 @@ def test_preemption_signal_saves_stops_and_resumes(tmp_path, corpus, ranks):
     finish(launch(tmp_path / "reference", "none", args, corpus, ranks=ranks), killed=False)
     run_dir = tmp_path / "run"
     preempted = launch(run_dir, "preempt:5", args, corpus, ranks=ranks)
-    output, _ = preempted.communicate(timeout=240)
+    output = ended(preempted)
     if ranks == 1:
         assert preempted.returncode == 143, output[-3000:]
     else:
