@@ -11,7 +11,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fntrain.models.moe_hf_ep import (
     check_expert_parallel,
@@ -21,6 +20,7 @@ from fntrain.models.moe_hf_ep import (
     hf_experts_modules,
 )
 from fntrain.runtime.expert_parallel import expert_modules, shard_experts
+from tests.runtime.conftest import one_rank_mesh
 
 transformers = pytest.importorskip("transformers")
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -46,13 +46,8 @@ def _model(family: str) -> torch.nn.Module:
 @pytest.fixture
 def ep_mesh(tmp_path):
     """A 1-rank gloo group and its one-dimensional "ep" DeviceMesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
-    finally:
-        dist.destroy_process_group()
+    with one_rank_mesh(tmp_path, "ep") as mesh:
+        yield mesh
 
 
 def _batch() -> dict[str, torch.Tensor]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,16 @@ def one_rank_env(monkeypatch):
 def no_launch_env(monkeypatch):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
+
+
+@contextlib.contextmanager
+def one_rank_mesh(tmp_path: Path, dim: str) -> Iterator[object]:
+    """A 1-rank gloo group (file rendezvous under `tmp_path`) and its one-dimensional DeviceMesh named
+    `dim`; the group is destroyed on exit."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=(dim,))
+    finally:
+        dist.destroy_process_group()

@@ -10,10 +10,10 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fntrain.runtime.tensor_parallel import is_dtensor, parallel_style, tensor_parallel_plan
+from tests.runtime.conftest import one_rank_mesh
 
 PLAN = {"tok": "embedding", "up": "colwise", "down": "rowwise", "head": "output", "blocks.*.attn": "colwise"}
 
@@ -39,13 +39,8 @@ class TiedLM(nn.Module):
 @pytest.fixture
 def tp_mesh(tmp_path):
     """A 1-rank gloo group and its one-dimensional "tp" DeviceMesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
-    finally:
-        dist.destroy_process_group()
+    with one_rank_mesh(tmp_path, "tp") as mesh:
+        yield mesh
 
 
 def _models() -> tuple[TiedLM, TiedLM]:
