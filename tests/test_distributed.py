@@ -159,7 +159,7 @@ def test_recipe_runs_under_torchrun(strategy, tmp_path):
         "--train.global-batch-size", "8",
         "--train.micro-batch-size", "2",
         "--model.n-layer", "2", "--model.d-model", "32", "--model.context", "32",
-        "--log-every", "1",
+        "--log-every", "1", "--data.val-fraction", "0.001",  # a short end-of-run evaluation
     )  # fmt: skip
     assert "runtime: world 2, device cpu, backend gloo, dp 2" in result.stderr + result.stdout
     saved = json.loads((run_dir / "config.json").read_text())

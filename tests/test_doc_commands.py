@@ -9,7 +9,8 @@ chains split) and each one gets a way to be checked:
   shape over the ranks checked, no weights, no device), and the cheap ones (`fntrain plan`, `config`,
   `cp`, `tokenize`, `--version`) run as written;
 - slow tier, run: the commands that can run on CPU run as written through bash, in order, with the
-  small overrides of `tiny()` appended (run length and batch divided, so each takes seconds);
+  small overrides of `tiny()` appended (run length divided, a small batch and model unless the line
+  names its own, so each takes seconds); a line another one repeats word for word runs once;
 - NOT_HERE lists, with the reason, what cannot run here at all (installs, GPUs, NPUs, several nodes);
   what docs/guide.md shows is run by tests/test_guide.py.
 
@@ -195,6 +196,17 @@ def test_every_doc_command_is_checked_somewhere():
         )
 
 
+def test_the_slow_tier_keeps_what_a_line_names_and_runs_a_repeated_line_once():
+    own = tiny(DocCommand("a.md", 1, "fntrain run tiny_gpt --model.n-layer 6 --train.train-iters 200"))
+    assert own.count("--model.n-layer") == 1 and "--model.n-layer 6" in own and "--train.train-iters 8" in own
+    assert "--model.d-model 32" in own and "--progress.no-enabled" in own
+    ddp, fsdp2 = (f"-m fntrain run tiny_gpt --parallel.strategy {name}" for name in ("ddp", "fsdp2"))
+    first = DocCommand("a.md", 2, f"torchrun --nproc_per_node 2 {ddp}")
+    again = DocCommand("b.md", 7, f"torchrun --nproc_per_node=2 {ddp}")
+    other = DocCommand("b.md", 8, f"torchrun --nproc_per_node=2 {fsdp2}")
+    assert once_each([[first], [again], [other]]) == [[first], [other]]
+
+
 @pytest.mark.slow  # ~40 commands, each a tyro parse and a plan: 15-25 s on 2 shared cores
 def test_every_doc_command_plans_or_runs_as_written(tmp_path, monkeypatch, capsys):
     """Planned at its world size, or (plan, config, cp, tokenize, --version) run as written."""
@@ -242,17 +254,18 @@ def test_every_doc_command_plans_or_runs_as_written(tmp_path, monkeypatch, capsy
 # ----------------------------------------------------------------------------- slow tier: run them
 
 SCALED = {"--train.train-iters": 25, "--checkpoint.save-every": 25, "--data.max-length": 32}
-SMALL = {"tiny_gpt": "--train.global-batch-size 8 --train.micro-batch-size 4 --progress.no-enabled",
-         "my_gpt.py": "--train.global-batch-size 8 --train.micro-batch-size 4 --progress.no-enabled",
-         "hf_causal_lm": "--train.global-batch-size 4 --train.micro-batch-size 2 --progress.no-enabled",
-         "vlm": "--progress.no-enabled"}  # fmt: skip
-DEFAULT_ITERS = {"tiny_gpt": 16, "my_gpt.py": 16, "hf_causal_lm": 4, "vlm": 12}
+# What a run line gets unless it names its own, flag by flag (2 layers: the pipeline line has 2 stages).
+TINY_GPT = {"--model.n-layer": "2", "--model.d-model": "32", "--model.n-head": "2",
+            "--train.global-batch-size": "8", "--train.micro-batch-size": "4", "--train.train-iters": "16"}  # fmt: skip
+SMALL = {"tiny_gpt": TINY_GPT, "my_gpt.py": TINY_GPT,
+         "hf_causal_lm": {"--train.global-batch-size": "4", "--train.micro-batch-size": "2", "--train.train-iters": "4"},
+         "vlm": {"--train.train-iters": "12"}}  # fmt: skip
 
 
 def tiny(command: DocCommand) -> str:
     """`command` at the slow tier's scale: the step counts, checkpoint cadences, `step_<N>` paths and
-    sequence lengths it names divided (SCALED), a short run length when it names none, a smaller batch,
-    a standalone torchrun rendezvous (no fixed port)."""
+    sequence lengths it names divided (SCALED), a short run length when it names none, a smaller batch
+    and model unless it names its own, a standalone torchrun rendezvous (no fixed port)."""
     argv = command.argv
     for index, word in enumerate(argv[:-1]):
         if word in SCALED and argv[index + 1].isdigit():
@@ -262,9 +275,9 @@ def tiny(command: DocCommand) -> str:
         argv.insert(1, "--standalone")
     recipe = next((word for word in argv if word in SMALL), None)
     if recipe is not None and ("run" in argv):
-        argv += SMALL[recipe].split()
-        if "--train.train-iters" not in argv:
-            argv += ["--train.train-iters", str(DEFAULT_ITERS[recipe])]
+        argv += ["--progress.no-enabled"]
+        for flag, value in SMALL[recipe].items():
+            argv += [] if flag in argv else [flag, value]
     return " ".join(shlex.quote(word) if word != ">" else word for word in argv)
 
 
@@ -276,6 +289,16 @@ def chains(commands: list[DocCommand]) -> list[list[DocCommand]]:
     for command in commands:
         grouped.setdefault((command.file, command.line), []).append(command)
     return list(grouped.values())
+
+
+def once_each(groups: list[list[DocCommand]]) -> list[list[DocCommand]]:
+    """`groups` without repeats: a chain that another doc line already runs word for word (at the
+    slow tier's scale, `--flag=value` read as `--flag value`) runs once."""
+    distinct: dict[tuple[str, ...], list[DocCommand]] = {}
+    for chain in groups:
+        words = [part for command in chain for word in shlex.split(tiny(command)) for part in word.split("=")]
+        distinct.setdefault(tuple(words), chain)
+    return list(distinct.values())
 
 
 def run_chain(chain: list[DocCommand], work: Path, prepared_runs: Path, env: dict[str, str]) -> list[str]:
@@ -340,6 +363,7 @@ def test_the_doc_commands_run_on_cpu(tmp_path):
             free.put((copy, copy_env))
 
     with ThreadPoolExecutor(PARALLEL_CHAINS) as pool:
-        failures = [line for found in pool.map(run_in_a_free_copy, chains(runnable)) for line in found]
+        found = pool.map(run_in_a_free_copy, once_each(chains(runnable)))
+        failures = [line for lines in found for line in lines]
     assert len(runnable) > 30
     assert not failures, "\n".join(failures)

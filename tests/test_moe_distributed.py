@@ -131,15 +131,22 @@ def test_sigkill_resume_at_ep2_is_bitwise(tmp_path, corpus):
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
+@pytest.fixture(scope="module")
+def ep2_run(tmp_path_factory, corpus) -> Path:
+    """An uninterrupted run at ep 2 (2 ranks), its checkpoints every 2 steps kept."""
+    run_dir = tmp_path_factory.mktemp("ep2")
+    _run(run_dir, 2, "none", *EP2, corpus=corpus)
+    return run_dir
+
+
 @pytest.mark.parametrize(("ranks", "layout"), [(1, []), (4, ["--parallel.strategy", "fsdp2", "--parallel.ep-size", "4"])])
-def test_checkpoint_saved_at_ep2_resumes_at_another_ep_size(tmp_path, corpus, ranks, layout):
+def test_checkpoint_saved_at_ep2_resumes_at_another_ep_size(tmp_path, corpus, ep2_run, ranks, layout):
     """Step 4's checkpoint of a run at ep 2 (2 ranks) resumed at ep 1 (one process) and at ep 4 (4
     ranks, one expert each), SGD's momentum included: the global losses of steps 5-8 and the final
     weights are the uninterrupted run's to fp32 tolerance."""
     import shutil
 
-    reference = tmp_path / "reference"
-    _run(reference, 2, "none", *EP2, corpus=corpus)
+    reference = ep2_run
     run_dir = tmp_path / "resharded"
     shutil.copytree(reference / "checkpoints" / "step_4", run_dir / "checkpoints" / "step_4")
     (run_dir / "checkpoints" / "latest").write_text("step_4\n")

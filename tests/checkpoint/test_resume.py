@@ -4,8 +4,9 @@ step, inside a save) and resumed from "latest" give the same per-step losses (==
 checkpoint. The resumed runs read data with 2 workers and prefetch on, the reference reads in-process:
 data order depends on neither. Dropout is on, so the RNG state matters.
 
-The default tier has one quick case; the full matrix, 2-rank FSDP2 and resharding (saved by 2 ranks,
-restored by 1) are in the slow tier (`-m slow`). Runs go through tests/checkpoint/resume_driver.py.
+The default tier has one quick case; every kill point in turn (sync and async saves), 2-rank FSDP2 and
+resharding (saved by 2 ranks, restored by 1) are in the slow tier (`-m slow`). Runs go through
+tests/checkpoint/resume_driver.py.
 """
 
 from __future__ import annotations
@@ -173,31 +174,45 @@ def test_sigkill_inside_a_step_resumes_bit_for_bit(tmp_path, corpus):
 
 
 @pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, corpus) -> Path:
-    run_dir = tmp_path_factory.mktemp("reference")
-    finish(launch(run_dir, "none", COMMON, corpus), killed=False)
-    return run_dir
+def uninterrupted(tmp_path_factory, corpus):
+    """The run directory of an uninterrupted run with these recipe flags on this many ranks, run once
+    for the module (tests that check their resumes against the same run share it)."""
+    runs: dict[tuple[tuple[str, ...], int], Path] = {}
+
+    def run(args: list[str], ranks: int = 1) -> Path:
+        key = (tuple(args), ranks)
+        if key not in runs:
+            runs[key] = tmp_path_factory.mktemp("uninterrupted")
+            finish(launch(runs[key], "none", args, corpus, ranks=ranks), killed=False)
+        return runs[key]
+
+    return run
 
 
-KILLS = {
-    "between_steps": ["step_begin:5"],
-    "inside_step": ["optimizer:10"],
-    "dcp_data_written": ["dcp_finish:8"],
-    "before_marker": ["marker:8"],
-    "before_latest": ["latest:8"],
-    "epoch_end_save": ["dcp_finish:6"],
-    "before_export": ["export"],
-    "twice": ["optimizer:3", "marker:8"],
-}
+# Every kill point, in the order a run reaches them. One run directory takes them all in turn: each
+# launch resumes from what the kill before it left (a kill inside a save: a partial step directory set
+# aside, `latest` behind a complete one) and is killed further on; the last launch finishes the run.
+# Every step a launch records, redone ones included, must equal the uninterrupted run's.
+KILL_CHAIN = (
+    "optimizer:3",  # inside a step, before the first save: the resume starts from scratch
+    "step_begin:5",  # between steps
+    "dcp_finish:6",  # inside the epoch-end save, its data files written
+    "dcp_finish:8",  # inside a save at save_every, its data files written
+    "marker:8",  # its .metadata written, the COMPLETE marker not yet
+    "latest:8",  # COMPLETE written, `latest` not yet moved
+    "optimizer:10",  # inside a step, after a resume from the newest complete checkpoint
+    "export",  # after the last step's save, before the weights are exported
+)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("case", sorted(KILLS))
-def test_kill_matrix(tmp_path, corpus, reference_run, case, mode):
+def test_every_kill_point_in_turn_resumes_bit_for_bit(tmp_path, corpus, uninterrupted, mode):
     args = [*COMMON, *WORKERS] + (["--checkpoint.async-save"] if mode == "async" else [])
-    kill_and_resume(tmp_path, KILLS[case], args, corpus)
-    assert_same_run(reference_run, tmp_path)
+    kill_and_resume(tmp_path, list(KILL_CHAIN), args, corpus)
+    assert_same_run(uninterrupted(COMMON), tmp_path)
+    redone = [step for step, _ in losses(tmp_path)]
+    assert len(redone) > STEPS  # the kills cost steps that the resumes redid
 
 
 def fsdp_args(
@@ -214,14 +229,11 @@ def fsdp_args(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
-def test_two_ranks_kill_and_resume(tmp_path, corpus, strategy):
-    finish(
-        launch(tmp_path / "reference", "none", fsdp_args(strategy=strategy), corpus, ranks=2), killed=False
-    )
+def test_two_ranks_kill_and_resume(tmp_path, corpus, uninterrupted, strategy):
     run_dir = tmp_path / "run"
     args = [*fsdp_args(strategy=strategy), *WORKERS, "--checkpoint.async-save"]
     kill_and_resume(run_dir, ["optimizer:5", "marker:8"], args, corpus, ranks=2)
-    assert_same_run(tmp_path / "reference", run_dir)
+    assert_same_run(uninterrupted(fsdp_args(strategy=strategy), ranks=2), run_dir)
     step = find_latest(run_dir / "checkpoints")
     assert read_meta(step)["world_size"] == 2
     for rank in (0, 1):  # each rank saved its own RNG and hook states
@@ -259,12 +271,12 @@ def test_resharding_two_ranks_to_one(tmp_path, corpus):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_preemption_signal_saves_stops_and_resumes(tmp_path, corpus, ranks):
+def test_preemption_signal_saves_stops_and_resumes(tmp_path, corpus, uninterrupted, ranks):
     """SIGTERM to one rank at step 5: every rank agrees (every 2 steps) to save step 6 and stop cleanly,
     exiting with the documented status 143 (torchrun then reports the workers' 143); the resumed run
     matches the uninterrupted one."""
-    args = [*fsdp_args(strategy="fsdp2" if ranks == 2 else "none"), "--checkpoint.preempt-check-every", "2"]
-    finish(launch(tmp_path / "reference", "none", args, corpus, ranks=ranks), killed=False)
+    plain = fsdp_args(strategy="fsdp2" if ranks == 2 else "none")
+    args = [*plain, "--checkpoint.preempt-check-every", "2"]
     run_dir = tmp_path / "run"
     preempted = launch(run_dir, "preempt:5", args, corpus, ranks=ranks)
     output = ended(preempted)
@@ -276,21 +288,19 @@ def test_preemption_signal_saves_stops_and_resumes(tmp_path, corpus, ranks):
     assert max(step for step, _ in losses(run_dir)) == expected_stop
     assert read_meta(find_latest(run_dir / "checkpoints"))["train_state"]["global_step"] == expected_stop
     finish(launch(run_dir, "none", args, corpus, ranks=ranks), killed=False)
-    assert_same_run(tmp_path / "reference", run_dir)
+    assert_same_run(uninterrupted(plain, ranks=ranks), run_dir)  # checking for notices changes no step
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_pipeline_kill_and_resume(tmp_path, corpus):
+def test_pipeline_kill_and_resume(tmp_path, corpus, uninterrupted):
     """A 2-stage pipeline (1F1B, dropout on, async saves, 2 loader workers) killed inside a step and
     inside a save resumes to the same losses and weights as an uninterrupted 2-stage run, bit for bit:
     each stage restores its own part of the model and optimizer and its own RNG state."""
     pipeline = ["--parallel.pp-size", "2", "--model.n-layer", "2"]
-    finish(launch(tmp_path / "reference", "none", [*fsdp_args(strategy="none"), *pipeline], corpus, ranks=2),
-           killed=False)  # fmt: skip
     run_dir = tmp_path / "run"
     args = [*fsdp_args(strategy="none"), *pipeline, *WORKERS, "--checkpoint.async-save"]
     kill_and_resume(run_dir, ["optimizer:5", "marker:8"], args, corpus, ranks=2)
-    assert_same_run(tmp_path / "reference", run_dir)
+    assert_same_run(uninterrupted([*fsdp_args(strategy="none"), *pipeline], ranks=2), run_dir)
     meta = read_meta(find_latest(run_dir / "checkpoints"))
     assert meta["world_size"] == 2 and meta["config"]["parallel"]["pp_size"] == 2

@@ -98,7 +98,7 @@ def test_tiny_gpt_recipe_under_hsdp_with_meta_init_matches_ddp_and_exports(tmp_p
     env.update(PYTHONPATH=str(root) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     common = [
         "--train.train-iters", "4", "--checkpoint.save-every", "2", "--model.n-layer", "2", "--model.d-model", "32",
-        "--evaluate.eval-every", "2", "--log-every", "1", "--progress.no-enabled",
+        "--evaluate.eval-every", "2", "--data.val-fraction", "0.002", "--log-every", "1", "--progress.no-enabled",
     ]  # fmt: skip
     runs = {
         "hsdp": ["--parallel.strategy", "fsdp2", "--parallel.replicate", "2", "--parallel.meta-init"],
