@@ -29,8 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import fntrain  # noqa: F401  (before torch: sets OMP_WAIT_POLICY=PASSIVE like the recipe's workers)
-from bench.harness import Row, Timing, paired_ratio_row, quiet
-from bench.pipeline_overhead import rounds_on_every_rank, torchrun_bench_main, worker_env
+from bench.harness import Row, Timing, bench_main, paired_ratio_row, quiet
+from bench.pipeline_overhead import rounds_on_every_rank, worker_env
 
 RANKS = 2
 CONTEXT = 256
@@ -165,7 +165,7 @@ def _worker(out: str, quick: bool) -> None:
 
 
 def main() -> None:
-    torchrun_bench_main(_worker, run, "Context-parallel step (2 ranks, gloo on CPU)", __doc__)
+    bench_main(run, "Context-parallel step (2 ranks, gloo on CPU)", __doc__, worker=_worker)
 
 
 if __name__ == "__main__":

@@ -641,10 +641,24 @@ def quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def bench_main(run: Callable[[bool], Sequence[Row]], title: str, description: str | None) -> None:
+def bench_main(
+    run: Callable[[bool], Sequence[Row]],
+    title: str,
+    description: str | None,
+    worker: Callable[[str, bool], None] | None = None,
+) -> None:
     """The command line of one benchmark module: `--quick` (few repeats), `--record` (append to
-    bench/RESULTS.md) and `--json FILE`; prints the table."""
+    bench/RESULTS.md) and `--json FILE`; prints the table. A torchrun benchmark passes `worker`:
+    `--worker OUT [--quick]` is then one of its ranks, `worker(OUT, quick)`."""
     import argparse
+
+    if worker is not None and "--worker" in sys.argv:
+        # run_main ends a torchrun worker with os._exit: interpreter finalization after a gloo teardown
+        # can abort a worker at random (see fntrain/runtime/process.py).
+        from fntrain.runtime.process import run_main
+
+        index = sys.argv.index("--worker")
+        run_main(lambda: worker(sys.argv[index + 1], "--quick" in sys.argv))
 
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="few steps and repeats (CI: checks the harness)")

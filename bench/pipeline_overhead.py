@@ -271,22 +271,8 @@ def _worker(out: str, quick: bool) -> None:
     dist.destroy_process_group()
 
 
-def torchrun_bench_main(worker: Callable[[str, bool], None], run: Callable[[bool], list[Row]], title: str,
-                        doc: str | None) -> None:  # fmt: skip
-    """A torchrun benchmark's entry point: `--worker OUT [--quick]` is one rank (`worker(OUT, quick)`),
-    anything else the harness's command line over `run`."""
-    if "--worker" in sys.argv:
-        # run_main ends a torchrun worker with os._exit: interpreter finalization after a gloo teardown
-        # can abort a worker at random (see fntrain/runtime/process.py).
-        from fntrain.runtime.process import run_main
-
-        index = sys.argv.index("--worker")
-        run_main(lambda: worker(sys.argv[index + 1], "--quick" in sys.argv))
-    bench_main(run, title, doc)
-
-
 def main() -> None:
-    torchrun_bench_main(_worker, run, "Pipeline step overhead", __doc__)
+    bench_main(run, "Pipeline step overhead", __doc__, worker=_worker)
 
 
 if __name__ == "__main__":

@@ -211,8 +211,7 @@ def test_every_kill_point_in_turn_resumes_bit_for_bit(tmp_path, corpus, uninterr
     args = [*COMMON, *WORKERS] + (["--checkpoint.async-save"] if mode == "async" else [])
     kill_and_resume(tmp_path, list(KILL_CHAIN), args, corpus)
     assert_same_run(uninterrupted(COMMON), tmp_path)
-    redone = [step for step, _ in losses(tmp_path)]
-    assert len(redone) > STEPS  # the kills cost steps that the resumes redid
+    assert len(losses(tmp_path)) > STEPS  # the kills cost steps that the resumes redid
 
 
 def fsdp_args(
