@@ -28,10 +28,10 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from bench.harness import Row, append_results, format_table, interleave, paired_ratio_row, ratio_row
-from fntrain.checkpoint import make_stager, save, save_async
+from fntrain.checkpoint import SaveTarget, make_stager, save, save_async
 from fntrain.checkpoint.verify import build_manifest
-from fntrain.components import Components
 from fntrain.state import TrainState
+from fntrain.step.components import Components
 
 FULL = {"n_layer": 14, "d_model": 768, "n_head": 12}  # ~99.6M parameters
 QUICK = {"n_layer": 2, "d_model": 512, "n_head": 8}  # ~6.4M parameters
@@ -39,7 +39,7 @@ QUICK = {"n_layer": 2, "d_model": 512, "n_head": 8}  # ~6.4M parameters
 
 def build(shape: dict[str, int], device: str) -> Components:
     """The recipe's model with AdamW moments in place (one step taken), on `device`."""
-    from recipes.tiny_gpt import ModelConfig, TinyGPT
+    from fntrain.models.gpt import ModelConfig, TinyGPT
 
     torch.manual_seed(0)
     model = TinyGPT(ModelConfig(context=128, **shape)).to(device)
@@ -85,7 +85,7 @@ def run(quick: bool, device: str = "cpu") -> list[Row]:
     def dcp_sync() -> int:
         _synchronize(device)
         step["n"] += 1
-        path = save(fresh("dcp"), TrainState(0, step["n"], step["n"]), parts, device=device)
+        path = save(SaveTarget(fresh("dcp"), parts, device=device), TrainState(0, step["n"], step["n"]))
         t0 = time.perf_counter()  # what save spent on the manifest, repeated on the same page-cached files
         manifest = build_manifest(path)
         manifest_s.append(time.perf_counter() - t0)
@@ -102,7 +102,9 @@ def run(quick: bool, device: str = "cpu") -> list[Row]:
         step["n"] += 1
         root = fresh("async")
         t0 = time.perf_counter()
-        pending = save_async(root, TrainState(0, step["n"], step["n"]), parts, device=device, stager=stager)
+        pending = save_async(
+            SaveTarget(root, parts, device=device), TrainState(0, step["n"], step["n"]), stager=stager
+        )
         blocking.append(time.perf_counter() - t0)
         pending.result()
         async_total.append(time.perf_counter() - t0)

@@ -41,9 +41,10 @@ def _worker(steps: int, threads: int, automatic: bool, fntrain_first: bool) -> N
     from fntrain.run.build import build_job
     from fntrain.run.checks import check_run
     from fntrain.runtime import Runtime
-    from fntrain.runtime.setup import RuntimeConfig, choose_cpu_threads
+    from fntrain.runtime.setup import RuntimeConfig
+    from fntrain.runtime.threads import choose_cpu_threads
     from fntrain.state import TrainState
-    from fntrain.step import make_train_step
+    from fntrain.step import StepSettings, make_train_step
 
     logging.getLogger("fntrain").setLevel(logging.WARNING)
     if automatic:
@@ -56,7 +57,7 @@ def _worker(steps: int, threads: int, automatic: bool, fntrain_first: bool) -> N
         built = build_job(config, recipe.spec, Runtime(), check_run(config, recipe.spec))
         parts = built.components
         step_fn = make_train_step(
-            parts.model, parts.loss_fn, parts.optimizers, parts.schedulers, max_grad_norm=1.0
+            parts.model, parts.loss_fn, parts.optimizers, parts.schedulers, settings=StepSettings(max_grad_norm=1.0)
         )
         iterator = batches(built.data, 0, 0)
         state, times = TrainState(), []

@@ -96,16 +96,12 @@ def _batch() -> list[dict]:
 def _step(runtime, cp: bool) -> Callable[[], None]:
     import torch
 
-    from fntrain.context_parallel import context_parallel_parts
-    from fntrain.runtime.parallel import (
-        ParallelConfig,
-        context_parallel_mesh,
-        data_parallel_group,
-        parallelize,
-    )
+    from fntrain.models.gpt import ModelConfig, TinyGPT
+    from fntrain.runtime.groups import context_parallel_mesh, data_parallel_group
+    from fntrain.runtime.parallel import ParallelConfig, parallelize
     from fntrain.state import TrainState
-    from fntrain.step import causal_lm_loss, default_forward, make_train_step
-    from recipes.tiny_gpt import ModelConfig, TinyGPT
+    from fntrain.step import StepSettings, causal_lm_loss, default_forward, make_train_step
+    from fntrain.step.context_parallel import context_parallel_parts
 
     torch.manual_seed(0)
     model = TinyGPT(ModelConfig(context=CONTEXT, n_layer=4, n_head=4, d_model=128))
@@ -116,7 +112,7 @@ def _step(runtime, cp: bool) -> Callable[[], None]:
         forward, loss = parts.forward, parts.train_loss
         extra = {"loss_context": parts.context, "dp_size": RANKS, "dp_group": data_parallel_group(runtime)}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step_fn = make_train_step(model, loss, optimizer, max_grad_norm=1.0, forward=forward, **extra)
+    step_fn = make_train_step(model, loss, optimizer, settings=StepSettings(max_grad_norm=1.0, **extra), forward=forward)
     batch, state = _batch(), TrainState()
     return lambda: step_fn(state, batch)
 
@@ -126,7 +122,7 @@ def _worker(out: str, quick: bool) -> None:
     import torch
     import torch.distributed as dist
 
-    import fntrain.context_parallel as cp_module
+    import fntrain.step.context_parallel as cp_module
     from fntrain.runtime.parallel import ParallelConfig
     from fntrain.runtime.setup import RuntimeConfig, setup_runtime
 

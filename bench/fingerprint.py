@@ -27,7 +27,7 @@ import numpy as np
 
 from fntrain.checkpoint.verify import checksum
 from fntrain.data.fingerprint import data_fingerprint
-from fntrain.data.shards import INDEX_NAME, ShardIndex, ShardInfo, write_index
+from fntrain.data.shard_index import INDEX_NAME, ShardIndex, ShardInfo, write_index
 
 SHARDS = 100
 

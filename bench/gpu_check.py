@@ -83,8 +83,8 @@ def matmul_peak(report: Report) -> None:
 def _gpt2_small_run(steps: int, log_every: int, compile_model: bool, count_syncs: bool) -> dict:
     """Train a GPT-2-124M-sized TinyGPT in bf16 autocast through fntrain.train; tokens/s and syncs."""
     from fntrain import Event, RunPlan, TrainState, train
-    from fntrain.step import causal_lm_loss, make_train_step
-    from recipes.tiny_gpt import ModelConfig, TinyGPT
+    from fntrain.models.gpt import ModelConfig, TinyGPT
+    from fntrain.step import StepSettings, causal_lm_loss, make_train_step
 
     torch.manual_seed(0)
     cfg = ModelConfig(context=1024, n_layer=12, n_head=12, d_model=768, vocab_size=50304)
@@ -94,8 +94,8 @@ def _gpt2_small_run(steps: int, log_every: int, compile_model: bool, count_syncs
         model = torch.compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
     step_fn = make_train_step(
-        model, causal_lm_loss, optimizer, max_grad_norm=1.0, device=torch.device("cuda"),
-        autocast_dtype=torch.bfloat16,
+        model, causal_lm_loss, optimizer, settings=StepSettings(max_grad_norm=1.0, device=torch.device("cuda"),
+        autocast_dtype=torch.bfloat16),
     )  # fmt: skip
     micro, batch = 2, 8
     ids = torch.randint(0, cfg.vocab_size, (batch, cfg.context), device="cuda")
@@ -163,9 +163,9 @@ def memory_snapshot(report: Report) -> None:
 
     from fntrain import RunPlan, TrainState, train
     from fntrain.hooks.memory import MemoryConfig, memory_hook
+    from fntrain.models.gpt import ModelConfig, TinyGPT
     from fntrain.runtime import Runtime
-    from fntrain.step import causal_lm_loss, make_train_step
-    from recipes.tiny_gpt import ModelConfig, TinyGPT
+    from fntrain.step import StepSettings, causal_lm_loss, make_train_step
 
     name = "memory_snapshot"
     device = torch.device("cuda", torch.cuda.current_device())
@@ -174,7 +174,7 @@ def memory_snapshot(report: Report) -> None:
     cfg = ModelConfig(context=256, n_layer=2, n_head=4, d_model=256)
     model = TinyGPT(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step_fn = make_train_step(model, causal_lm_loss, optimizer, device=device)
+    step_fn = make_train_step(model, causal_lm_loss, optimizer, settings=StepSettings(device=device))
     ids = torch.randint(0, cfg.vocab_size, (4, cfg.context), device=device)
     batch = [{"input_ids": ids, "labels": ids}]
     plan = RunPlan(train_iters=4, steps_per_epoch=4, epochs=1)
@@ -251,10 +251,10 @@ def checkpoint_async(report: Report) -> None:
 
 def _cp_loss_and_grads(style: str | None, mesh) -> tuple[float, dict[str, torch.Tensor]]:
     """One forward and backward of a small TinyGPT (bf16 autocast, causal, 4 x 256 tokens) on CUDA:
-    plainly (`style` None) or through fntrain.context_parallel's `style` over `mesh`."""
-    from fntrain.context_parallel import context_parallel_parts
+    plainly (`style` None) or through fntrain.step.context_parallel's `style` over `mesh`."""
+    from fntrain.models.gpt import ModelConfig, TinyGPT
     from fntrain.step import causal_lm_loss, default_forward
-    from recipes.tiny_gpt import ModelConfig, TinyGPT
+    from fntrain.step.context_parallel import context_parallel_parts
 
     torch.manual_seed(0)
     model = TinyGPT(ModelConfig(context=256, n_layer=2, n_head=4, d_model=128)).cuda()
@@ -274,7 +274,7 @@ def _cp_loss_and_grads(style: str | None, mesh) -> tuple[float, dict[str, torch.
 
 def context_parallel(report: Report) -> None:
     """--parallel.cp-style ring (torch's ring attention through its private SDPA dispatcher, which
-    fntrain.context_parallel drives) and ulysses on CUDA, over a 1-rank NCCL group (one GPU: a cp mesh
+    fntrain.step.context_parallel drives) and ulysses on CUDA, over a 1-rank NCCL group (one GPU: a cp mesh
     of size 1, which runs the whole code path; the exchange between ranks needs 2 GPUs and torchrun):
     the loss and gradients equal a plain step's to bf16 tolerance."""
     if not _need_cuda(report, "context_parallel"):

@@ -10,7 +10,7 @@ import sys
 
 from bench.harness import Row, Timing, overhead_row
 
-FNTRAIN = "import torch, fntrain, fntrain.step, fntrain.optim, fntrain.data.pipeline, fntrain.hooks.base"
+FNTRAIN = "import torch, fntrain, fntrain.step, fntrain.step.optim, fntrain.data.pipeline, fntrain.hooks.base"
 TORCH = "import torch"
 
 

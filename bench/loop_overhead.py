@@ -42,7 +42,7 @@ from bench.harness import (
     share_row,
 )
 from fntrain import RunPlan, TrainState, train
-from fntrain.step import make_train_step
+from fntrain.step import StepSettings, make_train_step
 
 LOG_EVERY = 10
 LR = 1e-4
@@ -68,8 +68,8 @@ def _mlp_workload(batch_size: int = 32, width: int = 128) -> tuple[torch.nn.Modu
 
 
 def _gpt_workload() -> tuple[torch.nn.Module, list, Callable]:
+    from fntrain.models.gpt import ModelConfig, TinyGPT
     from fntrain.step import causal_lm_loss
-    from recipes.tiny_gpt import ModelConfig, TinyGPT
 
     torch.manual_seed(0)
     config = ModelConfig(context=64, n_layer=2, n_head=2, d_model=64)
@@ -122,7 +122,7 @@ def _variants(model, batches, loss_fn, forward, steps: int, hooks_factories: dic
     """Every variant runs the same step object on the same tensors; each returns (steps, the mean time
     between consecutive steps), so `Timing.outside` is the loop's (and the hooks') own time per step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    library_step = make_train_step(model, loss_fn, optimizer, forward=forward, loss_weighting="mean")
+    library_step = make_train_step(model, loss_fn, optimizer, settings=StepSettings(loss_weighting="mean"), forward=forward)
     gaps = _Gaps()
     step_fn = gaps.wrap(library_step)
     epoch_len = len(batches)

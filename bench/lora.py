@@ -47,9 +47,9 @@ def _train_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
 
 
 def run(quick: bool = False) -> list[Row]:
-    from fntrain.optim import OptimizerConfig, build_optimizer
     from fntrain.state import TrainState
-    from fntrain.step import causal_lm_loss, make_train_step
+    from fntrain.step import StepSettings, causal_lm_loss, make_train_step
+    from fntrain.step.optim import OptimizerConfig, build_optimizer
 
     logging.getLogger("fntrain").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
@@ -65,7 +65,7 @@ def run(quick: bool = False) -> list[Row]:
     for name in ("full", "lora"):
         model = _model(device, lora=name == "lora")
         optimizer = build_optimizer(OptimizerConfig(lr=1e-4, weight_decay=0.0), model).optimizer
-        step_fn = make_train_step(model, causal_lm_loss, optimizer, max_grad_norm=1.0)
+        step_fn = make_train_step(model, causal_lm_loss, optimizer, settings=StepSettings(max_grad_norm=1.0))
         built[name] = (model, optimizer, step_fn)
 
         def round_(step_fn=step_fn) -> int:

@@ -23,14 +23,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fntrain.models.gpt import ModelConfig, TinyGPT
 from fntrain.models.moe import MoE, loss_with_router_aux, moe_step_end, route
-from fntrain.optim import OptimizerConfig, build_optimizer
 from fntrain.runtime import RuntimeConfig, setup_runtime
 from fntrain.runtime.expert_parallel import combine, dispatch, plan_exchange
-from fntrain.runtime.parallel import ParallelConfig, data_parallel_group, parallelize
+from fntrain.runtime.groups import data_parallel_group
+from fntrain.runtime.parallel import ParallelConfig, parallelize
 from fntrain.state import TrainState
-from fntrain.step import make_train_step
-from recipes.tiny_gpt import ModelConfig, TinyGPT
+from fntrain.step import StepSettings, make_train_step
+from fntrain.step.optim import OptimizerConfig, build_optimizer
 
 MODEL = ModelConfig(context=64, n_layer=2, n_head=4, d_model=64, experts=8, experts_per_token=2, expert_hidden=128)
 BATCH = 8  # per rank
@@ -70,7 +71,7 @@ def _step(runtime: Any, ep: int, loop: bool) -> Any:
                 module.forward = _loop_forward.__get__(module)
     optimizer = build_optimizer(OptimizerConfig(lr=1e-3), model).optimizer
     group = data_parallel_group(runtime)
-    step = make_train_step(model, loss_with_router_aux, optimizer, dp_size=runtime.dp_size, dp_group=group,
+    step = make_train_step(model, loss_with_router_aux, optimizer, settings=StepSettings(dp_size=runtime.dp_size, dp_group=group),
                            step_end=moe_step_end(model, group))  # fmt: skip
     ids = torch.randint(0, 256, (BATCH, MODEL.context), generator=torch.Generator().manual_seed(runtime.rank))
 

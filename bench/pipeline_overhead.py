@@ -157,8 +157,9 @@ def _pin_to_own_core(local_rank: int) -> None:
 def _stage(rank: int):
     import torch
 
+    from fntrain.models.gpt import ModelConfig, TinyGPT
     from fntrain.runtime.pipeline import split_stage, stage_ties
-    from recipes.tiny_gpt import PIPELINE, ModelConfig, TinyGPT
+    from recipes.tiny_gpt import PIPELINE
 
     torch.manual_seed(0)
     model = TinyGPT(ModelConfig(context=128, n_layer=4, n_head=4, d_model=128))
@@ -177,17 +178,18 @@ def _batch() -> list[dict]:
 def _fntrain_step(rank: int, group) -> Callable[[], None]:
     import torch
 
-    from fntrain.pipeline_step import PipelineLayout, make_pipeline_step
     from fntrain.state import TrainState
-    from fntrain.step import causal_lm_loss
+    from fntrain.step import StepSettings, causal_lm_loss
+    from fntrain.step.pipeline import PipelineLayout, make_pipeline_step
 
     model, ties = _stage(rank)
     here = tuple((holders[rank], group) for holders in ties if rank in holders)
     counted = tuple(rank == min(holders) for holders in ties if rank in holders)
     layout = PipelineLayout(rank, STAGES, group, "1f1b", here, counted)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step_fn = make_pipeline_step(model, causal_lm_loss, [optimizer], [], layout, micro_batches=MICRO_BATCHES,
-                                 max_grad_norm=1.0, device=torch.device("cpu"))  # fmt: skip
+    step_fn = make_pipeline_step(model, causal_lm_loss, [optimizer], [], layout,
+                                 settings=StepSettings(max_grad_norm=1.0, device=torch.device("cpu")),
+                                 micro_batches=MICRO_BATCHES)  # fmt: skip
     batch, state = _batch(), TrainState()
     return lambda: step_fn(state, batch)
 

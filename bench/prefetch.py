@@ -24,6 +24,7 @@ import torch
 from bench.harness import Row, Timing, bench_main, in_fresh_processes, interleave, paired_ratio_row
 from fntrain import RunPlan, TrainState, train
 from fntrain.data.pipeline import batches, build_data, data_fn
+from fntrain.data.settings import Batching, LoaderConfig
 
 PROCESSES = 3  # full runs measure in this many fresh processes, one after another
 
@@ -64,8 +65,8 @@ def _compute_step(compute_s: float):
 def _variants(load_s: float, compute_s: float, steps: int):
     plan = RunPlan(train_iters=steps, steps_per_epoch=steps, epochs=1)
     dataset = SlowReads(steps, load_s)
-    plain = build_data(dataset, micro_batch_size=1, micro_batches=1, shuffle=False)
-    prefetched = build_data(dataset, micro_batch_size=1, micro_batches=1, shuffle=False, prefetch=True)
+    plain = build_data(dataset, Batching(1, 1), LoaderConfig(shuffle=False, pin_memory=False))
+    prefetched = build_data(dataset, Batching(1, 1), LoaderConfig(shuffle=False, prefetch=True, pin_memory=False))
     in_memory = [[{"x": torch.full((64,), float(i))}] for i in range(steps)]
     step_fn = _compute_step(compute_s)
 

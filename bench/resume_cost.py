@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from bench.harness import Row, bench_main, interleave, paired_ratio_row, ratio_row
 from fntrain.data.pipeline import batches, build_data
 from fntrain.data.sampler import epoch_generator
+from fntrain.data.settings import Batching, LoaderConfig
 
 MICRO_BATCH_SIZE = 8
 MICRO_BATCHES = 4
@@ -65,10 +66,8 @@ def run(quick: bool = False) -> list[Row]:
     for label, workers, goal in (("in-process", 0, 1.1), ("2 workers", 2, 1.1)):
         spec = build_data(
             dataset,
-            micro_batch_size=MICRO_BATCH_SIZE,
-            micro_batches=MICRO_BATCHES,
-            seed=0,
-            num_workers=workers,
+            Batching(MICRO_BATCH_SIZE, MICRO_BATCHES, seed=0),
+            LoaderConfig(num_workers=workers, pin_memory=False),
         )
         near_name, far_name = f"cursor {NEAR}", f"cursor {far}"
         timing = interleave(

@@ -26,16 +26,17 @@ from fntrain import TrainState, train
 from fntrain.data.pipeline import data_fn
 from fntrain.data.tokens import count_batch
 from fntrain.hooks.standard import HookInputs, standard_hooks
-from fntrain.hooks.throughput import measure_flops_per_token
-from fntrain.step import causal_lm_loss, make_train_step
+from fntrain.models.flops import measure_flops_per_token
+from fntrain.step import StepSettings, causal_lm_loss, make_train_step
 
 LOG_EVERY = 10
 PROCESSES = 3  # full runs measure in this many fresh processes, one after another
 
 
 def _config(run_dir: str):
+    from fntrain.models.gpt import ModelConfig
     from fntrain.run.config import TrainConfig
-    from recipes.tiny_gpt import Config, ModelConfig
+    from recipes.tiny_gpt import Config
 
     return Config(
         run_dir=run_dir,
@@ -90,7 +91,7 @@ def _timing(steps: int, repeats: int, budget_s: float) -> Timing:
         built = build_job(config, recipe.spec, runtime, checked)
         comp = built.components
         step_fn = make_train_step(
-            comp.model, comp.loss_fn, comp.optimizers, comp.schedulers, max_grad_norm=1.0
+            comp.model, comp.loss_fn, comp.optimizers, comp.schedulers, settings=StepSettings(max_grad_norm=1.0)
         )
         state = {"state": TrainState()}
         sample = built.data.collate_fn([built.data.dataset[0]] * config.train.micro_batch_size)

@@ -3,8 +3,8 @@ on corpora growing 4x each.
 
 Throughput: a generated corpus (random words, 50-400 per document) in a Parquet file, a byte-level BPE
 trained here (4096 ids, a transformers fast tokenizer; nothing is downloaded), and in alternating rounds
-`tokenize_files(..., workers=N)` (shards, documents.bin, index.json) and `Dataset.map(tokenize, batched,
-num_proc=N)` over the same file loaded with `Dataset.from_parquet` beforehand (its Arrow cache written;
+`tokenize_files(..., settings=TokenizeSettings(workers=N))` (shards, documents.bin, index.json) and
+`Dataset.map(tokenize, batched, num_proc=N)` over the same file loaded with `Dataset.from_parquet` beforehand (its Arrow cache written;
 map writes its result to a fresh cache file). Both run with TOKENIZERS_PARALLELISM=false, so each
 process is one core: tokens/s per core = tokens / wall time / N, and the rows give fntrain's rate over
 datasets'. The median of the rounds is compared; these machines are noisy, so say "about".
@@ -74,10 +74,10 @@ def _tokenizer(documents: list[str]):
 
 
 def _fntrain_seconds(corpus: Path, out: Path, tokenizer, workers: int) -> tuple[float, int]:
-    from fntrain.data.tokenize import tokenize_files
+    from fntrain.data.tokenize import TokenizeSettings, tokenize_files
 
     start = time.perf_counter()
-    index = tokenize_files([corpus], out, tokenizer, workers=workers, batch_size=1000, overwrite=True)
+    index = tokenize_files([corpus], out, tokenizer, settings=TokenizeSettings(workers=workers, batch_size=1000, overwrite=True))
     return time.perf_counter() - start, index.total_tokens - index.documents
 
 
@@ -132,9 +132,10 @@ def throughput_rows(quick: bool) -> list[Row]:
 # The workers' figure (ru_maxrss of the forked children) counts the pages they share with the main process.
 _CHILD = """
 import json, re, resource, sys
-from fntrain.data.tokenize import tokenize_files
+from fntrain.data.tokenize import TokenizeSettings, tokenize_files
 imported = int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
-index = tokenize_files([sys.argv[1]], sys.argv[2], "bytes", workers=int(sys.argv[3]), shard_tokens=int(sys.argv[4]))
+index = tokenize_files([sys.argv[1]], sys.argv[2], "bytes",
+                       settings=TokenizeSettings(workers=int(sys.argv[3]), shard_tokens=int(sys.argv[4])))
 peak = int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
 print(json.dumps({"self": peak, "imported": imported, "workers": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
                   "tokens": index.total_tokens}))

@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol
 
 from fntrain.state import RunPlan, TrainState
 
-__all__ = ["Event", "Hook", "StepInfo", "StopTraining", "TrainResult", "train", "run_training"]
+__all__ = ["Event", "Hook", "StepInfo", "StopTraining", "TrainResult", "train"]
 
 log = logging.getLogger("fntrain.loop")
 
@@ -100,22 +100,6 @@ def train(
     plan: RunPlan,
     count_batch: CountFn | None = None,
     clock: Callable[[], float] = time.perf_counter,
-) -> TrainState:
-    """`run_training` returning only the final `TrainState` (see there for the contract)."""
-    return run_training(
-        state, step_fn, hooks, data=data, plan=plan, count_batch=count_batch, clock=clock
-    ).state
-
-
-def run_training(
-    state: TrainState,
-    step_fn: StepFn,
-    hooks: Sequence[Hook] = (),
-    *,
-    data: DataFn,
-    plan: RunPlan,
-    count_batch: CountFn | None = None,
-    clock: Callable[[], float] = time.perf_counter,
 ) -> TrainResult:
     """Run `step_fn` over `data` from `state` until `plan.train_iters` steps; return how it ended.
 
@@ -123,11 +107,23 @@ def run_training(
     fetched), the step, the state advances, STEP_END (with a `StepInfo`); EPOCH_END (with the finished
     epoch's state); finally TRAIN_END. Any exception sends ABORT (info = the exception) to every hook,
     closes the data iterator and re-raises the same exception object; TRAIN_END is then not sent.
-    `StopTraining` ends the run cleanly; the returned `TrainResult` says how the run ended.
-    `data(epoch, cursor)` returns the epoch's remaining global batches; running out early ends the epoch
-    quietly without advancing `global_step` [S13].
+    `StopTraining` ends the run cleanly; the returned `TrainResult` (its `state` the final `TrainState`)
+    says how the run ended. `data(epoch, cursor)` returns the epoch's remaining global batches; running
+    out early ends the epoch quietly without advancing `global_step` [S13].
     """
-    hooks = tuple(hooks)
+    return _fold(tuple(hooks), state, step_fn, data, plan, count_batch, clock)
+
+
+def _fold(
+    hooks: tuple[Hook, ...],
+    state: TrainState,
+    step_fn: StepFn,
+    data: DataFn,
+    plan: RunPlan,
+    count_batch: CountFn | None,
+    clock: Callable[[], float],
+) -> TrainResult:
+    """`train`'s fold, in one frame: the ABORT path sees the latest state with no per-step bookkeeping."""
     iterator: Iterator[Any] | None = None
 
     def dispatch(event: Event, current: TrainState, info: Any = None) -> None:

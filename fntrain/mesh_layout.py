@@ -2,7 +2,7 @@
 
 The runtime builds its mesh over ("pp", "dp", "cp", "tp") in that row-major order, pp outermost and tp
 innermost, dropping dims of size 1 except "dp"; under HSDP "dp" is laid out as ("dp_replicate",
-"dp_shard"), under expert parallelism as ("dp_mod_ep", "ep") (`fntrain.runtime.setup._build_mesh`). `mesh_dims` reproduces that list of dims and
+"dp_shard"), under expert parallelism as ("dp_mod_ep", "ep") (`fntrain.runtime.mesh.build_mesh`). `mesh_dims` reproduces that list of dims and
 `rank_coordinates` / `group_ranks` unravel a global rank over it, so the plan printout and the profiler's
 pipeline-stage leaders agree with the real mesh by construction.
 """

@@ -111,36 +111,13 @@ def make_run_plan(
     (streaming) dataset. Every error names the setting and its value.
     """
     micro_batches = micro_batches_per_step(global_batch_size, micro_batch_size, dp_size)
-    if (train_iters is None) == (train_samples is None):
-        raise ValueError(
-            "exactly one of train_iters / train_samples must be set, got "
-            f"train_iters={train_iters!r}, train_samples={train_samples!r}"
-        )
-    if train_samples is not None:
-        if type(train_samples) is not int or train_samples < 1:
-            raise ValueError(f"train_samples must be a positive int, got {train_samples!r}")
-        train_iters = train_samples // global_batch_size
-        if train_iters < 1:
-            raise ValueError(
-                f"train_samples ({train_samples}) // global_batch_size ({global_batch_size}) "
-                f"= {train_iters}: must give at least one optimizer step"
-            )
-    assert train_iters is not None
-    if type(train_iters) is not int or train_iters < 1:
-        raise ValueError(f"train_iters must be a positive int, got {train_iters!r}")
-
+    train_iters = _train_iters(train_iters, train_samples, global_batch_size)
     if dataset_len is None:
         steps_per_epoch = train_iters
     else:
-        if type(dataset_len) is not int or dataset_len < 0:
-            raise ValueError(f"dataset_len must be a non-negative int, got {dataset_len!r}")
-        batches = loader_length(dataset_len, micro_batch_size, dp_size, drop_last)
-        steps_per_epoch = batches // micro_batches
-        if steps_per_epoch < 1:
-            raise ValueError(
-                f"the dataset ({dataset_len} samples, {batches} micro-batches of {micro_batch_size} per "
-                f"rank) must provide one complete optimizer step per epoch ({micro_batches} micro-batches)"
-            )
+        steps_per_epoch = _sized_steps_per_epoch(
+            dataset_len, micro_batch_size, dp_size, drop_last, micro_batches
+        )
     epochs = math.ceil(train_iters / steps_per_epoch)
 
     if lr_schedule_iters is None:
@@ -159,3 +136,41 @@ def make_run_plan(
         lr_schedule_iters=lr_schedule_iters,
         sized=dataset_len is not None,
     )
+
+
+def _train_iters(train_iters: int | None, train_samples: int | None, global_batch_size: int) -> int:
+    """The run's optimizer steps from exactly one of `train_iters` / `train_samples` [S6]."""
+    if (train_iters is None) == (train_samples is None):
+        raise ValueError(
+            "exactly one of train_iters / train_samples must be set, got "
+            f"train_iters={train_iters!r}, train_samples={train_samples!r}"
+        )
+    if train_samples is not None:
+        if type(train_samples) is not int or train_samples < 1:
+            raise ValueError(f"train_samples must be a positive int, got {train_samples!r}")
+        train_iters = train_samples // global_batch_size
+        if train_iters < 1:
+            raise ValueError(
+                f"train_samples ({train_samples}) // global_batch_size ({global_batch_size}) "
+                f"= {train_iters}: must give at least one optimizer step"
+            )
+    assert train_iters is not None
+    if type(train_iters) is not int or train_iters < 1:
+        raise ValueError(f"train_iters must be a positive int, got {train_iters!r}")
+    return train_iters
+
+
+def _sized_steps_per_epoch(
+    dataset_len: int, micro_batch_size: int, dp_size: int, drop_last: bool, micro_batches: int
+) -> int:
+    """Complete optimizer steps one epoch of a sized dataset gives (at least one, or a ValueError) [S7]."""
+    if type(dataset_len) is not int or dataset_len < 0:
+        raise ValueError(f"dataset_len must be a non-negative int, got {dataset_len!r}")
+    batches = loader_length(dataset_len, micro_batch_size, dp_size, drop_last)
+    steps_per_epoch = batches // micro_batches
+    if steps_per_epoch < 1:
+        raise ValueError(
+            f"the dataset ({dataset_len} samples, {batches} micro-batches of {micro_batch_size} per "
+            f"rank) must provide one complete optimizer step per epoch ({micro_batches} micro-batches)"
+        )
+    return steps_per_epoch

@@ -27,20 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from fntrain.config import require_float, require_int, require_str
-from fntrain.data.sft import SFTDataConfig, build_sft_datasets, make_sft_collate
+from fntrain.data.sft import SFTDataConfig, build_sft_datasets
+from fntrain.data.sft_collate import make_sft_collate
 from fntrain.data.shards import TokenWindows, check_shard_vocab, require_shards, split_windows
 from fntrain.hooks.evaluate import EvaluateConfig
-from fntrain.models.hf import (
+from fntrain.models.hf import causal_lm_from_config, check_vocab, load_assets, load_causal_lm, save_hf_model
+from fntrain.models.hf_config import (
     AssetsConfig,
     HFModelConfig,
-    causal_lm_from_config,
     check_packed_attention,
     check_tensor_parallel,
-    check_vocab,
-    load_assets,
-    load_causal_lm,
     model_vocab_size,
-    save_hf_model,
 )
 from fntrain.models.hf_tp import hf_tensor_parallel
 from fntrain.models.lora import (
@@ -53,9 +50,9 @@ from fntrain.models.lora import (
 from fntrain.models.moe import loss_with_router_aux
 from fntrain.models.moe_hf import router_aux_forward
 from fntrain.models.moe_hf_ep import check_expert_parallel, enable_expert_parallel
-from fntrain.optim import OptimizerConfig, ScheduleConfig
 from fntrain.run.config import ExportingJobConfig, RecipeSpec, TrainConfig, require_validation
 from fntrain.runtime.materialize import build_on_meta
+from fntrain.step.optim import OptimizerConfig, ScheduleConfig
 
 
 @dataclass(frozen=True)

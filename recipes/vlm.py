@@ -25,7 +25,8 @@ from typing import Any, ClassVar
 
 from fntrain.config import require_int
 from fntrain.data.files import count_rows
-from fntrain.data.vlm import VLMDataConfig, build_vlm_datasets, make_vlm_collate, shapes_texts
+from fntrain.data.shapes import shapes_texts
+from fntrain.data.vlm import VLMDataConfig, build_vlm_datasets, make_vlm_collate
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.models.vlm import (
     VLMModelConfig,
@@ -37,8 +38,8 @@ from fntrain.models.vlm import (
     vlm_forward,
     vlm_from_config,
 )
-from fntrain.optim import OptimizerConfig, ScheduleConfig
 from fntrain.run.config import ExportingJobConfig, RecipeSpec, TrainConfig, require_validation
+from fntrain.step.optim import OptimizerConfig, ScheduleConfig
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def dataset_sizes(config: Config) -> tuple[int, int]:
 
 def eval_metrics(config: Config, built: Any) -> Any:
     """val_accuracy: greedy answers to the held-out rows, sharded over the data-parallel ranks."""
-    from fntrain.runtime.parallel import data_parallel_group
+    from fntrain.runtime.groups import data_parallel_group
 
     if not config.answer_tokens or built.val_dataset is None:
         return dict
@@ -105,8 +106,7 @@ def eval_metrics(config: Config, built: Any) -> Any:
     def accuracy() -> dict[str, float]:
         value = answer_accuracy(
             built.components.model, built.assets, prompts, batch_size=batch,
-            max_new_tokens=config.answer_tokens, device=runtime.device, rank=runtime.dp_rank,
-            world_size=runtime.dp_size, group=group,
+            max_new_tokens=config.answer_tokens, runtime=runtime, group=group,
         )  # fmt: skip
         return {"val_accuracy": value}
 

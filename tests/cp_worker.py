@@ -7,7 +7,7 @@ weights) for one layout.
     python -m torch.distributed.run --nproc_per_node=4 -m tests.cp_worker fsdp2 2 OUT.pt   # cp 2 x dp 2
 
 The step is wired as fntrain.run.build wires it: the cp forward and loss of
-`fntrain.context_parallel.context_parallel_parts`, dp_size = dp x cp and the (dp x cp) group. Every
+`fntrain.step.context_parallel.context_parallel_parts`, dp_size = dp x cp and the (dp x cp) group. Every
 sequence packs two or three documents (restarting position ids, a block-diagonal causal mask), a
 boundary falls inside each cp slice, and labels are masked unevenly so token weighting matters.
 """
@@ -19,20 +19,15 @@ import sys
 import torch
 import torch.distributed as dist
 
-from fntrain.context_parallel import context_parallel_parts
 from fntrain.data.packing import document_causal_mask, pack_sequence
-from fntrain.optim import OptimizerConfig, build_optimizer
-from fntrain.runtime.parallel import (
-    ParallelConfig,
-    context_parallel_mesh,
-    data_parallel_group,
-    gradient_group_size,
-    parallelize,
-)
+from fntrain.models.gpt import ModelConfig, TinyGPT
+from fntrain.runtime.groups import context_parallel_mesh, data_parallel_group, gradient_group_size
+from fntrain.runtime.parallel import ParallelConfig, parallelize
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime
 from fntrain.state import TrainState
-from fntrain.step import causal_lm_loss, default_forward, make_train_step
-from recipes.tiny_gpt import ModelConfig, TinyGPT
+from fntrain.step import StepSettings, causal_lm_loss, default_forward, make_train_step
+from fntrain.step.context_parallel import context_parallel_parts
+from fntrain.step.optim import OptimizerConfig, build_optimizer
 
 STEPS = 4
 GLOBAL = 8
@@ -100,9 +95,8 @@ def run_case(runtime, strategy: str, cp_size: int, case: str) -> dict:
         parts = context_parallel_parts(forward, loss, mesh=context_parallel_mesh(runtime))
         forward, loss, extra = parts.forward, parts.train_loss, {"loss_context": parts.context}
     step_fn = make_train_step(
-        model, loss, optimizer, max_grad_norm=1.0, loss_weighting=weighting, forward=forward,
-        device=runtime.device, dp_size=gradient_group_size(runtime), dp_group=data_parallel_group(runtime),
-        **extra,
+        model, loss, optimizer, settings=StepSettings(max_grad_norm=1.0, loss_weighting=weighting, device=runtime.device,
+        dp_size=gradient_group_size(runtime), dp_group=data_parallel_group(runtime), **extra), forward=forward,
     )  # fmt: skip
     losses, norms = [], []
     state = TrainState()
@@ -122,7 +116,7 @@ def run_case(runtime, strategy: str, cp_size: int, case: str) -> dict:
 def ring_probe(out: str) -> None:
     """--parallel.cp-style ring on CPU, 2 ranks: the slices torch's head-tail load balancer gives, and
     what the forward meets inside torch's ring dispatcher (CPU attention has no sharding strategy)."""
-    from fntrain.context_parallel import _ring_shard
+    from fntrain.step.context_parallel import _ring_shard
 
     with setup_runtime(RuntimeConfig(device="cpu"), ParallelConfig(strategy="ddp", cp_size=2), seed=0) as runtime:
         mesh = context_parallel_mesh(runtime)

@@ -16,18 +16,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-from fntrain.optim import OptimizerConfig, build_optimizer
-from fntrain.runtime.parallel import (
-    ParallelConfig,
-    autocast_dtype,
-    build_grad_scaler,
-    data_parallel_group,
-    parallelize,
-)
+from fntrain.models.gpt import ModelConfig, TinyGPT
+from fntrain.runtime.groups import data_parallel_group
+from fntrain.runtime.parallel import ParallelConfig, parallelize
+from fntrain.runtime.precision import autocast_dtype, build_grad_scaler
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime
 from fntrain.state import TrainState
-from fntrain.step import causal_lm_loss, make_train_step
-from recipes.tiny_gpt import ModelConfig, TinyGPT
+from fntrain.step import StepSettings, causal_lm_loss, make_train_step
+from fntrain.step.optim import OptimizerConfig, build_optimizer
 
 STEPS = 5
 GLOBAL = 8
@@ -109,13 +105,15 @@ def run_case(runtime, strategy: str, case: str) -> dict:
         model,
         poisonable_loss if skip_nan else causal_lm_loss,
         optimizer,
-        max_grad_norm=1.0,
-        nonfinite="skip" if skip_nan else "raise",
-        loss_weighting=weighting,
-        device=runtime.device,
-        dp_size=runtime.dp_size,
-        dp_group=data_parallel_group(runtime),
-        autocast_dtype=autocast_dtype(parallel),
+        settings=StepSettings(
+            max_grad_norm=1.0,
+            nonfinite="skip" if skip_nan else "raise",
+            loss_weighting=weighting,
+            device=runtime.device,
+            dp_size=runtime.dp_size,
+            dp_group=data_parallel_group(runtime),
+            autocast_dtype=autocast_dtype(parallel),
+        ),
         grad_scaler=build_grad_scaler(parallel, runtime),
     )
     losses, norms, skipped = [], [], []

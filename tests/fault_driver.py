@@ -87,14 +87,15 @@ def main(argv: list[str]) -> None:
 
         saver.room_problem = lambda root, tensors: (saver.needed_bytes(root, tensors), None, None)
 
-    from fntrain.cli import _reporting, run_recipe
-    from fntrain.run.config_file import parse_config_cli
+    from fntrain.cli import run_recipe
+    from fntrain.cli.config_file import parse_config_cli
+    from fntrain.cli.errors import reporting
     from fntrain.run.logs import setup_console_logging
 
     setup_console_logging()
     try:
         spec = dataclasses.replace(recipe.spec, hooks=extra_hooks)
-        _reporting("fntrain run", lambda: run_recipe(spec, parse_config_cli(recipe.Config, recipe_args)))
+        reporting("fntrain run", lambda: run_recipe(spec, parse_config_cli(recipe.Config, recipe_args)))
     except SystemExit as exit_:
         (out_dir / f"exit_{rank}.txt").write_text(str(exit_.code))
         raise

@@ -15,13 +15,14 @@ import sys
 import torch
 import torch.distributed as dist
 
+from fntrain.models.gpt import ModelConfig, TinyGPT
 from fntrain.models.moe import loss_with_router_aux, moe_step_end
-from fntrain.optim import OptimizerConfig, build_optimizer
 from fntrain.runtime import RuntimeConfig, setup_runtime
-from fntrain.runtime.parallel import ParallelConfig, data_parallel_group, parallelize
+from fntrain.runtime.groups import data_parallel_group
+from fntrain.runtime.parallel import ParallelConfig, parallelize
 from fntrain.state import TrainState
-from fntrain.step import make_train_step
-from recipes.tiny_gpt import ModelConfig, TinyGPT
+from fntrain.step import StepSettings, make_train_step
+from fntrain.step.optim import OptimizerConfig, build_optimizer
 from tests.dist_worker import CONTEXT, global_batches, rank_micro_batches
 
 STEPS = 4
@@ -50,8 +51,8 @@ def run_case(runtime, parallel: ParallelConfig, case: str) -> dict:
 
     optimizer.register_step_pre_hook(capture)
     group = data_parallel_group(runtime)
-    step_fn = make_train_step(model, loss_with_router_aux, optimizer, max_grad_norm=1.0, loss_weighting=weighting,
-                              device=runtime.device, dp_size=runtime.dp_size, dp_group=group,
+    step_fn = make_train_step(model, loss_with_router_aux, optimizer, settings=StepSettings(max_grad_norm=1.0,
+                              loss_weighting=weighting, device=runtime.device, dp_size=runtime.dp_size, dp_group=group),
                               step_end=moe_step_end(model, group))  # fmt: skip
     losses, aux, state = [], [], TrainState()
     for samples in global_batches()[:STEPS]:

@@ -1,7 +1,7 @@
-"""`fntrain.run.build` helpers one process can run: the pipeline ties of tiny_gpt's split (found on a
-meta copy of the whole model), the FLOPs sample micro-batch from a sized or a streaming dataset, no
-FLOPs count without a model factory, and the evaluation loss run under loss_parallel when the logits
-are split over the vocabulary."""
+"""`fntrain.run.build` and `fntrain.step.layouts` helpers one process can run: the pipeline ties of
+tiny_gpt's split (found on a meta copy of the whole model), the FLOPs sample micro-batch from a sized or
+a streaming dataset, no FLOPs count without a model factory, and the plain layout's evaluation loss run
+under loss_parallel when the logits are split over the vocabulary."""
 
 from __future__ import annotations
 
@@ -12,16 +12,25 @@ import torch
 from torch.utils.data import IterableDataset
 
 from fntrain.run import build
+from fntrain.run.checks import full_model_on_meta
 from fntrain.runtime import Runtime
 from fntrain.runtime.parallel import ParallelConfig
+from fntrain.step import StepSettings, layouts
+from fntrain.step.components import Components
 from recipes import tiny_gpt
+
+
+def _tie_inputs(config):
+    """What the pipeline layout reads to find the ties: the parallel config, the split, the meta model."""
+    return SimpleNamespace(parallel=config.parallel, pipeline=tiny_gpt.spec.pipeline,
+                           model_on_meta=lambda: full_model_on_meta(config, tiny_gpt.spec))  # fmt: skip
 
 
 def test_pipeline_ties_of_tiny_gpt_join_its_first_and_last_stage():
     config = tiny_gpt.Config()
-    assert build._pipeline_ties(config, tiny_gpt.spec) == []
+    assert layouts._pipeline_ties(_tie_inputs(config)) == []
     two_stages = dataclasses.replace(config, parallel=ParallelConfig(pp_size=2))
-    assert build._pipeline_ties(two_stages, tiny_gpt.spec) == [{0: "tok.weight", 1: "head.weight"}]
+    assert layouts._pipeline_ties(_tie_inputs(two_stages)) == [{0: "tok.weight", 1: "head.weight"}]
 
 
 class Stream(IterableDataset):
@@ -42,7 +51,7 @@ def test_the_flops_sample_is_one_micro_batch_of_either_kind_of_dataset():
     assert build._flops_per_token(_built([]), SimpleNamespace(model_factory=None)) is None
 
 
-def test_eval_loss_runs_under_loss_parallel_when_logits_are_split(monkeypatch):
+def test_eval_loss_runs_under_loss_parallel_when_logits_are_split():
     entered = []
 
     class Context:
@@ -52,10 +61,12 @@ def test_eval_loss_runs_under_loss_parallel_when_logits_are_split(monkeypatch):
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(build, "loss_context", lambda runtime, parallel: Context)
     loss_fn = lambda output, batch: output.sum() + batch["shift"]  # noqa: E731
-    built = SimpleNamespace(runtime=Runtime(tp_size=2), config=SimpleNamespace(parallel=ParallelConfig()),
-                            components=SimpleNamespace(loss_fn=loss_fn))  # fmt: skip
-    forward, eval_loss = build._eval_functions(built, SimpleNamespace(forward="spec forward"))
+    model = torch.nn.Linear(2, 2)
+    components = Components(model, loss_fn, (torch.optim.SGD(model.parameters(), lr=0.1),))
+    inputs = layouts.StepInputs(components, StepSettings(loss_context=Context), "spec forward", None,
+                                Runtime(tp_size=2), ParallelConfig(), micro_batches=1)  # fmt: skip
+    laid_out = layouts.choose_layout(inputs.parallel).build(inputs)
+    forward, eval_loss = laid_out.forward, laid_out.loss
     assert forward == "spec forward"
     assert eval_loss(torch.ones(3), {"shift": 1.0}) == 4.0 and entered == [True]

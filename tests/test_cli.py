@@ -19,14 +19,15 @@ import pytest
 
 import recipes.tiny_gpt as tiny_gpt
 from fntrain.cli import dispatch, main, recipe_main, resolve_config
+from fntrain.cli.config_file import load_config, read_config_file
+from fntrain.cli.recipes import RecipeNotFound, available_recipes, load_recipe
 from fntrain.config import ConfigError
-from fntrain.hooks.checkpoint import CheckpointConfig
 from fntrain.hooks.memory import MemoryConfig
 from fntrain.hooks.profiler import ProfilerConfig
-from fntrain.plan.report import checkpoint_steps, describe_run_plan, format_run_plan
-from fntrain.run.config_file import load_config, read_config_file
+from fntrain.plan.render import format_run_plan
+from fntrain.plan.report import PlanInputs, checkpoint_steps, describe_run_plan
+from fntrain.run.config import CheckpointConfig
 from fntrain.run.job import plan_job
-from fntrain.run.recipes import RecipeNotFound, available_recipes, load_recipe
 from fntrain.runtime.parallel import ParallelConfig
 from fntrain.state import loader_length, make_run_plan
 
@@ -86,7 +87,7 @@ def test_plan_prints_the_mesh_and_its_stage_leaders(capsys):
     )
     parallel = ParallelConfig(strategy="fsdp2", tp_size=2, pp_size=2)
     profiler = ProfilerConfig(enabled=True, pipeline_stage_leaders=True)
-    report = describe_run_plan(plan, world_size=8, pp_size=2, parallel=parallel, profiler=profiler)
+    report = describe_run_plan(plan, PlanInputs(world_size=8, pp_size=2, parallel=parallel, profiler=profiler))
     mesh = report["mesh"]
     assert mesh["dims"] == [["pp", 2], ["dp", 2], ["tp", 2]]
     assert [entry["rank"] for entry in mesh["ranks"]] == list(range(8)) and mesh["all_ranks_shown"]
@@ -105,7 +106,7 @@ def test_plan_mesh_of_a_large_hsdp_world_shows_head_and_tail():
         global_batch_size=64, micro_batch_size=1, train_iters=10, dataset_len=1000, dp_size=32
     )
     parallel = ParallelConfig(strategy="fsdp2", tp_size=2, replicate=4)
-    report = describe_run_plan(plan, world_size=64, parallel=parallel)
+    report = describe_run_plan(plan, PlanInputs(world_size=64, parallel=parallel))
     mesh = report["mesh"]
     assert mesh["dims"] == [["dp_replicate", 4], ["dp_shard", 8], ["tp", 2]]
     assert [entry["rank"] for entry in mesh["ranks"]] == [0, 1, 2, 3, 60, 61, 62, 63]
@@ -130,7 +131,7 @@ def test_plan_renders_the_memory_per_rank_estimate():
         global_batch_size=32, micro_batch_size=16, train_iters=10, dataset_len=1000, dp_size=2
     )
     memory = plan_memory(config, tiny_gpt.spec.model_factory, world_size=2)
-    text = format_run_plan(describe_run_plan(plan, world_size=2, extra={"memory_per_rank": memory}))
+    text = format_run_plan(describe_run_plan(plan, PlanInputs(world_size=2), extra={"memory_per_rank": memory}))
     assert "memory per rank     84.19 MiB: weights 3.21 MiB, grads 6.43 MiB, AdamW 6.43 MiB" in text
     assert "842,496 parameters, 842,496 per rank; micro-batch 16 x 128 tokens, fp32" in text
 
@@ -176,10 +177,10 @@ def test_plan_builds_no_model_reads_no_corpus_touches_no_device(monkeypatch, cap
 def test_plan_notes_normalised_and_impossible_windows():
     plan = make_run_plan(global_batch_size=4, micro_batch_size=2, train_iters=6, dataset_len=100)
     with pytest.raises(ConfigError, match="profiler.stop_step"):  # a reversed window is refused
-        describe_run_plan(plan, world_size=2, device_type="cpu", profiler=ProfilerConfig(enabled=True, start_step=5, stop_step=3))
+        describe_run_plan(plan, PlanInputs(world_size=2, device_type="cpu", profiler=ProfilerConfig(enabled=True, start_step=5, stop_step=3)))
     profiler = ProfilerConfig(enabled=True, start_step=5, stop_step=9)
     memory = MemoryConfig(enable=True, start_step=4, end_step=9, dump_ranks=[3])
-    report = describe_run_plan(plan, world_size=2, device_type="cpu", profiler=profiler, memory=memory)
+    report = describe_run_plan(plan, PlanInputs(world_size=2, device_type="cpu", profiler=profiler, memory=memory))
     assert report["profiler"]["steps"] == [5, 6] and report["profiler"]["partial"]  # the run ends at 6
     assert report["memory"]["recorded_steps"] == [4, 6]
     assert report["memory"]["writes_at"] == "at TRAIN_END (partial window)"
@@ -196,10 +197,10 @@ def test_checkpoint_steps_in_the_plan():
     assert checkpoint_steps(plan, save_epochs=2) == [60, 100]
     assert checkpoint_steps(plan) == []
     config = SimpleNamespace(save_every=25, save_epochs=0, keep_last=2)
-    report = describe_run_plan(plan, checkpoint=config)
+    report = describe_run_plan(plan, PlanInputs(checkpoint=config))
     assert report["checkpoint"]["steps"] == [25, 50, 75, 100]
     assert "steps 25, 50, 75, 100 (4 saves), keep last 2" in format_run_plan(report)
-    long = describe_run_plan(plan, checkpoint=SimpleNamespace(save_every=1))
+    long = describe_run_plan(plan, PlanInputs(checkpoint=SimpleNamespace(save_every=1)))
     assert "1, 2, 3, 4, 5, ..., 98, 99, 100 (100 saves)" in format_run_plan(long)
 
 
@@ -281,7 +282,7 @@ def test_recipes_resolve_by_name_dotted_path_and_entry_point(monkeypatch):
     assert {"tiny_gpt", "hf_causal_lm"} <= set(available_recipes())
 
     entry = importlib.metadata.EntryPoint(name="mine", value="recipes.tiny_gpt", group="fntrain.recipes")
-    monkeypatch.setattr("fntrain.run.recipes._entry_points", lambda: {"mine": entry})
+    monkeypatch.setattr("fntrain.cli.recipes._entry_points", lambda: {"mine": entry})
     assert load_recipe("mine").module.__name__ == "recipes.tiny_gpt"
     assert available_recipes()["mine"] == "recipes.tiny_gpt"
 
@@ -341,7 +342,7 @@ def test_plot_calls_plot_run_lazily(monkeypatch, tmp_path, capsys):
         calls.append((run_dir, out_dir))
         return [Path(out_dir or run_dir) / "loss.png"]
 
-    monkeypatch.setitem(sys.modules, "fntrain.run.plot", SimpleNamespace(plot_run=plot_run))
+    monkeypatch.setitem(sys.modules, "fntrain.cli.plot", SimpleNamespace(plot_run=plot_run))
     paths = dispatch(["plot", str(tmp_path), "--out-dir", str(tmp_path / "plots")])
     assert calls == [(str(tmp_path), str(tmp_path / "plots"))]
     assert paths == [tmp_path / "plots" / "loss.png"]
@@ -349,7 +350,7 @@ def test_plot_calls_plot_run_lazily(monkeypatch, tmp_path, capsys):
 
 
 def test_fntrain_import_stays_light():
-    code = "import sys, fntrain, fntrain.cli, fntrain.run.config_file, fntrain.run.recipes, fntrain.plan.report; " \
+    code = "import sys, fntrain, fntrain.cli, fntrain.cli.config_file, fntrain.cli.recipes, fntrain.plan.report; " \
            "print(sorted(m for m in ('torch', 'tyro', 'tqdm', 'matplotlib', 'transformers') if m in sys.modules))"  # fmt: skip
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True

@@ -1,19 +1,19 @@
 """docs/config.md is the current config reference: every flag of the built-in recipes with its type,
-default and docstring (`fntrain.run.config_doc`)."""
+default and docstring (`fntrain.cli.config_doc`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from fntrain.run.config_doc import config_reference, field_docstrings
+from fntrain.cli.config_doc import config_reference, field_docstrings
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_docs_config_page_is_current():
     assert (ROOT / "docs" / "config.md").read_text() == config_reference(), (
-        "rerun: python -m fntrain.run.config_doc > docs/config.md"
+        "rerun: python -m fntrain.cli.config_doc > docs/config.md"
     )
 
 

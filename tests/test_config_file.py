@@ -11,19 +11,16 @@ from typing import Literal
 
 import pytest
 
-from fntrain.run.config_file import (
+from fntrain.cli.config_file import (
     ConfigFileError,
     _toml_module,
-    class_defaults,
     config_from_dict,
-    config_to_dict,
-    dump_toml,
     load_config,
     parse_config_cli,
     read_config_file,
     split_config_args,
-    write_config,
 )
+from fntrain.run.resolved import class_defaults, config_to_dict, dump_toml, write_config
 
 
 @dataclass(frozen=True)

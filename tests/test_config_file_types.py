@@ -1,4 +1,4 @@
-"""`fntrain.run.config_file` for field types the recipes' configs do not use (Any, Annotated, None,
+"""`fntrain.cli.config_file` for field types the recipes' configs do not use (Any, Annotated, None,
 paths, enums, dicts, unions of several arms), keys given twice, values the TOML writer must spell
 (nan, inline tables) or refuse, and file errors without a position (TOML, YAML) or unreadable files."""
 
@@ -12,15 +12,8 @@ from typing import Annotated, Any
 
 import pytest
 
-from fntrain.run.config_file import (
-    ConfigFileError,
-    config_from_dict,
-    config_to_dict,
-    dump_toml,
-    load_config,
-    read_config_file,
-    write_config,
-)
+from fntrain.cli.config_file import ConfigFileError, config_from_dict, load_config, read_config_file
+from fntrain.run.resolved import config_to_dict, dump_toml, write_config
 
 
 class Color(enum.Enum):

@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 import pytest
 
-from fntrain.checkpoint.hf_export import ExportOptions
+from fntrain.checkpoint.export_options import ExportOptions
 from fntrain.config import require_bool_or_none, require_float, require_float_tuple
+from fntrain.data.settings import LoaderConfig
 from fntrain.data.sft import SFTDataConfig
-from fntrain.hooks.checkpoint import CheckpointConfig
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.gc import GCConfig
 from fntrain.hooks.memory import MemoryConfig
@@ -29,12 +29,12 @@ from fntrain.hooks.metrics import MetricsConfig
 from fntrain.hooks.profiler import ProfilerConfig
 from fntrain.hooks.progress import ProgressConfig
 from fntrain.hooks.throughput import ThroughputConfig
-from fntrain.hooks.watchdog import WatchdogConfig
-from fntrain.models.hf import AssetsConfig, HFModelConfig
-from fntrain.optim import OptimizerConfig, ScheduleConfig
-from fntrain.run.config import LoaderConfig, TrainConfig
+from fntrain.models.hf_config import AssetsConfig, HFModelConfig
+from fntrain.run.config import CheckpointConfig, TrainConfig
 from fntrain.runtime.parallel import ParallelConfig
 from fntrain.runtime.setup import RuntimeConfig
+from fntrain.runtime.watchdog import WatchdogConfig
+from fntrain.step.optim import OptimizerConfig, ScheduleConfig
 
 CONFIGS = [
     OptimizerConfig, ScheduleConfig, RuntimeConfig, ParallelConfig, TrainConfig, LoaderConfig,

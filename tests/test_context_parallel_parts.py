@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fntrain.context_parallel import (
+from fntrain.data.packing import document_causal_mask, pack_sequence
+from fntrain.step import causal_lm_loss
+from fntrain.step.context_parallel import (
     context_parallel_parts,
     heads_to_seq,
     seq_to_heads,
@@ -19,8 +21,6 @@ from fntrain.context_parallel import (
     to_seq,
     ulysses_attention,
 )
-from fntrain.data.packing import document_causal_mask, pack_sequence
-from fntrain.step import causal_lm_loss
 from tests.runtime.conftest import one_rank_env  # noqa: F401 (the fixture: a 1-rank torchrun environment)
 from tests.test_bad_inputs import SMALL, expect_one_line
 
@@ -143,7 +143,7 @@ def test_the_all_to_alls_run_on_gloo_with_autograd(gloo):
 
 
 def test_ulysses_attention_routes_sdpa_and_is_entered_once(gloo, monkeypatch):
-    import fntrain.context_parallel as cp
+    import fntrain.step.context_parallel as cp
 
     calls = []
     real = cp.ulysses_sdpa
@@ -160,8 +160,8 @@ def test_ulysses_attention_routes_sdpa_and_is_entered_once(gloo, monkeypatch):
 def test_context_parallel_parts_on_one_rank_match_the_plain_forward_and_loss(gloo):
     from torch.distributed.device_mesh import init_device_mesh
 
+    from fntrain.models.gpt import ModelConfig, TinyGPT
     from fntrain.step import default_forward
-    from recipes.tiny_gpt import ModelConfig, TinyGPT
 
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
     parts = context_parallel_parts(default_forward, causal_lm_loss, mesh=mesh)
@@ -216,7 +216,7 @@ def test_a_bad_cp_setting_is_one_line_and_creates_nothing(tmp_path, capsys, monk
 
 def test_a_recipe_without_splittable_attention_refuses_cp(tmp_path):
     from fntrain.config import ConfigError
-    from fntrain.run.checks import check_context_parallel
+    from fntrain.step.layouts import check_context_parallel
     from recipes import hf_causal_lm, tiny_gpt
 
     config = tiny_gpt.Config(run_dir=str(tmp_path))

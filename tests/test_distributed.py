@@ -71,7 +71,7 @@ def runs(tmp_path_factory):
 
 
 def _initial_weights() -> dict[str, torch.Tensor]:
-    from recipes.tiny_gpt import TinyGPT
+    from fntrain.models.gpt import TinyGPT
     from tests.dist_worker import MODEL
 
     torch.manual_seed(0)

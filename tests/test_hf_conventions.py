@@ -18,7 +18,10 @@ from torch import nn
 from fntrain.hooks.metrics import MetricsConfig, metrics_hook
 from fntrain.hooks.metrics_log import metrics_log
 from fntrain.loop import train
-from fntrain.optim import (
+from fntrain.runtime.runtime import Runtime
+from fntrain.state import RunPlan, TrainState
+from fntrain.step import StepSettings, causal_lm_loss, make_train_step
+from fntrain.step.optim import (
     OptimizerConfig,
     ScheduleConfig,
     _no_decay_names,
@@ -26,9 +29,6 @@ from fntrain.optim import (
     build_optimizer,
     lr_factor,
 )
-from fntrain.runtime.runtime import Runtime
-from fntrain.state import RunPlan, TrainState
-from fntrain.step import causal_lm_loss, make_train_step
 
 
 class NormedLM(nn.Module):
@@ -70,7 +70,7 @@ def run_fntrain(model, batches, *, log_every, optim, schedule, tmp_path, max_gra
     plan = RunPlan(len(batches), len(batches), 1)
     optimizer = build_optimizer(optim, model).optimizer
     scheduler = build_lr_schedule(schedule, plan, optimizer).scheduler
-    step_fn = make_train_step(model, causal_lm_loss, optimizer, scheduler, max_grad_norm=max_grad_norm)
+    step_fn = make_train_step(model, causal_lm_loss, optimizer, scheduler, settings=StepSettings(max_grad_norm=max_grad_norm))
     runtime = Runtime()
     writer = metrics_log(MetricsConfig(), runtime, tmp_path)
     hook = metrics_hook(runtime, log_every=log_every, writer=writer, last_step=plan.train_iters)

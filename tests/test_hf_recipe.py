@@ -19,14 +19,13 @@ import torch
 from fntrain.cli import dispatch
 from fntrain.data.sft import SFTDataConfig, build_sft_datasets, transform_example
 from fntrain.data.tokens import IGNORE_INDEX
-from fntrain.hooks.checkpoint import CheckpointConfig
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
-from fntrain.models.hf import AssetsConfig, HFModelConfig
+from fntrain.models.hf_config import AssetsConfig, HFModelConfig
 from fntrain.models.lora import LoraConfig
-from fntrain.optim import OptimizerConfig
-from fntrain.run.config import TrainConfig
+from fntrain.run.config import CheckpointConfig, TrainConfig
 from fntrain.run.job import run_job
+from fntrain.step.optim import OptimizerConfig
 from recipes import hf_causal_lm as hf
 from tests.hf_helpers import CHATS, TEMPLATE, save_tiny_llama
 
@@ -177,7 +176,7 @@ def test_fine_tune_three_steps_then_reload_with_transformers(tiny_hf_model, tmp_
         r.get("loss", 1) > 0 for r in records
     )
     assert any("val_loss" in r for r in records)
-    from fntrain.run.config_file import load_config
+    from fntrain.cli.config_file import load_config
 
     assert load_config(hf.Config, tmp_path / "run" / "config.json") == config
 
@@ -237,7 +236,7 @@ def test_real_tokenizer_masks_prompt_tokens(tiny_hf_model):
 @pytest.mark.slow
 def test_plan_for_two_ranks_reads_no_weights(tiny_hf_model, monkeypatch, capsys):
     from fntrain.cli import dispatch
-    from fntrain.run.recipes import load_recipe
+    from fntrain.cli.recipes import load_recipe
 
     model_dir, data_path = tiny_hf_model
     module = load_recipe("hf_causal_lm").module  # fntrain_recipes.hf_causal_lm when installed

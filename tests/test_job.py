@@ -16,11 +16,10 @@ from torch import nn
 
 from fntrain import Event, StopTraining
 from fntrain.config import ConfigError, require_int
-from fntrain.hooks.checkpoint import CheckpointConfig
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
 from fntrain.run.checks import check_values
-from fntrain.run.config import JobConfig, RecipeSpec, TrainConfig
+from fntrain.run.config import CheckpointConfig, JobConfig, RecipeSpec, TrainConfig
 from fntrain.run.job import plan_job, run_job
 from fntrain.runtime.materialize import build_seeded_model
 

@@ -13,8 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     "fntrain.state": 0, "fntrain.config": 0, "fntrain.mesh_layout": 0, "fntrain.stateful": 0,
     "fntrain.loop": 1, "fntrain.runtime": 1, "fntrain.data": 1, "fntrain": 2,
-    "fntrain.components": 2, "fntrain.step": 2, "fntrain.optim": 2, "fntrain.context_parallel": 2,
-    "fntrain.pipeline_step": 3, "fntrain.checkpoint": 3,
+    "fntrain.step": 2, "fntrain.checkpoint": 3,
     "fntrain.models": 4,
     "fntrain.hooks": 5,
     "fntrain.plan": 6,

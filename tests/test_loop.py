@@ -57,7 +57,7 @@ def run(state=None, plan=None, step=None, hooks=(), data=None, **kw):
         seen.append(batch)
         return {"loss": 1.0}
 
-    final = train(state or TrainState(), step or default_step, list(hooks), data=data, plan=plan, **kw)
+    final = train(state or TrainState(), step or default_step, list(hooks), data=data, plan=plan, **kw).state
     return final, seen, data
 
 

@@ -15,19 +15,21 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from fntrain.models.gpt import ModelConfig, TinyGPT
+from fntrain.plan.activations import LayerShape, layer_activation_bytes
 from fntrain.plan.estimate import (
     BatchShape,
     ParallelLayout,
     PartParams,
     estimate_memory,
     estimate_stages,
-    layer_activation_bytes,
     llama_layout,
     stage_blocks,
 )
-from fntrain.plan.memory import LLAMA3_8B, doc_tables, layout_from_module, plan_memory
+from fntrain.plan.memory import layout_from_module, plan_memory
+from fntrain.plan.tables import LLAMA3_8B, doc_tables
 from fntrain.runtime.parallel import ParallelConfig
-from recipes.tiny_gpt import Config, ModelConfig, TinyGPT, spec
+from recipes.tiny_gpt import Config, spec
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "distributed.md"
 
@@ -93,14 +95,14 @@ def test_activations_are_the_papers_formulas():
     s, b, h, a = 2048, 2, 1024, 16
     sbh = s * b * h
     # Korthikanti et al. 2022, eq. 1-3 (16-bit values, dropout, unfused attention, MLP 4h).
-    assert layer_activation_bytes(s, b, h, a) == 34 * sbh + 5 * a * s * s * b
+    assert layer_activation_bytes(LayerShape(s, b, h, a)) == 34 * sbh + 5 * a * s * s * b
     for t in (2, 4, 8):
-        tp = layer_activation_bytes(s, b, h, a, tp_size=t)
+        tp = layer_activation_bytes(LayerShape(s, b, h, a), tp_size=t)
         assert tp == sbh * 10 + (24 * sbh + 5 * a * s * s * b) // t
-        sp = layer_activation_bytes(s, b, h, a, tp_size=t, sequence_parallel=True)
+        sp = layer_activation_bytes(LayerShape(s, b, h, a), tp_size=t, sequence_parallel=True)
         assert sp == (34 * sbh + 5 * a * s * s * b) // t
     # Fused attention keeps no s x s scores; no dropout keeps no masks.
-    fused = layer_activation_bytes(s, b, h, a, flash_attention=True, dropout=False)
+    fused = layer_activation_bytes(LayerShape(s, b, h, a, flash_attention=True, dropout=False))
     assert fused == 32 * sbh + 4 * a * s * b
 
 
@@ -194,6 +196,6 @@ def test_doc_tables_are_the_functions_output():
 
 
 def test_estimate_and_plan_modules_import_no_torch():
-    code = "import sys, fntrain.plan.estimate, fntrain.mesh_layout, fntrain.plan.report; print('torch' in sys.modules)"
+    code = "import sys, fntrain.plan.estimate, fntrain.plan.tables, fntrain.mesh_layout, fntrain.plan.report; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

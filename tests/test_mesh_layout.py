@@ -1,5 +1,5 @@
 """fntrain.mesh_layout: the rank -> mesh coordinates arithmetic the plan and the profiler share agrees
-with a row-major torch tensor of ranks shaped like the runtime's DeviceMesh (`_build_mesh`)."""
+with a row-major torch tensor of ranks shaped like the runtime's DeviceMesh (`build_mesh`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_coordinates_and_groups_match_a_row_major_mesh(world, tp, pp, cp, replic
     dims = mesh_dims(world, tp_size=tp, pp_size=pp, cp_size=cp, replicate=replicate)
     names = [name for name, _ in dims]
     sizes = [size for _, size in dims]
-    # What _build_mesh hands init_device_mesh: pp, dp (or dp_replicate, dp_shard), cp, tp; 1s dropped.
+    # What build_mesh hands init_device_mesh: pp, dp (or dp_replicate, dp_shard), cp, tp; 1s dropped.
     expected = [("pp", pp), ("dp_replicate", replicate), ("dp_shard", world // (tp * pp * cp) // replicate),
                 ("cp", cp), ("tp", tp)] if replicate > 1 else [("pp", pp), ("dp", world // (tp * pp * cp)),
                                                                ("cp", cp), ("tp", tp)]  # fmt: skip

@@ -65,7 +65,7 @@ def test_every_config_file_is_listed_and_names_a_placeholder_model():
 @pytest.mark.parametrize("stem", sorted(CONFIGS))
 def test_each_config_plans_at_8_and_64_gpus_from_config_json_alone(stem, monkeypatch, chdir_root):
     pytest.importorskip("transformers")
-    from fntrain.run.recipes import load_recipe
+    from fntrain.cli.recipes import load_recipe
 
     module = load_recipe("hf_causal_lm").module
     monkeypatch.setattr(module, "load_causal_lm", lambda *a, **k: pytest.fail("plan must not load the model"))

@@ -19,10 +19,11 @@ import torch
 from safetensors.torch import load_file
 
 from fntrain.config import ConfigError
+from fntrain.models.gpt import ModelConfig, TinyGPT
 from fntrain.run.job import plan_job
 from fntrain.runtime.pipeline import PipelineSplit, split_stage, stage_layers, stage_ties
 from fntrain.runtime.tensor_parallel import tensor_parallel_plan
-from recipes.tiny_gpt import PIPELINE, Config, ModelConfig, TinyGPT
+from recipes.tiny_gpt import PIPELINE, Config
 from tests.test_distributed import ROOT, _env
 
 TIGHT = {"rtol": 1e-5, "atol": 1e-6}

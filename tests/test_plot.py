@@ -1,4 +1,4 @@
-"""Plots of a run: loss.png and throughput.png from metrics.jsonl (`python -m fntrain.run.plot RUN_DIR`)."""
+"""Plots of a run: loss.png and throughput.png from metrics.jsonl (`python -m fntrain.cli.plot RUN_DIR`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fntrain.run.plot import main, plot_run, read_metrics, series
+from fntrain.cli.plot import main, plot_run, read_metrics, series
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -87,7 +87,7 @@ def test_missing_matplotlib_is_a_clear_error(tmp_path, monkeypatch, capsys):
 def test_module_command_line(tmp_path):
     write_run(tmp_path / "run", sample_records())
     result = subprocess.run(
-        [sys.executable, "-m", "fntrain.run.plot", str(tmp_path / "run")],
+        [sys.executable, "-m", "fntrain.cli.plot", str(tmp_path / "run")],
         capture_output=True,
         text=True,
         check=True,
@@ -150,7 +150,7 @@ def test_missing_matplotlib_makes_no_out_dir(tmp_path, monkeypatch):
 
 def _drawn_figures(monkeypatch) -> list:
     """The figures plot_run draws, kept for inspection."""
-    from fntrain.run import plot as plot_module
+    from fntrain.cli import plot as plot_module
 
     figures = []
     make = plot_module._figure
@@ -194,7 +194,7 @@ def test_throughput_panels_are_separate_and_legends_sit_beside_the_data(tmp_path
 
 
 def test_smoothing_and_short_numbers():
-    from fntrain.run.plot import short_number, smoothed
+    from fntrain.cli.plot import short_number, smoothed
 
     assert smoothed([1.0, 2.0, 3.0, 10.0], window=3) == [1.5, 2.0, 5.0, 6.5]
     assert smoothed([4.0, 8.0]) == [4.0, 8.0]  # a window of 1 for a short series

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fntrain.checkpoint import find_latest, list_checkpoints, read_meta
-from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook
+from fntrain.checkpoint import SaveTarget, find_latest, list_checkpoints, read_meta
+from fntrain.hooks.checkpoint import checkpoint_hook
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
 from fntrain.hooks.signals import (
@@ -28,6 +28,7 @@ from fntrain.hooks.signals import (
     signal_numbers,
 )
 from fntrain.loop import Event
+from fntrain.run.config import CheckpointConfig
 from fntrain.run.job import run_job
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
@@ -184,7 +185,7 @@ def test_the_checkpoint_hook_installs_the_configured_signals_itself(tmp_path):
 
     before = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
     config = CheckpointConfig(save_every=100, preempt_signals=("SIGUSR1",), preempt_exit_code=3)
-    hook = checkpoint_hook(config, toy.components(), Runtime(), directory=tmp_path)
+    hook = checkpoint_hook(config, SaveTarget(tmp_path, toy.components()), Runtime())
     assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)) == before  # not yet
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     try:

@@ -1,4 +1,4 @@
-"""`fntrain.run.recipes` where the environment misbehaves: broken entry-point metadata, an entry point
+"""`fntrain.cli.recipes` where the environment misbehaves: broken entry-point metadata, an entry point
 naming something other than a module, a recipe whose own import fails (the error reaches the user),
 module names find_spec cannot take, a missing recipe file, a recipe's source module name."""
 
@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from fntrain.run import recipes
+from fntrain.cli import recipes
 
 
 def test_broken_entry_point_metadata_lists_the_built_ins(monkeypatch):

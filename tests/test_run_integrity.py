@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from fntrain.checkpoint import list_checkpoints
+from fntrain.cli.plot import read_metrics
 from fntrain.config import ConfigError
-from fntrain.hooks.checkpoint import CheckpointConfig
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
+from fntrain.run.config import CheckpointConfig
 from fntrain.run.job import run_job
-from fntrain.run.plot import read_metrics
 from recipes import tiny_gpt
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -38,7 +38,7 @@ def git(directory: Path, *args: str) -> str:
 def test_metadata_fields(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # not a git checkout
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    path = write_run_metadata(tmp_path / "run", Runtime(seed=7), argv=["train.py", "--x", "1"])
+    path = write_run_metadata(tmp_path / "run", Runtime(seed=7, restart_count=2), argv=["train.py", "--x", "1"])
     metadata = read(tmp_path / "run")
     assert path == tmp_path / "run" / METADATA_FILE
     assert metadata["command"]["argv"] == ["train.py", "--x", "1"]

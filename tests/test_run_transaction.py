@@ -13,7 +13,7 @@ import pytest
 
 from fntrain import Event
 from fntrain.cli import run_recipe
-from fntrain.hooks.checkpoint import CheckpointConfig
+from fntrain.run.config import CheckpointConfig
 from fntrain.run.job import RunAborted, run_job
 from fntrain.run.open import Found, restore_found, survey
 from tests.test_job import spec, toy, toy_datasets

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from fntrain import step as step_module
 from fntrain.state import TrainState
-from fntrain.step import causal_lm_loss, make_train_step
+from fntrain.step import StepSettings, causal_lm_loss, make_train_step
+from fntrain.step import train_step as step_module
 
 VOCAB, WIDTH, SEQ = 11, 8, 6
 EXACT = {"rtol": 1e-5, "atol": 1e-6}
@@ -63,7 +63,8 @@ def run_step(model, micro_batches, **kwargs):
         grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
     optimizer.register_step_pre_hook(capture)
-    step_fn = make_train_step(model, causal_lm_loss, optimizer, **kwargs)
+    scaler = kwargs.pop("grad_scaler", None)
+    step_fn = make_train_step(model, causal_lm_loss, optimizer, settings=StepSettings(**kwargs), grad_scaler=scaler)
     metrics = step_fn(TrainState(), micro_batches)
     return metrics, grads
 
@@ -216,7 +217,7 @@ def test_clipping_reports_the_pre_clip_norm_and_clips():
 def test_metrics_are_device_tensors_and_lr_a_float():
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    metrics = make_train_step(model, causal_lm_loss, optimizer, max_grad_norm=1.0)(
+    metrics = make_train_step(model, causal_lm_loss, optimizer, settings=StepSettings(max_grad_norm=1.0))(
         TrainState(), make_samples(2)
     )
     assert set(metrics) == {"loss", "grad_norm", "lr", "loss_tokens"}
@@ -286,7 +287,7 @@ def test_skip_mode_skips_the_update_and_the_scheduler():
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     before = copy.deepcopy(model.state_dict())
     step_fn = make_train_step(
-        model, causal_lm_loss, optimizer, scheduler, nonfinite="skip", max_grad_norm=1.0
+        model, causal_lm_loss, optimizer, scheduler, settings=StepSettings(nonfinite="skip", max_grad_norm=1.0)
     )
     metrics = step_fn(TrainState(), make_samples(2))
     assert metrics["skipped"] == 1.0
@@ -334,7 +335,7 @@ def test_grad_scaler_skips_an_overflowing_step_by_itself():
         return causal_lm_loss(output, micro_batch) * 1e20
 
     before = copy.deepcopy(model.state_dict())
-    step_fn = make_train_step(model, steep_loss, optimizer, grad_scaler=scaler, max_grad_norm=1.0)
+    step_fn = make_train_step(model, steep_loss, optimizer, settings=StepSettings(max_grad_norm=1.0), grad_scaler=scaler)
     metrics = step_fn(TrainState(), make_samples(2))
     assert not torch.isfinite(metrics["grad_norm"])
     for name, value in model.state_dict().items():
@@ -435,7 +436,7 @@ def test_fsdp_gradient_sync_is_restored_after_a_failing_micro_batch():
 def test_bad_arguments_are_rejected_at_build_time(kwargs, message):
     model = make_model()
     with pytest.raises(ValueError, match=message):
-        make_train_step(model, causal_lm_loss, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+        make_train_step(model, causal_lm_loss, torch.optim.SGD(model.parameters(), lr=0.1), settings=StepSettings(**kwargs))
 
 
 def test_empty_batch_is_an_error_naming_the_step():

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from fntrain import Event, StopTraining
-from fntrain.hooks.checkpoint import CheckpointConfig
+from fntrain.data.settings import LoaderConfig
 from fntrain.hooks.progress import ProgressConfig
-from fntrain.run.config import LoaderConfig
+from fntrain.run.config import CheckpointConfig
 from fntrain.run.job import RunAborted, run_job
 
 tiny_gpt = pytest.importorskip("recipes.tiny_gpt")

@@ -7,10 +7,10 @@ import dataclasses
 import json
 import math
 
+from fntrain.cli.plot import main as plot_main
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
 from fntrain.run.job import run_job
-from fntrain.run.plot import main as plot_main
 from recipes import tiny_gpt
 
 

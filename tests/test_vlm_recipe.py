@@ -18,13 +18,14 @@ import pytest
 import torch
 
 from fntrain.cli import dispatch
-from fntrain.data.vlm import ShapesQA, VLMDataConfig
+from fntrain.data.shapes import ShapesQA
+from fntrain.data.vlm import VLMDataConfig
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
 from fntrain.models.vlm import VLMModelConfig
-from fntrain.optim import OptimizerConfig
 from fntrain.run.config import TrainConfig
 from fntrain.run.job import plan_job, run_job
+from fntrain.step.optim import OptimizerConfig
 from recipes import vlm
 from tests.vlm_helpers import tiny_model_dir
 

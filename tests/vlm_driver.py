@@ -23,8 +23,8 @@ def main(argv: list[str]) -> None:
     kill_step = int(at) if at else -1
 
     import recipes.vlm as recipe
+    from fntrain.cli.config_file import parse_config_cli
     from fntrain.loop import Event
-    from fntrain.run.config_file import parse_config_cli
     from fntrain.run.job import run_job
 
     rank = int(os.environ.get("RANK", "0"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
-from fntrain.data.vlm import shapes_texts
+from fntrain.data.shapes import shapes_texts
 from fntrain.models.vlm import TinyLlavaConfig, VLMModelConfig, load_processor, resolve_model_dir
 
 TINY = TinyLlavaConfig(image_size=16, patch_size=4, vision_width=16, vision_layers=1, text_width=16,

@@ -1,7 +1,8 @@
 """Checkpoints over torch.distributed.checkpoint: save, restore, find the latest, export [S36].
 
-    path = save(root, state, components, hooks=hooks)           # <root>/step_<N>/, complete on return
-    pending = save_async(root, state, components, hooks=hooks)  # staged; the write goes on in a thread
+    target = SaveTarget(root, components, hooks=hooks)   # what a run's checkpoints hold, and where
+    path = save(target, state)                             # <root>/step_<N>/, complete on return
+    pending = save_async(target, state, SaveOptions(keep_last=2))  # staged; the write goes on in a thread
     pending.result()                                            # complete (or raises); settle before the next
     state = restore("latest", components, root=root, hooks=hooks)  # "none" | "auto" | "latest" | a path
     export_safetensors(model, run_dir / "model.safetensors")
@@ -18,6 +19,7 @@ damaged checkpoints ("latest"/"auto") or refuses them (a path) with a `Checkpoin
 The checkpoint hook (`fntrain.hooks.checkpoint`) decides when to save; this package does the saving.
 """
 
+from fntrain.checkpoint.async_save import PendingSave, close_async_saves, make_stager, save_async
 from fntrain.checkpoint.export import export_safetensors
 from fntrain.checkpoint.layout import (
     candidates,
@@ -29,21 +31,16 @@ from fntrain.checkpoint.layout import (
     move_aside,
     step_dir,
 )
-from fntrain.checkpoint.restorer import MissingKeysError, read_meta, resolve_source, restore
+from fntrain.checkpoint.matching import MissingKeysError
+from fntrain.checkpoint.restorer import read_meta, resolve_source, restore
 from fntrain.checkpoint.retention import remove_superseded_temporary, retain
 from fntrain.checkpoint.rng import rng_state, set_rng_state
-from fntrain.checkpoint.saver import (
-    CheckpointSaveError,
-    PendingSave,
-    app_state,
-    close_async_saves,
-    make_stager,
-    save,
-    save_async,
-)
+from fntrain.checkpoint.saver import CheckpointSaveError, SaveOptions, SaveTarget, app_state, save
 from fntrain.checkpoint.verify import CheckpointDamagedError, Damage, damage, verified, write_manifest
 
 __all__ = [
+    "SaveTarget",
+    "SaveOptions",
     "save",
     "save_async",
     "PendingSave",

@@ -26,13 +26,9 @@ one output file's tensors are ever in memory. Beside them:
 - `fntrain_export.json`: where the weights came from (checkpoint, step, TrainState), the run config and
   the tied names left out, so the way back restores the same state-dict keys.
 
-HF -> DCP reads the safetensors memory-mapped (nothing is copied into memory up front) and writes a
-complete fntrain checkpoint `<out>/step_<N>/` (DCP data, meta.json, the completion marker) and the
-`latest` pointer; N is `step`, else the exported checkpoint's step, else 0. It holds model weights only:
-restore it with `checkpoint.weights_only` (a full restore warns that optimizer, schedulers and RNG
-start fresh); a converted export is refused (its names are the transformers model's, not the recipe's).
-Tied names the HF directory leaves out (fntrain_export.json, or the transformers
-architecture of its config.json) are written under each name, as fntrain's own checkpoints hold them.
+HF -> DCP (`fntrain.checkpoint.hf_import`) writes an HF directory back as a complete fntrain
+checkpoint, model weights only. The options and the dispatch of `fntrain export` are in
+`fntrain.checkpoint.export_options`.
 
 Both directions are offline tools for one process (no torchrun); the output must not exist yet (or be
 empty) unless `overwrite` is set. DCP -> HF verifies the checkpoint against its manifest first (a
@@ -43,41 +39,24 @@ the disk as it found it, and an old output stays whole until the new one is comp
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
 import shutil
-import struct
-import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from fntrain.checkpoint import _dist
-from fntrain.checkpoint.export import Conversion, _umask, set_usual_mode
+from fntrain.checkpoint.export import Conversion, set_usual_mode
 from fntrain.checkpoint.hf_load import set_offline
-from fntrain.checkpoint.layout import step_dir, step_of, write_json_atomic, write_latest, write_marker
-from fntrain.checkpoint.verify import write_manifest
-from fntrain.config import require_bool, require_choice, require_int, require_str
-from fntrain.data.files import existing_ancestor
+from fntrain.checkpoint.staged_out import check_out, require_source_dir, staged_out
 
-__all__ = [
-    "ExportOptions",
-    "export_checkpoint",
-    "export_hf",
-    "export_source",
-    "import_hf",
-    "parse_size",
-    "PROVENANCE",
-    "SAFE_WEIGHTS",
-    "SAFE_INDEX",
-]
+__all__ = ["export_hf", "export_source", "PROVENANCE", "SAFE_WEIGHTS", "SAFE_INDEX"]
 
 log = logging.getLogger("fntrain.checkpoint")
 
@@ -86,127 +65,12 @@ SAFE_INDEX = "model.safetensors.index.json"
 PROVENANCE = "fntrain_export.json"
 PROVENANCE_FORMAT = 1
 MODEL_PREFIX = "model."
-DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}  # fmt: skip
 # What a Hugging Face model directory holds besides weights: copied next to the exported weights.
 _WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack)$|.*\.index\.json$")
 
 
-@dataclass(frozen=True)
-class ExportOptions:
-    """How `fntrain export` converts."""
-
-    format: Literal["hf", "dcp"] = "hf"
-    """hf: an fntrain DCP checkpoint -> a Hugging Face directory; dcp: a Hugging Face directory -> an fntrain checkpoint root (step_<N>/ + latest)."""
-    max_shard_size: str = "5GB"
-    """hf: the largest safetensors file (5GB, 500MB, 2GiB, or bytes); larger models are split into model-0000i-of-0000n.safetensors files with a model.safetensors.index.json."""
-    dtype: Literal["keep", "float32", "bfloat16", "float16"] = "keep"
-    """Cast floating-point weights to this dtype (keep: as stored)."""
-    model_dir: str | None = None
-    """hf: the Hugging Face model directory whose config.json, generation config and tokenizer files go with the weights (None: the run config's model.path, when it is one)."""
-    recipe: str | None = None
-    """hf: the recipe whose conversion to a transformers model applies (tiny_gpt: GPT-2); None: the one the checkpoint records; none: the model's own names and an fntrain config.json."""
-    step: int | None = None
-    """dcp: the step number of the written checkpoint (None: the exported checkpoint's, else 0)."""
-    overwrite: bool = False
-    """Replace an existing, non-empty output directory."""
-
-    def validate(self, prefix: str = "export") -> None:
-        require_choice(f"{prefix}.format", self.format, ("hf", "dcp"))
-        require_str(f"{prefix}.max_shard_size", self.max_shard_size, non_empty=True)
-        if parse_size(self.max_shard_size, f"{prefix}.max_shard_size") < 1:
-            raise ValueError(f"{prefix}.max_shard_size must be at least 1 byte, got {self.max_shard_size!r}")
-        require_choice(f"{prefix}.dtype", self.dtype, tuple(DTYPES))
-        require_str(f"{prefix}.model_dir", self.model_dir, optional=True)
-        require_str(f"{prefix}.recipe", self.recipe, optional=True, non_empty=True)
-        if self.step is not None:
-            require_int(f"{prefix}.step", self.step, min=0)
-        require_bool(f"{prefix}.overwrite", self.overwrite)
-
-
-def parse_size(text: str | int, field: str = "export.max_shard_size") -> int:
-    """Bytes in "5GB" (decimal units, as Hugging Face counts), "2GiB" (binary), "500MB" or "1024"."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    match = _SIZE.match(str(text))
-    if not match:
-        raise ValueError(f"{field} must be a size such as 5GB, 500MB, 2GiB or a byte count, got {text!r}")
-    number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "B").upper()])
-
-
-def export_checkpoint(
-    source: str | os.PathLike,
-    out: str | os.PathLike,
-    options: ExportOptions,
-    convert: Conversion | None = None,
-) -> Path:
-    """Convert `source` to `out` as `options.format` says (`convert`: as for `export_hf`); return the
-    written directory."""
-    options.validate("export")
-    if options.format == "hf":
-        return export_hf(
-            source,
-            out,
-            max_shard_size=parse_size(options.max_shard_size),
-            dtype=DTYPES[options.dtype],
-            model_dir=options.model_dir,
-            overwrite=options.overwrite,
-            convert=convert,
-        )
-    return import_hf(source, out, step=options.step, dtype=DTYPES[options.dtype], overwrite=options.overwrite)
-
-
-# ----------------------------------------------------------------------------- shared helpers
-
-
-def _check_out(out: Path, overwrite: bool) -> Path:
-    """Refuse an output that is a file, that cannot be created (a file where a parent should be), or a
-    non-empty directory unless `overwrite`; returns the nearest existing ancestor."""
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"output {str(out)!r} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"output directory {str(out)!r} is not empty (pass overwrite to replace it)")
-    return existing_ancestor(out)
-
-
-@contextlib.contextmanager
-def _staged_out(out: Path, overwrite: bool) -> Iterator[Path]:
-    """A fresh temporary directory beside `out` (in its nearest existing ancestor) to write into;
-    renamed to `out` (replacing an old one only now, when `overwrite`; making missing parents only
-    now) when the block succeeds, removed when it fails: a failed export leaves the disk as it was,
-    and the old output stays whole until the new one is complete."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=_check_out(out, overwrite)))
-    try:
-        yield staging
-        if out.is_dir():
-            _check_out(out, overwrite)
-            shutil.rmtree(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staging, out)
-        os.chmod(out, 0o777 & ~_umask())  # mkdtemp makes 0700 directories
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def _require_source_dir(source: str | os.PathLike, kind: str) -> None:
-    """`source` is an existing directory, else a `FileNotFoundError` naming it as given and its `kind`."""
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"{kind} {str(source)!r} does not exist")
-    if not path.is_dir():
-        raise FileNotFoundError(f"{kind} {str(source)!r} is a file, not a directory")
-
-
-def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def cast_floating(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`tensor` cast to `dtype` when it is floating point and a dtype is given (integers keep theirs)."""
     return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
@@ -214,7 +78,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _tied_aliases(config_dir: Path) -> dict[str, str]:
+def tied_aliases(config_dir: Path) -> dict[str, str]:
     """alias -> kept name for the weights the transformers architecture in `config_dir/config.json`
     ties (the kept name is the first in `named_parameters` order, the one `save_pretrained` keeps);
     {} when transformers is missing or does not know the architecture."""
@@ -328,7 +192,7 @@ def _tied_in_checkpoint(source: Path | None, entries: Mapping[str, Any]) -> dict
     if source is None:
         return {}
     names = {key[len(MODEL_PREFIX) :] for key in entries}
-    return {alias: kept for alias, kept in _tied_aliases(source).items() if alias in names and kept in names}
+    return {alias: kept for alias, kept in tied_aliases(source).items() if alias in names and kept in names}
 
 
 def _write_weight_files(
@@ -376,7 +240,7 @@ def _checkpoint_loader(
 
     def load(names: list[str]) -> dict[str, torch.Tensor]:
         loaded = _load_model_keys(path, entries, [MODEL_PREFIX + name for name in names])
-        return {key[len(MODEL_PREFIX) :]: _cast(tensor, dtype) for key, tensor in loaded.items()}
+        return {key[len(MODEL_PREFIX) :]: cast_floating(tensor, dtype) for key, tensor in loaded.items()}
 
     return sizes, load
 
@@ -388,7 +252,7 @@ def _converted_loader(
     (a conversion may fuse or split tensors across names)."""
     loaded = _load_model_keys(path, entries, list(entries))
     config, tensors = convert({key[len(MODEL_PREFIX) :]: tensor for key, tensor in loaded.items()})
-    tensors = {name: _cast(tensor, dtype) for name, tensor in tensors.items()}
+    tensors = {name: cast_floating(tensor, dtype) for name, tensor in tensors.items()}
     sizes = [(name, tensor.numel() * tensor.element_size()) for name, tensor in tensors.items()]
     return config, sizes, lambda names: {name: tensors[name] for name in names}
 
@@ -456,7 +320,7 @@ def export_hf(
         config = None
         kept = [key for key in entries if key[len(MODEL_PREFIX) :] not in tied]
         sizes, load = _checkpoint_loader(path, entries, kept, dtype)
-    with _staged_out(out, overwrite) as staging:
+    with staged_out(out, overwrite) as staging:
         written = _write_weight_files(staging, sizes, load, max_shard_size)
         files, tensors, num_parameters, weights_dtype = written
         if config is not None:
@@ -477,8 +341,8 @@ def export_source(
     from fntrain.checkpoint.restorer import resolve_source
 
     if out is not None:
-        _check_out(Path(out).expanduser(), overwrite)
-    _require_source_dir(checkpoint, "checkpoint")
+        check_out(Path(out).expanduser(), overwrite)
+    require_source_dir(checkpoint, "checkpoint")
     if (Path(checkpoint).expanduser() / "checkpoints").is_dir():
         raise FileNotFoundError(
             f"{str(checkpoint)!r} is a run directory; export one of its checkpoints: "
@@ -511,138 +375,3 @@ def _write_provenance(out: Path, path: Path, meta: Mapping[str, Any], tied: Mapp
         "exported_at": time.time(),
     }
     (out / PROVENANCE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
-
-
-# ----------------------------------------------------------------------------- HF -> DCP
-
-
-def _read_header(file: Path) -> tuple[dict[str, Any], int]:
-    with open(file, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
-    return header, 8 + length
-
-
-def _mapped_tensors(file: Path) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file as views of a private memory map: pages are read when
-    DCP writes them, never all at once."""
-    header, data_start = _read_header(file)
-    storage = torch.UntypedStorage.from_file(str(file), False, file.stat().st_size)
-    tensors: dict[str, torch.Tensor] = {}
-    unaligned: list[str] = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise ValueError(f"{file}: tensor {name} has dtype {info['dtype']}, which fntrain does not read")
-        offset = data_start + info["data_offsets"][0]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if offset % itemsize:
-            unaligned.append(name)
-            continue
-        tensors[name] = torch.empty(0, dtype=dtype).set_(storage, offset // itemsize, tuple(info["shape"]))
-    if unaligned:  # an old writer's unpadded header: copy these few instead of mapping them
-        from safetensors import safe_open
-
-        with safe_open(str(file), framework="pt") as handle:
-            for name in unaligned:
-                tensors[name] = handle.get_tensor(name)
-    return tensors
-
-
-def _read_provenance(directory: Path) -> dict[str, Any]:
-    file = directory / PROVENANCE
-    if not file.is_file():
-        return {}
-    provenance = json.loads(file.read_text())
-    if provenance.get("format") != PROVENANCE_FORMAT:
-        raise ValueError(
-            f"{file} has format {provenance.get('format')!r}; this fntrain reads {PROVENANCE_FORMAT}"
-        )
-    return provenance
-
-
-def import_hf(
-    hf_dir: str | os.PathLike,
-    out: str | os.PathLike,
-    *,
-    step: int | None = None,
-    dtype: torch.dtype | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Write the safetensors weights of the Hugging Face directory `hf_dir` as a complete fntrain
-    checkpoint under the checkpoint root `out`; return its step directory (see the module docstring)."""
-    out = Path(out).expanduser()
-    _check_out(out, overwrite)  # an occupied output fails before anything is read
-    _require_source_dir(hf_dir, "Hugging Face directory")
-    hf_dir = Path(hf_dir).expanduser()
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        if (hf_dir / ".metadata").is_file() or step_of(hf_dir) is not None:
-            raise ValueError(
-                f"{str(hf_dir)!r} is an fntrain checkpoint: --format dcp reads a Hugging Face directory"
-            )
-        raise FileNotFoundError(f"{str(hf_dir)!r} holds no *.safetensors files")
-    provenance = _read_provenance(hf_dir)
-    if provenance.get("converted"):
-        raise ValueError(
-            f"{str(hf_dir)!r} holds a model converted by its recipe ({provenance.get('recipe')}); "
-            "--format dcp reads an export under the model's own names: "
-            "fntrain export CKPT --format hf OUT --recipe none"
-        )
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        for name, tensor in _mapped_tensors(file).items():
-            if name in tensors:
-                raise ValueError(f"tensor {name} appears in more than one file of {hf_dir}")
-            tensors[name] = tensor
-    tied = provenance.get("tied") if provenance else None
-    if tied is None and (hf_dir / "config.json").is_file():
-        tied = _tied_aliases(hf_dir)
-    for alias, kept in (tied or {}).items():
-        if alias not in tensors and kept in tensors:
-            tensors[alias] = tensors[kept]  # fntrain checkpoints hold a tied weight under each name
-
-    if step is None:
-        saved = provenance.get("step")
-        step = saved if isinstance(saved, int) and saved >= 0 else 0
-    with _staged_out(out, overwrite) as staging:
-        _write_dcp_dir(staging, hf_dir, tensors, provenance, step, dtype)
-    log.info("imported %s as %s (%d tensors)", hf_dir, step_dir(out, step), len(tensors))
-    return step_dir(out, step)
-
-
-def _write_dcp_dir(
-    root: Path, hf_dir: Path, tensors: dict[str, torch.Tensor], provenance: dict[str, Any], step: int,
-    dtype: torch.dtype | None,
-) -> None:  # fmt: skip
-    """The complete checkpoint `<root>/step_<step>/` of `tensors` and the `latest` pointer to it."""
-    import torch.distributed.checkpoint as dcp
-
-    from fntrain.checkpoint.saver import FORMAT_VERSION
-
-    path = step_dir(root, step)
-    path.mkdir()
-    state = {MODEL_PREFIX + name: _cast(tensor, dtype) for name, tensor in tensors.items()}
-    train_state = provenance.get("train_state") or {"epoch": 0, "global_step": step, "cursor": 0}
-    write_json_atomic(
-        path / "meta.json",
-        {
-            "format": FORMAT_VERSION,
-            "step": step,
-            "train_state": train_state,
-            "world_size": 1,
-            "values": [],
-            "config": provenance.get("run_config"),
-            "torch_version": torch.__version__,
-            "num_threads": torch.get_num_threads(),
-            "saved_at": time.time(),
-            "imported_from": str(hf_dir),
-        },
-    )
-    with _dist.quiet_single_process():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=True)
-    write_manifest(path)
-    write_marker(path, {"step": step, "train_state": train_state, "completed_at": time.time()})
-    write_latest(root, path)

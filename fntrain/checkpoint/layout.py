@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "checkpoint_root",
     "DCP_METADATA",
     "MARKER",
     "LATEST",
@@ -57,6 +58,12 @@ MARKER = "COMPLETE"
 LATEST = "latest"
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_root(config: Any, run_dir: str | os.PathLike) -> Path:
+    """Where a run's checkpoints live: `config.dir` (a checkpoint config's; None or empty: unset) or
+    `<run_dir>/checkpoints`."""
+    return Path(config.dir).expanduser() if config.dir else Path(run_dir).expanduser() / "checkpoints"
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:

@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
 from fntrain.checkpoint import _dist
@@ -51,37 +50,23 @@ from fntrain.checkpoint.layout import (
     step_of,
     write_latest,
 )
+from fntrain.checkpoint.matching import check_optional_sections, match_keys
 from fntrain.checkpoint.rng import set_rng_state
 from fntrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from fntrain.checkpoint.saver import FORMAT_VERSION, app_state
-from fntrain.checkpoint.tree import dcp_key, decode_value, leaves, rebuild
+from fntrain.checkpoint.tree import decode_value, rebuild
 from fntrain.checkpoint.verify import CheckpointDamagedError, Damage, has_manifest, verify_collectively
-from fntrain.components import Components
 from fntrain.config import ConfigError
 from fntrain.loop import Hook
 from fntrain.state import TrainState
 from fntrain.stateful import load_hook_states
+from fntrain.step.components import Components
 
-__all__ = ["restore", "resolve_source", "read_meta", "MissingKeysError", "CheckpointDamagedError"]
+__all__ = ["restore", "resolve_source", "read_meta", "CheckpointDamagedError"]
 
 log = logging.getLogger("fntrain.checkpoint")
 
-_SHOWN = 8  # key names listed in a message before "... and N more"
 NAMED_DAMAGED_HINT = '; restore another checkpoint ("latest" skips damaged ones)'  # after a named one fails
-
-
-class MissingKeysError(KeyError):
-    """The checkpoint lacks state the live model needs; the message names the keys."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
-def _names(keys: Iterable[str], strip: str = "") -> str:
-    keys = sorted(keys)
-    shown = [key[len(strip) :] if strip and key.startswith(strip) else key for key in keys[:_SHOWN]]
-    more = f" ... and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
-    return ", ".join(shown) + more
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -230,10 +215,6 @@ def _rank_file(path: Path, rank: int) -> dict[str, Any] | None:
     return json.loads(file.read_text()) if file.is_file() else None
 
 
-def _global_shape(tensor: torch.Tensor) -> tuple[int, ...]:
-    return tuple(tensor.shape)  # a DTensor reports its global shape
-
-
 def restore(
     source: str | os.PathLike | None,
     components: Components,
@@ -242,7 +223,6 @@ def restore(
     hooks: Iterable[Hook] | Callable[[], Iterable[Hook]] = (),
     weights_only: bool = False,
     device: torch.device | str | None = None,
-    process_group: Any = None,
     model_part: bool = False,
     verified: bool = False,
 ) -> TrainState:
@@ -251,9 +231,10 @@ def restore(
     a checkpoint `resolve_source` already verified (its files are not read twice).
 
     weights_only: load the model weights alone and return a fresh `TrainState()` (optimizer, schedulers,
-    RNG and hook states keep their fresh values). Every rank must call this (it is a collective).
+    RNG and hook states keep their fresh values). Every rank must call this (it is a collective over
+    the default process group).
     """
-    path = Path(source) if verified else resolve_source(source, root, process_group)
+    path = Path(source) if verified else resolve_source(source, root)
     if path is None:
         return TrainState()
     meta = read_meta(path)
@@ -262,18 +243,12 @@ def restore(
     stateless = [not optimizer.state for optimizer in optimizers]  # app_state initialises these
     live = app_state(components, weights_only=weights_only)
     saved_values = {tuple(entry[0]): decode_value(entry[1]) for entry in meta["values"]}
-
-    live_tensors = {dcp_key(p): leaf for p, leaf in leaves(live) if isinstance(leaf, torch.Tensor)}
-    sections = {key: key.split(".", 1)[0] for key in live_tensors}
-    missing = {key for key in live_tensors if key not in metadata}
-    aliased = _tied_aliases(missing, metadata, meta.get("tied", []))  # live key -> the key it was saved under
-    missing -= set(aliased)
-    _check_live_tensors(path, live_tensors, metadata, missing, sections, model_part)
+    match = match_keys(path, live, metadata, meta.get("tied", []), model_part)
 
     skip: set[str] = set()
     if not weights_only:
-        skip = _check_optional_sections(
-            path, live, metadata, saved_values, missing, sections, meta.get("tied", [])
+        skip = check_optional_sections(
+            path, live, metadata, saved_values, match.missing, match.sections, meta.get("tied", [])
         )
     if "optimizer" in skip:
         # Starting fresh means no state at all: the zero-lr initialisation would otherwise count as a step.
@@ -281,11 +256,11 @@ def restore(
             if was_stateless:
                 optimizer.state.clear()
     to_load = {
-        aliased.get(key, key): leaf
-        for key, leaf in live_tensors.items()
-        if key not in missing and sections[key] not in skip
+        match.aliased.get(key, key): leaf
+        for key, leaf in match.live_tensors.items()
+        if key not in match.missing and match.sections[key] not in skip
     }
-    _load_tensors(path, to_load, process_group)
+    _load_tensors(path, to_load)
     state_tree = _set_live_state(components, optimizers, live, saved_values, skip, weights_only)
     if weights_only:
         log.info("restored model weights from %s (weights only; training starts at step 0)", path)
@@ -294,48 +269,12 @@ def restore(
     _load_schedulers_and_scaler(components, state_tree, skip)
     _restore_rank_state(path, meta, hooks, components, device)
     state = TrainState(**meta["train_state"])
-    log.info(
-        "restored checkpoint %s (epoch %d, step %d, cursor %d)",
-        path,
-        state.epoch,
-        state.global_step,
-        state.cursor,
-    )
+    log.info("restored checkpoint %s (epoch %d, step %d, cursor %d)", path, state.epoch, state.global_step,
+             state.cursor)  # fmt: skip
     return state
 
 
-def _check_live_tensors(
-    path: Path,
-    live_tensors: dict[str, torch.Tensor],
-    metadata: dict[str, Any],
-    missing: set[str],
-    sections: dict[str, str],
-    model_part: bool = False,
-) -> None:
-    """Missing model keys are a MissingKeysError, extra model keys a warning (unless the live model is
-    one pipeline stage: the other stages' keys), and a saved tensor whose shape differs from the live
-    one a ValueError."""
-    missing_model = {key for key in missing if sections[key] == "model"}
-    if missing_model:
-        raise MissingKeysError(
-            f"checkpoint {path} lacks model keys the model needs: {_names(missing_model, 'model.')}"
-        )
-    unexpected = {key for key in metadata if key.startswith("model.") and key not in live_tensors}
-    if unexpected and not model_part:
-        log.warning(
-            "checkpoint %s has model keys the model does not: %s (ignored)",
-            path,
-            _names(unexpected, "model."),
-        )
-    for key, leaf in live_tensors.items():
-        entry = metadata.get(key)
-        if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != _global_shape(leaf):
-            raise ValueError(
-                f"checkpoint {path}: {key} has shape {tuple(entry.size)}, the live state {_global_shape(leaf)}"
-            )
-
-
-def _load_tensors(path: Path, to_load: dict[str, torch.Tensor], process_group: Any) -> None:
+def _load_tensors(path: Path, to_load: dict[str, torch.Tensor]) -> None:
     """Read `to_load`'s tensors from the checkpoint with DCP, in place (nothing to do when empty)."""
     if not to_load:
         return
@@ -344,7 +283,6 @@ def _load_tensors(path: Path, to_load: dict[str, torch.Tensor], process_group: A
             to_load,
             storage_reader=SafeFileSystemReader(path),
             planner=SafeLoadPlanner(),
-            process_group=process_group,
             no_dist=not _dist.initialized(),
         )
 
@@ -390,109 +328,6 @@ def _load_schedulers_and_scaler(components: Components, state_tree: dict[str, An
             scheduler.load_state_dict(scheduler_state)
     if components.grad_scaler is not None and "grad_scaler" not in skip:
         components.grad_scaler.load_state_dict(state_tree["grad_scaler"])
-
-
-def _section_saved(section: str, metadata: dict[str, Any], saved_values: dict[tuple[Any, ...], Any]) -> bool:
-    """Whether the checkpoint holds any tensor or value of `section` ("optimizer", "schedulers", ...)."""
-    return any(key.startswith(section + ".") for key in metadata) or any(
-        p[0] == section for p in saved_values
-    )
-
-
-def _tied_aliases(missing: set[str], metadata: dict[str, Any], tied: list[list[str]]) -> dict[str, str]:
-    """For missing optimizer keys of a tied weight (a pipeline stage holds the output head under its own
-    name; a one-rank run saved its state under the embedding's), the saved key of the same state."""
-    found: dict[str, str] = {}
-    for key in missing:
-        if not key.startswith("optimizer.state."):
-            continue
-        for names in tied:
-            for name in names:
-                prefix = f"optimizer.state.{name}."
-                if key.startswith(prefix):
-                    field = key[len(prefix) :]
-                    saved = next(
-                        (
-                            f"optimizer.state.{a}.{field}"
-                            for a in names
-                            if f"optimizer.state.{a}.{field}" in metadata
-                        ),
-                        None,
-                    )
-                    if saved is not None:
-                        found[key] = saved
-    return found
-
-
-def _same_groups(
-    live: list[list[str]], saved: list[list[str] | None], path: Path, tied: list[list[str]] = ()
-) -> bool:
-    """Whether the live optimizer's parameter groups are those saved. Under pipeline parallelism every
-    stage saved its own groups (in its rank file; meta.json holds rank 0's), and a run at another layout
-    holds another part of the model: each live group must lie within the union of the same group over
-    every saved stage, and the groups must be as many."""
-    merged = [set(group or ()) for group in saved]
-    for rank_file in sorted(path.glob("rank_*.json")):
-        for index, group in enumerate(json.loads(rank_file.read_text()).get("optimizer_groups", [])):
-            if index >= len(merged):
-                return False
-            merged[index].update(group)
-    for names in tied:  # a tied weight is in a group under any of its names
-        for group in merged:
-            if group & set(names):
-                group.update(names)
-    return len(live) == len(merged) and all(set(group or ()) <= merged[i] for i, group in enumerate(live))
-
-
-def _check_optional_sections(
-    path: Path,
-    live: dict[str, Any],
-    metadata: dict[str, Any],
-    saved_values: dict[tuple[Any, ...], Any],
-    missing: set[str],
-    sections: dict[str, str],
-    tied: list[list[str]] = (),
-) -> set[str]:
-    """Warn about optimizer / scheduler / scaler state the checkpoint lacks; return sections to skip."""
-    skip = set()
-    for section in ("optimizer", "schedulers", "grad_scaler"):
-        if section in live and not _section_saved(section, metadata, saved_values):
-            warnings.warn(f"checkpoint {path} has no {section} state; it starts fresh", stacklevel=3)
-            skip.add(section)
-    if "optimizer" in live and "optimizer" not in skip:
-        live_groups = [group.get("params") for group in live["optimizer"].get("param_groups", [])]
-        saved_groups: dict[int, list[str]] = {}
-        for tree_path, value in saved_values.items():
-            if (
-                tree_path[:2] == ("optimizer", "param_groups")
-                and len(tree_path) == 5
-                and tree_path[3] == "params"
-            ):
-                saved_groups.setdefault(tree_path[2], []).append(value)
-        if not _same_groups(live_groups, [saved_groups.get(i) for i in range(len(saved_groups))], path, tied):
-            warnings.warn(
-                f"checkpoint {path}: the optimizer's parameter groups differ from the saved ones; "
-                "optimizer state not restored (it starts fresh)",
-                stacklevel=3,
-            )
-            skip.add("optimizer")
-        else:
-            missing_optimizer = {key for key in missing if sections[key] == "optimizer"}
-            if missing_optimizer:
-                warnings.warn(
-                    f"checkpoint {path} lacks optimizer state for: {_names(missing_optimizer, 'optimizer.state.')}; "
-                    "those entries keep their fresh values",
-                    stacklevel=3,
-                )
-    if "schedulers" in live and "schedulers" not in skip:
-        saved_count = 1 + max((p[1] for p in saved_values if p[0] == "schedulers"), default=-1)
-        if saved_count != len(live["schedulers"]):
-            warnings.warn(
-                f"checkpoint {path} has {saved_count} LR scheduler state(s), the run {len(live['schedulers'])}; "
-                "restoring the first min of both",
-                stacklevel=3,
-            )
-    return skip
 
 
 def _restore_rank_state(

@@ -12,10 +12,9 @@ marker → `latest` pointer → retention. Only rank 0 writes the manifest, the 
 deletes old checkpoints (only ones that verify). An async save does the manifest onwards in DCP's
 thread, once the background write finished.
 
-Threads: each `save_async` runs its write in an executor thread DCP starts; `PendingSave.result()` /
-`stop()` join it once the save finished, and `close_async_saves()` (also called by the `close()` of a
-stager from `make_stager`) joins any that is left, so a run that closes its stager ends with no thread
-the checkpoint started.
+What to save is one `SaveTarget` (fixed for a run: root, components, hooks, run config, recipe, data
+fingerprint, device), how one `SaveOptions` (retention, writer threads, temporary, make_room). The
+asynchronous save (`save_async`, its threads and stager) is `fntrain.checkpoint.async_save`.
 
 A save that fails [issue 29] (a full disk, a quota, an I/O error, a permission change; in the JSON
 parts, DCP's write or the completion) raises `CheckpointSaveError` on every rank together (the ranks
@@ -36,12 +35,8 @@ import json
 import logging
 import os
 import shutil
-import threading
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +44,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
 from fntrain.checkpoint import _dist
@@ -74,31 +68,49 @@ from fntrain.checkpoint.space import (
 )
 from fntrain.checkpoint.tree import split
 from fntrain.checkpoint.verify import write_manifest
-from fntrain.components import Components
 from fntrain.loop import Hook
 from fntrain.state import TrainState
 from fntrain.stateful import hook_states
+from fntrain.step.components import Components
 
-__all__ = [
-    "FORMAT_VERSION",
-    "app_state",
-    "save",
-    "save_async",
-    "make_stager",
-    "PendingSave",
-    "close_async_saves",
-    "CheckpointSaveError",
-]
+__all__ = ["FORMAT_VERSION", "SaveTarget", "SaveOptions", "app_state", "save", "CheckpointSaveError"]
 
 log = logging.getLogger("fntrain.checkpoint")
 
 FORMAT_VERSION = 1
 HooksArg = Iterable[Hook] | Callable[[], Iterable[Hook]]
-_EXECUTOR_THREAD = "AsyncCheckpointExecutor"  # the name prefix of DCP's async-save executor threads
-_JOIN_TIMEOUT_S = 10.0  # an executor thread ends within milliseconds of its save; this is a backstop
 
-_threads_lock = threading.Lock()
-_threads: list[threading.Thread] = []  # executor threads of async saves, until joined
+
+@dataclass(frozen=True)
+class SaveTarget:
+    """What a run's checkpoints hold and where they go (the same for every save of a run).
+
+    `root`: checkpoints are `<root>/step_<N>/`; `components`: the model, optimizers, schedulers and
+    scaler; `hooks` (a list, or a callable returning it): each stateful hook's `state_dict()`; `config`:
+    the resolved run config (JSON-able); `recipe`: how `fntrain.cli.recipes.load_recipe` finds the
+    recipe that wrote it (for `fntrain export`); `data`: the data's fingerprint
+    (`fntrain.data.fingerprint`); `device`: whose RNG state is saved (None: the model's).
+    """
+
+    root: str | os.PathLike
+    components: Components
+    hooks: HooksArg = ()
+    config: Mapping[str, Any] | None = None
+    recipe: str | None = None
+    data: Mapping[str, Any] | None = None
+    device: torch.device | str | None = None
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How one save is written: `keep_last` > 0 deletes older complete checkpoints once it is complete;
+    `thread_count` writer threads per rank; `temporary`: deleted once a later checkpoint is complete;
+    `make_room`: see `_room_for`."""
+
+    keep_last: int = 0
+    thread_count: int = 1
+    temporary: bool = False
+    make_room: bool = False
 
 
 def app_state(components: Components, *, weights_only: bool = False) -> dict[str, Any]:
@@ -149,9 +161,10 @@ def _device_of(components: Components, device: torch.device | str | None) -> tor
 
 
 @dataclass(frozen=True)
-class _Prepared:
-    """A save under way: its directory, the tensors for DCP, and the bytes it is expected to need."""
+class Prepared:
+    """A save under way: its root and directory, the tensors for DCP, and the bytes it is expected to need."""
 
+    root: str | os.PathLike
     path: Path
     tensors: dict[str, torch.Tensor]
     needed: int
@@ -200,64 +213,53 @@ def _clear_step_dir(path: Path) -> None:
         log.warning("moved the incomplete checkpoint directory %s aside to %s", path, moved.name)
 
 
-def _failed(root: str | os.PathLike, path: Path, step: int, what: str | None, needed: int | None) -> None:
+def raise_if_failed(
+    root: str | os.PathLike, path: Path, step: int, what: str | None, needed: int | None
+) -> None:
     """Raise the `CheckpointSaveError` of `what` (agreed by every rank), rank 0 discarding the partial."""
     if what is not None:
         raise save_failure(root, path, step, what, needed=needed, discard=_dist.rank() == 0)
 
 
-def _prepare(
-    root: str | os.PathLike,
-    state: TrainState,
-    components: Components,
-    hooks: HooksArg,
-    config: Mapping[str, Any] | None,
-    device: torch.device | str | None,
-    process_group: Any,
-    temporary: bool = False,
-    data: Mapping[str, Any] | None = None,
-    keep_last: int = 0,
-    make_room: bool = False,
-    recipe: str | None = None,
-) -> _Prepared:
+def prepare(target: SaveTarget, state: TrainState, options: SaveOptions, process_group: Any) -> Prepared:
     """Check the room, make the step directory, write the JSON parts; every rank agrees on a failure
     (a `CheckpointSaveError` on every rank, the partial directory removed)."""
-    path = step_dir(root, state.global_step)
+    root, step = target.root, state.global_step
+    path = step_dir(root, step)
     rank, world = _dist.rank(), _dist.world_size()
-    tree = app_state(components)
+    tree = app_state(target.components)
     tensors, values = split(tree)
     needed, problem = needed_bytes(root, tensors), None
     if rank == 0:
         try:
             _clear_step_dir(path)
-            needed, problem = _room_for(Path(root), path, tensors, keep_last, make_room)
+            needed, problem = _room_for(Path(root), path, tensors, options.keep_last, options.make_room)
             if problem is None:
                 path.mkdir(parents=True)
         except OSError as error:
             problem = what_failed(error)
-    _failed(root, path, state.global_step, _dist.agree(problem, process_group), needed)
+    raise_if_failed(root, path, step, _dist.agree(problem, process_group), needed)
 
     try:
-        described = {"recipe": recipe, "data": dict(data) if data is not None else None}
-        _write_json_parts(path, state, components, hooks, config, device, temporary, described, tree, values)
+        _write_json_parts(path, state, target, options.temporary, tree, values)
         problem = None
     except OSError as error:
         problem = f"rank {rank}: {what_failed(error)}" if world > 1 else what_failed(error)
-    _failed(root, path, state.global_step, _dist.agree(problem, process_group), needed)
-    return _Prepared(path, tensors, needed)
+    raise_if_failed(root, path, step, _dist.agree(problem, process_group), needed)
+    return Prepared(root, path, tensors, needed)
 
 
-def _write_json_parts(path: Path, state: TrainState, components: Components, hooks: HooksArg,
-                      config: Mapping[str, Any] | None, device: Any, temporary: bool,
-                      described: Mapping[str, Any], tree: dict[str, Any], values: Any) -> None:  # fmt: skip
-    """This rank's `rank_<r>.json` (RNG, hook states) and, on rank 0, `meta.json` (with `described`:
-    the recipe that wrote it and the data's fingerprint)."""
+def _write_json_parts(
+    path: Path, state: TrainState, target: SaveTarget, temporary: bool, tree: dict[str, Any], values: Any
+) -> None:
+    """This rank's `rank_<r>.json` (RNG, hook states) and, on rank 0, `meta.json` (with the recipe that
+    wrote it and the data's fingerprint)."""
     rank, world = _dist.rank(), _dist.world_size()
     rank_state = {
         "rank": rank,
         "world_size": world,
-        "rng": rng_state(_device_of(components, device)),
-        "hooks": _json_hook_states(_hooks(hooks)),
+        "rng": rng_state(_device_of(target.components, target.device)),
+        "hooks": _json_hook_states(_hooks(target.hooks)),
     }
     if "optimizer" in tree:  # each pipeline stage's own groups (meta.json's values are rank 0's)
         rank_state["optimizer_groups"] = [
@@ -265,6 +267,7 @@ def _write_json_parts(path: Path, state: TrainState, components: Components, hoo
         ]
     write_json_atomic(path / f"rank_{rank}.json", rank_state)
     if rank == 0:
+        described = {"recipe": target.recipe, "data": dict(target.data) if target.data is not None else None}
         write_json_atomic(
             path / "meta.json",
             {
@@ -273,13 +276,13 @@ def _write_json_parts(path: Path, state: TrainState, components: Components, hoo
                 "train_state": state.as_dict(),
                 "world_size": world,
                 "values": values,
-                "config": dict(config) if config is not None else None,
+                "config": dict(target.config) if target.config is not None else None,
                 **described,
                 "torch_version": torch.__version__,
                 "num_threads": torch.get_num_threads(),
                 "saved_at": time.time(),
                 "temporary": temporary,
-                "tied": _tied_names(components.model),
+                "tied": _tied_names(target.components.model),
             },
         )
 
@@ -292,11 +295,11 @@ def _tied_names(model: torch.nn.Module) -> list[list[str]]:
     return tied_names(model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model)
 
 
-def _writer(path: Path, thread_count: int) -> dcp.FileSystemWriter:
+def writer(path: Path, thread_count: int) -> dcp.FileSystemWriter:
     return dcp.FileSystemWriter(path, sync_files=True, thread_count=thread_count)
 
 
-def _finalize(
+def finalize(
     root: str | os.PathLike, path: Path, state: TrainState, keep_last: int, temporary: bool = False
 ) -> str | None:
     """Rank 0: the manifest (checksums of the written files), the completion marker (only once DCP's
@@ -335,250 +338,31 @@ _WRITE_ERRORS = (Exception, CheckpointException)
 
 
 def save(
-    root: str | os.PathLike,
-    state: TrainState,
-    components: Components,
-    *,
-    hooks: HooksArg = (),
-    config: Mapping[str, Any] | None = None,
-    keep_last: int = 0,
-    device: torch.device | str | None = None,
-    process_group: Any = None,
-    thread_count: int = 1,
-    temporary: bool = False,
-    recipe: str | None = None,
-    data: Mapping[str, Any] | None = None,
-    make_room: bool = False,
+    target: SaveTarget, state: TrainState, options: SaveOptions = SaveOptions(), *, process_group: Any = None
 ) -> Path:
-    """Save `<root>/step_<global_step>/` and return it, complete, on every rank (a collective).
+    """Save `<target.root>/step_<global_step>/` and return it, complete, on every rank (a collective).
 
-    `hooks` (a list, or a callable returning it) contributes the `state_dict()` of each stateful hook;
-    `config` is the resolved run config (JSON-able); `data` the data's fingerprint
-    (`fntrain.data.fingerprint`); `keep_last` > 0 deletes older complete checkpoints.
-    `temporary`: deleted once a later checkpoint is complete. `recipe` (how
-    `fntrain.run.recipes.load_recipe` finds the recipe that wrote it) goes into meta.json, for
-    `fntrain export`. Saving before the first optimizer step
-    initialises the optimizers' state (see `app_state`).
+    Saving before the first optimizer step initialises the optimizers' state (see `app_state`).
 
     A save that does not fit or fails (ENOSPC, EDQUOT, EIO, a permission change; before, inside or
     after DCP's write) raises `CheckpointSaveError` on every rank, with its partial directory removed
-    and the newest good checkpoint untouched. `make_room`: see `_room_for`.
+    and the newest good checkpoint untouched. `options.make_room`: see `_room_for`.
     """
-    prepared = _prepare(root, state, components, hooks, config, device, process_group, temporary, data,
-                        keep_last, make_room, recipe)  # fmt: skip
-    path = prepared.path
+    prepared = prepare(target, state, options, process_group)
+    root, path = target.root, prepared.path
     try:
         with _dist.quiet_single_process():
             dcp.save(
                 prepared.tensors,
-                storage_writer=_writer(path, thread_count),
+                storage_writer=writer(path, options.thread_count),
                 process_group=process_group,
                 no_dist=not _dist.initialized(),
             )
         problem = None
     except _WRITE_ERRORS as error:  # every rank has it (DCP gathers the failures): no agreement needed
         problem = what_failed(error)
-    _failed(root, path, state.global_step, problem, prepared.needed)
-    problem = _finalize(root, path, state, keep_last, temporary)
+    raise_if_failed(root, path, state.global_step, problem, prepared.needed)
+    problem = finalize(root, path, state, options.keep_last, options.temporary)
     # every rank returns only once the checkpoint is marked complete, or raises with rank 0
-    _failed(root, path, state.global_step, _dist.agree(problem, process_group), prepared.needed)
+    raise_if_failed(root, path, state.global_step, _dist.agree(problem, process_group), prepared.needed)
     return path
-
-
-class PendingSave:
-    """An asynchronous save in flight (owns DCP's future).
-
-    As soon as the background write succeeds, rank 0 completes the checkpoint from DCP's thread (marker,
-    then `latest`, then retention), so a crash later in the run does not lose a checkpoint that was fully
-    written. `done()` never blocks; `result()` waits and returns the directory, or raises if the write
-    or its completion failed; `stop(timeout)` is for abort paths: it waits at most `timeout` seconds
-    and never raises.
-    """
-
-    def __init__(
-        self,
-        root: Path,
-        path: Path,
-        state: TrainState,
-        keep_last: int,
-        future: Future,
-        temporary: bool = False,
-        threads: Iterable[threading.Thread] = (),
-        needed: int | None = None,
-    ):
-        self.root, self.path, self.state, self.keep_last = root, path, state, keep_last
-        self.temporary = temporary
-        self.needed = needed
-        self._threads = tuple(threads)
-        self._finished = threading.Event()
-        self._error: BaseException | None = None
-        future.add_done_callback(self._complete)
-
-    def _complete(self, future: Future) -> None:
-        """Runs once the write has finished, in DCP's thread (or at once if it already had). A failed
-        write or completion becomes a `CheckpointSaveError` (rank 0 removes the partial directory)."""
-        try:
-            failure = future.exception()
-            problem = what_failed(failure) if failure is not None else None
-            if problem is None:
-                problem = _finalize(self.root, self.path, self.state, self.keep_last, self.temporary)
-            if problem is not None:
-                self._error = save_failure(self.root, self.path, self.state.global_step, problem,
-                                           needed=self.needed, discard=_dist.rank() == 0)  # fmt: skip
-                self._error.__cause__ = failure
-        except BaseException as error:  # noqa: BLE001 - kept for result() to raise in the caller's thread
-            self._error = error
-        finally:
-            self._finished.set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the write and its completion finished (or `timeout` passed); True when they have.
-        Never raises: `result()` says how it went."""
-        return self._finished.wait(timeout)
-
-    def done(self) -> bool:
-        """True once the write and its completion have finished (successfully or not); never blocks."""
-        return self._finished.is_set()
-
-    def result(self, timeout: float | None = None) -> Path:
-        if not self._finished.wait(timeout):
-            raise FutureTimeout(
-                f"asynchronous checkpoint save to {self.path} still running after {timeout} s"
-            )
-        _join(self._threads, _JOIN_TIMEOUT_S)  # the executor ends right after the save's callbacks
-        if self._error is not None:
-            raise self._error
-        return self.path
-
-    def stop(self, timeout: float = 60.0) -> bool:
-        """Settle without raising: True when the checkpoint ended complete."""
-        try:
-            self.result(timeout=timeout)
-            return True
-        except FutureTimeout:
-            log.error(
-                "asynchronous checkpoint save to %s still running after %.0f s; abandoning it (unless it "
-                "completes before the process exits, it stays incomplete and is ignored on restore)",
-                self.path, timeout,
-            )  # fmt: skip
-        except BaseException as error:  # noqa: BLE001 - an abort path must not raise
-            if not isinstance(error, CheckpointSaveError):
-                error = f"asynchronous checkpoint save to {self.path} failed: {error.__cause__ or error!r}"
-            log.error("%s", error)
-        return False
-
-
-def _join(threads: Iterable[threading.Thread], timeout: float) -> list[threading.Thread]:
-    """Join `threads` (at most `timeout` seconds in all); forget the ended ones; return those still alive."""
-    deadline = time.monotonic() + timeout
-    alive = []
-    for thread in threads:
-        if thread is not threading.current_thread():
-            thread.join(max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
-            alive.append(thread)
-    with _threads_lock:
-        _threads[:] = [thread for thread in _threads if thread.is_alive()]
-    return alive
-
-
-def close_async_saves(timeout: float = 5.0) -> bool:
-    """Join the executor threads of every `save_async` of this process, waiting at most `timeout`
-    seconds in all; True when none is left. A thread still writing (a save abandoned by
-    `PendingSave.stop`) is named in a warning and left to finish (the interpreter waits for it at exit).
-    """
-    with _threads_lock:
-        pending = list(_threads)
-    alive = _join(pending, timeout)
-    if alive:
-        log.warning(
-            "%d asynchronous checkpoint write(s) still running after %.0f s (%s); not waiting longer",
-            len(alive), timeout, ", ".join(thread.name for thread in alive),
-        )  # fmt: skip
-    return not alive
-
-
-class _ClosingStager(DefaultStager):
-    """A `DefaultStager` whose `close()` also ends the threads of the async saves (`close_async_saves`)."""
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            close_async_saves()
-
-
-def make_stager(device: torch.device | str | None = None) -> Any:
-    """A DCP stager to reuse across `save_async` calls (close it with `.close()` when the run ends: that
-    releases its buffers and joins the async saves' threads, see `close_async_saves`).
-
-    Staging copies the state off the live tensors before `save_async` returns, synchronously, so the
-    next optimizer step can never race the write. From an accelerator it copies into pinned host
-    buffers with non-blocking copies; the buffers are cached by the stager, so later saves reuse them.
-    """
-    accelerated = (
-        device is not None and torch.device(device).type != "cpu" and torch.accelerator.is_available()
-    )
-    return _ClosingStager(
-        StagingOptions(
-            use_pinned_memory=accelerated,
-            use_shared_memory=False,
-            use_async_staging=False,
-            use_non_blocking_copy=accelerated,
-        )
-    )
-
-
-def save_async(
-    root: str | os.PathLike,
-    state: TrainState,
-    components: Components,
-    *,
-    hooks: HooksArg = (),
-    config: Mapping[str, Any] | None = None,
-    keep_last: int = 0,
-    device: torch.device | str | None = None,
-    process_group: Any = None,
-    thread_count: int = 1,
-    stager: Any = None,
-    temporary: bool = False,
-    recipe: str | None = None,
-    data: Mapping[str, Any] | None = None,
-    make_room: bool = False,
-) -> PendingSave:
-    """Like `save`, but returns once the state is staged (copied off the live tensors); DCP writes in a
-    background thread. Settle the returned `PendingSave` before the next save.
-
-    `stager`: one from `make_stager`, reused across saves (else DCP stages into fresh, unpinned memory).
-    With a process group, pass a dedicated group (e.g. a gloo group from `dist.new_group`) so the
-    background collectives never interleave with training collectives (it must include a CPU backend).
-    A save that does not fit, or whose JSON parts fail, raises `CheckpointSaveError` here; a failure
-    of the background write is that error from `result()`.
-    """
-    prepared = _prepare(root, state, components, hooks, config, device, process_group, temporary, data,
-                        keep_last, make_room, recipe)  # fmt: skip
-    path, tensors = prepared.path, prepared.tensors
-    if not _dist.initialized():
-        # The write runs in DCP's thread, outside any `catch_warnings` here; the single-process intent
-        # is explicit (no_dist), so its warning about assuming it is noise.
-        warnings.filterwarnings("ignore", message=_dist.SINGLE_PROCESS_WARNING)
-    before = set(threading.enumerate())
-    with _dist.quiet_single_process():
-        response = dcp.async_save(
-            tensors,
-            storage_writer=_writer(path, thread_count),
-            process_group=process_group,
-            no_dist=not _dist.initialized(),
-            async_stager=stager,
-        )
-    # DCP starts one executor thread per async save (and only shuts it down without joining): keep it
-    # to join once the save finished.
-    started = [
-        thread
-        for thread in threading.enumerate()
-        if thread not in before and thread.name.startswith(_EXECUTOR_THREAD)
-    ]
-    with _threads_lock:
-        _threads.extend(started)
-    future = getattr(response, "upload_completion", response)  # AsyncSaveResponse (async staging) or Future
-    return PendingSave(Path(root), path, state, keep_last, future, temporary, started, prepared.needed)

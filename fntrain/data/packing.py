@@ -20,7 +20,7 @@ Two ways to get packed sequences:
 
 Samples are dicts of equal-length int64 tensors: input_ids, labels, position_ids, document_ids.
 `packed_collate()` stacks them and adds the SDPA mask as `attention_mask`, the key the training step
-passes to the model (recipes/tiny_gpt.py's TinyGPT reads a 4-D `attention_mask` as this mask).
+passes to the model (fntrain.models.gpt's TinyGPT reads a 4-D `attention_mask` as this mask).
 """
 
 from __future__ import annotations

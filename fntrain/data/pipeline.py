@@ -31,6 +31,7 @@ from fntrain.config import require_bool, require_choice, require_int
 from fntrain.data.device import can_pin_memory, pin_memory
 from fntrain.data.prefetch import Prefetcher
 from fntrain.data.sampler import WORKER_STREAM, MicroBatchSampler, epoch_generator, rank_order
+from fntrain.data.settings import IN_PROCESS, Batching, LoaderConfig
 from fntrain.data.stream import StreamPosition, is_iterable_dataset, is_stateful, open_stream
 from fntrain.state import loader_length
 from fntrain.stateful import stateful
@@ -89,68 +90,54 @@ class DataSpec:
 
 def build_data(
     dataset: Any,
+    batching: Batching,
+    loader: LoaderConfig = IN_PROCESS,
     *,
-    micro_batch_size: int,
-    micro_batches: int,
     collate_fn: Callable[[list[Any]], Any] | None = None,
-    shuffle: bool = True,
-    seed: int = 42,
-    drop_last: bool = True,
-    dp_rank: int = 0,
-    dp_size: int = 1,
-    num_workers: int = 0,
-    pin_memory: bool = False,
-    prefetch: bool = False,
-    prefetch_depth: int = 1,
     multiprocessing_context: str | None = None,
     worker_init_fn: Callable[[int], None] | None = None,
 ) -> DataSpec:
     """Validate the data settings and return the frozen spec `batches` reads. Starts nothing.
 
-    dataset: map-style (`__getitem__` + `__len__`) or iterable (a stream; `shuffle` then has no effect,
-    the dataset's own `set_epoch` is called each epoch). micro_batch_size: samples per micro-batch;
-    micro_batches: micro-batches per optimizer step on this rank. drop_last: drop (True) or pad (False)
-    the tail that does not divide over the ranks, and drop a short last micro-batch. num_workers: worker
-    processes of a torch DataLoader (0 reads in the calling thread; map-style datasets only).
-    pin_memory: page-lock host batches in the background when an accelerator is present (the DataLoader's
-    pin thread, or the prefetch thread). prefetch: read ahead on a background thread, `prefetch_depth`
-    steps deep. multiprocessing_context: start method of the workers (None: torch's default).
+    dataset: map-style (`__getitem__` + `__len__`) or iterable (a stream; `loader.shuffle` then has no
+    effect, the dataset's own `set_epoch` is called each epoch). batching: the batch shape, this rank
+    and the order's seed (`Batching`). loader (`LoaderConfig`; default `IN_PROCESS`: shuffled, read in
+    the calling thread, nothing pinned): num_workers worker processes of a torch DataLoader (map-style
+    datasets only); pin_memory page-locks host batches in the background when an accelerator is present
+    (the DataLoader's pin thread, or the prefetch thread); prefetch reads ahead on a background thread,
+    prefetch_depth steps deep. multiprocessing_context: start method of the workers (None: torch's).
     """
-    require_int("data.micro_batch_size", micro_batch_size, min=1)
-    require_int("data.micro_batches", micro_batches, min=1)
-    require_bool("loader.shuffle", shuffle)
-    require_int("data.seed", seed, min=0)
-    require_bool("data.drop_last", drop_last)
-    require_int("data.dp_size", dp_size, min=1)
-    require_int("data.dp_rank", dp_rank, min=0, max=dp_size - 1)
-    require_int("loader.num_workers", num_workers, min=0)
-    require_bool("loader.pin_memory", pin_memory)
-    require_bool("loader.prefetch", prefetch)
-    require_int("loader.prefetch_depth", prefetch_depth, min=1)
+    _check_settings(batching, loader)
     if multiprocessing_context is not None:
         require_choice("data.multiprocessing_context", multiprocessing_context, MULTIPROCESSING_CONTEXTS)
     if collate_fn is not None and not callable(collate_fn):
         raise TypeError(f"data.collate_fn must be callable, got {collate_fn!r}")
     if worker_init_fn is not None and not callable(worker_init_fn):
         raise TypeError(f"data.worker_init_fn must be callable, got {worker_init_fn!r}")
-    _check_dataset(dataset, num_workers, shuffle)
+    _check_dataset(dataset, loader.num_workers, loader.shuffle)
     return DataSpec(
-        dataset=dataset,
-        collate_fn=collate_fn or default_collate,
-        micro_batch_size=micro_batch_size,
-        micro_batches=micro_batches,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        prefetch=prefetch,
-        prefetch_depth=prefetch_depth,
-        multiprocessing_context=multiprocessing_context,
+        dataset=dataset, collate_fn=collate_fn or default_collate, micro_batch_size=batching.micro_batch_size,
+        micro_batches=batching.micro_batches, shuffle=loader.shuffle, seed=batching.seed,
+        drop_last=batching.drop_last, dp_rank=batching.dp_rank, dp_size=batching.dp_size,
+        num_workers=loader.num_workers, pin_memory=loader.pin_memory, prefetch=loader.prefetch,
+        prefetch_depth=loader.prefetch_depth, multiprocessing_context=multiprocessing_context,
         worker_init_fn=worker_init_fn,
-    )
+    )  # fmt: skip
+
+
+def _check_settings(batching: Batching, loader: LoaderConfig) -> None:
+    """Each setting's type and range, named as the data and loader settings."""
+    require_int("data.micro_batch_size", batching.micro_batch_size, min=1)
+    require_int("data.micro_batches", batching.micro_batches, min=1)
+    require_bool("loader.shuffle", loader.shuffle)
+    require_int("data.seed", batching.seed, min=0)
+    require_bool("data.drop_last", batching.drop_last)
+    require_int("data.dp_size", batching.dp_size, min=1)
+    require_int("data.dp_rank", batching.dp_rank, min=0, max=batching.dp_size - 1)
+    require_int("loader.num_workers", loader.num_workers, min=0)
+    require_bool("loader.pin_memory", loader.pin_memory)
+    require_bool("loader.prefetch", loader.prefetch)
+    require_int("loader.prefetch_depth", loader.prefetch_depth, min=1)
 
 
 def _check_dataset(dataset: Any, num_workers: int, shuffle: bool) -> None:

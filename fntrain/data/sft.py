@@ -4,7 +4,7 @@
     data.validate()                                   # before any model work: fields and files
     train_set, val_set = build_sft_datasets(data, assets)
     collate = make_sft_collate(assets.pad_id, max_length=data.max_length, pad_to=data.pad_to,
-                               pad_multiple=data.pad_multiple)
+                               pad_multiple=data.pad_multiple)   # fntrain.data.sft_collate
 
 Formats (one JSON object per line): {"text": ...} trains on every token; {"prompt": ..., "completion": ...}
 and {"messages": [{"role": ..., "content": ...}, ...]} (rendered with the tokenizer's chat template)
@@ -33,13 +33,13 @@ block-diagonal causal mask [batch, 1, seq, seq], True where a query may attend a
 (checked with 5.x) hands a 4-D mask to the attention kernel unchanged and rotates by `position_ids`:
 with attn_implementation="sdpa" (and TinyGPT) the boolean mask is what `scaled_dot_product_attention`
 reads; "eager" would add it to the scores as 0/1, so packing needs sdpa
-(`fntrain.models.hf.check_packed_attention`).
+(`fntrain.models.hf_config.check_packed_attention`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -47,15 +47,16 @@ import torch
 
 from fntrain.config import (
     ConfigError,
-    first_line,
     require_bool,
     require_choice,
     require_float,
     require_int,
     require_str,
 )
+from fntrain.data.chat import chat_spans, tokenize_spans
 from fntrain.data.files import position_label, read_jsonl_rows, read_rows, require_source
-from fntrain.data.packing import PackedDocuments, document_causal_mask
+from fntrain.data.packing import PackedDocuments
+from fntrain.data.sft_collate import PAD_TO
 from fntrain.data.tokens import IGNORE_INDEX
 
 __all__ = [
@@ -72,13 +73,11 @@ __all__ = [
     "pack_examples",
     "build_dataset",
     "build_sft_datasets",
-    "make_sft_collate",
 ]
 
 log = logging.getLogger("fntrain.data.sft")
 
 FORMATS = ("auto", "text", "prompt_completion", "chat")
-PAD_TO = ("longest", "max_length")
 
 
 @dataclass(frozen=True)
@@ -194,81 +193,6 @@ def _field(record: Mapping[str, Any], key: str, kind: type, where: str, data: SF
     return value
 
 
-def _inside(position: int, spans: Sequence[tuple[int, int]]) -> bool:
-    return any(start <= position < stop for start, stop in spans)
-
-
-def _tokenize_spans(tokenizer: Any, text: str, spans: Sequence[tuple[int, int]], *, add_special_tokens: bool,
-                    train_all: bool) -> tuple[list[int], list[int]]:  # fmt: skip
-    """Token ids of `text` and labels that keep a token only when it starts inside one of the
-    character `spans` (all tokens when `train_all`)."""
-    if train_all:
-        ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-        return list(ids), list(ids)
-    if getattr(tokenizer, "is_fast", False):
-        encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-        ids = list(encoded["input_ids"])
-        labels = [
-            token if _inside(begin, spans) else IGNORE_INDEX
-            for token, (begin, _) in zip(ids, encoded["offset_mapping"], strict=True)
-        ]
-        return ids, labels
-    # A slow tokenizer has no offsets: tokenize the pieces between span borders one after another.
-    ids, labels, position = [], [], 0
-    borders = sorted({0, len(text), *(p for span in spans for p in span)})
-    for index, (begin, end) in enumerate(zip(borders, borders[1:], strict=False)):
-        piece = tokenizer(text[begin:end], add_special_tokens=add_special_tokens and index == 0)["input_ids"]
-        trained = _inside(begin, spans)
-        ids.extend(piece)
-        labels.extend(piece if trained else [IGNORE_INDEX] * len(piece))
-        position = end
-    assert position == len(text)
-    return ids, labels
-
-
-def _chat_spans(
-    assets: TokenizerAssets, messages: list[Any], where: str
-) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of its assistant turns.
-
-    A turn's span runs from the end of the conversation rendered up to it with the generation prompt to
-    the end of the conversation rendered through it, so the template's own turn markers around the
-    reply (the end-of-turn token included) are trained on, as the model must learn to emit them.
-    """
-    tokenizer = assets.tokenizer
-    if not assets.chat_template:
-        raise ConfigError(
-            f"{where}: chat examples need a chat template: the tokenizer has none; set assets.chat_template"
-        )
-    for index, message in enumerate(messages):
-        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
-            raise ConfigError(f"{where}: message {index} must be an object with 'role' and 'content'")
-
-    def render(upto: int, generation_prompt: bool) -> str:
-        try:
-            return tokenizer.apply_chat_template(
-                messages[:upto], tokenize=False, add_generation_prompt=generation_prompt
-            )
-        except Exception as error:  # noqa: BLE001 - a user's template raising (jinja2's raise_exception) is a data error
-            raise ConfigError(
-                f"{where}: the chat template fails on this conversation ({first_line(error)})"
-            ) from None
-
-    text = render(len(messages), False)
-    spans = []
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before, through = render(index, True), render(index + 1, False)
-        if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
-            raise ConfigError(
-                f"{where}: the chat template does not render conversation prefixes as prefixes of the "
-                "whole conversation, so prompt tokens cannot be told apart; use data.train_on_prompt"
-            )
-        spans.append((len(before), len(through)))
-    return text, spans
-
-
 def transform_example(
     record: Mapping[str, Any], assets: TokenizerAssets, data: SFTDataConfig, where: str = "example"
 ) -> Example:
@@ -279,14 +203,14 @@ def transform_example(
     eos = [assets.eos_id] if data.add_eos and assets.eos_id is not None else []
     if kind == "text":
         text = _field(record, data.text_key, str, where, data)
-        ids, _ = _tokenize_spans(tokenizer, text, [], add_special_tokens=True, train_all=True)
+        ids, _ = tokenize_spans(tokenizer, text, [], add_special_tokens=True, train_all=True)
         ids = ids + eos if not (eos and ids and ids[-1] == eos[0]) else ids
         return Example(tuple(ids), tuple(ids))
     if kind == "prompt_completion":
         prompt = _field(record, data.prompt_key, str, where, data)
         completion = _field(record, data.completion_key, str, where, data)
         text = prompt + completion
-        ids, labels = _tokenize_spans(
+        ids, labels = tokenize_spans(
             tokenizer,
             text,
             [(len(prompt), len(text))],
@@ -295,8 +219,8 @@ def transform_example(
         )
         return Example(tuple(ids + eos), tuple(labels + eos))
     messages = _field(record, data.messages_key, list, where, data)
-    text, spans = _chat_spans(assets, messages, where)
-    ids, labels = _tokenize_spans(
+    text, spans = chat_spans(tokenizer, assets.chat_template, messages, where)
+    ids, labels = tokenize_spans(
         tokenizer, text, spans, add_special_tokens=False, train_all=data.train_on_prompt
     )
     return Example(tuple(ids), tuple(labels))
@@ -402,56 +326,3 @@ def _file_examples(path: str, field_name: str, assets: TokenizerAssets, data: SF
     rows = read_rows(path, field_name, columns)
     lines = [number for number, _ in rows]
     return build_examples([record for _, record in rows], assets, data, f"{field_name} {path!r}", lines)
-
-
-# ----------------------------------------------------------------------------- collate
-
-
-def _collate_packed(samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-    keys = ("input_ids", "labels", "position_ids", "document_ids")
-    batch = {key: torch.stack([torch.as_tensor(s[key], dtype=torch.long) for s in samples]) for key in keys}
-    batch["attention_mask"] = document_causal_mask(batch["document_ids"])
-    return batch
-
-
-def make_sft_collate(
-    pad_id: int, *, max_length: int, pad_to: str = "max_length", pad_multiple: int = 1
-) -> Callable[[list[Any]], dict[str, torch.Tensor]]:
-    """Stack samples into a micro-batch.
-
-    Padded samples: right-padded with `pad_id` (labels IGNORE_INDEX) to `max_length` or to the longest
-    sample rounded up to a multiple of `pad_multiple` (at most `max_length`: a few distinct shapes, not
-    one per batch, and no compute on padding up to max_length), with a 2-D `attention_mask` (1: real
-    token); when nothing needs padding there is no mask,
-    which keeps attention on its causal fast path. Packed samples (they carry `document_ids`): stacked
-    as they are, plus `attention_mask`, the 4-D boolean block-diagonal causal mask [batch, 1, seq, seq]
-    (True: may attend), next to their `position_ids` and `document_ids`.
-    """
-    require_int("max_length", max_length, min=1)
-    require_choice("pad_to", pad_to, PAD_TO)
-    require_int("pad_multiple", pad_multiple, min=1)
-
-    def padded_length(longest: int) -> int:
-        if pad_to == "max_length":
-            return max_length
-        return min(-(-longest // pad_multiple) * pad_multiple, max_length)
-
-    def collate(samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        if samples and "document_ids" in samples[0]:
-            return _collate_packed(samples)
-        ids = [torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples]
-        labels = [torch.as_tensor(s["labels"], dtype=torch.long) for s in samples]
-        length = padded_length(max(len(t) for t in ids))
-        if all(len(t) == length for t in ids):  # nothing to pad: no mask needed
-            return {"input_ids": torch.stack(ids), "labels": torch.stack(labels)}
-        batch_ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
-        batch_labels = torch.full((len(samples), length), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(samples), length), dtype=torch.long)
-        for row, (sample_ids, sample_labels) in enumerate(zip(ids, labels, strict=True)):
-            n = min(len(sample_ids), length)
-            batch_ids[row, :n] = sample_ids[:n]
-            batch_labels[row, :n] = sample_labels[:n]
-            mask[row, :n] = 1
-        return {"input_ids": batch_ids, "labels": batch_labels, "attention_mask": mask}
-
-    return collate

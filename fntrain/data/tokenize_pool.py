@@ -57,7 +57,7 @@ class EncodedBlock:
 
 @dataclass(frozen=True)
 class _Settings:
-    tokenizer: Any  # a fntrain.data.tokenize.Tokenizer
+    tokenizer: Any  # a fntrain.data.tokenizers.Tokenizer
     dtype: np.dtype
     limit: int
     batch_size: int

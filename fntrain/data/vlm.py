@@ -19,9 +19,9 @@ columns the keys (`fntrain.data.files.read_rows`; errors name rows 0-based). Its
 paths (relative to the file's directory, or to the save_to_disk folder), encoded image bytes, or what
 `datasets.Image` stores ({"bytes", "path"} structs), or lists of them.
 
-With no `path`, a generated set is used (`ShapesQA`): coloured shapes on noise backgrounds, each asking
-"What colour is the shape?" or "What shape is it?" (4 answers each); images are drawn from (seed,
-index), so the set needs no file and validation images are never trained on.
+With no `path`, a generated set is used (`fntrain.data.shapes.ShapesQA`): coloured shapes on noise
+backgrounds, each asking "What colour is the shape?" or "What shape is it?" (4 answers each); images are
+drawn from (seed, index), so the set needs no file and validation images are never trained on.
 
 Multimodal packing is out of scope: one example per sample, right-padded per micro-batch; the
 micro-batch's pixel_values are the samples' image tensors concatenated along dim 0.
@@ -38,23 +38,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
 from fntrain.config import ConfigError, require_choice, require_float, require_int, require_str
+from fntrain.data.chat import chat_spans
 from fntrain.data.files import position_label, read_rows, require_source
-from fntrain.data.sft import _chat_spans, make_sft_collate
+from fntrain.data.sft_collate import make_sft_collate
+from fntrain.data.shapes import ShapesQA
 from fntrain.data.tokens import IGNORE_INDEX
 
 __all__ = [
-    "COLOURS",
-    "SHAPES",
-    "QUESTIONS",
     "VLMDataConfig",
-    "draw_shape",
-    "ShapesQA",
-    "shapes_texts",
-    "write_shapes_jsonl",
     "vlm_messages",
     "check_vlm_rows",
     "transform_vlm_example",
@@ -66,10 +60,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("fntrain.data.vlm")
-
-COLOURS = {"red": (215, 40, 40), "green": (40, 175, 60), "blue": (40, 80, 225), "yellow": (230, 205, 40)}
-SHAPES = ("circle", "square", "triangle", "cross")
-QUESTIONS = {"colour": "What colour is the shape?", "shape": "What shape is it?"}
 
 
 @dataclass(frozen=True)
@@ -118,87 +108,6 @@ class VLMDataConfig:
             require_source(f"{prefix}.path", self.path)
         if self.val_path:
             require_source(f"{prefix}.val_path", self.val_path)
-
-
-# ----------------------------------------------------------------------------- the generated set
-
-
-def draw_shape(shape: str, colour: str, size: int, rng: np.random.Generator) -> Any:
-    """A `size` x `size` RGB image: mid-grey with faint noise and one `colour` `shape` near the centre,
-    of random size, offset and shade."""
-    from PIL import Image, ImageDraw
-
-    # A flat background and large shapes: with busier images (grey level 90-170, noise std 18, half
-    # side 0.28-0.38) the tiny model learnt the colours but not the shapes in the default 300 steps.
-    pixels = np.clip(128 + rng.normal(0, 4, (size, size, 3)), 0, 255).astype(np.uint8)
-    image = Image.fromarray(pixels, "RGB")
-    half = rng.uniform(0.36, 0.46) * size
-    cx, cy = (size / 2 + rng.uniform(-0.04, 0.04) * size for _ in range(2))
-    fill = tuple(int(np.clip(c + rng.integers(-20, 21), 0, 255)) for c in COLOURS[colour])
-    draw = ImageDraw.Draw(image)
-    box = (cx - half, cy - half, cx + half, cy + half)
-    if shape == "circle":
-        draw.ellipse(box, fill=fill)
-    elif shape == "square":
-        draw.rectangle(box, fill=fill)
-    elif shape == "triangle":
-        draw.polygon([(cx, cy - half), (cx + half, cy + half), (cx - half, cy + half)], fill=fill)
-    elif shape == "cross":
-        arm = half * 0.38
-        draw.rectangle((cx - half, cy - arm, cx + half, cy + arm), fill=fill)
-        draw.rectangle((cx - arm, cy - half, cx + arm, cy + half), fill=fill)
-    else:
-        raise ValueError(f"unknown shape {shape!r}; expected one of {SHAPES}")
-    return image
-
-
-class ShapesQA(torch.utils.data.Dataset):
-    """`count` generated rows {"image": PIL image, "messages": [user: image + question, assistant:
-    answer]}; row i is a pure function of (seed, start + i), so disjoint `start` ranges never share an
-    image."""
-
-    def __init__(self, count: int, *, seed: int = 0, start: int = 0, image_size: int = 48):
-        self.count, self.seed, self.start, self.image_size = count, seed, start, image_size
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        if not 0 <= index < self.count:
-            raise IndexError(index)
-        rng = np.random.default_rng([self.seed, self.start + index])
-        shape, colour = SHAPES[rng.integers(len(SHAPES))], list(COLOURS)[rng.integers(len(COLOURS))]
-        kind = ("colour", "shape")[rng.integers(2)]
-        image = draw_shape(shape, colour, self.image_size, rng)
-        user = [{"type": "image"}, {"type": "text", "text": QUESTIONS[kind]}]
-        answer = colour if kind == "colour" else shape
-        return {"image": image, "messages": [{"role": "user", "content": user},
-                                             {"role": "assistant", "content": answer}]}  # fmt: skip
-
-
-def shapes_texts() -> list[str]:
-    """Every text of the generated set: what the tiny model's tokenizer is trained on."""
-    return [*QUESTIONS.values(), *COLOURS, *SHAPES]
-
-
-def write_shapes_jsonl(directory: str | Path, count: int, *, seed: int = 0, start: int = 0,
-                       image_size: int = 48, name: str = "shapes") -> Path:  # fmt: skip
-    """The generated rows as PNG files and `<name>.jsonl` ({"image": relative path, "messages"}) in
-    `directory`; returns the JSONL path."""
-    import json
-
-    directory = Path(directory)
-    (directory / name).mkdir(parents=True, exist_ok=True)
-    rows = ShapesQA(count, seed=seed, start=start, image_size=image_size)
-    lines = []
-    for index in range(count):
-        row = rows[index]
-        relative = f"{name}/{start + index:06d}.png"
-        row["image"].save(directory / relative)
-        lines.append(json.dumps({"image": relative, "messages": row["messages"]}))
-    path = directory / f"{name}.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 # ----------------------------------------------------------------------------- transform
@@ -296,14 +205,6 @@ def check_vlm_rows(rows: Sequence[Mapping[str, Any]], data: VLMDataConfig, *, ro
             raise ConfigError(f"{where}: no assistant turn to train on")
 
 
-class _ProcessorTemplate:
-    """The processor seen as `fntrain.data.sft`'s tokenizer assets (for the assistant-turn spans)."""
-
-    def __init__(self, processor: Any):
-        self.tokenizer = processor
-        self.chat_template = getattr(processor, "chat_template", None)
-
-
 def _encode(processor: Any, text: str, images: list[Any], where: str, offsets: bool) -> Mapping[str, Any]:
     kwargs = {"return_offsets_mapping": True} if offsets else {}
     encoded = processor(text=[text], images=images or None, return_tensors="pt", **kwargs)
@@ -321,7 +222,7 @@ def transform_vlm_example(
     included. An example longer than `data.max_length` is an error naming the field."""
     images = _load_images(record[data.image_key], root, where) if data.image_key in record else []
     messages = vlm_messages(record, data, len(images), where)
-    text, spans = _chat_spans(_ProcessorTemplate(processor), messages, where)
+    text, spans = chat_spans(processor, getattr(processor, "chat_template", None), messages, where)
     encoded = _encode(processor, text, images, where, offsets=True)
     ids = encoded["input_ids"][0]
     image_token = getattr(processor, "image_token", "<image>")
@@ -461,7 +362,7 @@ def _checked_rows(path: str, field_name: str, data: VLMDataConfig) -> tuple[list
 def make_vlm_collate(
     pad_id: int, *, max_length: int, pad_to: str = "longest"
 ) -> Callable[[list[Any]], dict[str, torch.Tensor]]:
-    """Right-pad the text of a list of samples (`fntrain.data.sft.make_sft_collate`: labels
+    """Right-pad the text of a list of samples (`fntrain.data.sft_collate.make_sft_collate`: labels
     IGNORE_INDEX and a 2-D attention_mask where padded) and concatenate their image tensors along
     dim 0 into `pixel_values` (no key when no sample has an image)."""
     text_collate = make_sft_collate(pad_id, max_length=max_length, pad_to=pad_to)

@@ -89,7 +89,15 @@ def every_epoch(n: int, hook: Hook) -> Hook:
 
 def on(events: Event | Iterable[Event], fn: Callable[[TrainState, Any], None]) -> Hook:
     """A hook that calls `fn(state, info)` for the given events only."""
-    wanted = frozenset([events] if isinstance(events, Event) else events)
+    if isinstance(events, Event):
+        only = events
+
+        def one(event: Event, state: TrainState, info: Any) -> None:
+            if event is only:  # identity: no Enum hash on every event of every step
+                fn(state, info)
+
+        return one
+    wanted = frozenset(events)
 
     def filtered(event: Event, state: TrainState, info: Any) -> None:
         if event in wanted:

@@ -36,7 +36,7 @@ from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
 from fntrain.step import default_forward
 
-__all__ = ["EvaluateConfig", "evaluate_hook", "make_eval_fn", "eval_index_groups"]
+__all__ = ["EvaluateConfig", "EvalParts", "evaluate_hook", "make_eval_fn", "eval_index_groups"]
 
 log = logging.getLogger("fntrain.hooks.evaluate")
 
@@ -110,6 +110,20 @@ def eval_index_groups(
     return groups
 
 
+@dataclass(frozen=True)
+class EvalParts:
+    """How one evaluation micro-batch is made, run and weighted (None: the defaults)."""
+
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    """Samples -> micro-batch (None: torch's default_collate)."""
+    forward: Callable[[torch.nn.Module, Mapping[str, Any]], Any] | None = None
+    """(model, micro-batch) -> output (None: `default_forward`)."""
+    autocast_dtype: torch.dtype | None = None
+    """Run the forward under autocast to this dtype (None: no autocast)."""
+    ignore_index: int = IGNORE_INDEX
+    """Label value that marks a position without loss (for the token weights)."""
+
+
 def make_eval_fn(
     model: torch.nn.Module,
     loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor],
@@ -117,11 +131,8 @@ def make_eval_fn(
     *,
     micro_batch_size: int,
     runtime: Runtime,
-    collate_fn: Callable[[list[Any]], Any] | None = None,
-    forward: Callable[[torch.nn.Module, Mapping[str, Any]], Any] | None = None,
     max_batches: int = 0,
-    autocast_dtype: torch.dtype | None = None,
-    ignore_index: int = IGNORE_INDEX,
+    parts: EvalParts = EvalParts(),
     group: Any = None,
 ) -> Callable[[], dict[str, float]]:
     """`eval_fn() -> {"val_loss", "val_ppl"}` over `dataset` (map-style), sharded over data-parallel ranks.
@@ -134,46 +145,58 @@ def make_eval_fn(
             f"the validation dataset must be map-style (__getitem__ and __len__), got {type(dataset)!r}"
         )
     groups = eval_index_groups(len(dataset), micro_batch_size, runtime.dp_rank, runtime.dp_size, max_batches)
-    collate = collate_fn or default_collate
-    forward = forward or default_forward
+    parts = dataclasses.replace(parts, collate_fn=parts.collate_fn or default_collate,
+                                forward=parts.forward or default_forward)  # fmt: skip
     device = runtime.device
-    dtype = exact_dtype(device)
 
     def eval_fn() -> dict[str, float]:
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad():
-                loss_sum = torch.zeros((), dtype=dtype, device=device)
-                token_sum = torch.zeros((), dtype=dtype, device=device)
-                for indices, counted in groups:
-                    micro_batch = to_device(collate([dataset[i] for i in indices]), device)
-                    if autocast_dtype is not None:
-                        with torch.autocast(device.type, dtype=autocast_dtype):
-                            output = forward(model, micro_batch)
-                    else:
-                        output = forward(model, micro_batch)
-                    loss = loss_fn(output, micro_batch)
-                    if counted:  # a filler micro-batch only keeps the ranks' forwards matched
-                        tokens = count_loss_tokens(micro_batch, ignore_index).to(dtype)
-                        loss_sum += loss.detach().to(dtype) * tokens
-                        token_sum += tokens
-            totals = reduce_scalars(
-                {"loss": loss_sum, "tokens": token_sum}, "sum", device=device, dtype=dtype, group=group
-            )
+                sums = _loss_sums(model, loss_fn, dataset, groups, parts, device)
+            totals = reduce_scalars(sums, "sum", device=device, dtype=exact_dtype(device), group=group)
         finally:
             model.train(was_training)
-        if totals["tokens"] <= 0:
-            log.warning("evaluation: the validation split has no valid loss tokens")
-            return {"val_loss": math.nan, "val_ppl": math.nan}
-        val_loss = totals["loss"] / totals["tokens"]
-        try:
-            val_ppl = math.exp(val_loss)
-        except OverflowError:
-            val_ppl = math.inf
-        return {"val_loss": val_loss, "val_ppl": val_ppl}
+        return _val_metrics(totals)
 
     return eval_fn
+
+
+def _loss_sums(
+    model: torch.nn.Module, loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor], dataset: Any,
+    groups: list[tuple[list[int], bool]], parts: EvalParts, device: torch.device,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """{"loss": sum of loss x tokens, "tokens": loss tokens} over this rank's micro-batches, on the device."""
+    dtype = exact_dtype(device)
+    loss_sum = torch.zeros((), dtype=dtype, device=device)
+    token_sum = torch.zeros((), dtype=dtype, device=device)
+    for indices, counted in groups:
+        micro_batch = to_device(parts.collate_fn([dataset[i] for i in indices]), device)
+        if parts.autocast_dtype is not None:
+            with torch.autocast(device.type, dtype=parts.autocast_dtype):
+                output = parts.forward(model, micro_batch)
+        else:
+            output = parts.forward(model, micro_batch)
+        loss = loss_fn(output, micro_batch)
+        if counted:  # a filler micro-batch only keeps the ranks' forwards matched
+            tokens = count_loss_tokens(micro_batch, parts.ignore_index).to(dtype)
+            loss_sum += loss.detach().to(dtype) * tokens
+            token_sum += tokens
+    return {"loss": loss_sum, "tokens": token_sum}
+
+
+def _val_metrics(totals: Mapping[str, float]) -> dict[str, float]:
+    """val_loss (the token-weighted mean) and val_ppl from the reduced sums; NaN without loss tokens."""
+    if totals["tokens"] <= 0:
+        log.warning("evaluation: the validation split has no valid loss tokens")
+        return {"val_loss": math.nan, "val_ppl": math.nan}
+    val_loss = totals["loss"] / totals["tokens"]
+    try:
+        val_ppl = math.exp(val_loss)
+    except OverflowError:
+        val_ppl = math.inf
+    return {"val_loss": val_loss, "val_ppl": val_ppl}
 
 
 @dataclass(slots=True)

@@ -46,7 +46,6 @@ __all__ = [
     "check_metric_packages",
     "is_logging_step",
     "metrics_hook",
-    "metrics_writer",
 ]
 
 MetricSource = Callable[[], Mapping[str, float]]
@@ -71,8 +70,8 @@ def metrics_hook(
     `log_every` and `last_step` (log_every 0: no step logs). Every step joins the window (references
     only); on each logging step, on every rank, merge the `sources`' figures with the window's means and
     the step's metrics reduced over ranks (mean, one collective) and write the record (rank 0). Stops
-    `writer` (its sinks get the summary and are closed) at TRAIN_END and ABORT (outcome "aborted"). The
-    hook carries the writer as its `writer` attribute (see `metrics_writer`).
+    `writer` (its sinks get the summary and are closed) at TRAIN_END and ABORT (outcome "aborted"); the
+    run that built `writer` sends it the end-of-run summary itself.
 
     Tensor metrics must be scalars; Python numbers (lr) are host values the step computes identically on
     every rank and are logged as they are. "loss_tokens" weights the window's loss and is not logged. A
@@ -100,7 +99,6 @@ def metrics_hook(
         elif event is Event.ABORT:
             writer.stop(outcome="aborted")
 
-    metrics.writer = writer  # type: ignore[attr-defined] - for the job's end-of-run summary
     return stateful(
         "metrics", metrics, lambda: window_state(window), lambda saved: load_window_state(window, saved)
     )
@@ -159,13 +157,3 @@ def _record(
         if name in record:
             raise ValueError(f"metric name collision: {name!r} is reserved for the record's position")
     return record
-
-
-def metrics_writer(hooks: Sequence[Any]) -> MetricsLog | None:
-    """The `MetricsLog` of the metrics hook among `hooks` (None without one): where the job sends its
-    end-of-run summary."""
-    for hook in hooks:
-        writer = getattr(getattr(hook, "fn", hook), "writer", None)  # a stateful hook's function carries it
-        if isinstance(writer, MetricsLog):
-            return writer
-    return None

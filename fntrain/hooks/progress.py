@@ -102,18 +102,10 @@ def progress_hook(
         return _inactive
     if file is None and not _stderr_is_terminal():
         return _inactive  # the periodic metrics log lines stand in for the bar
-    try:
-        from tqdm import tqdm  # import time: only a rank-0 bar on a terminal pays for tqdm
-    except ImportError:
-        warnings.warn(
-            "progress: tqdm is not installed; training runs without a progress bar", UserWarning, stacklevel=2
-        )
+    imported = _import_tqdm(config.redirect_logging)
+    if imported is None:
         return _inactive
-    redirect: Any = None
-    if config.redirect_logging:
-        from tqdm.contrib.logging import logging_redirect_tqdm  # import time, as tqdm above
-
-        redirect = logging_redirect_tqdm
+    tqdm, redirect = imported
     memory = _ProgressMemory()
     due = cadence(log_every)
 
@@ -133,6 +125,23 @@ def progress_hook(
             _close(memory)
 
     return progress
+
+
+def _import_tqdm(redirect_logging: bool) -> tuple[Any, Any] | None:
+    """(tqdm, logging_redirect_tqdm or None), imported now: only a rank-0 bar on a terminal pays for
+    tqdm. None (after one warning) when tqdm is not installed."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        warnings.warn(
+            "progress: tqdm is not installed; training runs without a progress bar", UserWarning, stacklevel=3
+        )
+        return None
+    if not redirect_logging:
+        return tqdm, None
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return tqdm, logging_redirect_tqdm
 
 
 def _stderr_is_terminal() -> bool:

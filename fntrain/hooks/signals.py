@@ -1,6 +1,6 @@
 """Preemption notices [S19]: a signal asks the run to save at the next step boundary and stop.
 
-    result = run_training(state, step_fn, hooks, data=data, plan=plan)  # hooks include the checkpoint hook
+    result = train(state, step_fn, hooks, data=data, plan=plan)  # hooks include the checkpoint hook
     if result.outcome == "preempted":   # after the runtime's clean teardown
         sys.exit(result.exit_code)      # 143 by default, like a process ended by SIGTERM
 
@@ -14,7 +14,7 @@ What happens, in order:
    agreement (`fntrain.hooks.preemption`; with several ranks: one small all-reduce every
    `preempt_check_every` steps, so every rank stops at the same step), saves, and ends the run cleanly
    with `StopTraining(outcome="preempted", exit_code=checkpoint.preempt_exit_code)`: TRAIN_END runs and
-   `run_training` returns a `TrainResult` saying so.
+   `train` returns a `TrainResult` saying so.
 4. The launcher leaves its runtime normally (barrier, process group destroyed) and exits with the
    result's exit code (`fntrain run` does: default 143, like a process ended by SIGTERM, so a scheduler
    sees a terminated job, not a finished one) without a traceback.
@@ -67,7 +67,7 @@ class Preemption:
     """The preemption signal handlers of this process (a resource: `install()` / `uninstall()`).
 
     `requested` is True once a configured signal arrived (or `request()` was called); `received` names
-    it. How the run ended is not kept here: it is the `TrainResult` that `run_training` returns.
+    it. How the run ended is not kept here: it is the `TrainResult` that `train` returns.
     """
 
     def __init__(

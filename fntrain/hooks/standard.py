@@ -25,20 +25,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fntrain.components import Components
-from fntrain.hooks.checkpoint import checkpoint_hook, checkpoint_root
-from fntrain.hooks.evaluate import evaluate_hook, make_eval_fn
+from fntrain.checkpoint import SaveTarget
+from fntrain.checkpoint.layout import checkpoint_root
+from fntrain.hooks.checkpoint import checkpoint_hook, saves_at_end
+from fntrain.hooks.evaluate import EvalParts, evaluate_hook, make_eval_fn
 from fntrain.hooks.gc import gc_hook
-from fntrain.hooks.memory import MemoryConfig, memory_hook
+from fntrain.hooks.memory import MemoryConfig, check_memory_device, memory_hook
 from fntrain.hooks.metrics import metrics_hook
 from fntrain.hooks.metrics_log import MetricsLog, metrics_log
-from fntrain.hooks.profiler import ProfilerConfig, profiler_hook
+from fntrain.hooks.profiler import ProfilerConfig, check_profiler_config, profiler_hook
 from fntrain.hooks.progress import progress_hook, set_library_progress_bars
 from fntrain.hooks.throughput import ThroughputMeter, throughput_meter
 from fntrain.hooks.watchdog import watchdog_hook
 from fntrain.loop import Hook
 from fntrain.runtime import Runtime
 from fntrain.state import RunPlan
+from fntrain.step.components import Components
 
 log = logging.getLogger("fntrain.hooks.evaluate")
 
@@ -48,9 +50,11 @@ __all__ = [
     "Wiring",
     "STANDARD_FACTORIES",
     "make_wiring",
+    "wire_standard_hooks",
     "under_run_dir",
     "memory_config",
     "profiler_config",
+    "check_early_hooks",
     "early_hooks",
     "standard_hooks",
 ]
@@ -89,6 +93,16 @@ def profiler_config(config: Any) -> ProfilerConfig:
     )
 
 
+def check_early_hooks(config: Any, runtime: Runtime) -> None:
+    """What building the memory and profiler hooks for `runtime` would refuse (a device without
+    allocator history, a profiler backend or rank list this launch cannot have), checked without
+    building them: the run's first phase does this with a stand-in runtime, before any device work."""
+    memory = config.memory
+    if memory.enable or memory.mem_info:
+        check_memory_device(memory, runtime.device)
+    check_profiler_config(profiler_config(config), runtime)
+
+
 def early_hooks(config: Any, runtime: Runtime) -> EarlyHooks:
     """Build the memory and profiler hooks from the recipe config, paths resolved under run_dir."""
     return EarlyHooks(
@@ -120,6 +134,7 @@ class HookInputs:
     extra: Sequence[Hook] = ()  # the spec's hooks, just before the checkpoint hook
     attempt: int = 0  # which launch of the run this is; tags each metrics record
     data_fingerprint: Mapping[str, Any] | None = None  # what the data was: every checkpoint records it
+    restoring: bool = False  # the launch restores a checkpoint: its end is saved too (`saves_at_end`)
 
 
 @dataclass(frozen=True)
@@ -174,10 +189,9 @@ def _evaluate(inputs: HookInputs, wiring: Wiring) -> Hook | None:
         inputs.val_dataset,
         micro_batch_size=config.micro_batch_size or inputs.eval_micro_batch_size,
         runtime=inputs.runtime,
-        collate_fn=inputs.collate_fn,
-        forward=inputs.forward,
         max_batches=config.max_batches,
-        autocast_dtype=inputs.autocast_dtype,
+        parts=EvalParts(collate_fn=inputs.collate_fn, forward=inputs.forward,
+                        autocast_dtype=inputs.autocast_dtype),  # fmt: skip
         group=inputs.dp_group,
     )
     if inputs.extra_eval is not None:
@@ -209,12 +223,11 @@ def _checkpoint(inputs: HookInputs, wiring: Wiring) -> Hook | None:
     """Saves the state of every stateful hook of the list (itself included) and `run_config`; handles
     the preemption signals itself (a preemption ends the run with outcome "preempted")."""
     config = inputs.config.checkpoint
-    if not (config.enabled or config.save_on_interrupt or config.saves_at_end):
+    if not (config.enabled or config.save_on_interrupt or saves_at_end(config, inputs.restoring)):
         return None
-    return checkpoint_hook(config, inputs.components, inputs.runtime,
-                           directory=checkpoint_root(config, inputs.run_dir),
-                           hooks=lambda: wiring.hooks, run_config=inputs.run_config,
-                           recipe=inputs.recipe, data=inputs.data_fingerprint)  # fmt: skip
+    target = SaveTarget(checkpoint_root(config, inputs.run_dir), inputs.components, hooks=lambda: wiring.hooks,
+                        config=inputs.run_config, recipe=inputs.recipe, data=inputs.data_fingerprint)  # fmt: skip
+    return checkpoint_hook(config, target, inputs.runtime, restoring=inputs.restoring)
 
 
 def _watchdog(inputs: HookInputs, wiring: Wiring) -> Hook | None:
@@ -238,16 +251,22 @@ def make_wiring(inputs: HookInputs) -> Wiring:
     )  # fmt: skip
 
 
-def standard_hooks(inputs: HookInputs) -> list[Hook]:
-    """The standard hook list of the run `inputs` describes: each factory of `STANDARD_FACTORIES` in
-    order, those that return None left out. Builds no file and opens nothing: the metrics log and the
-    hooks open what they write at TRAIN_BEGIN or their first record."""
+def wire_standard_hooks(inputs: HookInputs) -> Wiring:
+    """The standard hooks of the run `inputs` describes, with what they share: each factory of
+    `STANDARD_FACTORIES` in order, those that return None left out (`.hooks`), and the metrics log the
+    end of the run writes its summary to (`.writer`). Builds no file and opens nothing: the metrics log
+    and the hooks open what they write at TRAIN_BEGIN or their first record."""
     wiring = make_wiring(inputs)
     for factory in STANDARD_FACTORIES:
         made = factory(inputs, wiring)
         if made is not None:
             wiring.hooks.extend(made if isinstance(made, tuple) else (made,))
-    return wiring.hooks
+    return wiring
+
+
+def standard_hooks(inputs: HookInputs) -> list[Hook]:
+    """The standard hook list of `wire_standard_hooks(inputs)`."""
+    return wire_standard_hooks(inputs).hooks
 
 
 def _merged(*eval_fns: Callable[[], Mapping[str, float]]) -> Callable[[], dict[str, float]]:

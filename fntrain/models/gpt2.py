@@ -1,4 +1,4 @@
-"""A nanoGPT-style model (recipes/tiny_gpt.py's `TinyGPT`) saved as a Hugging Face GPT-2.
+"""The tiny GPT (`fntrain.models.gpt.TinyGPT`) saved as a Hugging Face GPT-2.
 
     export_gpt2(model, "runs/tiny/hf_model", config)     # model.safetensors + config.json
     AutoModelForCausalLM.from_pretrained("runs/tiny/hf_model")   # a GPT2LMHeadModel, the same logits
@@ -41,7 +41,7 @@ _QKV = re.compile(r"blocks\.(\d+)\.attn\.([qkv])\.(weight|bias)")
 
 def gpt2_config(config: Any, *, eos_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:
     """The GPT2Config (as config.json's dict) of a tiny GPT shaped by `config` (context, n_layer,
-    n_head, d_model, dropout, vocab_size: recipes/tiny_gpt.py's `ModelConfig`). `eos_id` becomes the
+    n_head, d_model, dropout, vocab_size: `fntrain.models.gpt.ModelConfig`). `eos_id` becomes the
     BOS and EOS id (None: the model has none)."""
     return {
         "architectures": ["GPT2LMHeadModel"],

@@ -8,24 +8,34 @@
 
 Never downloads anything: a model path must be a local directory holding config.json and safetensors
 weights (what `save_pretrained` writes), and the Hub's offline switches are set before transformers is
-imported. transformers (the `hf` extra) is imported inside functions only.
+imported. transformers (the `hf` extra) is imported inside functions only. The configs and the checks
+that read no more than config.json are `fntrain.models.hf_config`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from fntrain.checkpoint.hf_load import OFFLINE_SWITCHES, set_offline
-from fntrain.config import ConfigError, absent_input, first_line, require_choice, require_str
+from fntrain.config import ConfigError, first_line
+from fntrain.models.hf_config import (
+    DTYPES,
+    AssetsConfig,
+    HFModelConfig,
+    model_vocab_size,
+    read_chat_template,
+    require_local_dir,
+    require_model_config_dir,
+    require_model_dir,
+)
 from fntrain.models.hf_tp import hf_tensor_parallel
 from fntrain.runtime import Runtime
 from fntrain.runtime.parallel import ParallelConfig
@@ -33,9 +43,6 @@ from fntrain.runtime.parallel import ParallelConfig
 __all__ = [
     "OFFLINE_SWITCHES",
     "set_offline",
-    "require_local_dir",
-    "HFModelConfig",
-    "AssetsConfig",
     "ModelAssets",
     "load_assets",
     "dtype_kwargs",
@@ -44,120 +51,15 @@ __all__ = [
     "causal_lm_from_config",
     "load_causal_lm",
     "check_vocab",
-    "model_vocab_size",
     "quiet_progress_bars",
-    "check_packed_attention",
     "unwrap",
     "save_hf_model",
 ]
 
 log = logging.getLogger("fntrain.models.hf")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
-SAFE_INDEX = "model.safetensors.index.json"
 # What save_pretrained writes for a tokenizer: one of these files is there when a directory holds one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
-# ----------------------------------------------------------------------------- local directories
-
-
-def require_local_dir(field_name: str, path: str, *, needs: Sequence[str] = ()) -> Path:
-    """`path` as an existing local directory holding `needs`, else a `ConfigError` naming the field
-    (a Hub id is never looked up)."""
-    directory = Path(path).expanduser()
-    if directory.is_file():
-        raise ConfigError(f"{field_name} {path!r} is a file, not a directory")
-    if not directory.is_dir():
-        raise ConfigError(
-            f"{field_name} {path!r} is not a local directory; fntrain never downloads models: "
-            "save one with save_pretrained (or huggingface-cli download) and pass its path"
-        )
-    missing = [name for name in needs if not (directory / name).exists()]
-    if missing:
-        raise ConfigError(f"{field_name} {path!r} lacks {', '.join(missing)}")
-    return directory
-
-
-def _require_model_config(field_name: str, path: str) -> Path:
-    """A local directory holding a config.json with a JSON object (what building the model on the meta
-    device, and so `fntrain plan`, needs); else a `ConfigError` naming the field and the directory."""
-    directory = require_local_dir(field_name, path, needs=("config.json",))
-    try:
-        saved = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    except (ValueError, OSError) as error:  # ValueError: not JSON, or not UTF-8
-        raise ConfigError(f"{field_name} {path!r}: config.json is not a JSON file ({error})") from None
-    if not isinstance(saved, dict):
-        raise ConfigError(f"{field_name} {path!r}: config.json must hold a JSON object")
-    return directory
-
-
-def _require_model_dir(field_name: str, path: str) -> Path:
-    """A local model directory: a config.json holding a JSON object and safetensors weights (one file,
-    shards, or an index); else a `ConfigError` naming the field and the directory. Missing weights pass
-    inside `fntrain.config.inputs_optional()` (a plan reads none)."""
-    directory = _require_model_config(field_name, path)
-    if not any(directory.glob("*.safetensors")) and not (directory / SAFE_INDEX).exists():
-        message = f"{field_name} {path!r} holds no *.safetensors weights"
-        if not absent_input(message, note=False):  # a plan reads no weights: nothing to say
-            raise ConfigError(message)
-    return directory
-
-
-def _read_chat_template(value: str, field_name: str = "assets.chat_template") -> str:
-    """The template text: `value` itself when it looks like Jinja, else the file it names."""
-    if "{{" in value or "{%" in value:
-        return value
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    raise ConfigError(f"{field_name} {value!r} is neither a file nor a Jinja template")
-
-
-# ----------------------------------------------------------------------------- configuration
-
-
-@dataclass(frozen=True)
-class HFModelConfig:
-    """The model to fine-tune: a local directory, never a Hub id."""
-
-    path: str = ""
-    """Local model directory (config.json + *.safetensors, as save_pretrained writes it). Required."""
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """Dtype of the loaded weights (auto: the checkpoint's). For bf16 compute over fp32 weights use parallel.mixed_precision instead."""
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    """Attention kernel transformers uses."""
-
-    def validate(self, prefix: str = "model") -> None:
-        """Value rules naming `prefix.field`; the directory must hold config.json and safetensors."""
-        require_str(f"{prefix}.path", self.path)
-        if not self.path:
-            raise ValueError(
-                f"{prefix}.path is required: a local model directory (config.json + safetensors)"
-            )
-        require_choice(f"{prefix}.dtype", self.dtype, (*DTYPES, "auto"))
-        require_choice(f"{prefix}.attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
-        _require_model_dir(f"{prefix}.path", self.path)
-
-
-@dataclass(frozen=True)
-class AssetsConfig:
-    """Model assets: the tokenizer and its chat template."""
-
-    tokenizer_path: str | None = None
-    """Local tokenizer directory (None: model.path)."""
-    chat_template: str | None = None
-    """Jinja chat template for chat data: a file path or the template text (None: the tokenizer's own). It is saved with the tokenizer in output_dir."""
-
-    def validate(self, prefix: str = "assets") -> None:
-        """Value rules naming `prefix.field`; a given tokenizer directory and template file must exist."""
-        require_str(f"{prefix}.tokenizer_path", self.tokenizer_path, optional=True)
-        require_str(f"{prefix}.chat_template", self.chat_template, optional=True)
-        if self.tokenizer_path is not None:
-            require_local_dir(f"{prefix}.tokenizer_path", self.tokenizer_path)
-        if self.chat_template is not None:
-            _read_chat_template(self.chat_template, f"{prefix}.chat_template")
 
 
 # ----------------------------------------------------------------------------- tokenizer assets
@@ -182,7 +84,7 @@ def load_assets(model: HFModelConfig, assets: AssetsConfig) -> ModelAssets:
     field_name = "assets.tokenizer_path" if assets.tokenizer_path else "model.path"
     tokenizer = _load_tokenizer(field_name, source)
     if assets.chat_template is not None:
-        tokenizer.chat_template = _read_chat_template(assets.chat_template)
+        tokenizer.chat_template = read_chat_template(assets.chat_template)
     eos_id = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     return ModelAssets(
@@ -211,6 +113,18 @@ def _load_tokenizer(field_name: str, source: str) -> Any:
         raise ConfigError(
             f"{field_name} {source!r}: its tokenizer cannot be loaded ({first_line(error)})"
         ) from None
+
+
+def check_vocab(config: HFModelConfig, assets: ModelAssets) -> ModelAssets:
+    """`assets`, or a `ConfigError` when the tokenizer has more tokens than the model's vocabulary (its
+    config.json's vocab_size: read without loading the model)."""
+    vocab = model_vocab_size(config)
+    if isinstance(vocab, int) and len(assets.tokenizer) > vocab:
+        raise ConfigError(
+            f"the tokenizer has {len(assets.tokenizer)} tokens but the model's vocabulary only {vocab}: "
+            "model.path and assets.tokenizer_path do not belong together"
+        )
+    return assets
 
 
 # ----------------------------------------------------------------------------- model
@@ -259,7 +173,7 @@ def load_pretrained(config: HFModelConfig, device: torch.device | str) -> torch.
     """The causal LM from the local directory `config.path` (config + safetensors), on `device`,
     not parallelized."""
     set_offline()
-    directory = _require_model_dir("model.path", config.path)
+    directory = require_model_dir("model.path", config.path)
     from transformers import AutoModelForCausalLM
 
     with quiet_progress_bars():
@@ -279,7 +193,7 @@ def load_hf_config(config: HFModelConfig, field_name: str = "model.path") -> Any
     transformers cannot read one from (an unknown model_type, a broken file) is a `ConfigError` naming
     `field_name` and the directory."""
     set_offline()
-    directory = _require_model_config(field_name, config.path)
+    directory = require_model_config_dir(field_name, config.path)
     from transformers import AutoConfig
 
     try:
@@ -313,7 +227,7 @@ def _load_on_meta(config: HFModelConfig, runtime: Runtime, parallel: ParallelCon
     from fntrain.checkpoint.hf_load import hf_weights
     from fntrain.runtime.materialize import build_model
 
-    directory = _require_model_dir("model.path", config.path)
+    directory = require_model_dir("model.path", config.path)
     hf_config = load_hf_config(config)
     hf_config.use_cache = False  # see _TRAINING_CONFIG
     saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -362,54 +276,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def model_vocab_size(config: HFModelConfig) -> int | None:
-    """The model's vocabulary size from its config.json (None when it names none), read without loading
-    the model."""
-    vocab = json.loads((Path(config.path).expanduser() / "config.json").read_text()).get("vocab_size")
-    return vocab if isinstance(vocab, int) else None
-
-
-def check_vocab(config: HFModelConfig, assets: ModelAssets) -> ModelAssets:
-    """`assets`, or a `ConfigError` when the tokenizer has more tokens than the model's vocabulary (its
-    config.json's vocab_size: read without loading the model)."""
-    vocab = model_vocab_size(config)
-    if isinstance(vocab, int) and len(assets.tokenizer) > vocab:
-        raise ConfigError(
-            f"the tokenizer has {len(assets.tokenizer)} tokens but the model's vocabulary only {vocab}: "
-            "model.path and assets.tokenizer_path do not belong together"
-        )
-    return assets
-
-
-def check_packed_attention(config: HFModelConfig, packing: bool, prefix: str = "model") -> None:
-    """A ValueError when packed data (`fntrain.data.sft`: a 4-D boolean block-diagonal mask) meets an
-    attention kernel that would misread it: transformers hands a 4-D mask to the kernel as it is, and
-    only sdpa reads a boolean one (eager adds it to the scores as 0/1, silently letting examples see
-    each other; flash_attention_2 takes no such mask). Call it from a recipe's validate."""
-    if packing and config.attn_implementation != "sdpa":
-        raise ValueError(
-            f"{prefix}.attn_implementation {config.attn_implementation!r} cannot take packed data's 4-D "
-            "boolean attention mask: use 'sdpa' or turn data.packing off"
-        )
-
-
-def check_tensor_parallel(config: HFModelConfig, tp_size: int) -> None:
-    """A ValueError when `tp_size` does not divide the attention heads or the key/value heads in the
-    model's config.json (read without loading the model): each rank holds whole heads. Call it from a
-    recipe's validate; `fntrain.models.hf_tp` checks the loaded model again."""
-    if tp_size == 1:
-        return
-    saved = json.loads((Path(config.path).expanduser() / "config.json").read_text())
-    text = saved.get("text_config") or saved  # multimodal configs nest the language model's
-    heads = text.get("num_attention_heads")
-    for name, count in (
-        ("num_attention_heads", heads),
-        ("num_key_value_heads", text.get("num_key_value_heads") or heads),
-    ):
-        if isinstance(count, int) and count % tp_size:
-            raise ValueError(
-                f"parallel.tp_size ({tp_size}) must divide the model's {name} ({count}): each rank holds whole heads"
-            )
+# ----------------------------------------------------------------------------- saving
 
 
 def save_hf_model(

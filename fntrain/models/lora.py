@@ -6,7 +6,7 @@
     save_adapter_or_merged(model, config, output_dir, runtime, assets)
 
 `apply_lora` wraps the model in a `peft.PeftModel` before it is parallelized: the base weights are
-frozen (`requires_grad=False`), so `fntrain.optim.build_optimizer` builds state for the adapter only.
+frozen (`requires_grad=False`), so `fntrain.step.optim.build_optimizer` builds state for the adapter only.
 Checkpoints hold the whole model state dict (frozen base included, as DCP saves it) and the adapter's
 optimizer state, so a resume is exact. The export writes the adapter in PEFT layout
 (`adapter_config.json` + `adapter_model.safetensors`, loadable with `PeftModel.from_pretrained` or, with

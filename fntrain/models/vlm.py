@@ -33,16 +33,14 @@ import torch
 
 from fntrain.config import require_choice, require_int, require_str
 from fntrain.models.hf import (
-    ATTN_IMPLEMENTATIONS,
-    DTYPES,
     ModelAssets,
-    _require_model_dir,
     dtype_kwargs,
     quiet_progress_bars,
     save_hf_model,
     set_offline,
     unwrap,
 )
+from fntrain.models.hf_config import ATTN_IMPLEMENTATIONS, DTYPES, require_model_dir
 from fntrain.runtime import Runtime
 from fntrain.runtime.parallel import ParallelConfig
 
@@ -98,7 +96,7 @@ class VLMModelConfig:
         require_choice(f"{prefix}.dtype", self.dtype, (*DTYPES, "auto"))
         require_choice(f"{prefix}.attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
         if self.path:
-            _require_model_dir(f"{prefix}.path", self.path)
+            require_model_dir(f"{prefix}.path", self.path)
 
 
 @dataclass(frozen=True)
@@ -205,7 +203,7 @@ def resolve_model_dir(
     vocabulary and shape), built on first use. Safe when several ranks or runs race: each builds in a
     private directory and renames it into place; the builds are identical."""
     if config.path:
-        return _require_model_dir("model.path", config.path)
+        return require_model_dir("model.path", config.path)
     tiny = tiny or TinyLlavaConfig()
     target = Path(config.cache_dir).expanduser() / _fingerprint(texts, tiny)
     if (target / "config.json").is_file():
@@ -342,15 +340,18 @@ def _first_word(text: str) -> str:
 
 def answer_accuracy(
     model: torch.nn.Module, processor: Any, prompts: Any, *, batch_size: int = 16, max_new_tokens: int = 2,
-    device: torch.device | str = "cpu", rank: int = 0, world_size: int = 1, group: Any = None,
+    runtime: Runtime | None = None, group: Any = None,
 ) -> float:  # fmt: skip
     """Share of `prompts` (a sequence of {"input_ids", "pixel_values", "answer"}) whose greedy answer's
-    first word is the reference's, sharded over `world_size` ranks (every rank runs the same number of
-    batches and returns the same number)."""
+    first word is the reference's, on `runtime.device`, sharded over its `dp_size` data-parallel ranks
+    whose counts are summed over `group` (every rank runs the same number of batches and returns the same
+    number). No runtime: one process on the CPU."""
     import math
 
     import torch.distributed as dist
 
+    runtime = runtime or Runtime()
+    device, rank, world_size = runtime.device, runtime.dp_rank, runtime.dp_size
     length = len(prompts)
     mine = list(range(rank, length, world_size))
     batches = math.ceil(math.ceil(length / world_size) / batch_size)

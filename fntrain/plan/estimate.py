@@ -4,8 +4,7 @@
 rank of the worst pipeline stage holds: parameters, gradients, optimizer state, transient weight copies
 and activations. Nothing here imports torch: `fntrain.plan.memory` counts a torch model into a
 `ModelLayout` exactly, and `llama_layout` does it for Llama-shaped numbers (tested equal to
-transformers' model). `python -m fntrain.plan.estimate --table` prints the tables of
-docs/distributed.md.
+transformers' model). `fntrain.plan.tables.doc_tables` prints the tables of docs/distributed.md.
 
 What is assumed (the torch machinery fntrain uses, `fntrain.runtime.parallel`):
 - Parameters are stored in fp32 whatever the compute dtype: autocast under none/ddp, and FSDP2's
@@ -22,17 +21,12 @@ What is assumed (the torch machinery fntrain uses, `fntrain.runtime.parallel`):
 - TP shards every `PartParams.sharded` parameter over tp (attention q/k/v/o, MLP, embedding, head) and
   keeps `replicated` ones (norms, biases) whole; PP puts the blocks evenly on the stages, the parts
   before them on the first stage and the parts after them on the last (a tied embedding on both).
-- Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
-  (arXiv:2205.05198), section 4: per layer and micro-batch, in bytes with 16-bit activations,
-  s*b*h*(34 + 5*a*s/h); with tensor parallelism t, s*b*h*(10 + 24/t + 5*a*s/(h*t)); with sequence
-  parallelism everything / t; with full recomputation 2*s*b*h (the block input). `layer_activation_bytes`
-  itemises those terms and generalises them to grouped KV heads, any MLP width, gated (SwiGLU) MLPs,
-  no dropout, fused attention (flash / memory-efficient SDPA keep no s x s scores, only a
-  log-sum-exp) and fp32 activations; with i = 4h, kv = a, dropout and unfused attention it is exactly
-  the paper's 34 s*b*h + 5 a*s^2*b. Logits: the last stage keeps the compute-dtype logits and the fp32
-  log-softmax of the loss (vocabulary-sharded over tp with loss parallelism). In flight per stage: one
-  micro-batch without PP, min(micro-batches, pp - stage) with 1F1B, every micro-batch with GPipe
-  (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters").
+- Activations: Korthikanti et al. 2022, section 4, per block and micro-batch
+  (`fntrain.plan.activations.layer_activation_bytes`); with full recomputation only the block input,
+  2*s*b*h, plus one block rebuilt in backward. Logits: the last stage keeps the compute-dtype logits
+  and the fp32 log-softmax of the loss (vocabulary-sharded over tp with loss parallelism). In flight
+  per stage: one micro-batch without PP, min(micro-batches, pp - stage) with 1F1B, every micro-batch
+  with GPipe (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters").
 - Not counted: the embedding output and final-norm input (O(s*b*h), once), communication buffers,
   the CUDA context and allocator fragmentation (budget 10-20% on top).
 """
@@ -40,9 +34,10 @@ What is assumed (the torch machinery fntrain uses, `fntrain.runtime.parallel`):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+
+from fntrain.plan.activations import LayerShape, layer_activation_bytes
 
 __all__ = [
     "PartParams",
@@ -52,11 +47,9 @@ __all__ = [
     "MemoryEstimate",
     "estimate_memory",
     "estimate_stages",
-    "layer_activation_bytes",
     "llama_layout",
     "stage_blocks",
     "format_bytes",
-    "memory_table",
 ]
 
 STRATEGIES = ("none", "ddp", "fsdp2")
@@ -234,45 +227,6 @@ def stage_blocks(layers: int, pp_size: int) -> list[range]:
     return [range(bounds[s], bounds[s + 1]) for s in range(pp_size)]
 
 
-def layer_activation_bytes(
-    seq_len: int,
-    micro_batch_size: int,
-    hidden: int,
-    heads: int,
-    *,
-    kv_heads: int | None = None,
-    intermediate: int | None = None,
-    gated_mlp: bool = False,
-    tp_size: int = 1,
-    sequence_parallel: bool = False,
-    flash_attention: bool = False,
-    dropout: bool = True,
-    bytes_per_value: int = 2,
-) -> int:
-    """Bytes one transformer block keeps for backward for one micro-batch (Korthikanti et al. 2022,
-    section 4.1, itemised; see the module doc). The defaults (kv = heads, intermediate = 4 * hidden,
-    dropout, unfused attention, 16-bit) give the paper's s*b*h*(10 + 24/t + 5*a*s/(h*t))."""
-    e, s, b, h = bytes_per_value, seq_len, micro_batch_size, hidden
-    kv_width = h * (kv_heads or heads) // heads
-    width = intermediate or 4 * h
-    sbh = s * b * h
-    # Kept whole on every tp rank unless sequence-parallel: both norms' inputs, the attention and MLP
-    # inputs (the first linears' inputs) and the two residual dropout masks (1 byte each).
-    replicated = 2 * e * sbh + e * sbh + e * sbh + (2 * sbh if dropout else 0)
-    # Split over tp by heads / MLP columns: Q, K, V, the output projection's input, the MLP.
-    sharded = e * sbh + 2 * e * s * b * kv_width + e * sbh
-    if flash_attention:
-        sharded += 4 * heads * s * b  # the fp32 log-sum-exp per head and token
-    else:
-        scores = heads * s * s * b
-        sharded += e * scores + ((1 + e) * scores if dropout else 0)  # softmax; dropout mask and output
-    # GELU MLP: the activation's input and the second linear's input; SwiGLU: gate output, its SiLU,
-    # up output and the product (the down projection's input).
-    sharded += (4 if gated_mlp else 2) * e * s * b * width
-    replicated_share = math.ceil(replicated / tp_size) if sequence_parallel else replicated
-    return replicated_share + math.ceil(sharded / tp_size)
-
-
 def _in_flight(parallel: ParallelLayout, micro_batches: int, stage: int) -> int:
     """Micro-batches whose activations a stage holds at its peak."""
     if parallel.pp_size == 1:
@@ -287,12 +241,12 @@ def _stage_activations(
 ) -> dict[str, int]:
     e = _DTYPE_BYTES[parallel.mixed_precision]
     t = parallel.tp_size
-    full_layer = layer_activation_bytes(
+    layer = LayerShape(
         batch.seq_len, batch.micro_batch_size, model.hidden, model.heads, kv_heads=model.kv_heads,
-        intermediate=model.intermediate, gated_mlp=model.gated_mlp, tp_size=t,
-        sequence_parallel=parallel.sequence_parallel, flash_attention=batch.flash_attention,
+        intermediate=model.intermediate, gated_mlp=model.gated_mlp, flash_attention=batch.flash_attention,
         dropout=batch.dropout, bytes_per_value=e,
     )  # fmt: skip
+    full_layer = layer_activation_bytes(layer, tp_size=t, sequence_parallel=parallel.sequence_parallel)
     # Ulysses: per-token activations hold seq/cp tokens, attention's seq x seq scores heads/cp heads.
     full_layer = math.ceil(full_layer / parallel.cp_size)
     in_flight = _in_flight(parallel, batch.micro_batches, stage)
@@ -409,38 +363,3 @@ def format_bytes(count: int) -> str:
         if count >= scale:
             return f"{count / scale:.2f} {unit}"
     return f"{count} B"
-
-
-def layout_label(parallel: ParallelLayout) -> str:
-    """A layout in words: "fsdp2 pp 2 x dp 2 x tp 2, 1f1b, AC"."""
-    dims = [("pp", parallel.pp_size), ("dp", parallel.dp_size), ("cp", parallel.cp_size), ("tp", parallel.tp_size)]
-    text = " x ".join(f"{name} {size}" for name, size in dims if size > 1 or name == "dp")
-    if parallel.replicate > 1:
-        text = text.replace(
-            f"dp {parallel.dp_size}", f"dp {parallel.replicate}x{parallel.dp_size // parallel.replicate}"
-        )
-    strategy = "hsdp" if parallel.strategy == "fsdp2" and parallel.replicate > 1 else parallel.strategy
-    extras = [parallel.pp_schedule] if parallel.pp_size > 1 else []
-    extras += ["AC"] if parallel.activation_checkpointing else []
-    return ", ".join([f"{strategy} {text}", *extras])
-
-
-_COLUMNS = ("layout", "params/rank", "weights", "grads", "AdamW", "transient", "activations", "total")
-
-
-def memory_table(model: ModelLayout, layouts: Iterable[ParallelLayout], batch_for: Any) -> str:
-    """A markdown table of `estimate_memory` for each layout: `batch_for(parallel)` gives its
-    `BatchShape` (the micro-batches per step depend on dp). Columns: weights (fp32), gradients,
-    AdamW state, transient weight copies, activations, total, for the worst pipeline stage."""
-    lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
-    for parallel in layouts:
-        worst = estimate_memory(model, parallel, batch_for(parallel))
-        stage = f" (stage {worst.stage})" if parallel.pp_size > 1 else ""
-        cells = [
-            f"{layout_label(parallel)}{stage}",
-            f"{worst.params_per_rank:,}",
-            *map(format_bytes, (worst.parameters, worst.gradients, worst.optimizer_state,
-                                worst.transient_weights, worst.activations, worst.total)),
-        ]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)

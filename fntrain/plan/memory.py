@@ -3,7 +3,7 @@
 `layout_from_module(model)` counts a model's parameters by part (embedding, each block, head; split by
 what tensor parallelism shards) on any device, meta included. `plan_memory(config, model_factory,
 world_size)` builds the bare model on the meta device and returns the plan's "memory per rank" section.
-`doc_tables(config, model_factory)` returns the tables of docs/distributed.md for a recipe's defaults.
+The tables of docs/distributed.md are `fntrain.plan.tables`.
 """
 
 from __future__ import annotations
@@ -11,17 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fntrain.plan.estimate import (
-    BatchShape,
-    ModelLayout,
-    ParallelLayout,
-    PartParams,
-    estimate_stages,
-    llama_layout,
-    memory_table,
-)
+from fntrain.plan.estimate import BatchShape, ModelLayout, ParallelLayout, PartParams, estimate_stages
 
-__all__ = ["layout_from_module", "plan_memory", "doc_tables"]
+__all__ = ["layout_from_module", "plan_memory"]
 
 _SHAPE_NAMES = {
     "vocab_size": ("vocab_size",),
@@ -180,75 +172,3 @@ def plan_memory(config: Any, model_factory: Callable[[Any], Any], world_size: in
     if seq_len is None:
         section["notes"] = ["activations not estimated: the config names no sequence length"]
     return section
-
-
-# ----------------------------------------------------------------------------- the doc's tables
-
-LLAMA3_8B = dict(vocab_size=128256, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8)
-_TINY_LAYOUTS = (  # world, strategy, tp, pp, extras
-    (1, "none", 1, 1, {}),
-    (2, "ddp", 1, 1, {}),
-    (2, "fsdp2", 1, 1, {}),
-    (2, "none", 2, 1, {}),
-    (2, "none", 1, 2, {"pp_schedule": "gpipe"}),
-    (2, "none", 1, 2, {}),
-    (4, "fsdp2", 2, 1, {}),
-    (4, "none", 2, 2, {}),
-)
-_LLAMA_LAYOUTS = (
-    (8, "ddp", 1, 1, {}),
-    (8, "fsdp2", 1, 1, {}),
-    (8, "fsdp2", 1, 1, {"activation_checkpointing": True}),
-    (8, "fsdp2", 2, 1, {}),
-    (8, "none", 8, 1, {}),
-    (8, "fsdp2", 2, 2, {}),
-    (64, "fsdp2", 1, 1, {}),
-    (64, "fsdp2", 1, 1, {"replicate": 8}),
-    (64, "fsdp2", 1, 1, {"replicate": 8, "activation_checkpointing": True}),
-    (64, "fsdp2", 8, 1, {}),
-    (64, "fsdp2", 4, 2, {}),
-    (64, "fsdp2", 4, 2, {"pp_schedule": "gpipe"}),
-    (64, "fsdp2", 8, 4, {"activation_checkpointing": True}),
-)
-
-
-def _layouts(rows: Any, mixed_precision: str) -> list[ParallelLayout]:
-    return [
-        ParallelLayout(
-            world_size=world,
-            strategy=strategy,
-            tp_size=tp,
-            pp_size=pp,
-            mixed_precision=mixed_precision,
-            **extras,
-        )
-        for world, strategy, tp, pp, extras in rows
-    ]
-
-
-def doc_tables(tiny_config: Any, model_factory: Callable[[Any], Any]) -> str:
-    """The per-rank memory tables of docs/distributed.md, as markdown: the tiny GPT counted from its
-    spec's `model_factory(tiny_config)` on meta (a recipe's defaults), Llama-3-8B from `llama_layout`."""
-    import torch
-
-    with torch.device("meta"):
-        tiny = layout_from_module(model_factory(tiny_config))
-    train = tiny_config.train
-
-    def tiny_batch(parallel: ParallelLayout) -> BatchShape:
-        per_step = train.global_batch_size // (train.micro_batch_size * parallel.dp_size)
-        return BatchShape(train.micro_batch_size, tiny_config.model.context, per_step)
-
-    llama = llama_layout(**LLAMA3_8B)
-    return "\n".join([
-        f"Tiny GPT defaults ({tiny.total_params:,} parameters; fp32; micro-batch {train.micro_batch_size} x "
-        f"{tiny_config.model.context} tokens, global batch {train.global_batch_size}):",
-        "",
-        memory_table(tiny, _layouts(_TINY_LAYOUTS, "fp32"), tiny_batch),
-        "",
-        f"Llama-3-8B shape ({llama.total_params:,} parameters; bf16 compute, fp32 master weights; "
-        "micro-batch 1 x 8192 tokens, 8 micro-batches per step):",
-        "",
-        memory_table(llama, _layouts(_LLAMA_LAYOUTS, "bf16"), lambda parallel: BatchShape(1, 8192, 8)),
-    ])  # fmt: skip
-

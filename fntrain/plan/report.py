@@ -1,29 +1,50 @@
 """The resolved run plan as plain data: what `fntrain plan` prints, computed without a model or a device.
 
-`describe_run_plan(plan, ...)` takes a `RunPlan`, the parallel config and the hook configs a recipe
-carries (profiler, memory, checkpoint; any may be absent) and returns a JSON-ready dict: run length,
-batch shape, the device mesh (dims, a few ranks' coordinates and groups, the pipeline-stage leaders),
-the steps a fresh run checkpoints at, the profiler and memory windows in steps of this run, and which
-ranks record. A "memory_per_rank" entry of `extra` (`fntrain.plan.memory.plan_memory`) is rendered too.
-`format_run_plan(report)` renders it for a terminal. Nothing here imports torch.
+`describe_run_plan(plan, inputs)` takes a `RunPlan` and a `PlanInputs` (the world, the parallel config
+and the hook configs a recipe carries: profiler, memory, checkpoint; any may be absent) and returns a
+JSON-ready dict: run length, batch shape, the device mesh (dims, a few ranks' coordinates and groups,
+the pipeline-stage leaders), the steps a fresh run checkpoints at, the profiler and memory windows in
+steps of this run, and which ranks record. A "memory_per_rank" entry of `extra`
+(`fntrain.plan.memory.plan_memory`) is rendered too. `fntrain.plan.render.format_run_plan(report)`
+renders it for a terminal. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 from fntrain.mesh_layout import group_ranks, mesh_dims, rank_coordinates, stage_leaders
-from fntrain.plan.estimate import format_bytes
 from fntrain.state import RunPlan
 
-__all__ = ["describe_run_plan", "format_run_plan", "checkpoint_steps"]
+__all__ = ["PlanInputs", "describe_run_plan", "checkpoint_steps"]
 
-_LIST_LIMIT = 12  # longer step lists are shown as head ... tail
 _MESH_RANKS_ALL = 16  # larger worlds show the first and last _MESH_RANKS_EDGE ranks
 _MESH_RANKS_EDGE = 4
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a plan describes besides its `RunPlan`: the world it runs on and the configs whose
+    sections it shows (None: the section is left out)."""
+
+    world_size: int = 1
+    pp_size: int = 1
+    parallel: Any = None
+    """The `ParallelConfig`: the device mesh section."""
+    device_type: str = "cpu"
+    dataset_len: int | None = None
+    profiler: Any = None
+    """The profiler hook's config: its window and ranks."""
+    memory: Any = None
+    """The memory hook's config: its window, recording and writing ranks."""
+    checkpoint: Any = None
+    """The checkpoint config (its `dir` already resolved): the steps a fresh run saves at."""
+    restoring: bool = False
+    """The run restores a checkpoint (checkpoint.restore_from): it also saves its final step."""
 
 
 def checkpoint_steps(
@@ -154,19 +175,19 @@ def _memory_section(config: Any, *, world_size: int, train_iters: int, device_ty
     return section
 
 
-def _checkpoint_section(config: Any, plan: RunPlan) -> dict:
+def _checkpoint_section(config: Any, plan: RunPlan, restoring: bool) -> dict:
     save_every = int(getattr(config, "save_every", 0) or 0)
     save_epochs = int(getattr(config, "save_epochs", 0) or 0)
     save_at_end = bool(getattr(config, "save_at_end", getattr(config, "save_last", True)))
-    # a run resumed from a checkpoint saves its final step even without a cadence (saves_at_end)
-    enabled = bool(getattr(config, "enabled", getattr(config, "enable", True))) or bool(
-        getattr(config, "saves_at_end", False)
-    )
+    # a run resumed from a checkpoint saves its final step even without a cadence (the checkpoint
+    # hook's `saves_at_end`)
+    ends_saved = save_at_end and (bool(getattr(config, "enabled", False)) or restoring)
+    enabled = bool(getattr(config, "enabled", getattr(config, "enable", True))) or ends_saved
     minutes = float(getattr(config, "save_every_minutes", 0) or 0)
     steps = checkpoint_steps(plan, save_every=save_every, save_epochs=save_epochs, save_at_end=save_at_end)
     if minutes > 0 and save_at_end and plan.train_iters not in steps:
         steps.append(plan.train_iters)  # time-based saves also end with a final one
-    if bool(getattr(config, "saves_at_end", False)) and plan.train_iters not in steps:
+    if ends_saved and plan.train_iters not in steps:
         steps.append(plan.train_iters)  # a resumed run ends with a checkpoint of its final step
     section: dict[str, Any] = {
         "enabled": enabled and bool(steps or minutes > 0),
@@ -189,20 +210,11 @@ def _checkpoint_section(config: Any, plan: RunPlan) -> dict:
 
 
 def describe_run_plan(
-    plan: RunPlan,
-    *,
-    world_size: int = 1,
-    pp_size: int = 1,
-    parallel: Any = None,
-    device_type: str = "cpu",
-    dataset_len: int | None = None,
-    profiler: Any = None,
-    memory: Any = None,
-    checkpoint: Any = None,
-    extra: Mapping[str, Any] | None = None,
+    plan: RunPlan, inputs: PlanInputs = PlanInputs(), extra: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """The plan of a fresh run as JSON-ready data (see the module doc). Config errors raise as the
     hooks themselves would, naming the dotted field."""
+    world_size, device_type = inputs.world_size, inputs.device_type
     report: dict[str, Any] = {
         "world_size": world_size,
         "dp_size": plan.dp_size,
@@ -213,190 +225,25 @@ def describe_run_plan(
         "global_batch_size": plan.global_batch_size,
         "micro_batch_size": plan.micro_batch_size,
         "lr_schedule_iters": plan.lr_schedule_iters,
-        "dataset_len": dataset_len,
+        "dataset_len": inputs.dataset_len,
         "sized": plan.sized,
     }
     if extra:
         report.update(extra)
-    if parallel is not None:
-        report["mesh"] = _mesh_section(parallel, world_size)
-    if checkpoint is not None:
-        report["checkpoint"] = _checkpoint_section(checkpoint, plan)
-    if profiler is not None:
+    if inputs.parallel is not None:
+        report["mesh"] = _mesh_section(inputs.parallel, world_size)
+    if inputs.checkpoint is not None:
+        report["checkpoint"] = _checkpoint_section(inputs.checkpoint, plan, inputs.restoring)
+    if inputs.profiler is not None:
         report["profiler"] = _profiler_section(
-            profiler,
+            inputs.profiler,
             world_size=world_size,
-            pp_size=pp_size,
+            pp_size=inputs.pp_size,
             device_type=device_type,
             train_iters=plan.train_iters,
         )
-    if memory is not None:
+    if inputs.memory is not None:
         report["memory"] = _memory_section(
-            memory, world_size=world_size, train_iters=plan.train_iters, device_type=device_type
+            inputs.memory, world_size=world_size, train_iters=plan.train_iters, device_type=device_type
         )
     return report
-
-
-# ----------------------------------------------------------------------------- text
-
-
-def _steps(steps: Sequence[int]) -> str:
-    if len(steps) <= _LIST_LIMIT:
-        return ", ".join(map(str, steps))
-    head, tail = steps[:5], steps[-3:]
-    return f"{', '.join(map(str, head))}, ..., {', '.join(map(str, tail))}"
-
-
-def _ranks(ranks: Sequence[int], world_size: int) -> str:
-    if list(ranks) == list(range(world_size)):
-        return f"every rank ({world_size})" if world_size > 1 else "rank 0"
-    return "ranks " + _steps(ranks) if len(ranks) != 1 else f"rank {ranks[0]}"
-
-
-def _coordinates(coordinates: Mapping[str, int]) -> str:
-    text = []
-    for name, value in coordinates.items():
-        if name == "dp_replicate":
-            text.append(f"dp {coordinates['dp']} (replica {value}, shard {coordinates['dp_shard']})")
-        elif name not in ("dp_shard",) and not (name == "dp" and "dp_replicate" in coordinates):
-            text.append(f"{name} {value}")
-    return ", ".join(text)
-
-
-def _mesh_rows(mesh: Mapping[str, Any]) -> list[tuple[str, str]]:
-    dims = " x ".join(f"{name} {size}" for name, size in mesh["dims"])
-    rows = [("mesh", f"{dims} (row-major: the last dim's ranks are adjacent)")]
-    previous = -1
-    for entry in mesh["ranks"]:
-        if entry["rank"] != previous + 1:
-            rows.append(("  ...", f"ranks {previous + 1}..{entry['rank'] - 1} not shown"))
-        previous = entry["rank"]
-        groups = "; ".join(f"{name} group {_steps(ranks)}" for name, ranks in entry["groups"].items())
-        rows.append((f"  rank {entry['rank']}", f"{_coordinates(entry['coordinates'])}  [{groups}]"))
-    leaders = mesh["stage_leaders"]
-    rows.append(("  stage leaders", ("ranks " if len(leaders) > 1 else "rank ") + _steps(leaders)))
-    return rows
-
-
-def _memory_per_rank_rows(memory: Mapping[str, Any]) -> list[tuple[str, str]]:
-    if "unavailable" in memory:
-        return [("memory per rank", f"no estimate: {memory['unavailable']}")]
-    stage = f" (worst stage: {memory['stage']} of {memory['stages']})" if memory["stages"] > 1 else ""
-    parts = ", ".join(
-        f"{label} {format_bytes(memory[key])}"
-        for label, key in (("weights", "parameters"), ("grads", "gradients"), ("AdamW", "optimizer_state"),
-                           ("transient weights", "transient_weights"), ("activations", "activations"))
-    )  # fmt: skip
-    shape = (
-        f"micro-batch {memory['micro_batch_size']} x {memory['seq_len']} tokens"
-        if memory.get("seq_len")
-        else f"micro-batch {memory['micro_batch_size']}"
-    )
-    rows = [
-        ("memory per rank", f"{format_bytes(memory['total'])}{stage}: {parts}"),
-        ("  model", f"{memory['model_params']:,} parameters, {memory['params_per_rank']:,} per rank; "
-                    f"{shape}, {memory['mixed_precision']}; an estimate (fntrain.plan.estimate)"),
-    ]  # fmt: skip
-    rows.extend(("  note", note) for note in memory.get("notes", []))
-    return rows
-
-
-def format_run_plan(report: Mapping[str, Any]) -> str:
-    """`report` (from `describe_run_plan`) as aligned text lines."""
-    rows: list[tuple[str, str]] = []
-    if "recipe" in report:
-        rows.append(("recipe", str(report["recipe"])))
-    world, dp = report["world_size"], report["dp_size"]
-    rows.append(("world size", f"{world} (data-parallel {dp})"))
-    if report.get("dataset_len") is not None:
-        rows.append(("dataset", f"{report['dataset_len']} samples"))
-    rows.append(("train_iters", str(report["train_iters"])))
-    unsized = " (streaming)" if report.get("data_read", True) else " (data not read)"
-    per_epoch = str(report["steps_per_epoch"]) + ("" if report.get("sized", True) else unsized)
-    rows.append(("steps per epoch", per_epoch))
-    rows.append(("epochs", str(report["epochs"])))
-    rows.append(
-        (
-            "micro-batches/step",
-            f"{report['micro_batches']} (global batch {report['global_batch_size']} = micro-batch "
-            f"{report['micro_batch_size']} x {report['micro_batches']} x data-parallel {dp})",
-        )
-    )
-    rows.append(("lr schedule iters", str(report["lr_schedule_iters"])))
-    for key, value in report.items():
-        if key in _SHOWN or isinstance(value, Mapping):
-            continue
-        rows.append((key.replace("_", " "), str(value)))
-    rows.extend(("note", note) for note in report.get("notes", ()))
-
-    if report.get("mesh") is not None:
-        rows.extend(_mesh_rows(report["mesh"]))
-    if report.get("memory_per_rank") is not None:
-        rows.extend(_memory_per_rank_rows(report["memory_per_rank"]))
-    checkpoint = report.get("checkpoint")
-    if checkpoint is not None:
-        if checkpoint["enabled"]:
-            steps = checkpoint["steps"]
-            text = f"steps {_steps(steps)} ({len(steps)} saves)"
-            if checkpoint.get("save_every_minutes"):
-                text += f", and every {checkpoint['save_every_minutes']:g} min"
-                text += " (temporary)" if checkpoint.get("time_based_temporary") else ""
-            if checkpoint.get("keep_last"):
-                text += f", keep last {checkpoint['keep_last']}"
-            if checkpoint.get("dir"):
-                text += f" -> {checkpoint['dir']}"
-            rows.append(("checkpoint", text))
-        else:
-            rows.append(("checkpoint", "off"))
-    profiler = report.get("profiler")
-    if profiler is not None:
-        if profiler["enabled"]:
-            window = profiler["steps"]
-            span = f"steps {window[0]}..{window[1]}" if window else "no step"
-            text = f"{span} (from {profiler['starts_at']}"
-            text += ", partial: stops at TRAIN_END)" if profiler.get("partial") else ")"
-            text += f" on {_ranks(profiler['ranks'], world)} -> {profiler['output']}"
-            rows.append(("profiler", text))
-        else:
-            rows.append(("profiler", "off"))
-        rows.extend(("  note", note) for note in profiler.get("notes", []))
-    memory = report.get("memory")
-    if memory is not None:
-        if memory["enabled"]:
-            window = memory["recorded_steps"]
-            span = f"steps {window[0]}..{window[1]}" if window else "no step"
-            text = (
-                f"{span} (from {memory['starts_at']}, written {memory['writes_at']}); records on "
-                f"{_ranks(memory['recording_ranks'], world)}, writes on "
-                f"{_ranks(memory['writing_ranks'], world) if memory['writing_ranks'] else 'no rank'}"
-                f" -> {memory['save_path']}"
-            )
-            rows.append(("memory", text))
-        else:
-            rows.append(("memory", "off"))
-        if memory.get("mem_info"):
-            rows.append(("memory info", f"peak memory logged on {_ranks(memory['mem_info_ranks'], world)}"))
-        rows.extend(("  note", note) for note in memory.get("notes", []))
-    width = max(len(label) for label, _ in rows)
-    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
-
-
-_SHOWN = frozenset(
-    {
-        "recipe",
-        "world_size",
-        "dp_size",
-        "dataset_len",
-        "train_iters",
-        "steps_per_epoch",
-        "epochs",
-        "micro_batches",
-        "global_batch_size",
-        "micro_batch_size",
-        "lr_schedule_iters",
-        "sized",
-        "memory_per_rank",
-        "data_read",
-        "notes",
-    }
-)

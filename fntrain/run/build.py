@@ -1,45 +1,70 @@
-"""Phase 2's build: the model, the data pipeline over what phase 1 read, the optimizer and schedule,
-the step function and the standard hooks.
+"""Phase 2's build, entered once: `assemble(...)` -> `Assembled`, in this order:
 
     build_job(config, spec, runtime, checked)     -> Built   model, data, optimizer, schedule [S1]
-    train_step(built, spec)                       the step, wired to the runtime (pipeline or not)
-    job_hooks(built, spec, early, attempt=...)    the standard hook list over what was built
+    write_config, describe_start                  config.json and the start-of-run lines (rank 0)
+    build_step(built, spec)                       the layout's step and evaluation, the layout chosen once
+    job_hooks(built, spec, step, checked, opened)  the standard hook list over what was built
+    the recipe's export, bound to the config      what the end of the run writes
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import functools
 import itertools
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch.utils.data import default_collate
 
-from fntrain.components import Components
-from fntrain.context_parallel import context_parallel_parts
 from fntrain.data.pipeline import build_data
-from fntrain.hooks.standard import HookInputs, standard_hooks
-from fntrain.hooks.throughput import measure_flops_per_token
-from fntrain.loop import Hook
-from fntrain.optim import build_lr_schedule, build_optimizer
-from fntrain.pipeline_step import make_pipeline_eval, make_pipeline_step, pipeline_layout
+from fntrain.data.settings import Batching
+from fntrain.hooks.standard import HookInputs, Wiring, wire_standard_hooks
+from fntrain.models.flops import measure_flops_per_token
 from fntrain.run.checks import Checked, dataset_len, full_model_on_meta
 from fntrain.run.config import Built, JobConfig, RecipeSpec
-from fntrain.run.config_file import config_to_dict
-from fntrain.run.recipes import recipe_reference
-from fntrain.runtime.parallel import (
-    autocast_dtype,
-    build_grad_scaler,
-    context_parallel_mesh,
-    data_parallel_group,
-    gradient_group_size,
-    loss_context,
-)
-from fntrain.runtime.pipeline import stage_ties
-from fntrain.step import make_train_step
+from fntrain.run.open import OpenedRun
+from fntrain.run.report import describe_start
+from fntrain.run.resolved import config_to_dict, recipe_reference, write_config
+from fntrain.runtime.groups import data_parallel_group, gradient_group_size
+from fntrain.runtime.precision import autocast_dtype, build_grad_scaler, loss_context
+from fntrain.step import StepSettings
+from fntrain.step.components import Components
+from fntrain.step.layouts import LaidOut, StepInputs, choose_layout
+from fntrain.step.optim import build_lr_schedule, build_optimizer
 
-__all__ = ["build_job", "train_step", "job_hooks"]
+__all__ = ["Assembled", "assemble", "build_job", "build_step", "job_hooks"]
+
+log = logging.getLogger("fntrain.run.build")
+
+
+@dataclass(frozen=True)
+class Assembled:
+    """What phase 2 builds: the built parts, the layout's step and evaluation, the hooks with the
+    metrics log they write, and the recipe's export bound to its config (None: the recipe has none)."""
+
+    built: Built
+    step: LaidOut
+    wiring: Wiring
+    export: Callable[[Built, Any], Any] | None
+
+
+def assemble(config: JobConfig, spec: RecipeSpec, runtime: Any, checked: Checked, opened: OpenedRun,
+             early: Any = None) -> Assembled:  # fmt: skip
+    """Build the run (see the module docstring): everything later phases need of the recipe's spec is
+    in the returned record, so nothing after this reads the spec."""
+    built = build_job(config, spec, runtime, checked)
+    if runtime.is_main:
+        write_config(config, built.run_dir)
+        for line in describe_start(built):  # parameters, world, plan: what is about to run
+            log.info("%s", line)
+    step = build_step(built, spec)
+    wiring = job_hooks(built, spec, step, checked, opened, early)
+    export = functools.partial(spec.export, config) if spec.export is not None else None
+    return Assembled(built, step, wiring, export)
 
 
 def build_job(config: JobConfig, spec: RecipeSpec, runtime: Any, checked: Checked) -> Built:
@@ -49,13 +74,12 @@ def build_job(config: JobConfig, spec: RecipeSpec, runtime: Any, checked: Checke
     model = spec.build_model(config, runtime)
     if callable(getattr(spec.loss, "bind_model", None)):
         spec.loss.bind_model(model)
-    inputs, plan, loader = checked.inputs, checked.plan, config.loader
-    data = build_data(
-        inputs.train_set, micro_batch_size=config.train.micro_batch_size, micro_batches=plan.micro_batches,
-        collate_fn=inputs.collate_fn, shuffle=loader.shuffle, seed=config.seed, dp_rank=runtime.dp_rank,
-        dp_size=runtime.dp_size, num_workers=loader.num_workers, prefetch=loader.prefetch,
-        prefetch_depth=loader.prefetch_depth, pin_memory=loader.pin_memory and runtime.device.type != "cpu",
-    )  # fmt: skip
+    inputs, plan = checked.inputs, checked.plan
+    batching = Batching(config.train.micro_batch_size, plan.micro_batches, seed=config.seed,
+                        dp_rank=runtime.dp_rank, dp_size=runtime.dp_size)  # fmt: skip
+    pin = config.loader.pin_memory and runtime.device.type != "cpu"  # pinned memory speeds accelerator copies only
+    loader = dataclasses.replace(config.loader, pin_memory=pin)
+    data = build_data(inputs.train_set, batching, loader, collate_fn=inputs.collate_fn)
     full_model = full_model_on_meta(config, spec) if config.parallel.pp_size > 1 else None
     optimizer = build_optimizer(config.optim, model, full_model=full_model).optimizer
     schedule = build_lr_schedule(config.schedule, plan, optimizer).scheduler
@@ -67,47 +91,24 @@ def build_job(config: JobConfig, spec: RecipeSpec, runtime: Any, checked: Checke
     return Built(config, runtime, plan, components, inputs.assets, data, inputs.val_set, inputs.collate_fn, run_dir)
 
 
-def _pipeline_ties(config: JobConfig, spec: RecipeSpec) -> list[dict[int, str]]:
-    """The weights of the recipe's model tied across pipeline stages (none without a pipeline)."""
-    if config.parallel.pp_size == 1:
-        return []
-    return stage_ties(full_model_on_meta(config, spec), spec.pipeline, config.parallel.pp_size)
-
-
-def train_step(built: Built, spec: RecipeSpec) -> Any:
-    """The step over the built components, wired to the runtime: its device, data-parallel size and
-    group, the autocast dtype and loss context the parallel settings imply, the grad scaler. Under
-    pipeline parallelism a pipeline step over the plan's micro-batches, adding the gradients of weights
-    tied across stages."""
-    config, runtime, components = built.config, built.runtime, built.components
+def build_step(built: Built, spec: RecipeSpec) -> LaidOut:
+    """The run's layout, looked up once from the parallel settings (`fntrain.step.layouts`), built over
+    the components: the train step and the evaluation's forward and loss. The step is wired to the
+    runtime: its device, gradient-averaging size and group, the autocast dtype and loss context the
+    parallel settings imply, the grad scaler and the recipe's `step_end`."""
+    config, runtime = built.config, built.runtime
     parallel, train = config.parallel, config.train
-    common = dict(
+    settings = StepSettings(
         max_grad_norm=train.max_grad_norm, loss_weighting=train.loss_weighting, device=runtime.device,
         dp_size=gradient_group_size(runtime), dp_group=data_parallel_group(runtime),
         autocast_dtype=autocast_dtype(parallel), loss_context=loss_context(runtime, parallel),
     )  # fmt: skip
-    step_end = spec.step_end(config, built) if spec.step_end is not None else None
-    if runtime.cp_size > 1:
-        cp = _context_parallel_parts(built, spec)
-        return make_train_step(components.model, cp.train_loss, components.optimizers, components.schedulers,
-                               grad_scaler=components.grad_scaler, forward=cp.forward, step_end=step_end,
-                               **(common | {"loss_context": cp.context}))  # fmt: skip
-    if runtime.pp_size > 1:
-        if step_end is not None:
-            raise ValueError(f"--parallel.pp-size {runtime.pp_size}: this recipe's step_end needs a pipeline-free step")
-        layout = pipeline_layout(runtime, parallel, _pipeline_ties(config, spec))
-        return make_pipeline_step(components.model, components.loss_fn, components.optimizers,
-                                  components.schedulers, layout, micro_batches=built.plan.micro_batches,
-                                  **common)  # fmt: skip
-    return make_train_step(components.model, components.loss_fn, components.optimizers, components.schedulers,
-                           grad_scaler=components.grad_scaler, forward=spec.forward, step_end=step_end,
-                           **common)  # fmt: skip
-
-
-def _context_parallel_parts(built: Built, spec: RecipeSpec) -> Any:
-    """The spec's forward and loss split over the cp ranks (`fntrain.context_parallel`)."""
-    return context_parallel_parts(spec.forward, built.components.loss_fn, mesh=context_parallel_mesh(built.runtime),
-                                  style=built.config.parallel.cp_style)  # fmt: skip
+    inputs = StepInputs(
+        built.components, settings, spec.forward, spec.step_end(config, built) if spec.step_end is not None else None,
+        runtime, parallel, built.plan.micro_batches, pipeline=spec.pipeline,
+        model_on_meta=lambda: full_model_on_meta(config, spec),
+    )  # fmt: skip
+    return choose_layout(parallel).build(inputs)
 
 
 def _sample_micro_batch(built: Built) -> Any:
@@ -136,37 +137,15 @@ def _flops_per_token(built: Built, spec: RecipeSpec) -> Callable[[], float] | No
     return measure
 
 
-def _eval_functions(built: Built, spec: RecipeSpec) -> tuple[Callable, Callable | None]:
-    """(forward, loss) for evaluation: the spec's, run through the pipeline stages under pipeline
-    parallelism, the loss under torch's loss_parallel() when the logits are split over the vocabulary."""
-    runtime, parallel = built.runtime, built.config.parallel
-    context = loss_context(runtime, parallel)
-    if runtime.cp_size > 1:
-        cp = _context_parallel_parts(built, spec)
-        return cp.forward, cp.eval_loss
-    if runtime.pp_size > 1:
-        layout = pipeline_layout(runtime, parallel)
-        return make_pipeline_eval(built.components.model, built.components.loss_fn, layout, runtime.device, context)
-    if context is contextlib.nullcontext:
-        return spec.forward, None
-    loss_fn = built.components.loss_fn
-
-    def eval_loss(output: Any, micro_batch: Mapping[str, Any]) -> Any:
-        with context():
-            return loss_fn(output, micro_batch)
-
-    return spec.forward, eval_loss
-
-
-def job_hooks(built: Built, spec: RecipeSpec, early: Any = None, *, attempt: int = 0,
-              last: Hook | None = None,
-              data_fingerprint: dict[str, Any] | None = None) -> list[Hook]:  # fmt: skip
+def job_hooks(built: Built, spec: RecipeSpec, step: LaidOut, checked: Checked, opened: OpenedRun,
+              early: Any = None) -> Wiring:  # fmt: skip
     """The standard hook list (memory, throughput, metrics, progress, evaluate, gc, profiler, the
-    spec's extra hooks, checkpoint, watchdog), wired to what `build_job` made; `last` goes at the end;
-    `data_fingerprint` goes into every checkpoint."""
+    spec's extra hooks, checkpoint, watchdog), wired to what `build_job` made, with the metrics log
+    they write (`Wiring`). From phase 1 (`checked`): the data fingerprint every checkpoint records and
+    whether the launch restores (its end is then saved); from the opened run: which attempt this is,
+    and its progress hook, last in the list."""
     config = built.config
-    eval_forward, eval_loss = _eval_functions(built, spec)
-    hooks = standard_hooks(HookInputs(
+    wiring = wire_standard_hooks(HookInputs(
         config,
         built.runtime,
         built.plan,
@@ -176,16 +155,17 @@ def job_hooks(built: Built, spec: RecipeSpec, early: Any = None, *, attempt: int
         val_dataset=built.val_dataset,
         eval_micro_batch_size=config.train.micro_batch_size,
         collate_fn=built.collate_fn,
-        forward=eval_forward,
-        eval_loss=eval_loss,
+        forward=step.forward,
+        eval_loss=step.loss,
         autocast_dtype=autocast_dtype(config.parallel),
         dp_group=data_parallel_group(built.runtime),
         flops_per_token=_flops_per_token(built, spec),
         extra_eval=spec.eval_metrics(config, built) if spec.eval_metrics else None,
         run_config=config_to_dict(config),
-        recipe=recipe_reference(spec),
+        recipe=recipe_reference(spec.config),
         extra=list(spec.hooks(built)) if spec.hooks else (),
-        attempt=attempt,
-        data_fingerprint=data_fingerprint,
+        attempt=opened.attempt,
+        data_fingerprint=checked.fingerprint,
+        restoring=checked.launch.resumes,
     ))
-    return hooks + ([last] if last is not None else [])
+    return dataclasses.replace(wiring, hooks=[*wiring.hooks, opened.progress])

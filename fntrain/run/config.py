@@ -1,6 +1,6 @@
 """The shared job config and the recipe's spec: what every run has, and what only a recipe knows.
 
-    TrainConfig, LoaderConfig     run length and batch shape; how samples are read
+    TrainConfig                   run length and batch shape (LoaderConfig: fntrain.data.settings)
     JobConfig                     every section a run has (a recipe's config subclasses it)
     ExportingJobConfig            a JobConfig whose recipe writes its model to `output_dir` itself
     RecipeSpec                    the recipe's parts (model, datasets, collate, loss, forward, export, ...)
@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from fntrain.config import require_bool, require_choice, require_float, require_int, require_str
-from fntrain.hooks.checkpoint import CheckpointConfig
+from fntrain.data.settings import LoaderConfig
+from fntrain.hooks.checkpoint import SaveConfig
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.gc import GCConfig
 from fntrain.hooks.memory import MemoryConfig
@@ -28,16 +29,16 @@ from fntrain.hooks.profiler import ProfilerConfig
 from fntrain.hooks.progress import ProgressConfig
 from fntrain.hooks.standard import under_run_dir
 from fntrain.hooks.throughput import ThroughputConfig
-from fntrain.hooks.watchdog import WatchdogConfig
 from fntrain.loop import Hook
-from fntrain.optim import OptimizerConfig, ScheduleConfig
 from fntrain.runtime.parallel import ParallelConfig
 from fntrain.runtime.setup import RuntimeConfig
+from fntrain.runtime.watchdog import WatchdogConfig
 from fntrain.state import RunPlan, TrainState
 from fntrain.step import causal_lm_loss, default_forward
+from fntrain.step.optim import OptimizerConfig, ScheduleConfig
 
 __all__ = [
-    "TrainConfig", "LoaderConfig", "JobConfig", "ExportingJobConfig", "require_validation", "config_fields",
+    "TrainConfig", "CheckpointConfig", "JobConfig", "ExportingJobConfig", "require_validation", "config_fields",
     "RecipeSpec", "Built",
 ]  # fmt: skip
 
@@ -81,25 +82,28 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class LoaderConfig:
-    """How samples are read: order, worker processes, background prefetch, pinned memory."""
+class CheckpointConfig(SaveConfig):
+    """When to save and restore checkpoints: the hook's saving fields (`SaveConfig`) and the run's resume
+    and export policy."""
 
-    shuffle: bool = True
-    """Shuffle the sample order each epoch (seeded by seed and epoch)."""
-    num_workers: int = 0
-    """DataLoader worker processes (0 reads in the training process); results do not depend on it."""
-    prefetch: bool = False
-    """Read the next steps' batches on a background thread; results do not depend on it."""
-    prefetch_depth: int = 1
-    """Steps the prefetch thread may read ahead."""
-    pin_memory: bool = True
-    """Page-lock host batches in the background when training on an accelerator (ignored on CPU)."""
+    restore_from: str = "none"
+    """none; auto (latest if one exists, else a quiet fresh start: for restarts); latest (warns if none); or a path."""
+    allow_changes: tuple[str, ...] = ()
+    """Fields a resume may change although they change the numbers (e.g. train.train_iters); logged."""
+    weights_only: bool = False
+    """Restore the model weights only: fresh optimizer, schedule, RNG, and step 0."""
+    export: bool = True
+    """Write the final weights to <run_dir>/model.safetensors at the end of the run."""
 
-    def validate(self, prefix: str = "loader") -> None:
-        for name in ("shuffle", "prefetch", "pin_memory"):
+    def validate(self, prefix: str = "checkpoint") -> None:
+        super().validate(prefix)
+        for name in ("weights_only", "export"):
             require_bool(f"{prefix}.{name}", getattr(self, name))
-        require_int(f"{prefix}.num_workers", self.num_workers, min=0)
-        require_int(f"{prefix}.prefetch_depth", self.prefetch_depth, min=1)
+        require_str(f"{prefix}.restore_from", self.restore_from, non_empty=True)
+        if not isinstance(self.allow_changes, (tuple, list)) or not all(
+            isinstance(name, str) and name for name in self.allow_changes
+        ):
+            raise TypeError(f"{prefix}.allow_changes must be a list of config field names, got {self.allow_changes!r}")
 
 
 @dataclass(frozen=True)
@@ -250,7 +254,7 @@ class RecipeSpec:
       None: --parallel.pp-size must be 1. `build_model` passes both to `parallelize`.
     - `attention_heads(config)`: the model's attention heads per layer (key/value heads too must divide
       by cp), for context parallelism: its attention calls `F.scaled_dot_product_attention` with
-      (batch, heads, seq, dim) tensors and a whole-sequence mask, which `fntrain.context_parallel`
+      (batch, heads, seq, dim) tensors and a whole-sequence mask, which `fntrain.step.context_parallel`
       splits; None: --parallel.cp-size must be 1.
     """
 

@@ -1,7 +1,7 @@
 """One run per directory, and a resume only into the same run.
 
     holds_run(run_dir, checkpoint_root)        what in a directory says a run lives there
-    check_run_dir(...)                         a second run into it is an error naming the two ways out
+    aside_name(run_dir)                        where --overwrite moves an old run
     move_aside(run_dir)                        --overwrite: the old run moves to <run_dir>.replaced-<time>
     config_changes(saved, current, free=...)   what a resume would change, field by field
 
@@ -16,9 +16,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from fntrain.config import ConfigError, flatten
+from fntrain.config import flatten
 
-__all__ = ["RUN_FILES", "holds_run", "check_run_dir", "move_aside", "config_changes", "flatten"]
+__all__ = ["RUN_FILES", "holds_run", "aside_name", "move_aside", "config_changes", "flatten"]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "model.safetensors")  # written by every run that trained
 
@@ -37,21 +37,6 @@ def holds_run(run_dir: str | os.PathLike, checkpoint_root: str | os.PathLike) ->
     return found
 
 
-def check_run_dir(
-    run_dir: str | os.PathLike, checkpoint_root: str | os.PathLike, *, restore_from: str, overwrite: bool
-) -> list[str]:
-    """A `ConfigError` when `run_dir` already holds a run and the new one neither resumes it
-    (`restore_from` other than "none") nor starts over (`overwrite`); returns what it holds."""
-    found = holds_run(run_dir, checkpoint_root)
-    if found and restore_from == "none" and not overwrite:
-        raise ConfigError(
-            f"run_dir {str(run_dir)!r} already holds a run ({', '.join(map(repr, found))}): resume it with "
-            "checkpoint.restore_from latest (or auto), or start over with `overwrite`, which moves the old "
-            f"run to {str(aside_name(run_dir))!r}"
-        )
-    return found
-
-
 def aside_name(run_dir: str | os.PathLike, now: datetime.datetime | None = None) -> Path:
     """Where `move_aside` puts the run in `run_dir`: <run_dir>.replaced-<YYYYmmdd-HHMMSS>."""
     stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
@@ -67,8 +52,6 @@ def move_aside(run_dir: str | os.PathLike) -> Path:
         candidate, number = target.with_name(f"{target.name}.{number}"), number + 1
     os.replace(Path(run_dir).expanduser(), candidate)
     return candidate
-
-
 
 
 def _covered(field: str, names: Iterable[str]) -> bool:

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from fntrain.checkpoint import export_safetensors
-from fntrain.hooks.metrics import metrics_writer
 from fntrain.hooks.metrics_file import summarize_metrics
+from fntrain.hooks.metrics_log import MetricsLog
 from fntrain.loop import TrainResult
-from fntrain.run.config import Built, JobConfig, RecipeSpec
+from fntrain.run.config import Built, JobConfig
 from fntrain.run.metadata import record_outcome
-from fntrain.runtime.parallel import pipeline_group
+from fntrain.runtime.groups import pipeline_group
 from fntrain.state import TrainState
 
 __all__ = ["RunAborted", "export", "summary_line", "record_end", "failure_line", "keep_traceback", "append_traceback", "what_happened"]
@@ -47,11 +47,12 @@ class RunAborted(Exception):
         self.line, self.exit_code = line, exit_code
 
 
-def export(config: JobConfig, spec: RecipeSpec, built: Built, state: TrainState) -> list[str]:
-    """The spec's export, and <run_dir>/model.safetensors when checkpoint.export is set; where they went."""
+def export(config: JobConfig, recipe_export: Any, built: Built, state: TrainState) -> list[str]:
+    """The recipe's export (`recipe_export(built, state)`, None: none), and <run_dir>/model.safetensors
+    when checkpoint.export is set; where they went."""
     written = []
-    if spec.export is not None:
-        written.append(spec.export(config, built, state))
+    if recipe_export is not None:
+        written.append(recipe_export(built, state))
     if config.checkpoint.export:
         path = built.run_dir / "model.safetensors"  # a collective under FSDP2 (every rank gathers), rank 0 writes
         export_safetensors(built.components.model, path, metadata=state.as_dict(),
@@ -87,13 +88,12 @@ def resume_hint(config: JobConfig) -> str:
     return "no checkpoint was saved (set --checkpoint.save-every to make one)"
 
 
-def record_end(config: JobConfig, runtime: Any, hooks: list[Any], outcome: str, summary: str, started: float,
-               **details: Any) -> None:  # fmt: skip
-    """The summary line on the main rank's log, the trackers' end of the story, and the outcome in
-    run_metadata.json."""
+def record_end(config: JobConfig, runtime: Any, writer: MetricsLog | None, outcome: str, summary: str,
+               started: float, **details: Any) -> None:  # fmt: skip
+    """The summary line on the main rank's log, the trackers' end of the story (the run's metrics log
+    `writer`, None when the run failed before building it), and the outcome in run_metadata.json."""
     if runtime.is_main:
         (log.info if outcome in ("completed", "stopped") else log.warning)("%s", summary)
-    writer = metrics_writer(hooks)
     if writer is not None:
         writer.summary({"outcome": outcome, "wall_s": round(time.monotonic() - started, 1),
                         "exported": ", ".join(details.get("exported") or ())})  # fmt: skip

@@ -1,13 +1,14 @@
 """The run, top to bottom: `run_job(config, spec)` and `plan_job(config, spec, world_size)`.
 
     run_job
-        starting_over      --overwrite resumes nothing of the old run                      resume.py
-        check_run          phase 1: every check that needs no file written, no model, no device  checks.py
+        check_run          phase 1: every check that needs no file written, no model, no device,
+                           ending with the launch record: fresh / resume / overwrite / complete  checks.py
         setup_runtime      distributed init, device, mesh, seed (torn down on the way out)
-        early_hooks        memory and profiler hooks: their device checks fail before the model
+        early_hooks        memory and profiler hooks, built once the runtime is known
         open_run           phase 2: the run directory, this rank's log, run_metadata.json  open.py
-        prepare            build, config.json, step, hooks, the resume verified and restored
-        train              run_training -> TrainResult; the exports unless a notice stopped it
+        prepare            assemble (build.py: model, data, config.json, step, hooks), the launch
+                           verified and restored
+        train_and_export   loop.train -> TrainResult; the exports unless a notice stopped it
         record_end         the summary line and the outcome                                finish.py
     A failure before the first finished step puts the run directory back as it was found; one after it
     records the outcome "failed". Either way the caller gets one line (`RunAborted`), or the
@@ -24,27 +25,26 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from fntrain import loop
+from fntrain.checkpoint.layout import checkpoint_root
 from fntrain.config import ConfigError, inputs_optional
 from fntrain.data.pipeline import data_fn
 from fntrain.data.tokens import count_batch
-from fntrain.hooks.checkpoint import checkpoint_root
 from fntrain.hooks.metrics_file import rewind_metrics
+from fntrain.hooks.metrics_log import MetricsLog
 from fntrain.hooks.standard import early_hooks, memory_config, profiler_config
-from fntrain.loop import Hook, TrainResult, run_training
+from fntrain.loop import TrainResult
 from fntrain.plan.memory import plan_memory
-from fntrain.plan.report import describe_run_plan
-from fntrain.run.build import build_job, job_hooks, train_step
+from fntrain.plan.report import PlanInputs, describe_run_plan
+from fntrain.run.build import Assembled, assemble
 from fntrain.run.checks import (
     Checked,
-    check_context_parallel,
-    check_model_parallel,
     check_run,
     check_values,
     dataset_len,
     run_plan,
 )
-from fntrain.run.config import Built, JobConfig, RecipeSpec
-from fntrain.run.config_file import write_config
+from fntrain.run.config import JobConfig, RecipeSpec
 from fntrain.run.finish import (
     RunAborted,
     append_traceback,
@@ -56,12 +56,12 @@ from fntrain.run.finish import (
     resume_hint,
     summary_line,
 )
+from fntrain.run.launch import Launch, requested_source, restore_launch, verify_launch
 from fntrain.run.metadata import record_start
 from fntrain.run.open import OpenedRun, open_run
-from fntrain.run.report import describe_start
-from fntrain.run.resume import Resume, restore_state, starting_over, verified_resume
 from fntrain.runtime.setup import setup_runtime
 from fntrain.state import TrainState
+from fntrain.step.layouts import choose_layout
 
 __all__ = ["run_job", "plan_job", "RunAborted"]
 
@@ -73,21 +73,20 @@ def run_job(config: JobConfig, spec: RecipeSpec, *, state: TrainState | None = N
     return how the run ended (completed, stopped, preempted or interrupted by a notice, with its exit
     status). A bad setting is a `ConfigError` before any file, model or device work; a failure or a
     Ctrl-C is a `RunAborted` (its one line and exit status) raised from the original error."""
-    config = starting_over(config)
     checked = check_run(config, spec)
     started = time.monotonic()
     with setup_runtime(config.runtime, config.parallel, seed=config.seed) as runtime:
         early = early_hooks(config, runtime)
-        opened = open_run(config, runtime)
+        opened = open_run(config, runtime, checked.launch)
         ready = None
         try:
             ready = prepare(config, spec, runtime, checked, early, opened, state)
-            result, exported = train(config, spec, ready, opened)
+            result, exported = train_and_export(config, ready)
             ending = "" if exported else resume_hint(config)
             summary = summary_line(config, result.outcome, result.state.global_step, time.monotonic() - started,
                                    exported=exported, ending=ending)  # fmt: skip
-            record_end(config, runtime, ready.hooks, result.outcome, summary, started,
-                       end_state=result.state.as_dict(), allowed_changes=ready.resume.changes, exported=exported)  # fmt: skip
+            record_end(config, runtime, ready.writer, result.outcome, summary, started,
+                       end_state=result.state.as_dict(), allowed_changes=ready.launch.changes, exported=exported)  # fmt: skip
         except (Exception, KeyboardInterrupt) as error:
             raise ended_by(error, config, runtime, opened, ready, started) from error
         finally:
@@ -97,50 +96,49 @@ def run_job(config: JobConfig, spec: RecipeSpec, *, state: TrainState | None = N
 
 @dataclass(frozen=True)
 class Ready:
-    """A run ready to train: what was built, its step function and hooks, the resume it continues and
+    """A run ready to train: what was built, its step function and hooks, the launch (verified) and
     the state it starts from."""
 
-    built: Built
-    step_fn: Any
-    hooks: list[Hook]
-    resume: Resume
+    assembled: Assembled
+    launch: Launch
     state: TrainState
+
+    @property
+    def writer(self) -> MetricsLog:
+        """The metrics log: the end of the run writes its summary there."""
+        return self.assembled.wiring.writer
 
 
 def prepare(config: JobConfig, spec: RecipeSpec, runtime: Any, checked: Checked, early: Any, opened: OpenedRun,
             state: TrainState | None) -> Ready:  # fmt: skip
-    """Build, write config.json, wire the step and hooks, verify and restore the resume (unless `state`
-    is given) and rewind the metrics log to the restored step."""
-    built = build_job(config, spec, runtime, checked)
-    if runtime.is_main:
-        write_config(config, built.run_dir)
-        for line in describe_start(built):  # parameters, world, plan: what is about to run
-            log.info("%s", line)
-    step_fn = train_step(built, spec)
-    hooks = job_hooks(built, spec, early, attempt=opened.attempt, last=opened.progress,
-                      data_fingerprint=checked.fingerprint)  # fmt: skip
-    resume = verified_resume(config, checked.resume, checked.fingerprint) if state is None else Resume()
+    """Assemble the run, verify and restore the launch's checkpoint (unless `state` is given) and rewind
+    the metrics log to the restored step."""
+    assembled = assemble(config, spec, runtime, checked, opened, early)
+    built = assembled.built
+    launch = Launch(checked.launch.restart_count)
     if state is None:
-        state = restore_state(config, built, hooks, resume)
+        launch = verify_launch(config, checked.launch, fingerprint=checked.fingerprint,
+                               train_iters=built.plan.train_iters)  # fmt: skip
+        state = restore_launch(config, launch, built, assembled.wiring.hooks)
     if runtime.is_main and config.metrics.jsonl:
         moved = rewind_metrics(built.run_dir / config.metrics.jsonl_name, state.global_step)
         if moved:
             log.info("metrics: %d rows after step %d moved to the superseded log", moved, state.global_step)
     record_start(built.run_dir, runtime, state)
-    return Ready(built, step_fn, hooks, resume, state)
+    return Ready(assembled, launch, state)
 
 
-def train(config: JobConfig, spec: RecipeSpec, ready: Ready, opened: OpenedRun) -> tuple[TrainResult, list[str]]:
-    """Train from the ready state and export unless a notice stopped the run. A finished run trains
+def train_and_export(config: JobConfig, ready: Ready) -> tuple[TrainResult, list[str]]:
+    """Train from the ready state and export unless a notice stopped the run. A complete run trains
     nothing and writes its exports again (a run killed while exporting finishes them here)."""
-    built, state = ready.built, ready.state
-    if state.global_step >= built.plan.train_iters:
+    assembled, state = ready.assembled, ready.state
+    built = assembled.built
+    if ready.launch.complete:
         log.warning("run already complete at step %d; nothing to do", state.global_step)
-        opened.progress.committed = True  # a real launch of a finished run: nothing to put back
-        return TrainResult(state, "completed", "already complete"), export(config, spec, built, state)
-    result = run_training(state, ready.step_fn, ready.hooks, data=data_fn(built.data), plan=built.plan,
-                          count_batch=count_batch)  # fmt: skip
-    return result, export(config, spec, built, result.state) if completed(result) else []
+        return TrainResult(state, "completed", "already complete"), export(config, assembled.export, built, state)
+    result = loop.train(state, assembled.step.step_fn, assembled.wiring.hooks, data=data_fn(built.data),
+                        plan=built.plan, count_batch=count_batch)  # fmt: skip
+    return result, export(config, assembled.export, built, result.state) if completed(result) else []
 
 
 def ended_by(error: BaseException, config: JobConfig, runtime: Any, opened: OpenedRun, ready: Ready | None,
@@ -163,7 +161,7 @@ def ended_by(error: BaseException, config: JobConfig, runtime: Any, opened: Open
     outcome = "interrupted" if interrupted else "failed"
     line = (summary_line(config, outcome, progress.step, time.monotonic() - started, ending=resume_hint(config))
             if interrupted else failure_line(error, step, opened.log_path))  # fmt: skip
-    record_end(config, runtime, ready.hooks if ready else [], outcome, line, started, error=repr(error),
+    record_end(config, runtime, ready.writer if ready else None, outcome, line, started, error=repr(error),
                failed_at=step)  # fmt: skip
     return RunAborted(line, 130 if interrupted else 1)
 
@@ -180,8 +178,7 @@ def plan_job(config: JobConfig, spec: RecipeSpec, world_size: int = 1) -> dict[s
     config, notes = planned_strategy(config, world_size)
     with inputs_optional() as absent:
         dp_size = check_values(config, world_size)
-        check_model_parallel(config, spec, dp_size)
-        check_context_parallel(config, spec)  # not the ring's device: a plan may be made off the GPU machine
+        choose_layout(config.parallel).check(config, spec, dp_size)  # not check_device: plans are made off the GPU too
     if absent:
         train_len, val_len = None, 0
         notes.append(f"data not read ({'; '.join(absent)}): steps per epoch and epochs unknown")
@@ -201,11 +198,12 @@ def plan_job(config: JobConfig, spec: RecipeSpec, world_size: int = 1) -> dict[s
         except (ValueError, NotImplementedError, OSError) as error:  # a model it cannot count on meta
             extra["memory_per_rank"] = {"unavailable": str(error)}
     checkpoint = dataclasses.replace(config.checkpoint, dir=str(checkpoint_root(config.checkpoint, config.run_dir)))
-    return describe_run_plan(
-        run_plan(config, train_len, dp_size), world_size=world_size, pp_size=config.parallel.pp_size,
-        parallel=config.parallel, device_type=config.runtime.device, dataset_len=train_len,
-        profiler=profiler_config(config), memory=memory_config(config), checkpoint=checkpoint, extra=extra,
+    inputs = PlanInputs(
+        world_size=world_size, pp_size=config.parallel.pp_size, parallel=config.parallel,
+        device_type=config.runtime.device, dataset_len=train_len, profiler=profiler_config(config),
+        memory=memory_config(config), checkpoint=checkpoint, restoring=requested_source(config) is not None,
     )  # fmt: skip
+    return describe_run_plan(run_plan(config, train_len, dp_size), inputs, extra)
 
 
 def planned_strategy(config: JobConfig, world_size: int) -> tuple[JobConfig, list[str]]:

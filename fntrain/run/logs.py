@@ -108,7 +108,7 @@ def rank_log_path(run_dir: str | os.PathLike, rank: int) -> Path:
 
 @contextlib.contextmanager
 def rank_logs(
-    run_dir: str | os.PathLike, rank: int | None = None, *, level: int = logging.INFO
+    run_dir: str | os.PathLike, rank: int | None = None, *, level: int = logging.INFO, restart_count: int = 0
 ) -> Iterator[Path]:
     """Append every record at `level` and above to this rank's log file while the block runs; yield
     its path. The root logger's level is lowered to `level` for the block if it was higher, and
@@ -124,10 +124,9 @@ def rank_logs(
     if previous_level == logging.NOTSET or previous_level > level:
         root.setLevel(level)
     root.addHandler(handler)
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     log.info(
         "=== launch: pid %d, %s, restart %s, log %s", os.getpid(), time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        restart, path,
+        restart_count, path,
     )  # fmt: skip
     try:
         yield path

@@ -172,7 +172,7 @@ def collect_run_metadata(
         "ranks": ranks,
         "start_time": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
         "start_timestamp": now,
-        "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        "restart_count": runtime.restart_count,
         "seed": runtime.seed,
         "start_state": None,
         "git": git,

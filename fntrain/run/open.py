@@ -1,7 +1,7 @@
 """Phase 2 begins: the run directory opened as a transaction that commits at the first finished step.
 
-    opened = open_run(config, runtime)   survey the run directory, move an old run aside (--overwrite),
-                                         open this rank's log, write run_metadata.json
+    opened = open_run(config, runtime, launch)   survey the run directory, move an old run aside (the
+                                         launch says so), open this rank's log, write run_metadata.json
     opened.progress                      the hook that commits at the first STEP_END and remembers the
                                          step a failure struck
     opened.undo()                        before the first step: the directory as it was found (a new one
@@ -26,13 +26,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fntrain.hooks.checkpoint import checkpoint_root
+from fntrain.checkpoint.layout import checkpoint_root
 from fntrain.loop import Event
 from fntrain.run.config import JobConfig
-from fntrain.run.directory import holds_run, move_aside
+from fntrain.run.directory import move_aside
+from fntrain.run.launch import Launch
 from fntrain.run.logs import rank_log_path, rank_logs
 from fntrain.run.metadata import read_attempt, write_run_metadata
-from fntrain.run.resume import first_launch
 
 __all__ = ["Found", "survey", "restore_found", "Progress", "OpenedRun", "open_run"]
 
@@ -100,10 +100,11 @@ def restore_found(found: Found, skip: Path) -> None:
 
 class Progress:
     """The last hook of a run: commits the transaction at the first finished step and remembers how far
-    the run got (`step`: the last finished step; `failed_at`: the step a failure struck)."""
+    the run got (`step`: the last finished step; `failed_at`: the step a failure struck). A launch of
+    a complete run starts committed: it trains nothing, and its exports are written again."""
 
-    def __init__(self) -> None:
-        self.committed = False
+    def __init__(self, committed: bool = False) -> None:
+        self.committed = committed
         self.step: int | None = None
         self.failed_at: int | None = None
 
@@ -139,23 +140,23 @@ class OpenedRun:
         self.logs.close()
 
 
-def open_run(config: JobConfig, runtime: Any) -> OpenedRun:
-    """Survey the run directory (rank 0), move an old run aside (--overwrite on a job's first launch;
-    the other ranks wait), open this rank's log and write run_metadata.json (every rank: a gather)."""
+def open_run(config: JobConfig, runtime: Any, launch: Launch) -> OpenedRun:
+    """Survey the run directory (rank 0), move an old run aside when `launch` says so (the other ranks
+    wait), open this rank's log and write run_metadata.json (every rank: a gather)."""
     run_dir = Path(config.run_dir).expanduser()
     root = checkpoint_root(config.checkpoint, config.run_dir)
     found, aside = None, None
     if runtime.is_main:
         found = survey(run_dir, root)
-        # A torchrun restart of this job finds the run its first launch started: that one is kept.
-        if config.overwrite and first_launch() and holds_run(run_dir, root):
+        if launch.moves_aside:
             aside = move_aside(run_dir)
             log.warning("overwrite: the run in %s moved to %s", config.run_dir, aside)
             found = Found(run_dir, run_dir)
     if runtime.distributed:
         dist.barrier()  # no rank writes into the directory before the old run is out of the way
     logs = contextlib.ExitStack()
-    logs.enter_context(rank_logs(run_dir, runtime.rank))
+    logs.enter_context(rank_logs(run_dir, runtime.rank, restart_count=launch.restart_count))
     write_run_metadata(run_dir, runtime)
     attempt = read_attempt(run_dir) if runtime.is_main else 0
-    return OpenedRun(found, root, aside, rank_log_path(run_dir, runtime.rank), attempt, Progress(), logs)
+    progress = Progress(committed=launch.complete)
+    return OpenedRun(found, root, aside, rank_log_path(run_dir, runtime.rank), attempt, progress, logs)

@@ -1,7 +1,8 @@
 """Process runtime: device, distributed init/teardown, mesh, parallelize (data, tensor, pipeline), seeding."""
 
+from fntrain.runtime.groups import pipeline_group
 from fntrain.runtime.materialize import build_seeded_model
-from fntrain.runtime.parallel import ParallelConfig, parallelize, pipeline_group
+from fntrain.runtime.parallel import ParallelConfig, parallelize
 from fntrain.runtime.pipeline import PipelineSplit
 from fntrain.runtime.runtime import Runtime
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime

@@ -1,15 +1,16 @@
-"""`parallelize(model, runtime, strategy)`: none | DDP | FSDP2, plus mixed precision (§5) [S21].
+"""`parallelize(model, runtime, strategy)`: none | DDP | FSDP2, plus mixed precision (§5) [S21], and
+its `ParallelConfig`.
 
 Everything here is torch.distributed's own machinery: `DistributedDataParallel`, FSDP2's
 `fully_shard` over the runtime's DeviceMesh (1-D, or 2-D replicate x shard for HSDP) with a
 `MixedPrecisionPolicy`, composable activation checkpointing and per-block `torch.compile`. fntrain
 adds only the choice and the order: activation checkpointing -> compile -> data parallel (what
-torchtitan does).
+torchtitan does). The mesh's groups are looked up in `fntrain.runtime.groups`; what the step needs
+for mixed precision (autocast dtype, gradient scaler, loss context) is `fntrain.runtime.precision`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,35 +22,21 @@ from torch import nn
 
 from fntrain.config import ConfigError, require_bool, require_choice, require_int, require_str
 from fntrain.runtime.expert_parallel import expert_modules, shard_experts
+from fntrain.runtime.groups import DP_CP, HSDP_DIMS, data_parallel_group, hsdp_shape, mesh_has_dims
 from fntrain.runtime.pipeline import PP_SCHEDULES, PipelineSplit, split_stage
 from fntrain.runtime.runtime import Runtime
 
 __all__ = [
-    "STRATEGIES",
-    "MIXED_PRECISIONS",
-    "ParallelConfig",
-    "check_compile_backend",
-    "parallelize",
-    "transformer_blocks",
-    "autocast_dtype",
-    "build_grad_scaler",
-    "data_parallel_group",
-    "hsdp_shape",
-    "HSDP_DIMS",
-    "loss_context",
-    "pipeline_group",
-    "gradient_group_size",
-    "context_parallel_mesh",
-]
+    "STRATEGIES", "MIXED_PRECISIONS", "LOW_PRECISION_DTYPES", "CP_STYLES", "ParallelConfig",
+    "check_compile_backend", "parallelize", "transformer_blocks",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("none", "ddp", "fsdp2")
 MIXED_PRECISIONS = ("fp32", "bf16", "fp16")
-_LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
-HSDP_DIMS = ("dp_replicate", "dp_shard")  # the runtime mesh's dims under HSDP, flattened into "dp"
-CP_STYLES = ("ulysses", "ring")  # the styles fntrain.context_parallel implements
-DP_CP = "dp_cp"  # the runtime mesh's (dp, cp) dims flattened: the group gradients are averaged over
+LOW_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # mixed_precision -> compute dtype
+CP_STYLES = ("ulysses", "ring")  # the styles fntrain.step.context_parallel implements
 
 
 @dataclass(frozen=True)
@@ -164,13 +151,6 @@ def check_compile_backend(name: str, field: str = "parallel.compile_backend") ->
     return name
 
 
-def hsdp_shape(dp_size: int, replicate: int, prefix: str = "parallel") -> tuple[int, int]:
-    """(replicas, shards) of an HSDP layout of `dp_size` data-parallel ranks; `replicate` must divide it."""
-    if replicate < 1 or dp_size % replicate:
-        raise ValueError(f"{prefix}.replicate ({replicate}) must divide the data-parallel size ({dp_size})")
-    return replicate, dp_size // replicate
-
-
 def _as_config(strategy: str | ParallelConfig) -> ParallelConfig:
     if isinstance(strategy, ParallelConfig):
         return strategy
@@ -193,28 +173,6 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return list(longest.values() if isinstance(longest, nn.ModuleDict) else longest)
 
 
-def data_parallel_group(runtime: Runtime) -> Any:
-    """The process group of this rank's data-parallel peers (None: the default group or no group);
-    with context parallelism the (dp x cp) group, over which gradients are averaged."""
-    mesh = runtime.mesh
-    if mesh is None:
-        return None
-    if runtime.cp_size > 1:  # the cp ranks of a replica hold the same weights: gradients reduce over dp x cp
-        return mesh.get_group(DP_CP)
-    if _has_dims(mesh, "dp"):
-        return mesh.get_group("dp")  # a mesh dim, or HSDP's (dp_replicate, dp_shard) flattened
-    return mesh.get_group()
-
-
-def _has_dims(mesh: Any, *names: str) -> bool:
-    names_in_mesh = set(mesh.mesh_dim_names or ())
-    try:  # dims flattened from others (HSDP's "dp") live on the root mesh
-        names_in_mesh |= set(mesh._get_root_mesh()._flatten_mapping)
-    except AttributeError:
-        pass
-    return all(name in names_in_mesh for name in names)
-
-
 def _data_parallel_mesh(runtime: Runtime, replicate: int = 1) -> Any:
     """The mesh fully_shard shards over: the data-parallel dim, or under HSDP (`replicate` > 1) the
     2-D (dp_replicate, dp_shard) mesh."""
@@ -226,7 +184,7 @@ def _data_parallel_mesh(runtime: Runtime, replicate: int = 1) -> Any:
             return init_device_mesh(
                 runtime.device.type, hsdp_shape(dist.get_world_size(), replicate), mesh_dim_names=HSDP_DIMS
             )
-        if not _has_dims(mesh, *HSDP_DIMS) or mesh[HSDP_DIMS].size(0) != replicate:
+        if not mesh_has_dims(mesh, *HSDP_DIMS) or mesh[HSDP_DIMS].size(0) != replicate:
             raise ValueError(
                 f"parallel.replicate={replicate} but the runtime mesh {mesh.mesh_dim_names} has no "
                 f"{replicate} x dp_shard layout: build the runtime with setup_runtime(config, parallel) "
@@ -242,30 +200,6 @@ def _data_parallel_mesh(runtime: Runtime, replicate: int = 1) -> Any:
     if mesh.ndim > 1:
         return mesh["dp"]  # a dim of the mesh, or HSDP's (dp_replicate, dp_shard) flattened
     return mesh
-
-
-def autocast_dtype(config: ParallelConfig) -> torch.dtype | None:
-    """The autocast dtype the step should use: bf16/fp16 under none/ddp; None under fsdp2 (its
-    MixedPrecisionPolicy casts the parameters instead) or in fp32."""
-    if config.mixed_precision == "fp32" or config.strategy == "fsdp2":
-        return None
-    return _LOW_PRECISION[config.mixed_precision]
-
-
-def build_grad_scaler(config: ParallelConfig, runtime: Runtime) -> Any:
-    """A gradient scaler for fp16 (None otherwise): FSDP2's `ShardedGradScaler`, whose inf check is
-    all-reduced over the data-parallel group because each rank holds only a shard of the gradients;
-    `torch.amp.GradScaler` under none/ddp, where every rank holds the full gradients."""
-    if config.mixed_precision != "fp16":
-        return None
-    if config.strategy == "fsdp2":
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        group = data_parallel_group(runtime)
-        return ShardedGradScaler(
-            device=runtime.device.type, process_group=group if group is not None else dist.group.WORLD
-        )
-    return torch.amp.GradScaler(runtime.device.type)
 
 
 def _checkpoint_blocks(blocks: Sequence[nn.Module]) -> None:
@@ -305,7 +239,7 @@ def _apply_fsdp2(
         policy = MixedPrecisionPolicy()
     else:
         policy = MixedPrecisionPolicy(
-            param_dtype=_LOW_PRECISION[config.mixed_precision], reduce_dtype=torch.float32
+            param_dtype=LOW_PRECISION_DTYPES[config.mixed_precision], reduce_dtype=torch.float32
         )
     if runtime.ep_size > 1:
         for experts in expert_modules(model):
@@ -399,28 +333,3 @@ def _check_strategy(config: ParallelConfig, runtime: Runtime) -> None:
         )
     if (runtime.tp_size > 1 or runtime.pp_size > 1 or runtime.ep_size > 1) and runtime.mesh is None:
         raise RuntimeError("tensor, pipeline and expert parallelism need the runtime's DeviceMesh: use setup_runtime")
-
-
-def gradient_group_size(runtime: Runtime) -> int:
-    """Ranks `data_parallel_group` holds: dp, times cp under context parallelism (the step's dp_size)."""
-    return runtime.dp_size * runtime.cp_size
-
-
-def context_parallel_mesh(runtime: Runtime) -> Any:
-    """The runtime mesh's 1-D "cp" sub-mesh; None without context parallelism."""
-    return runtime.mesh["cp"] if runtime.cp_size > 1 else None
-
-
-def pipeline_group(runtime: Runtime) -> Any:
-    """This rank's pipeline group (its peers in the other stages); None without pipeline parallelism."""
-    return runtime.mesh.get_group("pp") if runtime.pp_size > 1 else None
-
-
-def loss_context(runtime: Runtime, config: ParallelConfig) -> Callable[[], contextlib.AbstractContextManager]:
-    """The context the loss and its backward run in: torch's `loss_parallel()` when the logits are
-    split over the vocabulary (tensor parallelism with `loss_parallel`), else a no-op."""
-    if runtime.tp_size > 1 and config.loss_parallel:
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel
-    return contextlib.nullcontext

@@ -8,7 +8,7 @@ ones), the `first` modules on stage 0 and the `last` modules on the last stage; 
 to None (torchtitan's layout). Parameter names do not change (the kept layers sit in an `nn.ModuleDict`
 keyed by their index), so a stage's state dict is a slice of the full model's and checkpoints load at any
 pipeline size. The model's forward must skip parts that are None and, on a stage after the first, take
-the previous stage's activations in place of the token ids (recipes/tiny_gpt.py's TinyGPT does).
+the previous stage's activations in place of the token ids (fntrain.models.gpt's TinyGPT does).
 
 Tied weights (an output head sharing the token embedding) end up on two stages; `stage_ties` names
 them so the step can add the two copies' gradients (torch's pipelining leaves that to the user).

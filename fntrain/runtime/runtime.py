@@ -18,6 +18,8 @@ class Runtime:
     `tp_rank`/`pp_rank` its tensor-parallel rank and pipeline stage, `cp_rank` its context-parallel rank
     (which slice of each sequence it computes; the cp ranks of a dp group read the same data); the ep
     size is carried so hooks can report it. `mesh` is the DeviceMesh when one was built.
+    `restart_count` is torchrun's restart count of this launch (`LaunchEnv.restart_count`: 0 on a job's
+    first attempt and for a plain run), read once by `read_launch_env`.
     """
 
     rank: int = 0
@@ -37,6 +39,7 @@ class Runtime:
     mesh: Any = None
     seed: int = 42
     parallel_mode: str = "none"
+    restart_count: int = 0
 
     @property
     def distributed(self) -> bool:

@@ -19,9 +19,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 from fntrain import StepInfo, StopTraining, TrainState
-from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook
+from fntrain.checkpoint import SaveTarget
+from fntrain.hooks.checkpoint import checkpoint_hook
 from fntrain.hooks.signals import Preemption
 from fntrain.loop import Event
+from fntrain.run.config import CheckpointConfig
 from fntrain.runtime.runtime import Runtime
 from tests.checkpoint import toy
 
@@ -39,15 +41,7 @@ def main(root: str, out: str) -> None:
         parts = toy.components()
         hooks: list = []
         hooks.append(
-            checkpoint_hook(
-                config,
-                parts,
-                Runtime(rank=rank, world_size=2, backend="gloo"),
-                directory=root,
-                hooks=lambda: hooks,
-                preemption=preemption,
-                clock=clock,
-            )
+            checkpoint_hook(config, SaveTarget(root, parts, hooks=lambda: hooks), Runtime(rank=rank, world_size=2, backend="gloo"), preemption=preemption, clock=clock)
         )
         hook = hooks[0]
         state, stopped, outcome, exit_code = TrainState(), None, None, None

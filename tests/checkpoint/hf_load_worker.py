@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from fntrain.models.hf import HFModelConfig, load_causal_lm
+from fntrain.models.hf import load_causal_lm
+from fntrain.models.hf_config import HFModelConfig
 from fntrain.runtime.materialize import local_numel
 from fntrain.runtime.parallel import ParallelConfig
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime

@@ -55,8 +55,8 @@ def main(argv: list[str]) -> None:
 
     import fntrain.checkpoint.saver as save_module
     import recipes.tiny_gpt as recipe
+    from fntrain.cli.config_file import parse_config_cli
     from fntrain.loop import Event
-    from fntrain.run.config_file import parse_config_cli
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))

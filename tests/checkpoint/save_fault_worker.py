@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from fntrain import TrainState
-from fntrain.checkpoint import CheckpointSaveError, list_checkpoints, save, save_async
+from fntrain.checkpoint import CheckpointSaveError, SaveTarget, list_checkpoints, save, save_async
 from tests.checkpoint import toy
 from tests.checkpoint.test_save_faults import FullDisk
 
@@ -35,7 +35,7 @@ def main(root: str, out: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     group = dist.new_group(backend="gloo")
     parts = toy.components()
-    save(root, TrainState(0, 1, 1), parts)
+    save(SaveTarget(root, parts), TrainState(0, 1, 1))
     seen: dict[str, str | None] = {}
     for case, (mode, pattern, step) in CASES.items():
         patch = pytest.MonkeyPatch()
@@ -43,16 +43,16 @@ def main(root: str, out: str) -> None:
             FullDisk(patch, Path(root), pattern)
         try:
             if mode == "sync":
-                save(root, TrainState(0, step, step), parts)
+                save(SaveTarget(root, parts), TrainState(0, step, step))
             else:
-                save_async(root, TrainState(0, step, step), parts, process_group=group).result(60)
+                save_async(SaveTarget(root, parts), TrainState(0, step, step), process_group=group).result(60)
             seen[case] = None
         except CheckpointSaveError as error:
             seen[case] = error.line
         finally:
             patch.undo()
         dist.barrier()
-    save(root, TrainState(0, 5, 5), parts)  # room again: a save works
+    save(SaveTarget(root, parts), TrainState(0, 5, 5))  # room again: a save works
     dist.barrier()
     Path(out).write_text(json.dumps({"seen": seen, "complete": [p.name for p in list_checkpoints(root)],
                                      "entries": sorted(p.name for p in Path(root).iterdir())}))  # fmt: skip

@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from fntrain.checkpoint import (
+    SaveOptions,
+    SaveTarget,
     _dist,
     close_async_saves,
     find_latest,
@@ -90,8 +92,8 @@ def _save(root: Path, step: int, asynchronous: bool, **kwargs) -> Path:
     parts = toy.components()
     state = TrainState(0, step, step)
     if not asynchronous:
-        return save(root, state, parts, **kwargs)
-    path = save_async(root, state, parts, **kwargs).result(timeout=60)
+        return save(SaveTarget(root, parts), state, SaveOptions(**kwargs))
+    path = save_async(SaveTarget(root, parts), state, SaveOptions(**kwargs)).result(timeout=60)
     assert close_async_saves()
     return path
 
@@ -147,8 +149,8 @@ def test_keep_last_never_deletes_the_checkpoint_just_saved_behind_a_longer_attem
     keep_last=2: the two newer checkpoints are the newest two, but step 4 (which `latest` names and the
     next restore needs) must stay."""
     for step in (6, 8):
-        save(tmp_path, TrainState(0, step, step), toy.components())
-    path = save(tmp_path, TrainState(0, 4, 4), toy.components(), keep_last=2)
+        save(SaveTarget(tmp_path, toy.components()), TrainState(0, step, step))
+    path = save(SaveTarget(tmp_path, toy.components()), TrainState(0, 4, 4), SaveOptions(keep_last=2))
     assert path.is_dir() and path in list_checkpoints(tmp_path)
     assert find_latest(tmp_path) == path
     restore("latest", toy.components(), root=tmp_path)  # still restorable
@@ -161,7 +163,7 @@ def test_keep_last_never_deletes_the_checkpoint_just_saved_behind_a_longer_attem
 def test_a_manifest_that_omits_a_required_file_is_not_complete(tmp_path, required):
     """A manifest is a list of what must be there: one without DCP's metadata or meta.json (a manifest
     written before they were, or edited) does not verify, whatever the files on disk."""
-    path = save(tmp_path, TrainState(0, 2, 2), toy.components())
+    path = save(SaveTarget(tmp_path, toy.components()), TrainState(0, 2, 2))
     assert damage(path) is None and verified(path) is True
     manifest = json.loads((path / MANIFEST).read_text())
     del manifest["files"][required]
@@ -226,7 +228,7 @@ def _flip_a_byte(file: Path) -> None:
 def test_a_two_rank_verification_checks_every_file(tmp_path, monkeypatch):
     """The ranks share the files to check: whichever rank's share holds the damaged file, both ranks
     find it and agree on the same answer (no file is left unchecked)."""
-    source = save(tmp_path / "source", TrainState(0, 2, 2), toy.components())
+    source = save(SaveTarget(tmp_path / "source", toy.components()), TrainState(0, 2, 2))
     names = sorted(json.loads((source / MANIFEST).read_text())["files"])
     assert len(names) >= 4  # .metadata, the data, meta.json, rank_0.json: both shares are non-empty
     ranks = FakeRanks(monkeypatch, world=2)
@@ -254,7 +256,7 @@ def test_each_rank_restores_its_own_rng_and_hook_states(tmp_path, monkeypatch):
     hook = stateful(
         "counter", lambda event, state, info: None, lambda: dict(counter), lambda saved: counter.update(saved)
     )
-    path = save(tmp_path, TrainState(0, 2, 2), parts, hooks=[hook])
+    path = save(SaveTarget(tmp_path, parts, hooks=[hook]), TrainState(0, 2, 2))
     rank_0 = json.loads((path / "rank_0.json").read_text())
     torch.manual_seed(1), random.seed(1), np.random.seed(1)
     rank_1_rng = rng_state()

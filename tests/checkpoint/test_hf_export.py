@@ -11,22 +11,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fntrain.checkpoint import is_complete, restore, save
-from fntrain.checkpoint.hf_export import (
-    PROVENANCE,
-    SAFE_INDEX,
-    SAFE_WEIGHTS,
-    ExportOptions,
-    export_checkpoint,
-    export_hf,
-    import_hf,
-    parse_size,
-)
+from fntrain.checkpoint import SaveTarget, is_complete, restore, save
+from fntrain.checkpoint.export_options import ExportOptions, export_checkpoint, parse_size
+from fntrain.checkpoint.hf_export import PROVENANCE, SAFE_INDEX, SAFE_WEIGHTS, export_hf
+from fntrain.checkpoint.hf_import import import_hf
 from fntrain.checkpoint.safe_reader import read_dcp_metadata
-from fntrain.components import Components
-from fntrain.run.config_file import config_to_dict
+from fntrain.models.gpt import ModelConfig, TinyGPT
+from fntrain.run.resolved import config_to_dict
 from fntrain.state import TrainState
-from recipes.tiny_gpt import Config, ModelConfig, TinyGPT
+from fntrain.step.components import Components
+from recipes.tiny_gpt import Config
 
 MODEL = ModelConfig(context=16, n_layer=2, n_head=2, d_model=32)
 STATE = TrainState(epoch=1, global_step=7, cursor=2)
@@ -46,7 +40,7 @@ def tiny_components(seed: int = 0) -> Components:
 def checkpoint(tmp_path) -> tuple[Path, Components]:
     components = tiny_components()
     root = tmp_path / "checkpoints"
-    save(root, STATE, components, config=config_to_dict(Config(model=MODEL)))
+    save(SaveTarget(root, components, config=config_to_dict(Config(model=MODEL))), STATE)
     return root, components
 
 
@@ -139,7 +133,7 @@ def test_outputs_are_never_overwritten_silently_and_sources_are_checked(checkpoi
         export_hf(tmp_path / "nowhere", tmp_path / "y")
     config = config_to_dict(Config(model=MODEL))
     config["model"] = {"path": str(tmp_path / "gone")}  # an HF run whose model directory moved
-    save(tmp_path / "hfrun", STATE, tiny_components(), config=config)
+    save(SaveTarget(tmp_path / "hfrun", tiny_components(), config=config), STATE)
     with pytest.raises(FileNotFoundError, match="model_dir"):
         export_hf(tmp_path / "hfrun", tmp_path / "z")
 
@@ -179,7 +173,7 @@ def test_fntrain_export_command(checkpoint, tmp_path, capsys):
 def test_hf_model_checkpoint_exports_to_a_from_pretrained_directory_and_back(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    from fntrain.models.hf import HFModelConfig
+    from fntrain.models.hf_config import HFModelConfig
     from recipes import hf_causal_lm as hf
 
     config = LlamaConfig(
@@ -198,7 +192,7 @@ def test_hf_model_checkpoint_exports_to_a_from_pretrained_directory_and_back(tmp
             param.add_(torch.randn_like(param) * 0.1)
     run_config = config_to_dict(hf.Config(model=HFModelConfig(path=str(model_dir))))
     components = Components(model=model, loss_fn=lambda out, batch: out, optimizers=())
-    save(tmp_path / "ckpt", STATE, components, config=run_config)
+    save(SaveTarget(tmp_path / "ckpt", components, config=run_config), STATE)
 
     out = export_hf(tmp_path / "ckpt", tmp_path / "hf", max_shard_size=40_000)
     names = set(json.loads((out / SAFE_INDEX).read_text())["weight_map"])

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from fntrain import TrainState
-from fntrain.checkpoint import find_latest, resolve_source, restore, save, step_dir
-from fntrain.runtime.setup import RESTART_HINT, _attempt_store, _note_restart_hint
+from fntrain.checkpoint import SaveTarget, find_latest, resolve_source, restore, save, step_dir
+from fntrain.runtime.restart import RESTART_HINT, attempt_store, note_restart_hint
 from tests.checkpoint import toy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +39,7 @@ def test_auto_without_a_checkpoint_starts_fresh_quietly(tmp_path, caplog):
 def test_auto_restores_the_latest_complete_checkpoint(tmp_path):
     parts = toy.components()
     for step in (2, 4):
-        save(tmp_path, TrainState(0, step, step), parts)
+        save(SaveTarget(tmp_path, parts), TrainState(0, step, step))
     (step_dir(tmp_path, 6)).mkdir()  # a partial save left by a crash: ignored and cleaned
     assert resolve_source("auto", tmp_path) == step_dir(tmp_path, 4) == find_latest(tmp_path)
     assert restore("auto", toy.components(seed=5), root=tmp_path) == TrainState(0, 4, 4)
@@ -60,12 +60,14 @@ def test_one_node_scopes_the_agent_store_by_attempt():
     port = free_port()
     server = torch.distributed.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
     env = {**AGENT, "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    store = _attempt_store(datetime.timedelta(seconds=10), {**env, "TORCHELASTIC_RESTART_COUNT": "1"})
+    store = attempt_store(datetime.timedelta(seconds=10), 1, env)
     store.set("rank_0", "address")
     assert server.get("fntrain/attempt_1/rank_0") == b"address"
-    assert _attempt_store(datetime.timedelta(seconds=10), {**env, "LOCAL_WORLD_SIZE": "1"}) is None  # 2 nodes
     assert (
-        _attempt_store(datetime.timedelta(seconds=10), {**env, "TORCHELASTIC_USE_AGENT_STORE": "False"})
+        attempt_store(datetime.timedelta(seconds=10), 0, {**env, "LOCAL_WORLD_SIZE": "1"}) is None
+    )  # 2 nodes
+    assert (
+        attempt_store(datetime.timedelta(seconds=10), 0, {**env, "TORCHELASTIC_USE_AGENT_STORE": "False"})
         is None
     )
 
@@ -73,10 +75,10 @@ def test_one_node_scopes_the_agent_store_by_attempt():
 def test_restart_hint_for_a_restarted_worker_of_several_nodes():
     error = RuntimeError("connectFullMesh failed")
     env = {**AGENT, "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
-    _note_restart_hint(error, {**env, "TORCHELASTIC_RESTART_COUNT": "0"})
-    _note_restart_hint(error, {**env, "LOCAL_WORLD_SIZE": "16", "TORCHELASTIC_RESTART_COUNT": "1"})
+    note_restart_hint(error, 0, env)
+    note_restart_hint(error, 1, {**env, "LOCAL_WORLD_SIZE": "16"})
     assert not getattr(error, "__notes__", None)  # first attempt, or one node (scoped by fntrain)
-    _note_restart_hint(error, {**env, "TORCHELASTIC_RESTART_COUNT": "1"})
+    note_restart_hint(error, 1, env)
     if sys.version_info >= (3, 11):
         assert error.__notes__ == [RESTART_HINT]
         assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in RESTART_HINT

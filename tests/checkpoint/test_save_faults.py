@@ -27,6 +27,8 @@ import pytest
 from fntrain import StepInfo, TrainState
 from fntrain.checkpoint import (
     CheckpointSaveError,
+    SaveOptions,
+    SaveTarget,
     find_latest,
     list_checkpoints,
     save,
@@ -35,9 +37,10 @@ from fntrain.checkpoint import (
     step_dir,
 )
 from fntrain.checkpoint.layout import LATEST
-from fntrain.hooks import checkpoint as checkpoint_module
-from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook
+from fntrain.hooks import checkpoint_writes as checkpoint_module
+from fntrain.hooks.checkpoint import checkpoint_hook, saves_at_end
 from fntrain.loop import Event
+from fntrain.run.config import CheckpointConfig
 from fntrain.runtime.runtime import Runtime
 from tests.checkpoint import toy
 
@@ -124,10 +127,10 @@ def leftovers(root: Path) -> list[str]:
                                      "*manifest.json*", "*COMPLETE*"])  # fmt: skip
 def test_a_full_disk_at_any_file_of_a_save_is_one_line_and_loses_nothing(tmp_path, monkeypatch, pattern):
     parts = toy.components()
-    save(tmp_path, TrainState(0, 3, 3), parts)
+    save(SaveTarget(tmp_path, parts), TrainState(0, 3, 3))
     FullDisk(monkeypatch, tmp_path, pattern)
     with pytest.raises(CheckpointSaveError) as caught:
-        save(tmp_path, TrainState(0, 6, 6), parts)
+        save(SaveTarget(tmp_path, parts), TrainState(0, 6, 6))
     line = caught.value.line
     assert "\n" not in line and line.startswith("checkpoint step_6 not saved: ")
     assert "No space left on device" in line or "the filesystem is full" in line or "ENOSPC" in line, line
@@ -145,7 +148,7 @@ def test_other_write_errors_name_the_os_error(tmp_path, monkeypatch, code, name)
     parts = toy.components()
     FullDisk(monkeypatch, tmp_path, "*.distcp", code=code)
     with pytest.raises(CheckpointSaveError) as caught:
-        save(tmp_path, TrainState(0, 2, 2), parts)
+        save(SaveTarget(tmp_path, parts), TrainState(0, 2, 2))
     assert name in caught.value.line and os.strerror(code) in caught.value.line
     assert "no complete checkpoint exists yet" in caught.value.line
     assert not step_dir(tmp_path, 2).exists()
@@ -170,7 +173,7 @@ def test_the_os_error_is_found_under_dcp_and_a_partial_that_cannot_be_removed_mo
 
 def test_a_save_that_will_not_fit_is_refused_before_writing_anything(tmp_path, monkeypatch, caplog):
     parts = toy.components()
-    first = save(tmp_path, TrainState(0, 3, 3), parts)
+    first = save(SaveTarget(tmp_path, parts), TrainState(0, 3, 3))
     one = size_of(first)
     capacity(monkeypatch, tmp_path, int(one * 1.5))
     written: list[str] = []
@@ -181,7 +184,7 @@ def test_a_save_that_will_not_fit_is_refused_before_writing_anything(tmp_path, m
         lambda f, m="r", *a, **k: (written.append(str(f)) if "w" in m else None) or real(f, m, *a, **k),
     )
     with pytest.raises(CheckpointSaveError) as caught:
-        save(tmp_path, TrainState(0, 6, 6), parts)
+        save(SaveTarget(tmp_path, parts), TrainState(0, 6, 6))
     line = caught.value.line
     assert "ENOSPC not enough free space" in line and "step_6" in line
     assert f"needs ~{space.human_bytes(space.needed_bytes(tmp_path, {}))}" in line  # the previous save's size
@@ -191,10 +194,10 @@ def test_a_save_that_will_not_fit_is_refused_before_writing_anything(tmp_path, m
 
 def test_a_nearly_full_disk_is_said_early(tmp_path, monkeypatch, caplog):
     parts = toy.components()
-    one = size_of(save(tmp_path, TrainState(0, 3, 3), parts))
+    one = size_of(save(SaveTarget(tmp_path, parts), TrainState(0, 3, 3)))
     capacity(monkeypatch, tmp_path, int(one * 2.6))  # room for this save, not for the one after it
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
-        save(tmp_path, TrainState(0, 6, 6), parts)
+        save(SaveTarget(tmp_path, parts), TrainState(0, 6, 6))
     assert (
         "checkpoint filesystem nearly full" in caplog.text and "the save after it will not fit" in caplog.text
     )
@@ -207,30 +210,30 @@ def test_needed_bytes_counts_the_state_before_the_first_save(tmp_path):
 
     tensors, _ = split(app_state(parts))
     estimate = space.needed_bytes(tmp_path, tensors)
-    written = size_of(save(tmp_path, TrainState(0, 1, 1), parts))
+    written = size_of(save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1)))
     assert written <= estimate < 2 * written  # errs towards caution, by headers only
 
 
 def test_make_room_deletes_only_what_keep_last_would_and_only_when_allowed(tmp_path, monkeypatch):
     parts = toy.components()
-    one = size_of(save(tmp_path, TrainState(0, 1, 1), parts))
-    save(tmp_path, TrainState(0, 2, 2), parts, keep_last=2)
+    one = size_of(save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1)))
+    save(SaveTarget(tmp_path, parts), TrainState(0, 2, 2), SaveOptions(keep_last=2))
     capacity(monkeypatch, tmp_path, int(one * 2.5))
     with pytest.raises(CheckpointSaveError, match="not enough free space"):
-        save(tmp_path, TrainState(0, 3, 3), parts, keep_last=2)  # not allowed: both verified ones stay
+        save(SaveTarget(tmp_path, parts), TrainState(0, 3, 3), SaveOptions(keep_last=2))  # not allowed: both verified ones stay
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_1", "step_2"]
-    save(tmp_path, TrainState(0, 3, 3), parts, keep_last=2, make_room=True)
+    save(SaveTarget(tmp_path, parts), TrainState(0, 3, 3), SaveOptions(keep_last=2, make_room=True))
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_3"]
     with pytest.raises(CheckpointSaveError):  # keep_last 1 would leave no good checkpoint while saving
-        save(tmp_path, TrainState(0, 4, 4), parts, keep_last=1, make_room=True)
+        save(SaveTarget(tmp_path, parts), TrainState(0, 4, 4), SaveOptions(keep_last=1, make_room=True))
     assert find_latest(tmp_path).name == "step_3"
 
 
 def test_a_failed_async_write_is_the_same_line_and_removes_its_partial(tmp_path, monkeypatch):
     parts = toy.components()
-    save(tmp_path, TrainState(0, 3, 3), parts)
+    save(SaveTarget(tmp_path, parts), TrainState(0, 3, 3))
     FullDisk(monkeypatch, tmp_path, "*.distcp")
-    pending = save_async(tmp_path, TrainState(0, 6, 6), parts)
+    pending = save_async(SaveTarget(tmp_path, parts), TrainState(0, 6, 6))
     assert pending.wait(60)
     with pytest.raises(
         CheckpointSaveError, match=r"checkpoint step_6 not saved: ENOSPC No space left on device"
@@ -242,7 +245,7 @@ def test_a_failed_async_write_is_the_same_line_and_removes_its_partial(tmp_path,
 def test_a_failed_async_completion_is_a_failed_save(tmp_path, monkeypatch):
     parts = toy.components()
     FullDisk(monkeypatch, tmp_path, "*manifest.json*")
-    pending = save_async(tmp_path, TrainState(0, 2, 2), parts)
+    pending = save_async(SaveTarget(tmp_path, parts), TrainState(0, 2, 2))
     with pytest.raises(CheckpointSaveError, match="manifest.json"):
         pending.result(60)
     assert not step_dir(tmp_path, 2).exists() and not (tmp_path / LATEST).exists()
@@ -253,8 +256,10 @@ def test_a_failed_async_completion_is_a_failed_save(tmp_path, monkeypatch):
 
 def make(tmp_path, **fields):
     hooks: list = []
-    hook = checkpoint_hook(CheckpointConfig(**fields), toy.components(), Runtime(), directory=tmp_path,
-                           hooks=lambda: hooks, run_config={"k": 1}, data={"files": {}, "dataset": {"samples": 4}})  # fmt: skip
+    config = CheckpointConfig(**fields)
+    target = SaveTarget(tmp_path, toy.components(), hooks=lambda: hooks, config={"k": 1},
+                        data={"files": {}, "dataset": {"samples": 4}})  # fmt: skip
+    hook = checkpoint_hook(config, target, Runtime(), restoring=config.restore_from != "none")
     hooks.append(hook)
     return hook
 
@@ -365,8 +370,8 @@ def test_a_run_resumed_without_a_cadence_still_saves_its_new_end(tmp_path):
     state = steps(hook, start, 2)
     hook(Event.TRAIN_END, state, None)
     assert saved(tmp_path) == [6]
-    assert not CheckpointConfig().saves_at_end and CheckpointConfig(restore_from="auto").saves_at_end
-    assert not CheckpointConfig(restore_from="auto", save_at_end=False).saves_at_end
+    assert not saves_at_end(CheckpointConfig(), restoring=False) and saves_at_end(CheckpointConfig(), restoring=True)
+    assert not saves_at_end(CheckpointConfig(save_at_end=False), restoring=True)
 
 
 # ----------------------------------------------------------------------------- through a run
@@ -443,9 +448,9 @@ def test_the_plan_lists_the_end_save_of_a_resumed_run():
     from fntrain.state import make_run_plan
 
     plan = make_run_plan(global_batch_size=4, micro_batch_size=4, train_iters=10, dataset_len=100)
-    resumed = _checkpoint_section(CheckpointConfig(restore_from="latest"), plan)
+    resumed = _checkpoint_section(CheckpointConfig(restore_from="latest"), plan, restoring=True)
     assert resumed["enabled"] and resumed["steps"] == [10]
-    assert _checkpoint_section(CheckpointConfig(), plan)["steps"] == []
+    assert _checkpoint_section(CheckpointConfig(), plan, restoring=False)["steps"] == []
 
 
 # ----------------------------------------------------------------------------- slow: two ranks

@@ -14,6 +14,8 @@ import torch.distributed.checkpoint as dcp
 
 from fntrain.checkpoint import (
     MissingKeysError,
+    SaveOptions,
+    SaveTarget,
     find_latest,
     is_complete,
     read_meta,
@@ -52,7 +54,7 @@ def test_restore_continues_bit_for_bit(tmp_path):
     torch.manual_seed(5)
     for ids in data[:3]:
         toy.step(live, ids)
-    save(tmp_path, TrainState(0, 3, 3), live)
+    save(SaveTarget(tmp_path, live), TrainState(0, 3, 3))
     expected = [toy.step(live, ids) for ids in data[3:]]
 
     fresh = toy.components(seed=123)  # other weights, an optimizer with no state yet
@@ -71,7 +73,9 @@ def test_layout_and_contents_are_tensors_and_json(tmp_path):
     toy.step(parts, toy.batches(1)[0])
     hook, _ = counter_hook()
     path = save(
-        tmp_path, TrainState(1, 5, 2), parts, hooks=[hook], config={"lr": 0.01, "name": "toy"}, keep_last=3
+        SaveTarget(tmp_path, parts, hooks=[hook], config={"lr": 0.01, "name": "toy"}),
+        TrainState(1, 5, 2),
+        SaveOptions(keep_last=3),
     )
     assert path == step_dir(tmp_path, 5) and is_complete(path)
     assert (tmp_path / LATEST).read_text().strip() == "step_5"
@@ -97,7 +101,7 @@ def test_layout_and_contents_are_tensors_and_json(tmp_path):
 def test_metadata_reader_refuses_foreign_globals(tmp_path):
     """DCP's .metadata is a pickle; a crafted one must not run code on restore."""
     parts = toy.components()
-    path = save(tmp_path, TrainState(0, 1, 1), parts)
+    path = save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1))
     marker = tmp_path / "pwned"
 
     class Exploit:
@@ -120,7 +124,7 @@ def test_explicit_path_rules(tmp_path):
     parts = toy.components()
     with pytest.raises(FileNotFoundError, match="does not exist"):
         restore(tmp_path / "nope", parts)
-    path = save(tmp_path, TrainState(0, 2, 2), parts)
+    path = save(SaveTarget(tmp_path, parts), TrainState(0, 2, 2))
     (path / MARKER).unlink()
     with pytest.raises(ValueError, match="not a complete checkpoint.*COMPLETE"):
         restore(path, parts)
@@ -130,8 +134,8 @@ def test_explicit_path_rules(tmp_path):
 
 def test_explicit_path_to_a_checkpoint_root_means_its_latest(tmp_path):
     parts = toy.components()
-    save(tmp_path, TrainState(0, 2, 2), parts)
-    save(tmp_path, TrainState(0, 4, 4), parts)
+    save(SaveTarget(tmp_path, parts), TrainState(0, 2, 2))
+    save(SaveTarget(tmp_path, parts), TrainState(0, 4, 4))
     assert restore(tmp_path, toy.components()) == TrainState(0, 4, 4)
     with pytest.raises(ValueError, match="needs the checkpoint root"):
         restore("latest", parts)
@@ -150,8 +154,8 @@ def test_latest_without_checkpoints_starts_fresh_with_a_warning(tmp_path):
 
 def test_latest_ignores_and_cleans_partials(tmp_path):
     parts = toy.components()
-    save(tmp_path, TrainState(0, 2, 2), parts)
-    partial = save(tmp_path, TrainState(0, 4, 4), parts)
+    save(SaveTarget(tmp_path, parts), TrainState(0, 2, 2))
+    partial = save(SaveTarget(tmp_path, parts), TrainState(0, 4, 4))
     (partial / MARKER).unlink()  # as if killed between .metadata and the marker
     (tmp_path / LATEST).write_text("step_4\n")
     assert restore("latest", toy.components(), root=tmp_path) == TrainState(0, 2, 2)
@@ -159,7 +163,7 @@ def test_latest_ignores_and_cleans_partials(tmp_path):
 
 
 def test_missing_model_keys_name_them(tmp_path):
-    path = save(tmp_path, TrainState(0, 1, 1), toy.components())
+    path = save(SaveTarget(tmp_path, toy.components()), TrainState(0, 1, 1))
     bigger = toy.components(extra=True)
     with pytest.raises(MissingKeysError, match=r"extra\.bias, extra\.weight"):
         restore(path, bigger)
@@ -168,7 +172,7 @@ def test_missing_model_keys_name_them(tmp_path):
 
 
 def test_shape_mismatch_names_the_key(tmp_path):
-    path = save(tmp_path, TrainState(0, 1, 1), toy.components())
+    path = save(SaveTarget(tmp_path, toy.components()), TrainState(0, 1, 1))
     torch.manual_seed(0)
     other = toy.Toy(width=4)
     with pytest.raises(ValueError, match=r"model\.embed\.weight has shape \(16, 8\)"):
@@ -176,7 +180,7 @@ def test_shape_mismatch_names_the_key(tmp_path):
 
 
 def test_unexpected_model_keys_warn(tmp_path, caplog):
-    path = save(tmp_path, TrainState(0, 1, 1), toy.components(extra=True, optimizer=False))
+    path = save(SaveTarget(tmp_path, toy.components(extra=True, optimizer=False)), TrainState(0, 1, 1))
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
         restore(path, toy.components(optimizer=False))
     assert "extra.weight" in caplog.text
@@ -184,7 +188,7 @@ def test_unexpected_model_keys_warn(tmp_path, caplog):
 
 def test_missing_optimizer_state_warns_and_keeps_a_fresh_optimizer(tmp_path):
     source = toy.components(optimizer=False)
-    path = save(tmp_path, TrainState(0, 3, 3), source)
+    path = save(SaveTarget(tmp_path, source), TrainState(0, 3, 3))
     target = toy.components(seed=9)
     with pytest.warns(UserWarning) as caught:
         assert restore(path, target) == TrainState(0, 3, 3)
@@ -200,7 +204,7 @@ def test_missing_optimizer_state_warns_and_keeps_a_fresh_optimizer(tmp_path):
 def test_changed_parameter_groups_warn(tmp_path):
     source = toy.components()
     toy.step(source, toy.batches(1)[0])
-    path = save(tmp_path, TrainState(0, 1, 1), source)
+    path = save(SaveTarget(tmp_path, source), TrainState(0, 1, 1))
     target = toy.components()
     params = list(target.model.parameters())
     opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
@@ -214,7 +218,7 @@ def test_weights_only(tmp_path):
     source = toy.components()
     for ids in toy.batches(2):
         toy.step(source, ids)
-    path = save(tmp_path, TrainState(0, 2, 2), source)
+    path = save(SaveTarget(tmp_path, source), TrainState(0, 2, 2))
     target = toy.components(seed=4)
     assert restore(path, target, weights_only=True) == TrainState()
     assert toy.same_weights(source, target)
@@ -224,7 +228,7 @@ def test_weights_only(tmp_path):
 
 def test_hook_state_round_trip_and_missing_hook_warns(tmp_path, caplog):
     hook, box = counter_hook(start=41)
-    path = save(tmp_path, TrainState(0, 1, 1), toy.components(), hooks=lambda: [hook])
+    path = save(SaveTarget(tmp_path, toy.components(), hooks=lambda: [hook]), TrainState(0, 1, 1))
     restored_hook, restored_box = counter_hook(start=0)
     newcomer, _ = counter_hook(name="newcomer")
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
@@ -236,11 +240,11 @@ def test_hook_state_round_trip_and_missing_hook_warns(tmp_path, caplog):
 def test_hook_state_must_be_json(tmp_path):
     bad = stateful("bad", lambda *a: None, lambda: {"t": object()}, lambda s: None)
     with pytest.raises(TypeError, match="hook 'bad' must be JSON"):
-        save(tmp_path, TrainState(0, 1, 1), toy.components(), hooks=[bad])
+        save(SaveTarget(tmp_path, toy.components(), hooks=[bad]), TrainState(0, 1, 1))
 
 
 def test_thread_count_mismatch_is_reported(tmp_path, caplog):
-    path = save(tmp_path, TrainState(0, 1, 1), toy.components())
+    path = save(SaveTarget(tmp_path, toy.components()), TrainState(0, 1, 1))
     meta = json.loads((path / "meta.json").read_text())
     meta["num_threads"] = torch.get_num_threads() + 1
     (path / "meta.json").write_text(json.dumps(meta))
@@ -252,9 +256,9 @@ def test_thread_count_mismatch_is_reported(tmp_path, caplog):
 
 def test_saving_a_step_again_replaces_it(tmp_path):
     parts = toy.components()
-    first = save(tmp_path, TrainState(0, 2, 2), parts)
+    first = save(SaveTarget(tmp_path, parts), TrainState(0, 2, 2))
     (first / "stale.txt").write_text("from an earlier attempt")
-    save(tmp_path, TrainState(0, 2, 2), parts)
+    save(SaveTarget(tmp_path, parts), TrainState(0, 2, 2))
     assert not (first / "stale.txt").exists() and is_complete(first)
 
 
@@ -264,7 +268,7 @@ def test_async_save_snapshots_the_state_at_the_call(tmp_path):
     toy.step(parts, data[0])
     snapshot = toy.components(seed=1)
     snapshot.model.load_state_dict(parts.model.state_dict())
-    pending = save_async(tmp_path, TrainState(0, 1, 1), parts, keep_last=1)
+    pending = save_async(SaveTarget(tmp_path, parts), TrainState(0, 1, 1), SaveOptions(keep_last=1))
     toy.step(parts, data[1])  # training moves on while the save is written
     assert pending.result() == step_dir(tmp_path, 1)
     assert is_complete(pending.path) and find_latest(tmp_path) == pending.path
@@ -275,13 +279,13 @@ def test_async_save_snapshots_the_state_at_the_call(tmp_path):
 
 def test_failed_async_save_raises_and_is_never_complete(tmp_path, monkeypatch):
     parts = toy.components()
-    save(tmp_path, TrainState(0, 1, 1), parts)
+    save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1))
 
     def broken(self, plan, planner):
         raise OSError("disk full")
 
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", broken)
-    pending = save_async(tmp_path, TrainState(0, 2, 2), parts)
+    pending = save_async(SaveTarget(tmp_path, parts), TrainState(0, 2, 2))
     with pytest.raises(RuntimeError, match="checkpoint step_2 not saved: disk full"):
         pending.result()
     assert not is_complete(step_dir(tmp_path, 2))
@@ -296,10 +300,10 @@ def test_pending_stop_never_raises(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", broken)
-    pending = save_async(tmp_path, TrainState(0, 2, 2), parts)
+    pending = save_async(SaveTarget(tmp_path, parts), TrainState(0, 2, 2))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert pending.stop(timeout=30) is False
     monkeypatch.undo()
-    ok = save_async(tmp_path, TrainState(0, 3, 3), parts)
+    ok = save_async(SaveTarget(tmp_path, parts), TrainState(0, 3, 3))
     assert ok.stop(timeout=30) is True and is_complete(ok.path)

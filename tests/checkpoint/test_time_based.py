@@ -14,6 +14,8 @@ import pytest
 
 from fntrain import StepInfo, TrainState
 from fntrain.checkpoint import (
+    SaveOptions,
+    SaveTarget,
     is_temporary,
     list_checkpoints,
     read_meta,
@@ -22,8 +24,9 @@ from fntrain.checkpoint import (
     step_dir,
 )
 from fntrain.checkpoint.layout import LATEST
-from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook
+from fntrain.hooks.checkpoint import checkpoint_hook
 from fntrain.loop import Event
+from fntrain.run.config import CheckpointConfig
 from fntrain.runtime.runtime import Runtime
 from tests.checkpoint import toy
 
@@ -46,10 +49,7 @@ def run(tmp_path: Path, steps: int, per_step: float = 25.0, **fields) -> list[in
     clock = Clock(per_step)
     hooks: list = []
     hooks.append(
-        checkpoint_hook(
-            CheckpointConfig(**fields), toy.components(), Runtime(), directory=tmp_path,
-            hooks=lambda: hooks, clock=clock,
-        )
+        checkpoint_hook(CheckpointConfig(**fields), SaveTarget(tmp_path, toy.components(), hooks=lambda: hooks), Runtime(), clock=clock)
     )  # fmt: skip
     hook, state = hooks[0], TrainState()
     hook(Event.TRAIN_BEGIN, state, None)
@@ -107,10 +107,12 @@ def test_async_temporary_saves_are_removed_by_the_completion_of_the_next(tmp_pat
 def test_removal_spares_the_newest_and_later_steps(tmp_path):
     parts = toy.components()
     for step, temporary in ((2, True), (4, False), (6, True), (9, True)):
-        save(tmp_path, TrainState(0, step, step), parts, temporary=temporary)
+        save(SaveTarget(tmp_path, parts), TrainState(0, step, step), SaveOptions(temporary=temporary))
     # Each save removed the temporary ones below it: 2 went when 4 completed, 6 when 9 completed.
     assert saved(tmp_path) == [4, 9]
-    save(tmp_path, TrainState(0, 3, 3), parts, temporary=False)  # a run resumed from an older step
+    save(
+        SaveTarget(tmp_path, parts), TrainState(0, 3, 3), SaveOptions(temporary=False)
+    )  # a run resumed from an older step
     assert saved(tmp_path) == [3, 4, 9]  # step 9 (temporary, but above step 3) stays
     assert remove_superseded_temporary(tmp_path, step_dir(tmp_path, 9)) == []  # never itself
     assert remove_superseded_temporary(tmp_path, tmp_path / "step_99") == []  # not a complete checkpoint

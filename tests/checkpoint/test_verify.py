@@ -23,6 +23,8 @@ import torch
 
 from fntrain.checkpoint import (
     CheckpointDamagedError,
+    SaveOptions,
+    SaveTarget,
     close_async_saves,
     list_checkpoints,
     make_stager,
@@ -70,7 +72,7 @@ def warnings_from(caplog) -> list[str]:
 
 
 def test_manifest_lists_every_file_with_its_size_and_crc32(tmp_path):
-    path = save(tmp_path, TrainState(0, 1, 1), toy.components())
+    path = save(SaveTarget(tmp_path, toy.components()), TrainState(0, 1, 1))
     manifest = read_manifest(path)
     assert manifest["format"] == 1 and manifest["algorithm"] == "crc32"
     on_disk = {p.name for p in path.iterdir()} - {MANIFEST, MARKER}
@@ -150,27 +152,27 @@ def test_an_incomplete_checkpoint_is_moved_aside_with_its_bytes(tmp_path):
 
 def test_saving_over_an_incomplete_step_moves_it_aside(tmp_path):
     parts = toy.components()
-    path = save(tmp_path, TrainState(0, 2, 2), parts)
+    path = save(SaveTarget(tmp_path, parts), TrainState(0, 2, 2))
     (path / MARKER).unlink()
-    save(tmp_path, TrainState(0, 2, 2), parts)
+    save(SaveTarget(tmp_path, parts), TrainState(0, 2, 2))
     assert damage(path) is None and (tmp_path / "step_2.incomplete" / DATA).is_file()
 
 
 def test_keep_last_counts_and_deletes_only_verified_checkpoints(tmp_path, caplog):
     parts = toy.components()
-    save(tmp_path, TrainState(0, 2, 2), parts)
-    save(tmp_path, TrainState(0, 4, 4), parts)
+    save(SaveTarget(tmp_path, parts), TrainState(0, 2, 2))
+    save(SaveTarget(tmp_path, parts), TrainState(0, 4, 4))
     change(step_dir(tmp_path, 4))
     partial = step_dir(tmp_path, 6)
     partial.mkdir()
     (partial / DATA).write_bytes(b"half a save")  # maybe a save in flight: never touched by retention
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
-        save(tmp_path, TrainState(0, 8, 8), parts, keep_last=2)
+        save(SaveTarget(tmp_path, parts), TrainState(0, 8, 8), SaveOptions(keep_last=2))
     # step_4 does not count (damaged: moved aside with a warning), so step_2 is one of the two kept.
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_8"]
     assert (tmp_path / "step_4.damaged" / DATA).is_file() and (partial / DATA).is_file()
     assert any("step_4" in message and "changed" in message for message in warnings_from(caplog))
-    save(tmp_path, TrainState(0, 10, 10), parts, keep_last=2)
+    save(SaveTarget(tmp_path, parts), TrainState(0, 10, 10), SaveOptions(keep_last=2))
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_8", "step_10"]  # verified: deleted
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         LATEST, "step_10", "step_4.damaged", "step_6", "step_8",
@@ -180,9 +182,11 @@ def test_keep_last_counts_and_deletes_only_verified_checkpoints(tmp_path, caplog
 def test_keep_last_neither_counts_nor_deletes_checkpoints_without_a_manifest(tmp_path):
     parts = toy.components()
     for step in (2, 4):
-        (save(tmp_path, TrainState(0, step, step), parts) / MANIFEST).unlink()  # an older fntrain's
-    save(tmp_path, TrainState(0, 6, 6), parts, keep_last=1)
-    save(tmp_path, TrainState(0, 8, 8), parts, keep_last=1)
+        (
+            save(SaveTarget(tmp_path, parts), TrainState(0, step, step)) / MANIFEST
+        ).unlink()  # an older fntrain's
+    save(SaveTarget(tmp_path, parts), TrainState(0, 6, 6), SaveOptions(keep_last=1))
+    save(SaveTarget(tmp_path, parts), TrainState(0, 8, 8), SaveOptions(keep_last=1))
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_4", "step_8"]
 
 
@@ -256,7 +260,9 @@ def test_async_saves_write_the_manifest_before_the_marker_and_leave_no_thread(tm
     parts = toy.components()
     stager = make_stager()
     for step in (1, 2, 3):
-        pending = save_async(tmp_path, TrainState(0, step, step), parts, stager=stager, keep_last=2)
+        pending = save_async(
+            SaveTarget(tmp_path, parts), TrainState(0, step, step), SaveOptions(keep_last=2), stager=stager
+        )
         assert pending.result() == step_dir(tmp_path, step) and damage(pending.path) is None
     assert order[:2] == [("write_manifest", False), ("write_marker", False)]  # in DCP's thread, in order
     stager.close()
@@ -265,14 +271,15 @@ def test_async_saves_write_the_manifest_before_the_marker_and_leave_no_thread(tm
 
 def test_a_hook_run_with_async_saves_leaves_no_thread(tmp_path):
     from fntrain import StepInfo
-    from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook
+    from fntrain.hooks.checkpoint import checkpoint_hook
     from fntrain.loop import Event
+    from fntrain.run.config import CheckpointConfig
     from fntrain.runtime.runtime import Runtime
 
     for ending in (Event.TRAIN_END, Event.ABORT):
         before = set(threading.enumerate())
         config = CheckpointConfig(save_every=1, async_save=True, keep_last=2, preempt_signals=())
-        hook = checkpoint_hook(config, toy.components(), Runtime(), directory=tmp_path / ending.name)
+        hook = checkpoint_hook(config, SaveTarget(tmp_path / ending.name, toy.components()), Runtime())
         state = TrainState()
         hook(Event.TRAIN_BEGIN, state, None)
         for _ in range(3):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from fntrain.checkpoint import save
+from fntrain.checkpoint import SaveTarget, save
 from fntrain.checkpoint.layout import DCP_METADATA, MANIFEST
 from fntrain.checkpoint.verify import damage, verified, verify_collectively
 from fntrain.state import TrainState
@@ -17,7 +17,7 @@ from tests.checkpoint import toy
 
 @pytest.fixture
 def checkpoint(tmp_path):
-    return save(tmp_path / "ckpt", TrainState(0, 1, 1), toy.components())
+    return save(SaveTarget(tmp_path / "ckpt", toy.components()), TrainState(0, 1, 1))
 
 
 def _edit_manifest(path, change) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fntrain.components import Components
+from fntrain.step.components import Components
 
 
 class Toy(torch.nn.Module):
@@ -64,16 +64,16 @@ def same_weights(a: Components, b: Components) -> bool:
 def two_checkpoints(root) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """step_2 and step_4 of one toy run saved under `root` (every rank calls it under a process group);
     returns the weights at each."""
-    from fntrain.checkpoint import save
+    from fntrain.checkpoint import SaveTarget, save
     from fntrain.state import TrainState
 
     parts = components()
     data = batches(4)
     for ids in data[:2]:
         step(parts, ids)
-    save(root, TrainState(0, 2, 2), parts)
+    save(SaveTarget(root, parts), TrainState(0, 2, 2))
     at_2 = weights(parts)
     for ids in data[2:]:
         step(parts, ids)
-    save(root, TrainState(0, 4, 4), parts)
+    save(SaveTarget(root, parts), TrainState(0, 4, 4))
     return at_2, weights(parts)

@@ -23,10 +23,10 @@ from fntrain.data.fingerprint import (
 )
 from fntrain.data.mixing import Mixture
 from fntrain.data.shards import TokenWindows, split_windows
-from fntrain.data.tokenize import tokenize_documents
-from fntrain.hooks.checkpoint import CheckpointConfig
+from fntrain.data.tokenize import TokenizeSettings, tokenize_documents
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.progress import ProgressConfig
+from fntrain.run.config import CheckpointConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,7 +53,7 @@ def shards(directory: Path, docs: int = 40, seed: int = 0, overwrite: bool = Fal
     rng = np.random.default_rng(seed)
     texts = [" ".join(map(str, rng.integers(1, 1000, size=int(rng.integers(5, 60))))) for _ in range(docs)]
     tokenize_documents(texts, directory, lambda text: [int(t) for t in text.split()], eos_id=0, vocab_size=1000,
-                       shard_tokens=300, overwrite=overwrite)  # fmt: skip
+                       settings=TokenizeSettings(shard_tokens=300, overwrite=overwrite))  # fmt: skip
     return directory
 
 

@@ -12,6 +12,7 @@ import torch
 from fntrain import RunPlan, StopTraining, TrainState, train
 from fntrain.data.mixing import Mixture, interleave, mixture_counts, permute_index
 from fntrain.data.pipeline import build_data, data_fn, steps_per_epoch
+from fntrain.data.settings import Batching, LoaderConfig
 
 
 class Source(torch.utils.data.Dataset):
@@ -37,8 +38,9 @@ def mixture(**options) -> Mixture:
     return Mixture([Source(0, 400), Source(1, 30), Source(2, 900)], WEIGHTS, **options)
 
 
-def spec_of(dataset, **options):
-    return build_data(dataset, micro_batch_size=4, micro_batches=2, seed=11, **options)
+def spec_of(dataset, *, dp_rank=0, dp_size=1, shuffle=True, num_workers=0):
+    loader = LoaderConfig(shuffle=shuffle, num_workers=num_workers, pin_memory=False)
+    return build_data(dataset, Batching(4, 2, seed=11, dp_rank=dp_rank, dp_size=dp_size), loader)
 
 
 def read(data, epoch: int, cursor: int) -> list[list[int]]:
@@ -115,7 +117,7 @@ def test_deterministic_in_seed_and_epoch():
     first = read(data_fn(spec_of(mixture())), 2, 0)
     assert read(data_fn(spec_of(mixture())), 2, 0) == first  # a rebuilt mixture: same epoch
     assert read(data_fn(spec_of(mixture())), 3, 0) != first  # another epoch
-    reseeded = build_data(mixture(seed=12), micro_batch_size=4, micro_batches=2, seed=12)
+    reseeded = build_data(mixture(seed=12), Batching(4, 2, seed=12))
     assert read(data_fn(reseeded), 2, 0) != first  # another seed
 
 
@@ -148,7 +150,7 @@ def test_train_stopped_and_resumed_sees_the_same_mixture_across_epochs():
             if stop_after is not None and info is not None and state.global_step == stop_after:
                 raise StopTraining
 
-        return train(state, step_fn, [stopper], data=data_fn(spec), plan=plan), seen
+        return train(state, step_fn, [stopper], data=data_fn(spec), plan=plan).state, seen
 
     _, uninterrupted = run(TrainState(), None)
     epochs = [

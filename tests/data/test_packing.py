@@ -23,11 +23,12 @@ from fntrain.data.packing import (
     position_ids_from_documents,
 )
 from fntrain.data.pipeline import batches, build_data
+from fntrain.data.settings import Batching
 from fntrain.data.shards import TokenDocuments, TokenWindows, open_shards
-from fntrain.data.tokenize import tokenize_documents
+from fntrain.data.tokenize import TokenizeSettings, tokenize_documents
 from fntrain.data.tokens import IGNORE_INDEX, count_loss_tokens, loss_targets
+from fntrain.models.gpt import ModelConfig, TinyGPT
 from fntrain.step import causal_lm_loss, default_forward
-from recipes.tiny_gpt import ModelConfig, TinyGPT
 
 EOS = 0
 VOCAB = 50
@@ -134,9 +135,9 @@ def test_windows_over_a_token_stream_are_packed_by_eos(model, tmp_path):
     docs = random_documents(30, seed=2)
     texts = [" ".join(map(str, d[:-1])) for d in docs]
     tokenize_documents(texts, tmp_path, lambda t: [int(x) for x in t.split()], eos_id=EOS, vocab_size=VOCAB,
-                       shard_tokens=40)  # fmt: skip
+                       settings=TokenizeSettings(shard_tokens=40))  # fmt: skip
     windows = PackedWindows(TokenWindows(tmp_path, 32), eos_id=EOS)
-    spec = build_data(windows, micro_batch_size=4, micro_batches=1, seed=3, collate_fn=packed_collate())
+    spec = build_data(windows, Batching(4, 1, seed=3), collate_fn=packed_collate())
     stream = open_shards(tmp_path).read(0, len(open_shards(tmp_path))).tolist()
     steps = 0
     for step in batches(spec, 0, 0):
@@ -218,7 +219,7 @@ def test_packed_documents_keep_their_labels_and_pad_without_loss():
 def test_packing_shard_documents_plans_from_the_index_alone(tmp_path):
     docs = random_documents(40, seed=4)
     tokenize_documents([" ".join(map(str, d[:-1])) for d in docs], tmp_path, lambda t: [int(x) for x in t.split()],
-                       eos_id=EOS, vocab_size=VOCAB, shard_tokens=64)  # fmt: skip
+                       eos_id=EOS, vocab_size=VOCAB, settings=TokenizeSettings(shard_tokens=64))  # fmt: skip
     shards = open_shards(tmp_path)
     packed = PackedDocuments(TokenDocuments(shards), context=32)
     assert shards.tokens_read == 0  # the plan came from documents.bin

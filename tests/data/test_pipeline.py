@@ -22,6 +22,7 @@ from fntrain.data.pipeline import (
     position_hook,
     steps_per_epoch,
 )
+from fntrain.data.settings import Batching, LoaderConfig
 from fntrain.data.stream import StreamPosition
 from tests.data.datasets import Indexed, StatefulStream, Stream
 
@@ -34,9 +35,12 @@ def read(iterator) -> list[list[list[int]]]:
         iterator.close()
 
 
-def spec_of(dataset=None, *, mbs=2, n=2, **options):
+def spec_of(dataset=None, *, mbs=2, n=2, dp_rank=0, dp_size=1, drop_last=True, shuffle=True, num_workers=0,
+            prefetch=False, prefetch_depth=1, **options):  # fmt: skip
     dataset = Indexed(23) if dataset is None else dataset
-    return build_data(dataset, micro_batch_size=mbs, micro_batches=n, seed=3, **options)
+    batching = Batching(mbs, n, seed=3, dp_rank=dp_rank, dp_size=dp_size, drop_last=drop_last)
+    loader = LoaderConfig(shuffle, num_workers, prefetch, prefetch_depth, pin_memory=False)
+    return build_data(dataset, batching, loader, **options)
 
 
 def live_prefetch_threads() -> int:
@@ -205,7 +209,7 @@ def test_stop_training_closes_the_prefetching_iterator():
     baseline = threading.active_count()
     spec = spec_of(Indexed(20), prefetch=True, num_workers=2)
     plan = RunPlan(train_iters=10, steps_per_epoch=5, epochs=2)
-    final = train(TrainState(), lambda state, batch: {}, [stop_at_three], data=data_fn(spec), plan=plan)
+    final = train(TrainState(), lambda state, batch: {}, [stop_at_three], data=data_fn(spec), plan=plan).state
     assert final.global_step == 3
     assert threading.active_count() == baseline and multiprocessing.active_children() == []
 

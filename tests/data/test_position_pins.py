@@ -12,11 +12,12 @@ from pathlib import Path
 import torch
 
 from fntrain.data.pipeline import batches, build_data
+from fntrain.data.settings import Batching, LoaderConfig
 from fntrain.run.build import build_job
 from fntrain.run.checks import Checked, Inputs, read_inputs, run_plan
-from fntrain.run.resume import Resume
+from fntrain.run.launch import Launch
+from fntrain.runtime.launch import LaunchEnv
 from fntrain.runtime.runtime import Runtime
-from fntrain.runtime.setup import LaunchEnv
 from tests.data.datasets import Indexed, StatefulStream
 
 
@@ -49,7 +50,7 @@ class LiveStateStream(StatefulStream):
 def test_the_saved_position_is_the_consumed_step_even_while_prefetch_reads_ahead():
     stream = LiveStateStream(40)
     spec = build_data(
-        stream, micro_batch_size=2, micro_batches=1, shuffle=False, prefetch=True, prefetch_depth=3
+        stream, Batching(2, 1), LoaderConfig(shuffle=False, prefetch=True, prefetch_depth=3, pin_memory=False)
     )
     steps = batches(spec, 0, 0)
     try:
@@ -65,7 +66,7 @@ def test_the_position_after_a_resume_counts_from_the_restored_cursor():
     """Restored at cursor 2 of epoch 0, the next consumed step is step 3: the position saved then must say
     cursor 3, or the next resume finds no position for its cursor and re-reads the stream."""
     stream = StatefulStream(40)
-    spec = build_data(stream, micro_batch_size=2, micro_batches=1, shuffle=False)
+    spec = build_data(stream, Batching(2, 1), LoaderConfig(shuffle=False, pin_memory=False))
     spec.position.load_state_dict({"epoch": 0, "cursor": 2, "dataset": {"position": 4}})
     steps = batches(spec, 0, 2)
     try:
@@ -91,7 +92,7 @@ class EpochIndexed(Indexed):
 
 def test_a_map_style_dataset_learns_its_epoch_before_it_is_read():
     dataset = EpochIndexed(16)
-    spec = build_data(dataset, micro_batch_size=2, micro_batches=1, shuffle=False)
+    spec = build_data(dataset, Batching(2, 1), LoaderConfig(shuffle=False, pin_memory=False))
     for epoch, cursor in ((0, 0), (3, 2)):
         steps = batches(spec, epoch, cursor)
         try:
@@ -110,7 +111,7 @@ def _first_epoch(config, spec, rank: int, world: int) -> list[int]:
     indexed = Inputs(inputs.assets, [dict(sample, index=torch.tensor(i)) for i, sample in enumerate(inputs.train_set)],
                      inputs.val_set, inputs.collate_fn)  # fmt: skip
     plan = run_plan(config, len(indexed.train_set), world)
-    checked = Checked(LaunchEnv(rank=rank, world_size=world), world, Resume(), indexed, plan)
+    checked = Checked(LaunchEnv(rank=rank, world_size=world), world, Launch(), indexed, plan)
     runtime = Runtime(rank=rank, world_size=world, dp_size=world, dp_rank=rank)
     built = build_job(config, spec, runtime, checked)
     steps = batches(built.data, 0, 0)

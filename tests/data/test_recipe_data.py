@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from fntrain import Event
-from fntrain.run.config import LoaderConfig
+from fntrain.data.settings import LoaderConfig
 from fntrain.run.job import run_job
 
 tiny_gpt = pytest.importorskip("recipes.tiny_gpt")

@@ -22,10 +22,11 @@ import json, random, sys
 import numpy as np, torch
 torch.manual_seed(int(sys.argv[1])); random.seed(int(sys.argv[1])); np.random.seed(int(sys.argv[1]))
 from fntrain.data.pipeline import batches, build_data
+from fntrain.data.settings import Batching
 from fntrain.data.sampler import rank_order
 out = {"orders": [rank_order(50, seed=7, epoch=e, shuffle=True, rank=r, world_size=3, drop_last=False).tolist()
                   for e in (0, 1) for r in range(3)]}
-spec = build_data(list(range(23)), micro_batch_size=2, micro_batches=2, seed=7, dp_rank=1, dp_size=2)
+spec = build_data(list(range(23)), Batching(2, 2, seed=7, dp_rank=1, dp_size=2))
 out["batches"] = [[mb.tolist() for mb in step] for step in batches(spec, 3, 1)]
 print(json.dumps(out))
 """
@@ -49,10 +50,11 @@ def test_order_is_identical_across_processes_and_ignores_the_global_rng():
     first, second = _orders_in_fresh_processes(0, 12345)
     assert first == second
     from fntrain.data.pipeline import batches, build_data
+    from fntrain.data.settings import Batching
 
     here = [rank_order(50, seed=7, epoch=e, shuffle=True, rank=r, world_size=3, drop_last=False).tolist()
             for e in (0, 1) for r in range(3)]  # fmt: skip
-    spec = build_data(list(range(23)), micro_batch_size=2, micro_batches=2, seed=7, dp_rank=1, dp_size=2)
+    spec = build_data(list(range(23)), Batching(2, 2, seed=7, dp_rank=1, dp_size=2))
     assert first["orders"] == here
     assert first["batches"] == [[mb.tolist() for mb in step] for step in batches(spec, 3, 1)]
 

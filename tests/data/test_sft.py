@@ -1,6 +1,6 @@
 """Supervised fine-tuning data (fntrain.data.sft): the transform and its label masking (with a stand-in
 tokenizer), padding, and packing that keeps examples apart: a packed window gives every example exactly
-the logits it gets alone, in a transformers Llama (sdpa) and in recipes/tiny_gpt.py's TinyGPT."""
+the logits it gets alone, in a transformers Llama (sdpa) and in fntrain.models.gpt's TinyGPT."""
 
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ from fntrain.data.sft import (
     build_dataset,
     build_examples,
     build_sft_datasets,
-    make_sft_collate,
     pack_examples,
     read_jsonl,
     transform_example,
 )
+from fntrain.data.sft_collate import make_sft_collate
 from fntrain.data.tokens import count_loss_tokens, loss_targets
 from fntrain.step import default_forward
 from tests.hf_helpers import CHATS, TEMPLATE
@@ -425,9 +425,9 @@ def test_packed_logits_equal_each_example_alone_in_a_transformers_llama():
 
 def test_packed_logits_equal_each_example_alone_in_tiny_gpt():
     try:
-        from recipes.tiny_gpt import ModelConfig, TinyGPT
+        from fntrain.models.gpt import ModelConfig, TinyGPT
     except ImportError as error:  # the recipe may be mid-rewrite; the Llama test covers the contract
-        pytest.skip(f"recipes.tiny_gpt.TinyGPT is not importable: {error}")
+        pytest.skip(f"fntrain.models.gpt.TinyGPT is not importable: {error}")
     torch.manual_seed(0)
     model = TinyGPT(ModelConfig(context=24, n_layer=2, n_head=2, d_model=32, vocab_size=64)).eval()
     _assert_each_example_as_if_alone(model, context=24, vocab=64)

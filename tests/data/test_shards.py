@@ -13,20 +13,17 @@ import torch
 
 from fntrain import RunPlan, StopTraining, TrainState, train
 from fntrain.data.pipeline import batches, build_data, data_fn, steps_per_epoch
+from fntrain.data.settings import Batching, LoaderConfig
+from fntrain.data.shard_index import INDEX_NAME, ShardIndex, ShardInfo, read_index, write_index
 from fntrain.data.shards import (
-    INDEX_NAME,
-    ShardIndex,
-    ShardInfo,
     TokenDocuments,
     TokenShards,
     TokenWindows,
     check_shard_vocab,
     open_shards,
-    read_index,
     require_shards,
-    write_index,
 )
-from fntrain.data.tokenize import tokenize_documents
+from fntrain.data.tokenize import TokenizeSettings, tokenize_documents
 
 EOS = 0
 
@@ -42,7 +39,7 @@ def write_corpus(directory: Path, docs: list[list[int]], *, shard_tokens: int, f
     texts = [" ".join(map(str, doc)) for doc in docs]
     tokenize_documents(
         texts, directory, lambda text: [int(t) for t in text.split()], eos_id=EOS, vocab_size=1000,
-        shard_tokens=shard_tokens, format=format,
+        settings=TokenizeSettings(shard_tokens=shard_tokens, format=format),
     )  # fmt: skip
     stream = np.concatenate([np.asarray(doc + [EOS]) for doc in docs])
     return stream
@@ -134,7 +131,7 @@ def test_a_bad_shard_directory_is_a_clear_error(tmp_path):
 )
 def test_a_garbage_index_is_a_config_error_naming_the_file(tmp_path, text, needle):
     from fntrain.config import ConfigError
-    from fntrain.data.shards import FORMAT, VERSION
+    from fntrain.data.shard_index import FORMAT, VERSION
 
     if isinstance(text, str):
         text = text.replace('"FORMAT"', json.dumps(FORMAT)).replace('"VERSION"', json.dumps(VERSION)).encode()
@@ -150,7 +147,7 @@ def test_cursor_resume_over_a_shard_boundary(tmp_path):
     stream = write_corpus(tmp_path, documents(60), shard_tokens=128)
     context = 16
     shards = open_shards(tmp_path)
-    spec = build_data(TokenWindows(shards, context), micro_batch_size=2, micro_batches=2, shuffle=False)
+    spec = build_data(TokenWindows(shards, context), Batching(2, 2), LoaderConfig(shuffle=False, pin_memory=False))
     full = read(batches(spec, 0, 0))
     assert len(full) == steps_per_epoch(spec) >= 10
     # In order, each step covers 4 windows = 64 tokens, so steps 1 -> 2 cross the first shard boundary
@@ -164,8 +161,8 @@ def test_cursor_resume_over_a_shard_boundary(tmp_path):
 
     # Shuffled and sharded over two ranks: every cursor still resumes exactly, and the two ranks'
     # windows are disjoint.
-    ranks = [build_data(TokenWindows(tmp_path, context), micro_batch_size=2, micro_batches=2, seed=7,
-                        dp_rank=r, dp_size=2) for r in range(2)]  # fmt: skip
+    ranks = [build_data(TokenWindows(tmp_path, context), Batching(2, 2, seed=7, dp_rank=r, dp_size=2))
+             for r in range(2)]  # fmt: skip
     epoch = [read(batches(rank_spec, 3, 0)) for rank_spec in ranks]
     for rank_spec, rank_full in zip(ranks, epoch, strict=True):
         for cursor in range(len(rank_full) + 1):
@@ -180,7 +177,7 @@ def test_train_stopped_and_resumed_on_fresh_shards_sees_the_same_batches(tmp_pat
     def run(state: TrainState, stop_after: int | None) -> tuple[TrainState, list]:
         # A fresh TokenShards each time, as after a restart: nothing carries over but the TrainState.
         spec = build_data(
-            TokenWindows(open_shards(tmp_path), 12), micro_batch_size=3, micro_batches=2, seed=5
+            TokenWindows(open_shards(tmp_path), 12), Batching(3, 2, seed=5)
         )
         per_epoch = steps_per_epoch(spec)
         plan = RunPlan(train_iters=per_epoch + 4, steps_per_epoch=per_epoch, epochs=2)
@@ -194,7 +191,7 @@ def test_train_stopped_and_resumed_on_fresh_shards_sees_the_same_batches(tmp_pat
             if stop_after is not None and info is not None and state.global_step == stop_after:
                 raise StopTraining
 
-        return train(state, step_fn, [stopper], data=data_fn(spec), plan=plan), seen
+        return train(state, step_fn, [stopper], data=data_fn(spec), plan=plan).state, seen
 
     _, uninterrupted = run(TrainState(), None)
     stopped, first = run(TrainState(), 3)
@@ -212,9 +209,9 @@ def test_workers_map_the_shards_themselves(tmp_path):
     windows[3]  # maps a shard in this process
     copy = pickle.loads(pickle.dumps(windows))  # no mapping or file travels
     assert copy.shards._maps == {} and copy[3]["input_ids"].tolist() == windows[3]["input_ids"].tolist()
-    in_process = read(batches(build_data(windows, micro_batch_size=2, micro_batches=2, seed=1), 0, 1))
+    in_process = read(batches(build_data(windows, Batching(2, 2, seed=1)), 0, 1))
     with_workers = read(
-        batches(build_data(windows, micro_batch_size=2, micro_batches=2, seed=1, num_workers=2), 0, 1)
+        batches(build_data(windows, Batching(2, 2, seed=1), LoaderConfig(num_workers=2, pin_memory=False)), 0, 1)
     )
     assert with_workers == in_process
     shards.close()
@@ -234,7 +231,7 @@ def _rss_bytes() -> int:
 
 def _walk_epoch(shards: TokenShards, context: int) -> int:
     """RSS growth (bytes) over one in-order epoch of windows read through the pipeline."""
-    spec = build_data(TokenWindows(shards, context), micro_batch_size=16, micro_batches=1, shuffle=False)
+    spec = build_data(TokenWindows(shards, context), Batching(16, 1), LoaderConfig(shuffle=False, pin_memory=False))
     iterator = batches(spec, 0, 0)
     next(iterator)  # warm up: the first mapping and collate allocations
     before = peak = _rss_bytes()

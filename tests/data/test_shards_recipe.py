@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from fntrain.cli import dispatch
-from fntrain.data.tokenize import tokenize_files
+from fntrain.data.tokenize import TokenizeSettings, tokenize_files
 from recipes import tiny_gpt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ def shards(tmp_path_factory):
     root = tmp_path_factory.mktemp("shards")
     text = root / "corpus.txt"
     text.write_text((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_text()[:6000])
-    index = tokenize_files([text], root / "shards", split="paragraph", shard_tokens=1000)
+    index = tokenize_files([text], root / "shards", split="paragraph", settings=TokenizeSettings(shard_tokens=1000))
     assert index.vocab_size == 257 and index.eos_id == 256 and len(index.shards) > 3
     return root / "shards"
 

@@ -13,16 +13,11 @@ import numpy as np
 import pytest
 
 from fntrain.cli import dispatch
-from fntrain.data.shards import INDEX_NAME, TokenDocuments, open_shards, read_index
-from fntrain.data.tokenize import (
-    as_tokenizer,
-    byte_tokenizer,
-    hf_tokenizer,
-    input_files,
-    read_documents,
-    tokenize_documents,
-    tokenize_files,
-)
+from fntrain.data.shard_index import INDEX_NAME, read_index
+from fntrain.data.shards import TokenDocuments, open_shards
+from fntrain.data.tokenize import TokenizeSettings, tokenize_documents, tokenize_files
+from fntrain.data.tokenize_inputs import input_files, read_documents
+from fntrain.data.tokenizers import as_tokenizer, byte_tokenizer, hf_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = ["To be, or not to be", "", "that is the question:", "Whether 'tis nobler — in the mind"]
@@ -40,7 +35,7 @@ def write_jsonl(path: Path, texts: list[str], key: str = "text") -> Path:
 
 def test_bytes_tokenizer_writes_documents_with_eos_between_them(tmp_path):
     corpus = write_jsonl(tmp_path / "corpus.jsonl", TEXTS)
-    index = tokenize_files([corpus], tmp_path / "out", shard_tokens=16)
+    index = tokenize_files([corpus], tmp_path / "out", settings=TokenizeSettings(shard_tokens=16))
     kept = [t for t in TEXTS if t]  # an empty document is skipped (no lone EOS)
     expected = [token for text in kept for token in [*text.encode("utf-8"), 256]]
     assert stream_of(tmp_path / "out") == expected
@@ -57,7 +52,7 @@ def test_output_is_deterministic_byte_for_byte(tmp_path):
     corpus = write_jsonl(tmp_path / "corpus.jsonl", TEXTS * 20)
     files = []
     for name in ("a", "b"):
-        tokenize_files([corpus], tmp_path / name, shard_tokens=100, format="npy")
+        tokenize_files([corpus], tmp_path / name, settings=TokenizeSettings(shard_tokens=100, format="npy"))
         files.append({p.name: p.read_bytes() for p in sorted((tmp_path / name).iterdir())})
     assert files[0] == files[1] and len(files[0]) == 2 + len(read_index(tmp_path / "a").shards)
     index_text = (tmp_path / "a" / INDEX_NAME).read_text()
@@ -128,7 +123,7 @@ def test_hugging_face_tokenizers_are_called_in_batches(tmp_path):
     tokenizer = hf_tokenizer(fake)
     assert tokenizer.eos_id == 1 and tokenizer.vocab_size == 50 and tokenizer.name == "fake-hf"
     texts = [f"w{n % 7} x{n % 3}" for n in range(25)]
-    tokenize_documents(texts, tmp_path / "out", fake, batch_size=10)
+    tokenize_documents(texts, tmp_path / "out", fake, settings=TokenizeSettings(batch_size=10))
     assert fake.batch_calls == 3
     reference = FakeHFTokenizer()  # assigns ids in order of first appearance, like the batched run did
     expected = [t for text in texts for t in [*reference._ids(text), 1]]
@@ -137,11 +132,11 @@ def test_hugging_face_tokenizers_are_called_in_batches(tmp_path):
 
 def test_an_existing_output_is_kept_unless_overwrite(tmp_path):
     corpus = write_jsonl(tmp_path / "corpus.jsonl", ["abc", "de"])
-    tokenize_files(corpus, tmp_path / "out", shard_tokens=2)
+    tokenize_files(corpus, tmp_path / "out", settings=TokenizeSettings(shard_tokens=2))
     (tmp_path / "out" / "README").write_text("mine")
     with pytest.raises(FileExistsError, match="already holds token shards"):
         tokenize_files(corpus, tmp_path / "out")
-    index = tokenize_files(corpus, tmp_path / "out", overwrite=True)  # default shard size: one shard now
+    index = tokenize_files(corpus, tmp_path / "out", settings=TokenizeSettings(overwrite=True))  # default shard size: one shard now
     assert len(index.shards) == 1 and (tmp_path / "out" / "README").read_text() == "mine"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "README", "documents.bin", "index.json", "shard_00000.bin",
@@ -162,7 +157,7 @@ def test_bad_inputs_fail_before_writing(tmp_path):
         tokenize_files([tmp_path / "bad.jsonl"], tmp_path / "out")
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="shard_tokens must be >= 1"):
-        tokenize_documents(["x"], tmp_path / "out2", shard_tokens=0)
+        tokenize_documents(["x"], tmp_path / "out2", settings=TokenizeSettings(shard_tokens=0))
 
 
 def _listing(root: Path) -> dict[str, bytes]:
@@ -189,13 +184,13 @@ def test_a_failed_tokenization_leaves_the_disk_as_it_found_it(tmp_path, name, co
     good = write_jsonl(tmp_path / "in" / "good.jsonl", ["abc", "de"])
     before = _listing(tmp_path)
     with pytest.raises(ValueError, match=message):
-        tokenize_files([good, bad], tmp_path / "out" / "deep", shard_tokens=2)
+        tokenize_files([good, bad], tmp_path / "out" / "deep", settings=TokenizeSettings(shard_tokens=2))
     assert _listing(tmp_path) == before  # no output, no parent made, no staging left
-    tokenize_files([good], tmp_path / "old", shard_tokens=2)
+    tokenize_files([good], tmp_path / "old", settings=TokenizeSettings(shard_tokens=2))
     (tmp_path / "old" / "README").write_text("mine")
     before = _listing(tmp_path)
     with pytest.raises(ValueError, match=message):
-        tokenize_files([good, bad], tmp_path / "old", overwrite=True)
+        tokenize_files([good, bad], tmp_path / "old", settings=TokenizeSettings(overwrite=True))
     assert _listing(tmp_path) == before  # the old shards whole, the other file untouched
 
 
@@ -211,9 +206,9 @@ def test_a_failure_while_writing_removes_the_staged_shards(tmp_path):
 
     before = _listing(tmp_path)
     with pytest.raises(ValueError, match="tokenizer broke"):
-        tokenize_documents(["a", "b", "c"], tmp_path / "out", encode, eos_id=0, shard_tokens=2)
+        tokenize_documents(["a", "b", "c"], tmp_path / "out", encode, eos_id=0, settings=TokenizeSettings(shard_tokens=2))
     assert _listing(tmp_path) == before
-    index = tokenize_documents(["a", "b"], tmp_path / "out", lambda text: [1, 2, 3], eos_id=0, shard_tokens=2)
+    index = tokenize_documents(["a", "b"], tmp_path / "out", lambda text: [1, 2, 3], eos_id=0, settings=TokenizeSettings(shard_tokens=2))
     assert index.total_tokens == 8 and (tmp_path / "out" / "index.json").is_file()  # no --overwrite needed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 

@@ -18,7 +18,8 @@ from fntrain.cli import dispatch  # noqa: E402
 from fntrain.config import ConfigError  # noqa: E402
 from fntrain.data import tables  # noqa: E402
 from fntrain.data.shards import open_shards  # noqa: E402
-from fntrain.data.tokenize import input_files, read_documents, tokenize_files  # noqa: E402
+from fntrain.data.tokenize import TokenizeSettings, tokenize_files  # noqa: E402
+from fntrain.data.tokenize_inputs import input_files, read_documents  # noqa: E402
 
 TEXTS = [f"document {n}: " + "words and more words " * (n % 5) for n in range(60)]
 
@@ -53,13 +54,13 @@ def write_jsonl(path: Path, texts: list[str]) -> Path:
 
 def test_parquet_and_arrow_give_the_shards_of_the_same_jsonl(tmp_path, monkeypatch):
     monkeypatch.setattr(tables, "ARROW_PIECE_BYTES", 64)  # many pieces from a small file
-    reference = tokenize_files([write_jsonl(tmp_path / "c.jsonl", TEXTS)], tmp_path / "ref", shard_tokens=500)
+    reference = tokenize_files([write_jsonl(tmp_path / "c.jsonl", TEXTS)], tmp_path / "ref", settings=TokenizeSettings(shard_tokens=500))
     parquet = write_parquet(tmp_path / "c.parquet", TEXTS)
     assert pq.ParquetFile(parquet).metadata.num_row_groups == 9
     arrow = write_arrow_stream(tmp_path / "c.arrow", TEXTS)
     assert len(tables.table_pieces(arrow, "x")) > 3
     for name, source in (("parquet", parquet), ("arrow", arrow)):
-        index = tokenize_files([source], tmp_path / name, shard_tokens=500, batch_size=4)
+        index = tokenize_files([source], tmp_path / name, settings=TokenizeSettings(shard_tokens=500, batch_size=4))
         assert index.documents == reference.documents == len(TEXTS)
         assert output_bytes(tmp_path / name) == output_bytes(tmp_path / "ref"), name
 
@@ -111,7 +112,7 @@ def test_one_and_three_workers_write_the_same_bytes(tmp_path, tokenizer, monkeyp
     results = {}
     for workers in (1, 3):
         out = tmp_path / f"w{workers}"
-        index = tokenize_files(inputs, out, tok, shard_tokens=700, batch_size=8, workers=workers)
+        index = tokenize_files(inputs, out, tok, settings=TokenizeSettings(shard_tokens=700, batch_size=8, workers=workers))
         results[workers] = output_bytes(out)
     assert results[1] == results[3] and len(results[1]) > 3  # several shards, documents.bin, index.json
     assert index.documents == 2 * len(TEXTS) + 20
@@ -125,7 +126,7 @@ def test_a_worker_error_names_the_row_and_leaves_nothing(tmp_path):
     before = listing(tmp_path)
     with pytest.raises(ValueError, match=r"input '.*a.parquet' row 40: token id 100 is outside \[0, 99\]"):
         tokenize_files([source], tmp_path / "out", lambda text: [100 if "40" in text else 1], eos_id=0,
-                       vocab_size=100, workers=2)  # fmt: skip
+                       vocab_size=100, settings=TokenizeSettings(workers=2))  # fmt: skip
     assert listing(tmp_path) == before
 
 
@@ -172,8 +173,8 @@ def test_the_cli_reads_a_column_with_workers(bad_tables, capsys):
 def test_units_are_pulled_lazily_so_memory_is_bounded(workers):
     """At most 2 x workers units are in flight: the first block comes back before the rest of the input
     is read (an eager pool.map would read every unit first)."""
-    from fntrain.data.tokenize import byte_tokenizer
     from fntrain.data.tokenize_pool import TextBlock, encoded_blocks
+    from fntrain.data.tokenizers import byte_tokenizer
 
     pulled = []
 

@@ -12,19 +12,14 @@ import pytest
 import torch
 
 from fntrain.config import ConfigError
+from fntrain.data.shapes import COLOURS, QUESTIONS, SHAPES, ShapesQA, draw_shape, write_shapes_jsonl
 from fntrain.data.tokens import IGNORE_INDEX
 from fntrain.data.vlm import (
-    COLOURS,
-    QUESTIONS,
-    SHAPES,
-    ShapesQA,
     VLMDataConfig,
     build_vlm_datasets,
-    draw_shape,
     make_vlm_collate,
     transform_vlm_example,
     vlm_prompt,
-    write_shapes_jsonl,
 )
 from tests.vlm_helpers import TINY, tiny_processor
 

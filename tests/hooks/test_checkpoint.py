@@ -11,12 +11,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fntrain import RunPlan, StepInfo, StopTraining, TrainState, train
-from fntrain.checkpoint import find_latest, list_checkpoints, read_meta, restore, step_dir
-from fntrain.checkpoint.layout import LATEST
+from fntrain.checkpoint import SaveTarget, find_latest, list_checkpoints, read_meta, restore, step_dir
+from fntrain.checkpoint.layout import LATEST, checkpoint_root
 from fntrain.hooks.base import hook_states, load_hook_states
-from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook, checkpoint_root
+from fntrain.hooks.checkpoint import checkpoint_hook
 from fntrain.hooks.signals import Preemption
-from fntrain.loop import Event, run_training
+from fntrain.loop import Event
+from fntrain.run.config import CheckpointConfig
 from fntrain.runtime.runtime import Runtime
 from tests.checkpoint import toy
 from tests.hooks.drive import drive
@@ -28,9 +29,7 @@ def make(tmp_path, parts=None, **fields):
     config = CheckpointConfig(**fields)
     parts = parts or toy.components()
     hooks: list = []
-    hook = checkpoint_hook(
-        config, parts, Runtime(), directory=tmp_path, hooks=lambda: hooks, run_config={"k": 1}
-    )
+    hook = checkpoint_hook(config, SaveTarget(tmp_path, parts, hooks=lambda: hooks, config={"k": 1}), Runtime())
     hooks.append(hook)
     return hook, parts
 
@@ -172,14 +171,14 @@ def test_ctrl_c_without_the_option_is_an_ordinary_interrupt(tmp_path):
     assert saved(tmp_path) == []
 
 
-def test_ctrl_c_through_run_training_is_the_interrupted_outcome(tmp_path):
+def test_ctrl_c_through_train_is_the_interrupted_outcome(tmp_path):
     hook, parts = make(tmp_path, save_every=10, save_on_interrupt=True)
 
     def interrupt_at_3(event, state, info):
         if event is Event.STEP_BEGIN and state.global_step == 2:
             signal.raise_signal(signal.SIGINT)
 
-    result = run_training(
+    result = train(
         TrainState(), lambda state, batch: {"loss": 0.0}, [interrupt_at_3, hook],
         data=lambda epoch, cursor: iter(range(100)), plan=RunPlan(train_iters=10, steps_per_epoch=10, epochs=1),
     )  # fmt: skip
@@ -215,13 +214,7 @@ def test_preemption_through_train_ends_cleanly(tmp_path):
     data = toy.batches(6)
     hooks: list = []
     hooks.append(
-        checkpoint_hook(
-            CheckpointConfig(save_every=100, preempt_signals=("SIGUSR1",)),
-            parts,
-            Runtime(),
-            directory=tmp_path,
-            hooks=lambda: hooks,
-        )
+        checkpoint_hook(CheckpointConfig(save_every=100, preempt_signals=("SIGUSR1",)), SaveTarget(tmp_path, parts, hooks=lambda: hooks), Runtime())
     )
 
     def step_fn(state, batch):
@@ -230,26 +223,19 @@ def test_preemption_through_train_ends_cleanly(tmp_path):
         return {"loss": toy.step(parts, batch)}
 
     plan = RunPlan(train_iters=6, steps_per_epoch=6, epochs=1)
-    final = train(TrainState(), step_fn, hooks, data=lambda epoch, cursor: iter(data[cursor:]), plan=plan)
+    final = train(TrainState(), step_fn, hooks, data=lambda epoch, cursor: iter(data[cursor:]), plan=plan).state
     assert final.global_step == 3 and saved(tmp_path) == [3]
 
 
-def test_preemption_is_the_outcome_of_run_training(tmp_path):
-    """A requested preemption ends `run_training` with outcome "preempted", the configured exit code and
+def test_preemption_is_the_outcome_of_train(tmp_path):
+    """A requested preemption ends `train` with outcome "preempted", the configured exit code and
     a checkpoint of the step; nothing has to be read from a preemption object afterwards."""
     parts = toy.components()
     data = toy.batches(6)
     preemption = Preemption(("SIGUSR1",))
     hooks: list = []
     hooks.append(
-        checkpoint_hook(
-            CheckpointConfig(save_every=100, preempt_signals=("SIGUSR1",), preempt_exit_code=99),
-            parts,
-            Runtime(),
-            directory=tmp_path,
-            hooks=lambda: hooks,
-            preemption=preemption,
-        )
+        checkpoint_hook(CheckpointConfig(save_every=100, preempt_signals=("SIGUSR1",), preempt_exit_code=99), SaveTarget(tmp_path, parts, hooks=lambda: hooks), Runtime(), preemption=preemption)
     )
 
     def step_fn(state, batch):
@@ -258,7 +244,7 @@ def test_preemption_is_the_outcome_of_run_training(tmp_path):
         return {"loss": toy.step(parts, batch)}
 
     plan = RunPlan(train_iters=6, steps_per_epoch=6, epochs=1)
-    result = run_training(
+    result = train(
         TrainState(), step_fn, hooks, data=lambda epoch, cursor: iter(data[cursor:]), plan=plan
     )
     assert result.outcome == "preempted" and result.exit_code == 99
@@ -267,7 +253,7 @@ def test_preemption_is_the_outcome_of_run_training(tmp_path):
     assert read_meta(find_latest(tmp_path))["train_state"]["global_step"] == 2
 
 
-def test_preemption_signal_through_run_training_exits_143(tmp_path):
+def test_preemption_signal_through_train_exits_143(tmp_path):
     """The hook's own handlers (no injected preemption): a real SIGUSR1 gives outcome "preempted", exit
     code 143 by default; a run that is not preempted is "completed" with exit code 0."""
     parts = toy.components()
@@ -277,7 +263,7 @@ def test_preemption_signal_through_run_training_exits_143(tmp_path):
     def run(signal_at):
         hooks: list = []
         config = CheckpointConfig(save_every=100, preempt_signals=("SIGUSR1",), save_at_end=False)
-        hooks.append(checkpoint_hook(config, parts, Runtime(), directory=tmp_path, hooks=lambda: hooks))
+        hooks.append(checkpoint_hook(config, SaveTarget(tmp_path, parts, hooks=lambda: hooks), Runtime()))
 
         def step_fn(state, batch):
             if state.global_step + 1 == signal_at:
@@ -285,7 +271,7 @@ def test_preemption_signal_through_run_training_exits_143(tmp_path):
             return {"loss": toy.step(parts, batch)}
 
         plan = RunPlan(train_iters=4, steps_per_epoch=4, epochs=1)
-        return run_training(
+        return train(
             TrainState(), step_fn, hooks, data=lambda e, cursor: iter(data[cursor:]), plan=plan
         )
 
@@ -306,9 +292,7 @@ def test_train_loop_integration_resumes_exactly(tmp_path):
         losses = {}
         hooks: list = []
         hooks.append(
-            checkpoint_hook(
-                CheckpointConfig(save_every=2), parts, Runtime(), directory=tmp_path, hooks=lambda: hooks
-            )
+            checkpoint_hook(CheckpointConfig(save_every=2), SaveTarget(tmp_path, parts, hooks=lambda: hooks), Runtime())
         )
         state = restore("latest", parts, root=tmp_path, hooks=hooks) if state is None else state
 

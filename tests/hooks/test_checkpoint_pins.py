@@ -11,10 +11,11 @@ import threading
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from fntrain.checkpoint import close_async_saves, list_checkpoints, saver
+from fntrain.checkpoint import SaveTarget, async_save, close_async_saves, list_checkpoints
 from fntrain.checkpoint.layout import LATEST
-from fntrain.hooks.checkpoint import CheckpointConfig, checkpoint_hook
+from fntrain.hooks.checkpoint import checkpoint_hook
 from fntrain.loop import Event
+from fntrain.run.config import CheckpointConfig
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
 from tests.checkpoint import toy
@@ -25,8 +26,7 @@ RELEASE_AFTER_S = 0.3  # a held write is released this long after the event that
 
 def make(tmp_path, **fields):
     hooks: list = []
-    hook = checkpoint_hook(CheckpointConfig(**fields), toy.components(), Runtime(), directory=tmp_path,
-                           hooks=lambda: hooks)  # fmt: skip
+    hook = checkpoint_hook(CheckpointConfig(**fields), SaveTarget(tmp_path, toy.components(), hooks=lambda: hooks), Runtime())  # fmt: skip
     hooks.append(hook)
     return hook
 
@@ -60,8 +60,8 @@ def held_writes(monkeypatch):
         return write_data(self, plan, planner)
 
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held)
-    close = saver.close_async_saves
-    monkeypatch.setattr(saver, "close_async_saves", lambda timeout=5.0: close(timeout=0.05))
+    close = async_save.close_async_saves
+    monkeypatch.setattr(async_save, "close_async_saves", lambda timeout=5.0: close(timeout=0.05))
     yield gate
     gate.set()
     assert close_async_saves(timeout=30)

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from fntrain.hooks import memory as memory_mod
-from fntrain.hooks.memory import MemoryConfig, is_out_of_memory, memory_hook
+from fntrain.hooks.memory import MemoryConfig, memory_hook
 from fntrain.loop import Event, train
+from fntrain.runtime.allocator import is_out_of_memory
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import RunPlan, TrainState
 from tests.hooks.drive import drive
@@ -145,7 +146,7 @@ def test_invalid_configs_fail_before_device_resolution(monkeypatch, kwargs, erro
     def no_device(*args, **kw):
         raise AssertionError("the device was resolved before validation")
 
-    monkeypatch.setattr(memory_mod, "_default_allocator", no_device)
+    monkeypatch.setattr(memory_mod, "default_allocator", no_device)
     with pytest.raises(error, match=re.escape(message)):
         memory_hook(MemoryConfig(**{"enable": True, **kwargs}), Runtime(device=CUDA))
 
@@ -204,7 +205,7 @@ def test_cuda_backend_resolves_without_touching_the_device(tmp_path):
 
 
 def test_disabled_session_never_touches_the_device(monkeypatch, tmp_path):
-    monkeypatch.setattr(memory_mod, "_default_allocator", lambda *a: pytest.fail("device resolved"))
+    monkeypatch.setattr(memory_mod, "default_allocator", lambda *a: pytest.fail("device resolved"))
     fake = FakeAllocator()
     for hook in (
         memory_hook(MemoryConfig(save_path=str(tmp_path / "snap")), Runtime(device=CUDA)),
@@ -454,7 +455,7 @@ def test_a_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
         f.write(b"half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(memory_mod.pickle, "dump", broken_dump)
+    monkeypatch.setattr(pickle, "dump", broken_dump)
     with pytest.raises(OSError, match="disk full"):
         drive(hook, 2)
     assert snapshots(tmp_path / "snap") == []
@@ -720,7 +721,7 @@ def test_in_the_loop_control_points_precede_the_steps_work(tmp_path):
         return {}
 
     plan = RunPlan(train_iters=4, steps_per_epoch=4, epochs=1)
-    final = train(TrainState(), step, [hook], data=lambda epoch, cursor: iter(range(cursor, 4)), plan=plan)
+    final = train(TrainState(), step, [hook], data=lambda epoch, cursor: iter(range(cursor, 4)), plan=plan).state
     assert final.global_step == 4
     assert fake.names() == ["stop", "step", "start", "step", "snapshot", "stop", "step", "step"]
 
@@ -771,11 +772,12 @@ def _tiny_config(tmp_path, memory: MemoryConfig):
 
 
 def test_recipe_enable_on_cpu_fails_before_the_model_is_built(tmp_path, monkeypatch):
+    import fntrain.run.build as build
     import fntrain.run.job as job
     from fntrain.config import ConfigError
 
     tiny_gpt, cfg = _tiny_config(tmp_path, MemoryConfig(enable=True))
-    monkeypatch.setattr(job, "build_job", lambda *a, **k: pytest.fail("the model was built"))
+    monkeypatch.setattr(build, "build_job", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(ConfigError, match="cpu"):
         job.run_job(cfg, tiny_gpt.spec)
 
@@ -793,22 +795,22 @@ def test_recipe_puts_the_memory_hook_first_with_save_path_under_run_dir(tmp_path
     import fntrain.run.job as job
     from fntrain.run.job import run_job
 
-    real_run_training = job.run_training
+    real_train = job.loop.train
 
     def spy_train(state, step_fn, hooks, **kw):
         hook_lists.append(list(hooks))
-        return real_run_training(state, step_fn, hooks, **kw)
+        return real_train(state, step_fn, hooks, **kw)
 
     monkeypatch.setattr(standard, "memory_hook", spy)
-    monkeypatch.setattr(job, "run_training", spy_train)
+    monkeypatch.setattr(job.loop, "train", spy_train)
     with pytest.raises(ValueError, match="memory.end_step"):
         run_job(
             _tiny_config(tmp_path, MemoryConfig(start_step=3, end_step=1))[1], tiny_gpt.spec
         )  # the config's validate
     final = run_job(cfg, tiny_gpt.spec).state  # mem_info works on CPU (peak RSS)
     assert final.global_step == 2
-    # built once to check the settings before any work, once more for the run itself
-    assert len(seen) == 2 and seen[0] == seen[1]
+    # built once, for the run itself (phase 1 checks its settings without building it)
+    assert len(seen) == 1
     config = seen[-1]
     assert hook_lists[0][0] is built_hooks[-1]  # first in the list: its STEP_BEGIN precedes the others [S20]
     assert os.path.abspath(config.save_path) == str(tmp_path / "run" / "memory_snapshot")

@@ -22,9 +22,8 @@ import pytest
 import torch
 
 from fntrain import Event, RunPlan, StepInfo, TrainState, train
-from fntrain.hooks import profiler as profiler_module
 from fntrain.hooks.profiler import ProfilerConfig, check_profiler_config, profiled_ranks, profiler_hook
-from fntrain.runtime import Runtime
+from fntrain.runtime import Runtime, profiling
 from tests.hooks.drive import drive
 
 RECORDING = ("RECORD", "RECORD_AND_SAVE")
@@ -167,9 +166,9 @@ def fake(monkeypatch):
 
     def resolve(device_type: str):
         resolved.append(device_type)
-        return profiler_module._Backend(module)
+        return profiling.ProfilerBackend(module)
 
-    monkeypatch.setattr(profiler_module, "_resolve_backend", resolve)
+    monkeypatch.setattr(profiling, "resolve_backend", resolve)
     module.resolved = resolved
     return module
 
@@ -230,7 +229,7 @@ def test_disabled_resolves_no_backend_and_imports_no_profiler(monkeypatch):
     def resolve(device_type):
         raise AssertionError("a disabled profiler resolved a backend")
 
-    monkeypatch.setattr(profiler_module, "_resolve_backend", resolve)
+    monkeypatch.setattr(profiling, "resolve_backend", resolve)
     monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
     monkeypatch.delitem(sys.modules, "torch_npu.profiler", raising=False)
     # Settings that would fail or warn when enabled are not looked at: nothing else happens.
@@ -564,7 +563,7 @@ def test_train_begin_failure_leaves_abort_a_no_op(monkeypatch):
     def resolve(device_type):
         raise ImportError("no profiler here")
 
-    monkeypatch.setattr(profiler_module, "_resolve_backend", resolve)
+    monkeypatch.setattr(profiling, "resolve_backend", resolve)
     hook = profiler_hook(enabled(), cpu())
     with pytest.raises(ImportError):
         hook(Event.TRAIN_BEGIN, TrainState(), None)

@@ -16,19 +16,17 @@ import torch
 
 from fntrain.hooks import progress as progress_module
 from fntrain.hooks import standard
-from fntrain.hooks.checkpoint import CheckpointConfig
 from fntrain.hooks.evaluate import EvaluateConfig
 from fntrain.hooks.gc import GCConfig
 from fntrain.hooks.memory import MemoryConfig
-from fntrain.hooks.metrics import metrics_writer
 from fntrain.hooks.profiler import ProfilerConfig
 from fntrain.hooks.progress import ProgressConfig
-from fntrain.hooks.standard import HookInputs, make_wiring, standard_hooks
+from fntrain.hooks.standard import HookInputs, make_wiring, wire_standard_hooks
 from fntrain.hooks.throughput import ThroughputConfig
-from fntrain.hooks.watchdog import WatchdogConfig
 from fntrain.loop import Event
-from fntrain.run.config import JobConfig
+from fntrain.run.config import CheckpointConfig, JobConfig
 from fntrain.runtime.runtime import Runtime
+from fntrain.runtime.watchdog import WatchdogConfig
 from fntrain.state import RunPlan
 from fntrain.stateful import StatefulHook
 from tests.checkpoint import toy
@@ -85,11 +83,12 @@ def terminal(monkeypatch):
 def test_the_list_is_built_in_standard_order_and_creates_no_file(tmp_path, terminal):
     run_dir = tmp_path / "run"
     extra = lambda event, state, info: None  # noqa: E731
-    hooks = standard_hooks(inputs_for(every_hook_on(run_dir), extra=(extra,)))
+    wiring = wire_standard_hooks(inputs_for(every_hook_on(run_dir), extra=(extra,)))
+    hooks = wiring.hooks
     names = [hook.name if isinstance(hook, StatefulHook) else None for hook in hooks]
     assert len(hooks) == 10 and hooks[7] is extra
     assert names[1] == "throughput" and names[4] == "evaluate" and names[8] == "checkpoint"
-    assert metrics_writer(hooks) is not None
+    assert wiring.writer is not None and wiring.writer.latest() == {}
     assert not run_dir.exists()  # built: nothing on disk until TRAIN_BEGIN
 
 
@@ -98,8 +97,8 @@ def test_only_the_metrics_hook_when_every_other_hook_is_off(tmp_path):
         tmp_path, throughput=ThroughputConfig(enabled=False),
         progress=ProgressConfig(enabled=False), watchdog=WatchdogConfig(enabled=False),
     )  # fmt: skip
-    hooks = standard_hooks(inputs_for(config))
-    assert len(hooks) == 1 and metrics_writer(hooks) is not None
+    wiring = wire_standard_hooks(inputs_for(config))
+    assert len(wiring.hooks) == 1 and wiring.writer is not None
 
 
 @pytest.mark.parametrize(

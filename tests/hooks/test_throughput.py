@@ -9,14 +9,10 @@ import torch
 
 from fntrain.hooks import throughput as throughput_module
 from fntrain.hooks.base import every, hook_states, load_hook_states, on
-from fntrain.hooks.throughput import (
-    ThroughputConfig,
-    dense_transformer_flops_per_token,
-    measure_flops_per_token,
-    peak_flops_for_name,
-    throughput_meter,
-)
+from fntrain.hooks.throughput import ThroughputConfig, throughput_meter
 from fntrain.loop import Event, StepInfo
+from fntrain.models.flops import dense_transformer_flops_per_token, measure_flops_per_token
+from fntrain.runtime.peak_flops import peak_flops_for_name
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
 from tests.hooks.drive import drive, torch_op_recorder

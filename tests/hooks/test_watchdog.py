@@ -16,16 +16,10 @@ from pathlib import Path
 import pytest
 
 from fntrain import RunPlan, StepInfo, TrainState, train
-from fntrain.hooks.watchdog import (
-    EXIT_CODE,
-    HANG_MARKER,
-    THREAD_NAME,
-    Watchdog,
-    WatchdogConfig,
-    watchdog_hook,
-)
+from fntrain.hooks.watchdog import watchdog_hook
 from fntrain.loop import Event
 from fntrain.runtime.runtime import Runtime
+from fntrain.runtime.watchdog import EXIT_CODE, HANG_MARKER, THREAD_NAME, Watchdog, WatchdogConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 INFO = StepInfo({"loss": 0.0})
@@ -152,7 +146,7 @@ def test_in_a_training_loop_the_thread_finds_the_stalled_step(tmp_path):
     hook = watchdog_hook(config, Runtime(rank=2), tmp_path, abort=abort)
     plan = RunPlan(train_iters=8, steps_per_epoch=8, epochs=1)
     started = time.monotonic()
-    final = train(TrainState(), step_fn, [hook], data=lambda epoch, cursor: iter(range(cursor, 8)), plan=plan)
+    final = train(TrainState(), step_fn, [hook], data=lambda epoch, cursor: iter(range(cursor, 8)), plan=plan).state
     assert final.global_step == 8 and aborted == [77]
     assert time.monotonic() - started < 5.0
     text = (tmp_path / "stacks" / "rank_2.txt").read_text()

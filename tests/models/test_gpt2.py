@@ -11,8 +11,8 @@ import stat
 import pytest
 import torch
 
+from fntrain.models.gpt import ModelConfig, TinyGPT
 from fntrain.models.gpt2 import export_gpt2, gpt2_config, gpt2_state_dict
-from recipes.tiny_gpt import ModelConfig, TinyGPT
 
 SHAPE = ModelConfig(context=16, n_layer=2, n_head=2, d_model=32, vocab_size=257)
 

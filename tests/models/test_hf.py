@@ -14,21 +14,18 @@ from fntrain.checkpoint import hf_export
 from fntrain.config import ConfigError
 from fntrain.models.hf import (
     OFFLINE_SWITCHES,
-    AssetsConfig,
-    HFModelConfig,
     ModelAssets,
     causal_lm_from_config,
-    check_packed_attention,
     check_vocab,
     dtype_kwargs,
     load_assets,
     load_causal_lm,
     load_pretrained,
-    require_local_dir,
     save_hf_model,
     set_offline,
     unwrap,
 )
+from fntrain.models.hf_config import AssetsConfig, HFModelConfig, check_packed_attention, require_local_dir
 from fntrain.runtime import Runtime
 from fntrain.runtime.parallel import ParallelConfig
 from tests.hf_helpers import TEMPLATE, save_tiny_llama

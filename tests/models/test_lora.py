@@ -151,11 +151,10 @@ def tiny_llama(tmp_path_factory):
 
 
 def _config(model_dir: Path, data_path: Path, run_dir: Path, *, iters: int = 3, **lora):
-    from fntrain.hooks.checkpoint import CheckpointConfig
     from fntrain.hooks.progress import ProgressConfig
-    from fntrain.models.hf import HFModelConfig
-    from fntrain.optim import OptimizerConfig, ScheduleConfig
-    from fntrain.run.config import TrainConfig
+    from fntrain.models.hf_config import HFModelConfig
+    from fntrain.run.config import CheckpointConfig, TrainConfig
+    from fntrain.step.optim import OptimizerConfig, ScheduleConfig
     from recipes import hf_causal_lm as hf
 
     return hf.Config(

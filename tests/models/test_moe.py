@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fntrain.models.gpt import ModelConfig, TinyGPT
 from fntrain.models.moe import (
     MoE,
     RouterOutput,
@@ -17,7 +18,7 @@ from fntrain.models.moe import (
     route,
     update_expert_bias,
 )
-from recipes.tiny_gpt import Config, ModelConfig, TinyGPT
+from recipes.tiny_gpt import Config
 
 
 def test_route_picks_top_k_by_probability_and_renormalises():
@@ -159,7 +160,7 @@ def test_expert_bias_is_in_the_state_dict_and_accumulators_are_not():
 
 
 def test_flops_count_active_experts_only():
-    from fntrain.hooks.throughput import measure_flops_per_token
+    from fntrain.models.flops import measure_flops_per_token
 
     ids = torch.randint(0, 256, (2, 16))
     batch = {"input_ids": ids, "labels": ids}

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from fntrain.data.corpora import corpus_path
+from fntrain.models.gpt import ModelConfig, TinyGPT
 from fntrain.models.moe import loss_with_router_aux, moe_step_end
-from fntrain.optim import OptimizerConfig, build_optimizer
 from fntrain.state import TrainState
 from fntrain.step import make_train_step
-from recipes.tiny_gpt import ModelConfig, TinyGPT
+from fntrain.step.optim import OptimizerConfig, build_optimizer
 
 pytestmark = pytest.mark.slow  # ~10 s a seed on a loaded 2-core machine
 

@@ -162,7 +162,7 @@ def test_the_recipe_refuses_bad_ep_settings_in_one_line(tmp_path, capsys):
 
 
 def _recipe_config(model_dir, ep: int, **model):
-    from fntrain.models.hf import HFModelConfig
+    from fntrain.models.hf_config import HFModelConfig
     from fntrain.runtime.parallel import ParallelConfig
     from recipes import hf_causal_lm as hf
 

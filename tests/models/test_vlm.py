@@ -9,15 +9,14 @@ import dataclasses
 import pytest
 import torch
 
+from fntrain.data.shapes import ShapesQA, shapes_texts
 from fntrain.data.vlm import (
-    ShapesQA,
     VLMDataConfig,
     make_vlm_collate,
-    shapes_texts,
     transform_vlm_example,
     vlm_prompt,
 )
-from fntrain.hooks.throughput import measure_flops_per_token
+from fntrain.models.flops import measure_flops_per_token
 from fntrain.models.vlm import (
     VLMModelConfig,
     answer_accuracy,

@@ -15,7 +15,7 @@ def main() -> None:
     report: dict = {}
     import fntrain.runtime  # noqa: F401  (the whole runtime package, as a recipe imports it)
     import fntrain.step  # noqa: F401
-    from fntrain.runtime import setup as runtime_setup
+    from fntrain.runtime import process_group
     from fntrain.runtime.parallel import ParallelConfig, parallelize
     from fntrain.runtime.setup import RuntimeConfig, setup_runtime
 
@@ -37,12 +37,12 @@ def main() -> None:
 
     seen: dict = {}
 
-    def fake_init(backend, timeout_s, device):
+    def fake_init(backend, timeout_s, device, launch):
         seen.update(backend=backend, timeout_s=timeout_s, device=str(device))
         seen["HCCL_DETERMINISTIC"] = os.environ.get("HCCL_DETERMINISTIC")
         raise Stop
 
-    runtime_setup._init_process_group = fake_init
+    process_group.init_process_group = fake_init
     # The real setter imports torch._inductor (seconds); test_setup.py covers it for real.
     deterministic = {"on": False}
     torch.use_deterministic_algorithms = lambda mode, warn_only=False: deterministic.update(on=mode)

@@ -20,15 +20,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fntrain.checkpoint import restore, save
-from fntrain.components import Components
-from fntrain.optim import OptimizerConfig, build_optimizer
+from fntrain.checkpoint import SaveTarget, restore, save
+from fntrain.models.gpt import ModelConfig, TinyGPT
+from fntrain.runtime.groups import data_parallel_group
 from fntrain.runtime.materialize import build_model, local_numel, seeded_init
-from fntrain.runtime.parallel import ParallelConfig, data_parallel_group, parallelize
+from fntrain.runtime.parallel import ParallelConfig, parallelize
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime
 from fntrain.state import TrainState
-from fntrain.step import causal_lm_loss, make_train_step
-from recipes.tiny_gpt import ModelConfig, TinyGPT
+from fntrain.step import StepSettings, causal_lm_loss, make_train_step
+from fntrain.step.components import Components
+from fntrain.step.optim import OptimizerConfig, build_optimizer
 
 MODEL = ModelConfig(context=16, n_layer=2, n_head=2, d_model=32, dropout=0.0)
 SEED = 11
@@ -65,8 +66,8 @@ def _batches(dp_rank: int, dp_size: int) -> list[list[dict[str, torch.Tensor]]]:
 def _train(model: torch.nn.Module, runtime, keep: dict | None = None) -> list[float]:
     optimizer = build_optimizer(OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1), model).optimizer
     step = make_train_step(
-        model, causal_lm_loss, (optimizer,), (), max_grad_norm=1.0, device=runtime.device,
-        dp_size=runtime.dp_size, dp_group=data_parallel_group(runtime),
+        model, causal_lm_loss, (optimizer,), (), settings=StepSettings(max_grad_norm=1.0, device=runtime.device,
+        dp_size=runtime.dp_size, dp_group=data_parallel_group(runtime)),
     )  # fmt: skip
     state, losses = TrainState(), []
     for batch in _batches(runtime.dp_rank, runtime.dp_size):
@@ -123,7 +124,10 @@ def hsdp_case(out: str) -> dict:
         }
         # An HSDP checkpoint (DTensors replicated x sharded) loads into another layout: DDP here.
         root = Path(out).parent / "hsdp_checkpoints"
-        save(root, TrainState(global_step=STEPS), Components(model, causal_lm_loss, (kept["optimizer"],)))
+        save(
+            SaveTarget(root, Components(model, causal_lm_loss, (kept["optimizer"],))),
+            TrainState(global_step=STEPS),
+        )
     with setup_runtime(RuntimeConfig(), ddp, seed=SEED) as runtime:
         torch.manual_seed(SEED + 1)
         fresh = parallelize(TinyGPT(MODEL), runtime, ddp)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fntrain.runtime.parallel import ParallelConfig, hsdp_shape, parallelize
+from fntrain.runtime.groups import hsdp_shape
+from fntrain.runtime.parallel import ParallelConfig, parallelize
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime
 from tests.runtime.scale_worker import launch
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from fntrain.models.gpt import ModelConfig, TinyGPT
 from fntrain.runtime.materialize import (
     build_model,
     build_on_meta,
@@ -21,7 +22,6 @@ from fntrain.runtime.materialize import (
 from fntrain.runtime.parallel import ParallelConfig, parallelize
 from fntrain.runtime.runtime import Runtime
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime
-from recipes.tiny_gpt import ModelConfig, TinyGPT
 from tests.runtime.scale_worker import launch
 
 MODEL = ModelConfig(context=16, n_layer=2, n_head=2, d_model=32, dropout=0.1)

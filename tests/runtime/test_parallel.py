@@ -8,18 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from fntrain.runtime.parallel import (
-    ParallelConfig,
-    autocast_dtype,
-    build_grad_scaler,
-    data_parallel_group,
-    parallelize,
-    transformer_blocks,
-)
+from fntrain.runtime.groups import data_parallel_group
+from fntrain.runtime.parallel import ParallelConfig, parallelize, transformer_blocks
+from fntrain.runtime.precision import autocast_dtype, build_grad_scaler
 from fntrain.runtime.runtime import Runtime
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime
 from fntrain.state import TrainState
-from fntrain.step import causal_lm_loss, make_train_step
+from fntrain.step import StepSettings, causal_lm_loss, make_train_step
 
 VOCAB = 13
 
@@ -68,16 +63,16 @@ def batches(steps: int = 2) -> list[list[dict[str, torch.Tensor]]]:
     return out
 
 
-def train(model: nn.Module, runtime: Runtime, steps: int = 2, **kwargs) -> tuple[list[torch.Tensor], dict]:
+def train(
+    model: nn.Module, runtime: Runtime, steps: int = 2, grad_scaler: object = None
+) -> tuple[list[torch.Tensor], dict]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     step_fn = make_train_step(
         model,
         causal_lm_loss,
         optimizer,
-        max_grad_norm=1.0,
-        dp_size=runtime.dp_size,
-        dp_group=data_parallel_group(runtime),
-        **kwargs,
+        settings=StepSettings(max_grad_norm=1.0, dp_size=runtime.dp_size, dp_group=data_parallel_group(runtime)),
+        grad_scaler=grad_scaler,
     )
     losses, state = [], TrainState()
     for batch in batches(steps):

@@ -1,4 +1,4 @@
-"""The rest of `fntrain.pipeline_step` that one process can run (a one-stage pipeline, a real torch
+"""The rest of `fntrain.step.pipeline` that one process can run (a one-stage pipeline, a real torch
 schedule over a 1-rank gloo group): the forward-only evaluation schedule (one per micro-batch shape)
 and its loss, position ids fed to the first stage, a tied copy left out of the global gradient norm,
 no norm when neither clipping nor skipping needs one, and `pipeline_layout`'s stage, schedule and tie
@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fntrain.pipeline_step import PipelineLayout, make_pipeline_eval, make_pipeline_step, pipeline_layout
 from fntrain.runtime.runtime import Runtime
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime
 from fntrain.state import TrainState
-from fntrain.step import causal_lm_loss, make_train_step
+from fntrain.step import StepSettings, causal_lm_loss, make_train_step
+from fntrain.step.pipeline import PipelineLayout, make_pipeline_eval, make_pipeline_step, pipeline_layout
 from tests.runtime.test_pipeline_step import SHAPE, _batches, _model_and_optimizer
 
 
@@ -63,9 +63,9 @@ def test_a_tied_copy_counted_elsewhere_is_left_out_of_the_norm(one_rank_env):
         layout = PipelineLayout(
             0, 1, dist.group.WORLD, "1f1b", (("head.weight", dist.group.WORLD),), (False,)
         )
-        step = make_pipeline_step(model, causal_lm_loss, [optimizer], [], layout, micro_batches=3,
-                                  max_grad_norm=1e9, device=runtime.device)  # fmt: skip
-        plain = make_train_step(reference, causal_lm_loss, reference_optimizer, max_grad_norm=1e9)
+        step = make_pipeline_step(model, causal_lm_loss, [optimizer], [], layout,
+                                  settings=StepSettings(max_grad_norm=1e9, device=runtime.device), micro_batches=3)  # fmt: skip
+        plain = make_train_step(reference, causal_lm_loss, reference_optimizer, settings=StepSettings(max_grad_norm=1e9))
         seen, want_seen = _grads_at_step(optimizer, model), _grads_at_step(reference_optimizer, reference)
         batch = _batches(steps=1)[0]
         got, want = step(TrainState(), batch), plain(TrainState(), batch)
@@ -84,8 +84,8 @@ def test_position_ids_reach_the_first_stage_and_no_norm_is_computed_unless_neede
         model, optimizer = _model_and_optimizer()
         reference, reference_optimizer = _model_and_optimizer()
         layout = PipelineLayout(0, 1, dist.group.WORLD, "gpipe")
-        step = make_pipeline_step(model, causal_lm_loss, [optimizer], [], layout, micro_batches=3,
-                                  device=runtime.device)  # fmt: skip
+        step = make_pipeline_step(model, causal_lm_loss, [optimizer], [], layout,
+                                  settings=StepSettings(device=runtime.device), micro_batches=3)  # fmt: skip
         plain = make_train_step(reference, causal_lm_loss, reference_optimizer)
         batch = _with_positions(_batches(steps=1)[0])
         got, want = step(TrainState(), batch), plain(TrainState(), batch)

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fntrain.pipeline_step import PipelineLayout, make_pipeline_step
+from fntrain.models.gpt import ModelConfig, TinyGPT
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime
 from fntrain.state import TrainState
-from fntrain.step import causal_lm_loss, make_train_step
-from recipes.tiny_gpt import ModelConfig, TinyGPT
+from fntrain.step import StepSettings, causal_lm_loss, make_train_step
+from fntrain.step.pipeline import PipelineLayout, make_pipeline_step
 
 SHAPE = ModelConfig(context=8, n_layer=2, n_head=2, d_model=16)
 
@@ -46,10 +46,10 @@ def test_one_stage_pipeline_steps_like_the_plain_step(one_rank_env, schedule, we
         layout = PipelineLayout(0, 1, dist.group.WORLD, schedule)
         model, optimizer = _model_and_optimizer()
         reference, reference_optimizer = _model_and_optimizer()
-        pipeline = make_pipeline_step(model, causal_lm_loss, [optimizer], [], layout, micro_batches=3,
-                                      max_grad_norm=0.5, loss_weighting=weighting, device=runtime.device)  # fmt: skip
-        plain = make_train_step(reference, causal_lm_loss, reference_optimizer, max_grad_norm=0.5,
-                                loss_weighting=weighting)  # fmt: skip
+        pipeline = make_pipeline_step(model, causal_lm_loss, [optimizer], [], layout, settings=StepSettings(
+            max_grad_norm=0.5, loss_weighting=weighting, device=runtime.device), micro_batches=3)  # fmt: skip
+        plain = make_train_step(reference, causal_lm_loss, reference_optimizer, settings=StepSettings(max_grad_norm=0.5,
+                                loss_weighting=weighting))  # fmt: skip
         for step, batch in enumerate(_batches()):
             state = TrainState(global_step=step)
             got, want = pipeline(state, batch), plain(state, batch)
@@ -64,7 +64,7 @@ def test_micro_batches_must_match_the_pipeline_and_each_other(one_rank_env):
     with setup_runtime(RuntimeConfig()) as runtime:
         model, optimizer = _model_and_optimizer()
         step = make_pipeline_step(model, causal_lm_loss, [optimizer], [], PipelineLayout(0, 1, dist.group.WORLD),
-                                  micro_batches=3, device=runtime.device)  # fmt: skip
+                                  settings=StepSettings(device=runtime.device), micro_batches=3)  # fmt: skip
         batch = _batches(steps=1)[0]
         with pytest.raises(ValueError, match="step 1: 2 micro-batches, the pipeline runs 3"):
             step(TrainState(), batch[:2])

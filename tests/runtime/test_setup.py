@@ -12,17 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fntrain.runtime import setup as runtime_setup
+from fntrain.runtime import device as devices
+from fntrain.runtime import threads
+from fntrain.runtime.launch import LaunchEnv, read_launch_env
+from fntrain.runtime.mesh import coordinates, parallel_sizes
 from fntrain.runtime.parallel import ParallelConfig
-from fntrain.runtime.setup import (
-    RuntimeConfig,
-    _coordinates,
-    _parallel_sizes,
-    choose_cpu_threads,
-    read_launch_env,
-    resolve_backend,
-    setup_runtime,
-)
+from fntrain.runtime.process_group import resolve_backend
+from fntrain.runtime.setup import RuntimeConfig, setup_runtime
+from fntrain.runtime.threads import choose_cpu_threads
 
 LAUNCH = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
 
@@ -31,7 +28,7 @@ LAUNCH = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h",
 
 
 def test_plain_python_run_is_not_launched():
-    assert read_launch_env({}) == runtime_setup.LaunchEnv()
+    assert read_launch_env({}) == LaunchEnv()
 
 
 def test_torchrun_environment_is_read():
@@ -65,6 +62,16 @@ def test_bad_launch_environment_is_named(env, message):
         read_launch_env(env)
 
 
+def test_the_restart_count_is_read_once_into_the_launch_and_the_runtime(one_rank_env, monkeypatch):
+    assert read_launch_env({**LAUNCH, "TORCHELASTIC_RESTART_COUNT": "2"}).restart_count == 2
+    assert read_launch_env({**LAUNCH, "TORCHELASTIC_RESTART_COUNT": ""}).restart_count == 0
+    with pytest.raises(ValueError, match="TORCHELASTIC_RESTART_COUNT must be an integer, got 'x'"):
+        read_launch_env({**LAUNCH, "TORCHELASTIC_RESTART_COUNT": "x"})
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    with setup_runtime(RuntimeConfig()) as runtime:
+        assert runtime.restart_count == 3
+
+
 # ----------------------------------------------------------------------------- backend, sizes
 
 
@@ -92,18 +99,18 @@ def test_runtime_config_validation_names_the_field():
 
 
 def test_data_parallel_size_is_what_model_parallelism_leaves():
-    sizes = _parallel_sizes(ParallelConfig(tp_size=2, pp_size=2), 8)
+    sizes = parallel_sizes(ParallelConfig(tp_size=2, pp_size=2), 8)
     assert sizes == {"tp_size": 2, "pp_size": 2, "cp_size": 1, "ep_size": 1, "dp_size": 2}
-    assert _parallel_sizes(None, 4)["dp_size"] == 4
+    assert parallel_sizes(None, 4)["dp_size"] == 4
     # rank = ((pp * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
-    coords = [_coordinates(rank, sizes) for rank in range(8)]
+    coords = [coordinates(rank, sizes) for rank in range(8)]
     assert [c["dp"] for c in coords] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert [c["tp"] for c in coords] == [0, 1, 0, 1, 0, 1, 0, 1]
     assert [c["pp"] for c in coords] == [0, 0, 0, 0, 1, 1, 1, 1]
     with pytest.raises(ValueError, match="world size 6 must be divisible by .* = 4"):
-        _parallel_sizes(ParallelConfig(tp_size=4), 6)
+        parallel_sizes(ParallelConfig(tp_size=4), 6)
     with pytest.raises(ValueError, match=r"parallel.ep_size \(3\) must divide"):
-        _parallel_sizes(ParallelConfig(ep_size=3), 4)
+        parallel_sizes(ParallelConfig(ep_size=3), 4)
 
 
 # ----------------------------------------------------------------------------- single process
@@ -159,7 +166,7 @@ def test_torchrun_runtime_builds_group_and_mesh(one_rank_env):
 
 def test_teardown_synchronizes_then_barriers_then_destroys(one_rank_env, monkeypatch):
     calls = []
-    monkeypatch.setattr(runtime_setup.devices, "synchronize", lambda device: calls.append("synchronize"))
+    monkeypatch.setattr(devices, "synchronize", lambda device: calls.append("synchronize"))
     real_barrier = dist.barrier
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: (calls.append("barrier"), real_barrier())[1])
     real_destroy = dist.destroy_process_group
@@ -242,7 +249,7 @@ def test_setup_runtime_applies_the_thread_choice_and_restores_it(no_launch_env, 
     with setup_runtime(RuntimeConfig(cpu_threads=wanted)):
         assert torch.get_num_threads() == wanted
     assert torch.get_num_threads() == before
-    monkeypatch.setattr(runtime_setup, "_available_cores", lambda: 6)
+    monkeypatch.setattr(threads, "_available_cores", lambda: 6)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     with setup_runtime(RuntimeConfig()):
         assert torch.get_num_threads() == 2

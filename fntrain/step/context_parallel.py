@@ -18,7 +18,7 @@ the whole sequence before slicing (the last token of a slice predicts the first 
 document mask stays whole (attention sees the whole sequence). Loss: each rank's token-mean over its
 slice times its share of the micro-batch's tokens is its part of the whole micro-batch's token mean;
 x cp undoes the 1/cp of gradient averaging over the (dp x cp) group, so the step's token weighting
-(`fntrain.step`) composes unchanged: dp x cp.
+(`fntrain.step.train_step`) composes unchanged: dp x cp.
 """
 
 from __future__ import annotations
@@ -148,14 +148,14 @@ def ulysses_sdpa(
     attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
     *,
     group: Any,
+    **options: Any,
 ) -> torch.Tensor:
     """`F.scaled_dot_product_attention` of [B, H, S/cp, D] slices as if over the whole sequence: the
     all-to-all to [B, H/cp, S, D], attention (`attn_mask` must be the whole sequence's [.., S, S]),
-    the all-to-all back. Key/value heads (grouped-query attention) must divide by cp too."""
+    the all-to-all back. `options` are sdpa's keyword-only ones (`scale`, `enable_gqa`), passed on.
+    Key/value heads (grouped-query attention) must divide by cp too."""
     q, k, v = (seq_to_heads(t, group) for t in (query, key, value))
     mask = _local_heads(attn_mask, group)
     if mask is not None and mask.size(-1) != k.size(-2):
@@ -164,7 +164,7 @@ def ulysses_sdpa(
             f"one over {mask.size(-1)}"
         )
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, **options
     )
     return heads_to_seq(out, group)
 

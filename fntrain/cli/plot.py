@@ -1,4 +1,4 @@
-"""Plots of a run from its metrics.jsonl: `python -m fntrain.run.plot RUN_DIR`.
+"""Plots of a run from its metrics.jsonl: `python -m fntrain.cli.plot RUN_DIR`.
 
 Writes `loss.png` (training loss, faint per log and as a moving average, and, when present, validation
 loss with its best value, against the step) and `throughput.png` (one panel each for tokens/s, MFU or
@@ -19,7 +19,7 @@ from typing import Any
 
 __all__ = ["plot_run", "plot_command", "read_metrics", "series", "smoothed", "short_number", "main"]
 
-_MATPLOTLIB_MISSING = "fntrain.run.plot needs matplotlib: pip install 'fntrain[plot]' (or pip install matplotlib)"
+_MATPLOTLIB_MISSING = "fntrain.cli.plot needs matplotlib: pip install 'fntrain[plot]' (or pip install matplotlib)"
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -219,7 +219,7 @@ def plot_command(run_dir: str, out_dir: str | None = None) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fntrain.run.plot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fntrain.cli.plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="run directory holding metrics.jsonl")
     parser.add_argument(
         "--out", default=None, help="directory for the PNG files (default: the run directory)"

@@ -1,6 +1,6 @@
 """`make_pipeline_step`: one optimizer step through a pipeline schedule (GPipe or 1F1B) [issue 20].
 
-The same contract as `fntrain.step.make_train_step`: `step_fn(state, batch) -> {"loss", "grad_norm",
+The same contract as `fntrain.step.train_step.make_train_step`: `step_fn(state, batch) -> {"loss", "grad_norm",
 "lr", "loss_tokens"}` for the micro-batches of one global step, token-weighted [S23], clipped [S24], optimizers then
 schedulers [S25]. What differs is who computes what:
 
@@ -30,18 +30,17 @@ import torch
 import torch.distributed as dist
 
 from fntrain.data.device import to_device
-from fntrain.data.tokens import IGNORE_INDEX
-from fntrain.runtime.parallel import pipeline_group
+from fntrain.runtime.groups import pipeline_group
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
-from fntrain.step import (
+from fntrain.step.settings import StepSettings, check_settings
+from fntrain.step.train_step import (
     _autocast_context,
-    _check_step_args,
     _check_zero_tokens,
     _make_nonfinite_check,
     _make_token_weights,
-    _make_update,
 )
+from fntrain.step.update import _make_update
 
 __all__ = ["PipelineLayout", "pipeline_layout", "make_pipeline_step", "make_pipeline_eval", "build_schedule"]
 
@@ -173,38 +172,11 @@ class _StepRecord:
         self.weighted = [None] * len(micro_batches)
 
 
-def make_pipeline_step(
-    model: torch.nn.Module,
-    loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor],
-    optimizers: Sequence[torch.optim.Optimizer],
-    schedulers: Sequence[Any],
-    layout: PipelineLayout,
-    *,
-    micro_batches: int,
-    max_grad_norm: float = 0.0,
-    loss_weighting: str = "token",
-    device: torch.device,
-    dp_size: int = 1,
-    dp_group: Any = None,
-    autocast_dtype: torch.dtype | None = None,
-    loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-    nonfinite: str = "raise",
-    ignore_index: int = IGNORE_INDEX,
-) -> Callable[[TrainState, Sequence[Mapping[str, Any]]], dict[str, Any]]:
-    """Build `step_fn(state, batch)` for this rank's pipeline stage `model` (see the module doc).
-
-    Every rank of the pipeline gets the same `batch` of `micro_batches` micro-batches (the data is
-    sharded by the data-parallel coordinate only); the first stage feeds `input_ids` (and
-    `position_ids`), the last computes `loss_fn(output, micro_batch)`. `loss_context` wraps the whole
-    schedule (vocabulary-parallel loss needs torch's `loss_parallel()` around forward and backward).
-    Arguments otherwise as for `fntrain.step.make_train_step` (no gradient scaler: use bf16, not fp16).
-    """
-    _check_step_args(loss_weighting, nonfinite, max_grad_norm, dp_size, autocast_dtype)
-    optimizers, schedulers = tuple(optimizers), tuple(schedulers)
-    params = [p for p in model.parameters() if p.requires_grad]
-    record = _StepRecord([], None, [], [])
-    token_weights = _make_token_weights(device, dp_size, dp_group, ignore_index)
-    token_weighted = loss_weighting == "token"
+def _weighted_loss(
+    loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor], record: _StepRecord
+) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """The last stage's loss function for the schedule: micro-batch `index`'s loss times its weight,
+    both losses kept in `record`."""
 
     def weighted_loss(output: Any, index: torch.Tensor) -> torch.Tensor:
         position = int(index)  # a host tensor the step made: reading it costs no device sync
@@ -214,16 +186,43 @@ def make_pipeline_step(
         record.weighted[position] = weighted.detach()
         return weighted
 
-    schedule = build_schedule(model, layout, device, micro_batches, weighted_loss)
+    return weighted_loss
+
+
+def make_pipeline_step(
+    model: torch.nn.Module,
+    loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor],
+    optimizers: Sequence[torch.optim.Optimizer],
+    schedulers: Sequence[Any],
+    layout: PipelineLayout,
+    *,
+    settings: StepSettings = StepSettings(),
+    micro_batches: int,
+) -> Callable[[TrainState, Sequence[Mapping[str, Any]]], dict[str, Any]]:
+    """Build `step_fn(state, batch)` for this rank's pipeline stage `model` (see the module doc).
+
+    Every rank of the pipeline gets the same `batch` of `micro_batches` micro-batches (the data is
+    sharded by the data-parallel coordinate only); the first stage feeds `input_ids` (and
+    `position_ids`), the last computes `loss_fn(output, micro_batch)`. `settings.loss_context` wraps the
+    whole schedule (vocabulary-parallel loss needs torch's `loss_parallel()` around forward and
+    backward). Settings otherwise as for `make_train_step` (no gradient scaler: use bf16, not fp16).
+    """
+    check_settings(settings)
+    params = [p for p in model.parameters() if p.requires_grad]
+    device = settings.device if settings.device is not None else params[0].device
+    record = _StepRecord([], None, [], [])
+    token_weights = _make_token_weights(device, settings.dp_size, settings.dp_group, settings.ignore_index)
+    token_weighted, loss_context = settings.loss_weighting == "token", settings.loss_context
+    schedule = build_schedule(model, layout, device, micro_batches, _weighted_loss(loss_fn, record))
     indices = torch.arange(micro_batches)  # the schedule splits it into one index per micro-batch
-    skip_mode = nonfinite == "skip"
-    needs_norm = max_grad_norm > 0 or skip_mode  # skipping decides on the global norm, the same on every rank
-    should_skip = _make_nonfinite_check(params, device.type == "cpu", skip_mode, needs_norm, None, dp_size)
-    finish_gradients = _make_finish_gradients(model, layout, params, max_grad_norm, needs_norm)
-    update = _make_update(optimizers, schedulers, None, skip_mode)
+    skip_mode = settings.nonfinite == "skip"
+    needs_norm = settings.max_grad_norm > 0 or skip_mode  # skipping decides on the global norm (same on all ranks)
+    should_skip = _make_nonfinite_check(params, device.type == "cpu", skip_mode, needs_norm, None, settings.dp_size)
+    finish_gradients = _make_finish_gradients(model, layout, params, settings.max_grad_norm, needs_norm)
+    update = _make_update(tuple(optimizers), tuple(schedulers), None, skip_mode)
     # Autocast covers the whole schedule (its forwards and backwards interleave); backward ops run in the
     # dtype their forward used either way. Under fsdp2 the MixedPrecisionPolicy casts instead (no autocast).
-    autocast = _autocast_context(device.type, autocast_dtype)
+    autocast = _autocast_context(device.type, settings.autocast_dtype)
 
     def step_fn(state: TrainState, batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         mbs = [batch] if isinstance(batch, Mapping) else list(batch)

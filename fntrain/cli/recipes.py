@@ -7,7 +7,8 @@ Names resolve in this order: an entry point in the group `fntrain.recipes` (how 
 built-in recipes, under the package `fntrain_recipes` so that no other project's top-level `recipes`
 package can shadow them, and how other projects register theirs); `fntrain_recipes.<name>`;
 `recipes.<name>` from a source checkout; a dotted module path (`my_project.recipes.sft`); or the path of
-a Python file (`./my_gpt.py`, e.g. one written by `fntrain cp`).
+a Python file (`./my_gpt.py`, e.g. one written by `fntrain cp`). What a run records to find its recipe
+again is `fntrain.run.resolved.recipe_reference`.
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from fntrain.run.resolved import FILE_MODULE_PREFIX
+
 __all__ = [
     "BUILT_IN", "ENTRY_POINT_GROUP", "Recipe", "RecipeNotFound", "available_recipes", "is_built_in", "load_recipe",
-    "recipe_reference",
 ]  # fmt: skip
 
 ENTRY_POINT_GROUP = "fntrain.recipes"
 _PACKAGES = ("fntrain_recipes", "recipes")  # installed name first; the checkout's `recipes/` second
 BUILT_IN = ("tiny_gpt", "hf_causal_lm", "vlm")
-_FILE_MODULE_PREFIX = "fntrain_recipe_file_"
 
 
 class RecipeNotFound(LookupError):
@@ -123,20 +124,10 @@ def is_built_in(name: str, module: str) -> bool:
     return name in BUILT_IN and module in {f"{package}.{name}" for package in _PACKAGES}
 
 
-def recipe_reference(spec: Any) -> str:
-    """What `load_recipe` takes to load `spec`'s recipe again: the module's dotted name, or the path of
-    the .py file it was imported from (a file recipe's module name is made up here)."""
-    name = spec.config.__module__
-    module = sys.modules.get(name)
-    if name.startswith(_FILE_MODULE_PREFIX) or name == "__main__":
-        return str(Path(getattr(module, "__file__", None) or name).resolve())
-    return name
-
-
 def _import_file(path: Path) -> ModuleType:
     """The Python file at `path` imported as a module named after it (its directory goes first on
     sys.path, as for `python path`, so the file's own neighbours import)."""
-    name = f"{_FILE_MODULE_PREFIX}{path.stem}"
+    name = f"{FILE_MODULE_PREFIX}{path.stem}"
     loader_spec = importlib.util.spec_from_file_location(name, path)
     if loader_spec is None or loader_spec.loader is None:
         raise RecipeNotFound(f"{str(path)!r} is not a Python file")

@@ -7,10 +7,10 @@ A file is a (nested) table whose keys are the config's field names (`train_iters
 a key the config does not have, or a value of the wrong type, is an error naming the dotted field
 (`train.train_iters must be an int, got '5' (str)`) before any model or device work. Fields a file
 leaves out keep the config's defaults. TOML has no null: leave out (or comment out) a field to keep
-its default, or write the string "None" for an optional field; the TOML this module writes comments
-out a None whose default is None and spells any other None "None", and says so at its top. Formats
-by suffix: `.toml` (standard library `tomllib`, or `tomli` before Python 3.11), `.yaml`/`.yml`
-(PyYAML, the `yaml` extra), `.json`.
+its default, or write the string "None" for an optional field; the TOML `fntrain.run.resolved` writes
+(`fntrain config`, a run's config.toml) comments out a None whose default is None and spells any
+other None "None", and says so at its top. Formats by suffix: `.toml` (standard library `tomllib`, or
+`tomli` before Python 3.11), `.yaml`/`.yml` (PyYAML, the `yaml` extra), `.json`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import dataclasses
 import difflib
 import enum
 import json
-import math
 import os
 import re
 import sys
@@ -30,23 +29,19 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fntrain.config import ConfigError, first_line
+from fntrain.run.resolved import NONE_STRING
 
 __all__ = [
     "ConfigFileError",
     "read_config_file",
     "config_from_dict",
     "load_config",
-    "config_to_dict",
-    "dump_toml",
-    "class_defaults",
-    "write_config",
     "split_config_args",
     "parse_config_cli",
 ]
 
 T = TypeVar("T")
 SUFFIXES = (".toml", ".yaml", ".yml", ".json")
-NONE_STRING = "None"  # how an absent value is spelled where a format has no null (TOML; tyro's CLI too)
 
 
 class ConfigFileError(ConfigError):
@@ -289,132 +284,6 @@ def load_config(cls: type[T], *paths: str | os.PathLike[str], base: T | None = N
         except (TypeError, ValueError) as error:
             raise type(error)(f"--config {str(path)!r}: {error}") from error
     return config
-
-
-# ----------------------------------------------------------------------------- writing
-
-
-def config_to_dict(config: Any) -> dict[str, Any]:
-    """The config as plain data (tuples become lists, paths strings, enums their values)."""
-
-    def plain(value: Any) -> Any:
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
-        if isinstance(value, Mapping):
-            return {str(k): plain(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple, set, frozenset)):
-            return [plain(v) for v in value]
-        if isinstance(value, enum.Enum):
-            return value.value
-        if isinstance(value, os.PathLike):
-            return os.fspath(value)
-        return value
-
-    return plain(config)
-
-
-_MISSING = object()
-NULL_NOTE = (
-    "# TOML has no null: a field that is None (its default) is written commented out, `# key = None`,\n"
-    "# and an absent key keeps its default; a None over another default is the string \"None\"."
-)
-
-
-def dump_toml(data: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> str:
-    """A nested dict of scalars and lists as TOML. TOML has no null: with `defaults` (the config class's
-    own values, `config_to_dict(type(config)())`), a None whose default is None too is written
-    commented out (reading the file leaves it at that default); any other None is the string "None",
-    which `config_from_dict` reads back as None for an optional field. Either way the file reads back
-    to the same config, and a note at its top says so."""
-    lines: list[str] = []
-
-    def scalar(value: Any) -> str:
-        if value is None:
-            return json.dumps(NONE_STRING)
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        if isinstance(value, int):
-            return str(value)
-        if isinstance(value, float):
-            if math.isnan(value):
-                return "nan"
-            if math.isinf(value):
-                return "inf" if value > 0 else "-inf"
-            return repr(value)
-        if isinstance(value, str):
-            return json.dumps(value, ensure_ascii=False)  # JSON string escapes are valid TOML basic strings
-        if isinstance(value, (list, tuple)):
-            return "[" + ", ".join(scalar(v) for v in value) + "]"
-        if isinstance(value, Mapping):
-            return "{" + ", ".join(f"{_toml_key(k)} = {scalar(v)}" for k, v in value.items()) + "}"
-        raise TypeError(f"cannot write {value!r} ({type(value).__name__}) as TOML")
-
-    def line(key: str, value: Any, default: Any) -> str:
-        if value is None and default is None:
-            return f"# {_toml_key(key)} = None"
-        return f"{_toml_key(key)} = {scalar(value)}"
-
-    def table(name: str, values: Mapping[str, Any], known: Any) -> None:
-        known = known if isinstance(known, Mapping) else {}
-        plain = {k: v for k, v in values.items() if not (isinstance(v, Mapping) and v and _is_table(v))}
-        nested = {k: v for k, v in values.items() if k not in plain}
-        if name and (plain or not nested):
-            lines.append(f"\n[{name}]")
-        for key, value in plain.items():
-            lines.append(line(key, value, known.get(key, _MISSING)))
-        for key, value in nested.items():
-            table(f"{name}.{_toml_key(key)}" if name else _toml_key(key), value, known.get(key))
-
-    table("", data, defaults)
-    text = "\n".join(lines).lstrip("\n") + "\n"
-    return f"{NULL_NOTE}\n{text}" if any(v is None for v in _leaves(data)) else text
-
-
-def _leaves(data: Any) -> list[Any]:
-    if isinstance(data, Mapping):
-        return [leaf for value in data.values() for leaf in _leaves(value)]
-    return [data]
-
-
-def _is_table(value: Mapping[str, Any]) -> bool:
-    return all(isinstance(k, str) for k in value)
-
-
-def _toml_key(key: Any) -> str:
-    key = str(key)
-    return key if key and all(c.isalnum() or c in "_-" for c in key) else json.dumps(key)
-
-
-def class_defaults(config: Any) -> dict[str, Any] | None:
-    """The config class's own values (what a file's absent key keeps), or None when it has required fields."""
-    try:
-        return config_to_dict(type(config)())
-    except TypeError:
-        return None
-
-
-def write_config(
-    config: Any, run_dir: str | os.PathLike[str], *, formats: Sequence[str] = ("json",)
-) -> list[Path]:
-    """Write the resolved config into `run_dir` as config.json (and/or config.toml); every file it
-    writes reads back with `load_config` to an equal config."""
-    run_dir = Path(run_dir).expanduser()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    data = config_to_dict(config)
-    written = []
-    for fmt in formats:
-        if fmt == "json":
-            text = json.dumps(data, indent=2, sort_keys=True) + "\n"
-        elif fmt == "toml":
-            text = dump_toml(data, class_defaults(config))
-        else:
-            raise ValueError(f"unknown config format {fmt!r}; use json or toml")
-        path = run_dir / f"config.{fmt}"
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-        written.append(path)
-    return written
 
 
 # ----------------------------------------------------------------------------- the command line

@@ -26,69 +26,15 @@ import torch
 import torch.distributed as dist
 
 from fntrain.data.device import to_device
-from fntrain.data.tokens import IGNORE_INDEX, count_loss_tokens, loss_targets
+from fntrain.data.tokens import count_loss_tokens
 from fntrain.state import TrainState
+from fntrain.step.losses import default_forward
+from fntrain.step.settings import StepSettings, check_settings
+from fntrain.step.update import _by_mesh, _make_unscale_and_clip, _make_update, _total_grad_norm
 
-__all__ = [
-    "make_train_step",
-    "default_forward",
-    "causal_lm_loss",
-    "current_lr",
-    "LOSS_WEIGHTINGS",
-    "NONFINITE_MODES",
-]
+__all__ = ["make_train_step"]
 
 log = logging.getLogger(__name__)
-
-LOSS_WEIGHTINGS = ("token", "mean")
-NONFINITE_MODES = ("raise", "skip")
-AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
-_MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
-
-
-def default_forward(model: torch.nn.Module, micro_batch: Mapping[str, Any]) -> Any:
-    """Call the model with the micro-batch's model inputs as keywords (input_ids, attention_mask, ...)."""
-    return model(**{key: micro_batch[key] for key in _MODEL_INPUTS if key in micro_batch})
-
-
-def causal_lm_loss(
-    output: Any, micro_batch: Mapping[str, Any], ignore_index: int = IGNORE_INDEX
-) -> torch.Tensor:
-    """Mean next-token cross-entropy over the valid tokens of one micro-batch; 0 when there are none.
-
-    `output` is the logits tensor or an object with `.logits` (Hugging Face). Targets and validity per
-    [S22]; the cross-entropy is computed in fp32 whatever the logits' dtype. Logits that are a DTensor
-    sharded over the vocabulary (tensor parallelism) need torch's `loss_parallel()` context around this
-    call and the backward.
-    """
-    logits = output.logits if hasattr(output, "logits") else output
-    targets, valid = loss_targets(micro_batch, ignore_index)
-    if "shift_labels" not in micro_batch:
-        logits = logits[..., :-1, :]
-    per_token = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(),
-        targets.reshape(-1).masked_fill(~valid.reshape(-1), 0),
-        reduction="none",
-    )
-    if hasattr(
-        per_token, "to_local"
-    ):  # vocabulary-parallel logits under loss_parallel(): a replicated DTensor
-        per_token = per_token.to_local()
-    valid_flat = valid.reshape(-1)
-    # Dividing by max(count, 1) keeps an all-ignored micro-batch at exactly 0 (a plain mean gives NaN).
-    return (per_token * valid_flat).sum() / valid_flat.sum().clamp(min=1)
-
-
-def current_lr(optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any]) -> float:
-    """Max of the schedulers' last lr, else max param-group lr [S29] (host floats: no sync)."""
-    if schedulers:
-        return max(max(s.get_last_lr()) for s in schedulers)
-    return max(group["lr"] for opt in optimizers for group in opt.param_groups)
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's global value (FSDP2's grad norm); plain tensors unchanged."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 _ASSERT_MODES: dict[str, str] = {}  # device type -> "msg" | "plain" | "host"
@@ -135,86 +81,50 @@ def _fsdp_accumulation(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def _check_step_args(
-    loss_weighting: str, nonfinite: str, max_grad_norm: Any, dp_size: Any, autocast_dtype: Any
-) -> None:
-    if loss_weighting not in LOSS_WEIGHTINGS:
-        raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {loss_weighting!r}")
-    if nonfinite not in NONFINITE_MODES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
-    if not isinstance(max_grad_norm, (int, float)) or isinstance(max_grad_norm, bool) or max_grad_norm < 0:
-        raise ValueError(f"max_grad_norm must be a number >= 0, got {max_grad_norm!r}")
-    if type(dp_size) is not int or dp_size < 1:
-        raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
-    if autocast_dtype is not None and autocast_dtype not in AUTOCAST_DTYPES:
-        raise ValueError(
-            f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {autocast_dtype!r}"
-        )
-
-
 def make_train_step(
     model: torch.nn.Module,
     loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor],
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     schedulers: Any | Sequence[Any] = (),
     *,
-    max_grad_norm: float = 0.0,
-    loss_weighting: str = "token",
-    forward: Callable[[torch.nn.Module, Mapping[str, Any]], Any] = default_forward,
-    device: torch.device | None = None,
-    dp_size: int = 1,
-    dp_group: Any = None,
-    autocast_dtype: torch.dtype | None = None,
+    settings: StepSettings = StepSettings(),
     grad_scaler: Any = None,
-    nonfinite: str = "raise",
-    ignore_index: int = IGNORE_INDEX,
-    loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    forward: Callable[[torch.nn.Module, Mapping[str, Any]], Any] = default_forward,
     step_end: Callable[[], Mapping[str, Any]] | None = None,
 ) -> Callable[[TrainState, Sequence[Mapping[str, Any]]], dict[str, Any]]:
     """Build `step_fn(state, batch) -> {"loss", "grad_norm", "lr", "loss_tokens"}` for one optimizer step.
 
     `batch` is the sequence of micro-batches of one global step (a lone mapping is one micro-batch).
-    `model` is what `parallelize` returned (plain, DDP or FSDP2); `dp_size`/`dp_group` are the
-    data-parallel degree and group (`Runtime.dp_size`, `data_parallel_group(runtime)`).
-
-    loss_weighting "token" (default, [S23]): the gradient equals that of one big batch over all ranks
-    and the reported loss, averaged over data-parallel ranks, is the exact token-weighted mean; a step
-    with zero valid tokens must have zero loss (else ValueError) and then takes a zero-gradient update.
-    "mean": plain mean over micro-batches and ranks.
+    `model` is what `parallelize` returned (plain, DDP or FSDP2); `settings` (`StepSettings`) holds the
+    clipping norm, loss weighting, non-finite mode, device, data-parallel size and group, autocast
+    dtype and loss context. Token weighting [S23]: the gradient equals that of one big batch over all
+    ranks and the reported loss, averaged over data-parallel ranks, is the exact token-weighted mean; a
+    step with zero valid tokens must have zero loss (else ValueError) and takes a zero-gradient update.
     "lr" is the rate this step's update used (the schedulers step after it); "loss_tokens" (token mode
-    only) is the step's loss-token count over all data-parallel ranks, a device int64 count the
-    metrics hook weights its mean over the steps since the last log by (it is not logged).
-    `max_grad_norm > 0` clips and `grad_norm` reports the pre-clip norm, else 0 [S24]. Order: optimizers
-    step, zero_grad, schedulers step [S25]. `autocast_dtype` (bf16/fp16) runs forward under autocast;
-    `grad_scaler` (needed for fp16; `ShardedGradScaler` under FSDP2) scales the backward, unscales
-    before clipping and skips steps with inf/NaN gradients by itself.
+    only) is the step's loss-token count over all data-parallel ranks, a device int64 count the metrics
+    hook weights its mean by. Order: optimizers step, zero_grad, schedulers step [S25].
+    `grad_scaler` (needed for fp16; `ShardedGradScaler` under FSDP2) scales the backward, unscales before
+    clipping and skips steps with inf/NaN gradients by itself.
     nonfinite "raise": a non-finite loss (or, when clipping without a scaler, a non-finite gradient norm,
-    which is the same on every rank so all ranks stop together) is an error naming the step, checked
-    without a host sync on accelerators (`torch._assert_async`: the error surfaces at the device's next
-    sync; on CPU the check is free and immediate). "skip": skip the update and the schedulers instead
-    (metrics gain "skipped"); deciding that on the host costs a sync per step. With several
-    data-parallel ranks the decision follows the synced gradients' norm so every rank agrees; with a
-    grad scaler it is left to the scaler.
-    `loss_context` wraps every forward, loss and backward (tensor parallelism's vocabulary-parallel loss
-    needs torch's `loss_parallel()` there).
-    `step_end()`, when given, runs after the schedulers on every step, outside autograd (a MoE router's
-    bias update); it returns more metrics (device tensors), merged into the step's (a name the step
-    already reports is a ValueError).
+    the same on every rank) is an error naming the step, checked without a host sync on accelerators
+    (`torch._assert_async`: it surfaces at the device's next sync; free and immediate on CPU). "skip":
+    skip the update and the schedulers instead (metrics gain "skipped"; a host sync per step); with
+    several ranks the decision follows the synced gradients' norm, with a scaler it is the scaler's.
+    `forward(model, micro_batch)` calls the model. `step_end()`, when given, runs after the schedulers
+    on every step, outside autograd (a MoE router's bias update); its metrics (device tensors) are merged
+    into the step's (a name the step already reports is a ValueError).
     """
-    _check_step_args(loss_weighting, nonfinite, max_grad_norm, dp_size, autocast_dtype)
+    check_settings(settings)
     optimizers, schedulers, params = _step_parts(model, optimizers, schedulers)
-    device = device if device is not None else params[0].device
-    _check_dp_group(dp_size, dp_group)
+    device = settings.device if settings.device is not None else params[0].device
+    _check_dp_group(settings.dp_size, settings.dp_group)
     on_cpu = device.type == "cpu"
-    clip = max_grad_norm > 0
-    skip_mode = nonfinite == "skip"
+    clip = settings.max_grad_norm > 0
+    skip_mode = settings.nonfinite == "skip"
     # Each phase is a closure over its precomputed settings, built once here: the step itself only calls them.
-    backward = _make_backward(
-        model, loss_fn, forward, device, loss_weighting == "token", autocast_dtype, grad_scaler,
-        dp_size, dp_group, ignore_index, loss_context,
-    )  # fmt: skip
-    unscale_and_clip = _make_unscale_and_clip(params, optimizers, max_grad_norm, grad_scaler)
-    should_skip = _make_nonfinite_check(params, on_cpu, skip_mode, clip, grad_scaler, dp_size)
+    backward = _make_backward(model, loss_fn, forward, grad_scaler, settings, device)
+    unscale_and_clip = _make_unscale_and_clip(params, optimizers, settings.max_grad_norm, grad_scaler)
+    should_skip = _make_nonfinite_check(params, on_cpu, skip_mode, clip, grad_scaler, settings.dp_size)
     update = _make_update(optimizers, schedulers, grad_scaler, skip_mode, step_end)
 
     def step_fn(state: TrainState, batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -229,7 +139,6 @@ def make_train_step(
         return update(reported, grad_norm, skip, loss_tokens)
 
     return step_fn
-
 
 def _step_parts(model: torch.nn.Module, optimizers: Any, schedulers: Any) -> tuple[tuple, tuple, list]:
     """(optimizers, schedulers) as tuples and the trainable parameters; none of either is a ValueError."""
@@ -306,14 +215,9 @@ def _make_backward(
     model: torch.nn.Module,
     loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor],
     forward: Callable[[torch.nn.Module, Mapping[str, Any]], Any],
-    device: torch.device,
-    token_weighted: bool,
-    autocast_dtype: torch.dtype | None,
     grad_scaler: Any,
-    dp_size: int,
-    dp_group: Any,
-    ignore_index: int,
-    loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    settings: StepSettings,
+    device: torch.device,
 ) -> Callable[[TrainState, list[Mapping[str, Any]]], tuple[torch.Tensor, Any]]:
     """`backward(state, micro_batches) -> (reported loss, loss tokens)`: forward and backward of every
     micro-batch, each loss weighted by its token share (token mode) or 1/count (mean mode), gradients
@@ -322,8 +226,10 @@ def _make_backward(
     fsdp = hasattr(model, "set_requires_gradient_sync")
     ddp = not fsdp and hasattr(model, "no_sync")
     on_cpu = device.type == "cpu"
-    autocast = _autocast_context(device.type, autocast_dtype)
-    token_weights = _make_token_weights(device, dp_size, dp_group, ignore_index)
+    token_weighted = settings.loss_weighting == "token"
+    loss_context = settings.loss_context
+    autocast = _autocast_context(device.type, settings.autocast_dtype)
+    token_weights = _make_token_weights(device, settings.dp_size, settings.dp_group, settings.ignore_index)
 
     def backward(state: TrainState, micro_batches: list[Mapping[str, Any]]) -> tuple[torch.Tensor, Any]:
         count = len(micro_batches)
@@ -356,61 +262,6 @@ def _make_backward(
         return reported, total_tokens
 
     return backward
-
-
-def _make_unscale_and_clip(
-    params: list[torch.Tensor],
-    optimizers: tuple[torch.optim.Optimizer, ...],
-    max_grad_norm: float,
-    grad_scaler: Any,
-) -> Callable[[], Any]:
-    """`unscale_and_clip() -> grad_norm`: unscale the gradients when a scaler is in use, then clip when
-    max_grad_norm > 0 and return the pre-clip norm; 0.0 when not clipping [S24]."""
-    clip = max_grad_norm > 0
-
-    def unscale_and_clip() -> Any:
-        if grad_scaler is not None:
-            for optimizer in optimizers:
-                grad_scaler.unscale_(optimizer)
-        if clip:
-            return _clip_grad_norm(groups, max_grad_norm)
-        return 0.0  # a host float costs no device op
-
-    groups = _by_mesh(params)
-    return unscale_and_clip
-
-
-def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The parameters grouped by the DeviceMesh they are DTensors on (plain tensors: one group)."""
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for param in params:
-        groups.setdefault(getattr(param, "device_mesh", None), []).append(param)
-    return list(groups.values())
-
-
-def _total_grad_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
-    """The 2-norm of every gradient of `groups`, each group's norm made whole first."""
-    norms = [
-        _full(torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], foreach=None))
-        for group in groups
-    ]
-    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-
-
-def _clip_grad_norm(groups: list[list[torch.Tensor]], max_norm: float) -> torch.Tensor:
-    """torch's clip_grad_norm_ over all groups; the pre-clip total norm. DTensors on different meshes
-    (expert weights sharded over ep x dp beside the dense ones over dp) cannot meet in one norm, so
-    each mesh's norm is made whole and the total combined from those (what torchtitan does for ep)."""
-    if len(groups) == 1:
-        return _full(torch.nn.utils.clip_grad_norm_(groups[0], max_norm, foreach=None))
-    from torch.distributed.tensor.experimental import implicit_replication
-
-    total = _total_grad_norm(groups)
-    with implicit_replication():  # the total is a plain tensor; the grads are DTensors
-        for group in groups:
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=None)
-    return total
-
 
 def _make_nonfinite_check(
     params: list[torch.Tensor], on_cpu: bool, skip_mode: bool, clip: bool, grad_scaler: Any, dp_size: int
@@ -452,49 +303,3 @@ def _make_nonfinite_check(
         return False  # the scaler skips non-finite gradients itself, consistently over ranks
 
     return should_skip
-
-
-def _make_update(
-    optimizers: tuple[torch.optim.Optimizer, ...],
-    schedulers: tuple[Any, ...],
-    grad_scaler: Any,
-    skip_mode: bool,
-    step_end: Callable[[], Mapping[str, Any]] | None = None,
-) -> Callable[[torch.Tensor, Any, bool], dict[str, Any]]:
-    """`update(reported, grad_norm, skip, loss_tokens) -> metrics`: step the optimizers (unless `skip`),
-    zero the gradients, step the schedulers (unless `skip`) [S25], and gather the step's metrics: "lr"
-    is the rate this step's update used (read before the schedulers step, a host float: no sync);
-    "loss_tokens" (token mode) the step's loss-token count over all data-parallel ranks, as given."""
-
-    def update(reported: torch.Tensor, grad_norm: Any, skip: bool, loss_tokens: Any = None) -> dict[str, Any]:
-        lr = current_lr(optimizers, schedulers)  # the rate this step uses: read before the schedulers step
-        if not skip:
-            for optimizer in optimizers:
-                if grad_scaler is not None:
-                    grad_scaler.step(optimizer)
-                else:
-                    optimizer.step()
-        if grad_scaler is not None:
-            grad_scaler.update()  # also after a skipped step: unscale_ must be followed by update
-        for optimizer in optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        if not skip:
-            for scheduler in schedulers:
-                scheduler.step()
-        metrics: dict[str, Any] = {
-            "loss": reported,
-            "grad_norm": grad_norm,
-            "lr": lr,
-        }
-        if loss_tokens is not None:
-            metrics["loss_tokens"] = loss_tokens
-        if skip_mode:
-            metrics["skipped"] = float(skip)
-        if step_end is not None:
-            extra = step_end()
-            if clash := sorted(set(extra) & set(metrics)):
-                raise ValueError(f"step_end metrics {clash} collide with the step's own")
-            metrics.update(extra)
-        return metrics
-
-    return update

@@ -1,7 +1,7 @@
 """The config reference page (docs/config.md): every flag of the built-in recipes, its type, default and
 meaning, from the config dataclasses and their field docstrings (the text `--help` shows).
 
-    python -m fntrain.run.config_doc > docs/config.md     # tests/test_config_doc.py checks it is current
+    python -m fntrain.cli.config_doc > docs/config.md     # tests/test_config_doc.py checks it is current
 
 The shared `JobConfig` sections come first with their defaults; then, per recipe, the defaults it
 changes and the sections only it has. Field docstrings are read with `ast` from the class source, the
@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
+from fntrain.cli.recipes import load_recipe
 from fntrain.config import flag_name
 from fntrain.run.config import JobConfig
-from fntrain.run.recipes import load_recipe
 
 __all__ = ["config_reference", "field_docstrings"]
 
@@ -109,7 +109,7 @@ def config_reference(recipes: tuple[str, ...] = RECIPES) -> str:
     base = JobConfig()
     out = ["# Config reference", "",
            "Every flag of the built-in recipes, generated from the config dataclasses and their docstrings "
-           "(`python -m fntrain.run.config_doc > docs/config.md`; `fntrain run RECIPE --help` prints the same "
+           "(`python -m fntrain.cli.config_doc > docs/config.md`; `fntrain run RECIPE --help` prints the same "
            "text). In a config file (`--config FILE.toml`) a flag is a key of its section: "
            "`--train.global-batch-size 64` is `global_batch_size = 64` under `[train]`; `fntrain config RECIPE` "
            "writes a recipe's whole config as a file to start from.", "",

@@ -1,0 +1,75 @@
+"""`fntrain export CKPT --format hf|dcp OUT [options]`: a DCP checkpoint -> a Hugging Face directory, or
+back; the recipe's `hf_conversion` renames the weights on the way out."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any
+
+from fntrain.cli.errors import CommandError
+from fntrain.cli.recipes import RecipeNotFound, load_recipe
+
+__all__ = ["command"]
+
+
+_EXPORT_CKPT_HELP = (
+    "hf: an fntrain checkpoint (step_<N>/, or a checkpoint root: its latest); dcp: a Hugging Face directory"
+)
+_EXPORT_OUT_HELP = "hf: the Hugging Face directory to write; dcp: the checkpoint root to write"
+
+
+def command(args: list[str]) -> Any:
+    """`fntrain export`: the written path; a bad source or an occupied output is a `CommandError`."""
+    import tyro
+
+    from fntrain.checkpoint import export_options, hf_export
+
+    positional = tyro.conf.Positional
+    command_cls = dataclasses.make_dataclass(
+        "Export",
+        [
+            ("checkpoint", Annotated[str, positional, tyro.conf.arg(metavar="CKPT", help=_EXPORT_CKPT_HELP)]),
+            ("out", Annotated[str, positional, tyro.conf.arg(metavar="OUT", help=_EXPORT_OUT_HELP)]),
+            (
+                "options",
+                Annotated[export_options.ExportOptions, tyro.conf.arg(name="")],
+                dataclasses.field(default=export_options.ExportOptions()),
+            ),
+        ],
+        frozen=True,
+    )
+    summary = "\n\n".join((hf_export.__doc__ or "").split("\n\n")[:2])
+    parsed = tyro.cli(command_cls, args=args, prog="fntrain export", description=summary)
+    try:
+        convert = _hf_conversion(parsed.checkpoint, parsed.out, parsed.options)
+        path = export_options.export_checkpoint(parsed.checkpoint, parsed.out, parsed.options, convert)
+    except (ValueError, OSError, KeyError) as error:  # a bad source, an occupied output: no traceback
+        raise CommandError(str(error)) from error
+    print(path)
+    return path
+
+
+def _hf_conversion(checkpoint: str, out: str, options: Any) -> Any:
+    """The conversion of `--format hf` for `checkpoint`: the `hf_conversion` of `options.recipe`, else of
+    the recipe its meta.json records, bound to the run config it saved; None for a recipe without one,
+    an old checkpoint that records none, `--recipe none`, or another format."""
+    from fntrain.checkpoint import hf_export
+    from fntrain.checkpoint.restorer import read_meta
+    from fntrain.cli.config_file import config_from_dict
+
+    if options.format != "hf" or options.recipe == "none":
+        return None
+    meta = read_meta(hf_export.export_source(checkpoint, out, options.overwrite))
+    name = options.recipe or meta.get("recipe")
+    if not name:
+        return None
+    try:
+        recipe = load_recipe(name)
+    except RecipeNotFound as error:
+        flag = "--recipe" if options.recipe else "the checkpoint's recipe"
+        hint = "--recipe none exports the model's own names"
+        raise CommandError(f"{flag} {name!r}: {error} ({hint})") from None
+    if recipe.spec.hf_conversion is None:
+        return None
+    config = config_from_dict(recipe.config_cls, meta.get("config") or {})
+    return lambda state: recipe.spec.hf_conversion(config, state)

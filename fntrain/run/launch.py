@@ -1,0 +1,205 @@
+"""What this launch of a run is, decided once and passed on as one record.
+
+    decide_launch(config, restart_count, ...)   phase 1, from the files alone: a `Launch`
+    verify_launch(config, launch, ...)          phase 2, every rank together: the checkpoint verified in
+                                                full; a damaged one named by path is refused, under
+                                                latest / auto the newest good one is decided again here
+    restore_launch(config, launch, built, hooks)   the TrainState the launch trains from
+
+A launch is one of: fresh (nothing to restore), resume (a checkpoint, with the setting changes it
+brings), overwrite (--overwrite on a job's first launch: the old run moves aside whole) or complete (the
+checkpoint is at the run's last step: nothing to train, the exports are written again). A torchrun
+restart of a job (restart_count > 0) keeps the run its first launch began.
+
+`checkpoint.restore_from` is parsed here and nowhere else: "none", "latest" / "auto" (the newest
+complete checkpoint under the checkpoint root, if any), or a path. A weights-only restore starts a new
+run, so any setting may change; otherwise a setting that changes the numbers needs
+checkpoint.allow_changes, and changed data needs `data` in it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fntrain.checkpoint import find_latest, read_meta
+from fntrain.checkpoint.layout import MARKER, checkpoint_root
+from fntrain.checkpoint.restorer import NAMED_DAMAGED_HINT, resolve_source, restore
+from fntrain.checkpoint.verify import CheckpointDamagedError, damage
+from fntrain.config import ConfigError
+from fntrain.data.fingerprint import fingerprint_changes, fingerprint_summary
+from fntrain.run.config import JobConfig
+from fntrain.run.directory import aside_name, config_changes, holds_run
+from fntrain.run.resolved import config_to_dict
+from fntrain.state import TrainState
+
+__all__ = ["Launch", "requested_source", "decide_launch", "verify_launch", "restore_launch"]
+
+log = logging.getLogger("fntrain.run.launch")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What this launch is: `source` is what checkpoint.restore_from asks for (None: nothing, or the
+    run starts over), `path` the checkpoint it continues (None: it starts at step 0), `changes` the
+    allowed setting changes ({field: [old, new]}) against it, `moves_aside` whether the old run in the
+    run directory moves aside first, `complete` whether the checkpoint already reached the run's end."""
+
+    restart_count: int = 0
+    source: str | None = None
+    path: Path | None = None
+    changes: dict[str, list[Any]] = field(default_factory=dict)
+    moves_aside: bool = False
+    complete: bool = False
+
+    @property
+    def kind(self) -> str:
+        """fresh, resume, overwrite or complete (an overwrite that restores a named checkpoint is a resume)."""
+        if self.complete:
+            return "complete"
+        if self.path is not None:
+            return "resume"
+        return "overwrite" if self.moves_aside else "fresh"
+
+    @property
+    def resumes(self) -> bool:
+        """Whether the run asked to continue from a checkpoint (one may not exist yet under auto)."""
+        return self.source is not None
+
+
+def decide_launch(config: JobConfig, restart_count: int, *, fingerprint: dict[str, Any] | None = None,
+                  train_iters: int | None = None) -> Launch:  # fmt: skip
+    """Phase 1: the launch `config` asks for in its run directory, from the files alone (a missing or
+    cut-short checkpoint file shows in the sizes; nothing is written, no process group needed). A
+    `ConfigError` for a second run into a directory that holds one, a checkpoint path that does not
+    exist, or settings or data (`fingerprint`) that differ from the checkpoint's."""
+    checkpoint = config.checkpoint
+    root = checkpoint_root(checkpoint, config.run_dir)
+    found = holds_run(config.run_dir, root)
+    source = requested_source(config, restart_count)
+    if found and source is None and not config.overwrite:
+        raise ConfigError(
+            f"run_dir {config.run_dir!r} already holds a run ({', '.join(map(repr, found))}): resume it with "
+            "checkpoint.restore_from latest (or auto), or start over with `overwrite`, which moves the old "
+            f"run to {str(aside_name(config.run_dir))!r}"
+        )
+    moves_aside = _starts_over(config, restart_count) and bool(found)
+    if source is None:
+        return Launch(restart_count, moves_aside=moves_aside)
+    path = find_latest(root) if source in ("latest", "auto") else _named_checkpoint(source)
+    return _launch_from(config, restart_count, source, path, fingerprint, train_iters, moves_aside=moves_aside)
+
+
+def _starts_over(config: JobConfig, restart_count: int) -> bool:
+    """--overwrite on a job's first launch (a torchrun restart keeps the run its first launch began)."""
+    return config.overwrite and restart_count == 0
+
+
+def requested_source(config: JobConfig, restart_count: int = 0) -> str | None:
+    """What checkpoint.restore_from asks this launch to continue: "latest", "auto" or a path; None for
+    none, and for latest / auto when the run starts over (the old run's checkpoints move aside with it).
+    A plan (no launch yet) asks it for a job's first launch."""
+    source = config.checkpoint.restore_from
+    if source == "none" or (_starts_over(config, restart_count) and source in ("latest", "auto")):
+        return None
+    return source
+
+
+def _named_checkpoint(source: str) -> Path:
+    """The checkpoint directory a path in restore_from names: it exists, and a complete one's files
+    have their recorded sizes."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ConfigError(f"checkpoint.restore_from {source!r} does not exist")
+    if (path / MARKER).is_file():
+        problem = damage(path, contents=False)
+        if problem is not None:
+            raise CheckpointDamagedError(problem, NAMED_DAMAGED_HINT)
+    return path
+
+
+def _launch_from(config: JobConfig, restart_count: int, source: str, path: Path | None,
+                 fingerprint: dict[str, Any] | None, train_iters: int | None, *, moves_aside: bool) -> Launch:  # fmt: skip
+    """The launch that continues the checkpoint `path` (None: none exists yet): its setting and data
+    changes, and whether it is already complete. The one decision both phases use."""
+    if path is None:
+        return Launch(restart_count, source, moves_aside=moves_aside)
+    meta = _meta(path) if not config.checkpoint.weights_only else {}
+    changes = {**_setting_changes(config, path, meta.get("config")), **_data_changes(config, path, meta.get("data"), fingerprint)}  # fmt: skip
+    step = int((meta.get("train_state") or {}).get("global_step", 0))
+    complete = train_iters is not None and step >= train_iters > 0
+    return Launch(restart_count, source, path, changes, moves_aside, complete)
+
+
+def _meta(path: Path) -> dict[str, Any]:
+    """The checkpoint's meta.json, or {} when it cannot be read (phase 2's verification says why)."""
+    try:
+        return read_meta(path)
+    except (OSError, ValueError):
+        return {}
+
+
+def _setting_changes(config: JobConfig, path: Path, saved: dict[str, Any] | None) -> dict[str, list[Any]]:
+    """The setting changes resuming `path` (whose resolved config was `saved`) brings, allowed by
+    checkpoint.allow_changes; any other change of a field that changes the numbers is a `ConfigError`
+    listing them."""
+    if not saved:
+        return {}
+    allowed = {name.replace("-", "_") for name in config.checkpoint.allow_changes}
+    allowed.discard("data")  # the data itself, compared by its fingerprint (_data_changes)
+    changes = config_changes(saved, config_to_dict(config), free=config.FREE_FIELDS)
+    refused = [(name, old, new) for name, old, new in changes if name not in allowed]
+    if refused:
+        listed = "; ".join(f"`{name}` {old!r} -> {new!r}" for name, old, new in refused)
+        raise ConfigError(
+            f"checkpoint.restore_from {str(path)!r} belongs to a run with other settings: {listed}; "
+            "resume with the same settings, or name each field in checkpoint.allow_changes"
+        )
+    return {name: [old, new] for name, old, new in changes}
+
+
+def _data_changes(config: JobConfig, path: Path, saved: dict[str, Any] | None,
+                  fingerprint: dict[str, Any] | None) -> dict[str, list[Any]]:  # fmt: skip
+    """{"data": [as saved, now]} when the data `fingerprint` differs from the one the checkpoint
+    recorded (`saved`) and `data` is in checkpoint.allow_changes; a `ConfigError` naming each changed
+    file and fact when it is not. Nothing to compare (a checkpoint saved before fingerprints): {}."""
+    changes = fingerprint_changes(saved, fingerprint) if saved and fingerprint is not None else []
+    if not changes:
+        return {}
+    listed = "; ".join(changes)
+    if "data" not in config.checkpoint.allow_changes:
+        raise ConfigError(
+            f"checkpoint.restore_from {str(path)!r} was saved with other data: {listed}; resume with the "
+            "same data, or add data to checkpoint.allow_changes"
+        )
+    log.warning("resuming with changed data (checkpoint.allow_changes data): %s", listed)
+    return {"data": [fingerprint_summary(saved), fingerprint_summary(fingerprint)]}
+
+
+def verify_launch(config: JobConfig, launch: Launch, *, fingerprint: dict[str, Any] | None = None,
+                  train_iters: int | None = None) -> Launch:  # fmt: skip
+    """Phase 2 (every rank; a collective under a process group): `launch` with its checkpoint verified
+    in full. A named checkpoint that is damaged is a `CheckpointDamagedError`; under latest / auto a
+    damaged one is passed over for the newest good one, whose launch is decided again by the same
+    rules (settings, data, completeness)."""
+    if launch.source is None:
+        return launch
+    path = resolve_source(launch.source, checkpoint_root(config.checkpoint, config.run_dir))
+    if path != launch.path:
+        launch = _launch_from(config, launch.restart_count, launch.source, path, fingerprint, train_iters,
+                              moves_aside=launch.moves_aside)  # fmt: skip
+    for name, (old, new) in launch.changes.items():
+        log.warning("resuming with %s changed from %r to %r (checkpoint.allow_changes)", name, old, new)
+    return launch
+
+
+def restore_launch(config: JobConfig, launch: Launch, built: Any, hooks: list[Any]) -> TrainState:
+    """Restore the verified checkpoint of `launch` into the built components and the hooks' states
+    [S36]; the TrainState to train from (a fresh one without a checkpoint). Every rank calls it."""
+    if launch.path is None:
+        return TrainState()
+    runtime = built.runtime
+    return restore(launch.path, built.components, hooks=hooks, weights_only=config.checkpoint.weights_only,
+                   device=runtime.device, model_part=runtime.pp_size > 1, verified=True)  # fmt: skip

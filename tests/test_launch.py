@@ -1,0 +1,146 @@
+"""What a launch is, decided in one function from the files alone (`fntrain.run.launch`): fresh, resume,
+overwrite or complete; a second run into a directory refused; a torchrun restart keeping the run its
+first launch began; phase 2's fallback decided again by the same rules. Plain calls over hand-made
+checkpoint directories: no model, no device, no run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from fntrain.checkpoint.layout import DCP_METADATA, MARKER
+from fntrain.config import ConfigError
+from fntrain.run import launch as launching
+from fntrain.run.launch import Launch, decide_launch, verify_launch
+from recipes import tiny_gpt
+
+FORMAT = 1  # fntrain.checkpoint's meta.json format
+
+
+def config(tmp_path: Path, *, overwrite: bool = False, **checkpoint) -> tiny_gpt.Config:
+    base = tiny_gpt.Config()
+    return dataclasses.replace(base, run_dir=str(tmp_path / "run"), overwrite=overwrite,
+                               checkpoint=dataclasses.replace(base.checkpoint, **checkpoint))  # fmt: skip
+
+
+def checkpoint(run: tiny_gpt.Config, step: int, *, data: dict | None = None, **changed) -> Path:
+    """A complete-looking checkpoint `step_<step>` of `run` (its meta.json records `run`'s settings,
+    with `changed` top-level fields replaced)."""
+    path = Path(run.run_dir) / "checkpoints" / f"step_{step}"
+    path.mkdir(parents=True)
+    (path / DCP_METADATA).write_bytes(b"")
+    (path / MARKER).write_text("{}")
+    saved = launching.config_to_dict(dataclasses.replace(run, **changed))
+    meta = {"format": FORMAT, "config": saved, "train_state": {"epoch": 0, "global_step": step, "cursor": step},
+            "data": data}  # fmt: skip
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+def test_an_empty_run_directory_is_a_fresh_launch(tmp_path):
+    for source in ("none", "latest", "auto"):
+        launch = decide_launch(config(tmp_path, restore_from=source), 0, train_iters=6)
+        assert launch.kind == "fresh" and launch.path is None and not launch.moves_aside
+        assert launch.resumes == (source != "none")
+
+
+def test_a_second_run_into_a_directory_is_refused_naming_both_ways_out(tmp_path):
+    run = config(tmp_path)
+    Path(run.run_dir).mkdir()
+    (Path(run.run_dir) / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"already holds a run \('config.json'\).*restore_from latest.*overwrite"):
+        decide_launch(run, 0)
+
+
+def test_latest_resumes_the_newest_checkpoint_and_knows_when_the_run_is_complete(tmp_path):
+    run = config(tmp_path, restore_from="latest")
+    checkpoint(run, 2)
+    newest = checkpoint(run, 4)
+    resumed = decide_launch(run, 0, train_iters=6)
+    assert (resumed.kind, resumed.path, resumed.changes) == ("resume", newest, {})
+    assert decide_launch(run, 0, train_iters=4).kind == "complete"
+
+
+def test_overwrite_moves_the_old_run_aside_on_the_first_launch_only(tmp_path):
+    run = config(tmp_path, overwrite=True, restore_from="auto")
+    step = checkpoint(run, 3)
+    first = decide_launch(run, 0, train_iters=6)
+    assert (first.kind, first.moves_aside, first.path, first.source) == ("overwrite", True, None, None)
+    restarted = decide_launch(run, 1, train_iters=6)  # torchrun restarted this job: keep its run
+    assert (restarted.kind, restarted.moves_aside, restarted.path) == ("resume", False, step)
+
+
+def test_overwrite_into_an_empty_directory_moves_nothing(tmp_path):
+    launch = decide_launch(config(tmp_path, overwrite=True), 0)
+    assert launch.kind == "fresh" and not launch.moves_aside
+
+
+def test_a_named_checkpoint_is_restored_even_when_the_run_starts_over(tmp_path):
+    other = config(tmp_path / "other")
+    step = checkpoint(other, 5)
+    (step / MARKER).unlink()  # its files are phase 2's to verify: this one's are not real DCP files
+    run = config(tmp_path, overwrite=True, restore_from=str(step))
+    launch = decide_launch(run, 0, train_iters=8)
+    assert (launch.kind, launch.path) == ("resume", step)
+
+
+def test_a_named_checkpoint_that_does_not_exist_is_a_setting_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"checkpoint.restore_from '.*nowhere' does not exist"):
+        decide_launch(config(tmp_path, restore_from=str(tmp_path / "nowhere")), 0)
+
+
+def test_changed_settings_are_refused_field_by_field_unless_allowed(tmp_path):
+    run = config(tmp_path, restore_from="latest")
+    checkpoint(run, 2, seed=7)
+    with pytest.raises(ConfigError, match=r"other settings: `seed` 7 -> 42; .*allow_changes"):
+        decide_launch(run, 0, train_iters=6)
+    allowed = config(tmp_path, restore_from="latest", allow_changes=("seed",))
+    assert decide_launch(allowed, 0, train_iters=6).changes == {"seed": [7, 42]}
+    weights = config(tmp_path, restore_from="latest", weights_only=True)  # a new run: anything goes
+    launch = decide_launch(weights, 0, train_iters=2)
+    assert (launch.kind, launch.changes) == ("resume", {})
+
+
+def test_changed_data_is_refused_unless_allowed(tmp_path):
+    run = config(tmp_path, restore_from="latest")
+    saved = {"dataset": {"samples": 10}}
+    checkpoint(run, 2, data=saved)
+    now = {"dataset": {"samples": 11}}
+    with pytest.raises(ConfigError, match="was saved with other data: samples 10 -> 11"):
+        decide_launch(run, 0, fingerprint=now, train_iters=6)
+    allowed = config(tmp_path, restore_from="latest", allow_changes=("data",))
+    assert set(decide_launch(allowed, 0, fingerprint=now, train_iters=6).changes) == {"data"}
+    assert decide_launch(run, 0, fingerprint=saved, train_iters=6).changes == {}
+
+
+def test_phase_two_falls_back_through_the_same_decision(tmp_path, monkeypatch):
+    """The newest checkpoint is complete at the run's end; verified, it is damaged and the older one is
+    used: that launch is a resume, with the older checkpoint's setting changes."""
+    run = config(tmp_path, restore_from="latest", allow_changes=("seed",))
+    older = checkpoint(run, 2, seed=7)
+    checkpoint(run, 6)
+    decided = decide_launch(run, 0, train_iters=6)
+    assert decided.kind == "complete"
+    monkeypatch.setattr(launching, "resolve_source", lambda source, root: older)
+    verified = verify_launch(run, decided, train_iters=6)
+    assert (verified.kind, verified.path, verified.changes) == ("resume", older, {"seed": [7, 42]})
+    monkeypatch.setattr(launching, "resolve_source", lambda source, root: decided.path)
+    assert verify_launch(run, decided, train_iters=6) is decided
+
+
+def test_a_launch_that_asks_for_nothing_is_not_verified(tmp_path, monkeypatch):
+    monkeypatch.setattr(launching, "resolve_source", lambda *args: pytest.fail("verified a fresh launch"))
+    assert verify_launch(config(tmp_path), Launch(), train_iters=6) == Launch()
+
+
+def test_requested_source_is_what_a_plan_and_a_launch_read_of_restore_from(tmp_path):
+    assert launching.requested_source(config(tmp_path)) is None
+    assert launching.requested_source(config(tmp_path, restore_from="auto")) == "auto"
+    over = config(tmp_path, overwrite=True, restore_from="latest")
+    assert launching.requested_source(over) is None  # starting over: the old checkpoints move aside
+    assert launching.requested_source(over, restart_count=1) == "latest"
+    named = config(tmp_path, overwrite=True, restore_from="/some/step_4")
+    assert launching.requested_source(named) == "/some/step_4"
