@@ -2,7 +2,8 @@
 
 Rows: per-step overhead of `train()` with no hooks (goal <= 10 us), of `make_train_step` against a
 hand-written step, of the default hooks (progress, metrics every 10 steps, throughput; goal <= 30 us, the
-baseline logging on the same steps), and of idle profiler / memory hooks configured outside their windows.
+baseline logging on the same steps), and of idle profiler / memory / sampling hooks configured outside their
+windows.
 When `lightning` is installed (the `bench` extra), the tiny MLP also runs under Lightning Fabric and the
 Lightning Trainer, each against the plain hand-written loop, as a reference point.
 
@@ -303,6 +304,12 @@ def _idle_window_hooks() -> dict[str, Callable[[], list]]:
         factories["memory hook (disabled)"] = lambda: [memory_hook(config_mem, runtime)]
     except ImportError:
         pass
+    from fntrain.hooks.sample import SampleConfig, sample_hook
+
+    config_sample = SampleConfig(every=10**8, prompts=("x",), at_end=False)  # between two samples
+    factories["sampling hook (between samples)"] = lambda: [
+        sample_hook(config_sample, lambda *_: "", torch.nn.Linear(1, 1), runtime, tempfile.gettempdir())
+    ]
     return factories
 
 
@@ -494,7 +501,7 @@ HOOKS_NOTE = (
     "non-logging steps do a few integer operations per hook."
 )
 IDLE_HOOK_NOTE = "a hook outside its window costs a call and an integer comparison."
-IDLE_HOOKS = ("idle profiler", "memory hook (disabled)")
+IDLE_HOOKS = ("idle profiler", "memory hook (disabled)", "sampling hook (between samples)")
 LIGHTNING_NOTES = {
     "Lightning Fabric": "Fabric's module/optimizer wrappers and backward dispatch around the same step, "
     "a reference point for a thin launcher.",

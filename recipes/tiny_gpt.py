@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from fntrain.checkpoint.export import export_converted
@@ -25,10 +26,12 @@ from fntrain.data.corpora import corpus_path
 from fntrain.data.shard_index import INDEX_NAME, read_index
 from fntrain.data.shards import TokenWindows, split_windows
 from fntrain.hooks.evaluate import EvaluateConfig
+from fntrain.hooks.sample import SampleConfig
 from fntrain.models.gpt import ModelConfig, TinyGPT
 from fntrain.models.gpt2 import gpt2_conversion
 from fntrain.models.moe import loss_with_router_aux, moe_step_end
-from fntrain.run.config import JobConfig, RecipeSpec, TrainConfig
+from fntrain.models.sampling import SampleSettings, sample_tokens
+from fntrain.run.config import CheckpointConfig, JobConfig, RecipeSpec, TrainConfig
 from fntrain.runtime import PipelineSplit, build_seeded_model, pipeline_group, tensor_parallel_plan
 from fntrain.runtime.groups import data_parallel_group
 from fntrain.step.optim import OptimizerConfig, ScheduleConfig
@@ -72,6 +75,10 @@ class Config(JobConfig):
     schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(warmup_iters=20))
     evaluate: EvaluateConfig = field(default_factory=lambda: EvaluateConfig(eval_every=50, at_end=True))
     """Validation loss and perplexity on the held-out tail of the corpus."""
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(save_every=100))
+    """Checkpoints every 100 steps and at the end; rerunning the command in its run_dir resumes (or says the run is complete)."""
+    sample: SampleConfig = field(default_factory=lambda: SampleConfig(prompts=("ROMEO:",)))
+    """Text the model writes from "ROMEO:" after the last step (and every sample.every steps): the log and <run_dir>/samples.jsonl."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
@@ -179,6 +186,23 @@ def step_end(config: Config, built: Any) -> Any:
     return moe_step_end(built.components.model, data_parallel_group(built.runtime))
 
 
+def sampler(config: Config, built: Any) -> Any:
+    """Byte-level text from the trained model (prompt as UTF-8 bytes; bytes that do not decode: U+FFFD),
+    ending at the shards' EOS; None under pipeline parallelism or a loss-parallel head (no rank holds
+    the whole model or its logits: sample the checkpoint with `fntrain generate`)."""
+    if config.parallel.pp_size > 1 or (config.parallel.tp_size > 1 and config.parallel.loss_parallel):
+        log.warning("sample: no samples during training with pipeline parallelism or a loss-parallel head")
+        return None
+    model, device, eos_id = getattr(built.components.model, "module", built.components.model), built.runtime.device, _shards_eos(config)
+
+    def sample(prompt: str, settings: SampleSettings, generator: torch.Generator) -> str:
+        ids = torch.tensor(list(prompt.encode("utf-8")), dtype=torch.long, device=device)
+        tokens = sample_tokens(model, ids, replace(settings, eos_id=eos_id), generator)
+        return bytes(token for token in tokens if token < 256).decode("utf-8", errors="replace")
+
+    return sample
+
+
 spec = RecipeSpec(
     config=Config,
     build_model=build_model,
@@ -192,6 +216,7 @@ spec = RecipeSpec(
     attention_heads=lambda config: config.model.n_head,  # its attention is F.scaled_dot_product_attention
     export=export,
     step_end=step_end,
+    sampler=sampler,
 )
 
 if __name__ == "__main__":

@@ -108,6 +108,9 @@ TINY_CASES = [
     ("config-binary", ["--config", "{binary}"], "binary.toml"),
     ("config-unknown-key", ["--config", "{unknown_key}"], "bogus"),
     ("config-wrong-type", ["--config", "{wrong_type}"], "train_iters"),
+    # /proc exists on every Linux and takes no new directory, even from root (os.access says it would)
+    ("run-dir-on-proc", ["--run-dir", "/proc/fntrain-run"], "--run-dir '/proc/fntrain-run' cannot be created"),
+    ("run-dir-is-proc", ["--run-dir", "/proc"], "--run-dir '/proc' is not writable"),
 ]  # fmt: skip
 
 
@@ -157,7 +160,8 @@ GOOD_RUN_CASES = [
     ("resume-with-other-settings", ["--checkpoint.restore-from", "latest", "--optim.lr", "0.5"], "optim.lr"),
     ("resume-bad-profiler-rank", ["--checkpoint.restore-from", "latest", "--profiler.enabled",
                                   "--profiler.rank-ids", "8"], "--profiler.rank-ids"),
-    ("second-run-into-it", [], "already holds a run"),
+    ("second-run-into-it", ["--checkpoint.restore-from", "none"], "already holds a run"),
+    ("rerun-with-other-settings", ["--seed", "7"], "--seed 42 -> 7"),
     ("overwrite-with-too-small-data", ["--overwrite", "--data.path", "{short}"], "optimizer step"),
     ("overwrite-with-missing-data", ["--overwrite", "--data.path", "{tmp}/missing.txt"], "missing.txt"),
     ("overwrite-with-bad-seed", ["--overwrite", "--seed", "-5"], "--seed"),
@@ -193,6 +197,14 @@ def _hf_files(tmp: Path, hf_model: Path) -> dict[str, str]:
         "not_json": write(tmp / "prose.jsonl", "It was the best of times.\nIt was the worst of times.\n"),
         "no_field": write(tmp / "nofield.jsonl", '{"title": "x"}\n' * 4),
         "afile": write(tmp / "out-file", "a file"),
+        "qa_jsonl": write(tmp / "qa.jsonl", '{"question": "to be", "answer": " or not"}\n' * 4),
+        # config.json alone decides the kind (the weights file only has to be there)
+        "vlm_dir": (write(tmp / "llava" / "config.json", json.dumps(
+            {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava"})),
+            write(tmp / "llava" / "model.safetensors", b""), str(tmp / "llava"))[2],
+        "bert_dir": (write(tmp / "bert" / "config.json", json.dumps(
+            {"architectures": ["BertForMaskedLM"], "model_type": "bert"})),
+            write(tmp / "bert" / "model.safetensors", b""), str(tmp / "bert"))[2],
     }
 
 
@@ -206,6 +218,12 @@ HF_CASES = [
     ("chat-format-on-prompt-rows", ["--data.format", "chat"], "good.jsonl"),
     ("lora-target-missing", ["--lora.rank", "4", "--lora.target-modules", "nonexistent_proj"], "nonexistent_proj"),
     ("output-dir-is-file", ["--output-dir", "{afile}"], "out-file"),
+    ("model-is-a-vlm", ["--model.path", "{vlm_dir}"],
+     "is a vision-language model (LlavaForConditionalGeneration): the hf_causal_lm recipe needs"),
+    ("model-not-causal", ["--model.path", "{bert_dir}"], "is not a causal LM (BertForMaskedLM)"),
+    ("completion-key-typo", ["--data.path", "{qa_jsonl}", "--data.prompt-key", "question",
+                             "--data.completion-key", "answr"],
+     "keys ['answer', 'question']: --data.completion-key 'answr' is not among them"),
 ]  # fmt: skip
 
 
@@ -219,6 +237,19 @@ def test_a_bad_hf_input_is_one_line_and_creates_nothing(tmp_path, capsys, hf_mod
             "--data.path", files["good_jsonl"], "--train.train-iters", "2", "--train.global-batch-size", "2",
             "--train.micro-batch-size", "2", "--progress.no-enabled", *[a.format(**files) for a in args]]  # fmt: skip
     expect_one_line(capsys, argv, needle)
+    assert snapshot(tmp_path) == before
+
+
+def test_a_vlm_run_of_a_text_only_model_is_one_line(tmp_path, capsys, hf_model):
+    """Every recipe given a model of the wrong kind says so in one line, before any work."""
+    pytest.importorskip("transformers")
+    files = _hf_files(tmp_path / "in", hf_model)
+    before = snapshot(tmp_path)
+    argv = ["run", "vlm", "--run-dir", str(tmp_path / "run"), "--model.path", files["hf"], "--data.path",
+            files["good_jsonl"], "--data.val-fraction", "0.25", "--model.cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    err = expect_one_line(capsys, argv, "is a text-only causal LM (LlamaForCausalLM): the vlm recipe needs a "
+                          "vision-language model (LLaVA-style, with a processor)")  # fmt: skip
+    assert f"--model.path {files['hf']!r}" in err
     assert snapshot(tmp_path) == before
 
 

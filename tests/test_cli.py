@@ -303,16 +303,18 @@ def test_usage_errors_exit_2(capsys):
     for argv, words in (
         ([], "usage"),
         (["frobnicate"], "unknown command 'frobnicate'"),
-        (["run"], "needs a RECIPE"),
-        (["plan", "--world-size", "2"], "needs a RECIPE"),
+        (["rnu"], "unknown command 'rnu' (did you mean run?)"),
+        (["run"], "missing RECIPE"),
+        (["plan", "--world-size", "2"], "missing RECIPE"),
         (["run", "no_such_recipe"], "no recipe named 'no_such_recipe'"),
-        (["plot"], "needs a RUN_DIR"),
+        (["plot"], "missing RUN_DIR"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             dispatch(argv)
         assert exit_info.value.code == 2
         captured = capsys.readouterr()
         assert words in captured.out + captured.err
+        assert not argv or len(captured.err.strip().splitlines()) == 1, captured.err  # [issue 38] no usage block
 
 
 def test_help_lists_commands_and_recipes(capsys):

@@ -60,7 +60,7 @@ def test_plot_takes_run_dir_first(tmp_path, capsys):
 
 def test_run_help_entries_from_library_configs_are_not_cut(capsys):
     with pytest.raises(SystemExit):
-        dispatch(["run", "tiny_gpt", "--help"])
+        dispatch(["run", "tiny_gpt", "--help-all"])  # tyro's full help (--help: the common flags, one line each)
     out = capsys.readouterr().out
     # a docstring's own line break shows as a help line ending short, then a line starting lower-case
     lines = [line.strip("│ ").rstrip() for line in out.splitlines()]

@@ -1,27 +1,34 @@
-"""Every shell command in README.md and docs/*.md works as written.
+"""Every shell command in README.md and docs/*.md works as written, in the order written.
 
 The commands are extracted from the ```bash blocks (continuation lines joined, comments dropped, `&&`
 chains split) and each one gets a way to be checked:
 
 - default tier: every command is extracted and has a check (no `python -m recipes.*` left);
-- slow tier, planned: every `fntrain` and `torchrun ... -m fntrain run` command is planned with its
-  own arguments at its own world size (`fntrain plan`: every flag parsed, every value and the batch
-  shape over the ranks checked, no weights, no device), and the cheap ones (`fntrain plan`, `config`,
-  `cp`, `tokenize`, `--version`) run as written;
-- slow tier, run: the commands that can run on CPU run as written through bash, in order, with the
-  small overrides of `tiny()` appended (run length divided, a small batch and model unless the line
-  names its own, so each takes seconds); a line another one repeats word for word runs once;
+- slow tier, planned: every `fntrain run`, `fntrain run --nproc-per-node N` and `torchrun ... -m fntrain
+  run` command is planned with its own arguments at its own world size (`fntrain plan`: every flag
+  parsed, every value and the batch shape over the ranks checked, no weights, no device), and the cheap
+  ones (`fntrain plan`, `config`, `cp`, `tokenize`, `--version`, `--help`) run as written;
+- slow tier, run: as a user pastes them. Each document gets ONE fresh working directory and its
+  commands run there through bash, top to bottom, each seeing what the lines above it left (a run
+  directory, a `base.toml`, a copied recipe, shards): a second run into a run directory that holds one,
+  a file no line made, a checkpoint the run above did not save all fail here. Only the scale is the
+  test's: `tiny()` appends small overrides (run lengths, checkpoint cadences and `step_<N>` paths divided
+  by 25, a small batch and model unless the line names its own), the same to every line, so the lines
+  of a document still agree on their settings. A run line that trains nothing ("run already complete")
+  fails too unless it names `--checkpoint.restore-from` (then resuming is its point): it means the line
+  needs its own `--run-dir`;
 - NOT_HERE lists, with the reason, what cannot run here at all (installs, GPUs, NPUs, several nodes);
-  what docs/guide.md shows is run by tests/test_guide.py.
+  what docs/guide.md shows is run, in order, by tests/test_guide.py.
 
-The working directory is a temporary one holding the files the commands name (FIXTURES), with HOME
-pointing into it, so `~/models/Llama-3.2-1B` there is the model's config.json-only directory.
+The fixtures (FIXTURES below: `write_fixtures`) are the user's own inputs the docs name, never a file a
+doc line makes: `~/models/Llama-3.2-1B` (HOME points into the working directory) is a model's
+config.json-only directory, `./my-llama` a tiny Llama, the corpora small text, JSONL, Parquet and
+`save_to_disk` sources.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import re
@@ -37,6 +44,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGUAGES = ("bash", "sh", "shell")
+HELP = ("-h", "--help", "--help-all")
 # A command matching one of these cannot run on this machine: (pattern, reason).
 NOT_HERE = (
     (
@@ -46,9 +54,13 @@ NOT_HERE = (
     (r"^\.venv/bin/python -m pytest", "the test suite itself"),
     (r"^\.venv/bin/python -m coverage", "the test suite itself, under coverage"),
     (r"^python -c .import torch", "asks a GPU or NPU driver"),
+    (
+        r"^fntrain eval ",
+        "lm-eval's task index alone takes tens of seconds; tests/test_eval_harness.py runs it",
+    ),
 )
-GPU_OR_NODES = (
-    r"--runtime\.device[ =](cuda|npu)|--nnodes|^torchrun --nproc_per_node[ =]8 "  # 8 ranks: a GPU machine's line
+GPU_OR_NODES = (  # 8 ranks: a GPU machine's line
+    r"--runtime\.device[ =](cuda|npu)|--nnodes|^(torchrun|fntrain run) --nproc[_-]per[_-]node[ =]8 "
 )
 
 
@@ -94,14 +106,20 @@ def doc_commands(paths=DOCS) -> list[DocCommand]:
 
 
 def _world_size(argv: list[str]) -> int:
+    """nnodes x nproc-per-node of a torchrun or launcher command line (either spelling of the flags)."""
     sizes = {"nnodes": 1, "nproc_per_node": 1}
     for index, word in enumerate(argv):
-        for name in sizes:
-            if word.startswith(f"--{name}="):
-                sizes[name] = int(word.split("=", 1)[1])
-            elif word == f"--{name}":
-                sizes[name] = int(argv[index + 1])
+        name, _, value = word[2:].replace("-", "_").partition("=") if word.startswith("--") else ("", "", "")
+        if name in sizes:
+            sizes[name] = int(value or argv[index + 1])
     return sizes["nnodes"] * sizes["nproc_per_node"]
+
+
+def is_launcher(argv: list[str]) -> bool:
+    """`fntrain run --nproc-per-node N ... RECIPE ...`: torchrun's options before the recipe."""
+    return (
+        argv[:2] == ["fntrain", "run"] and len(argv) > 2 and argv[2].startswith("--") and argv[2] not in HELP
+    )
 
 
 def plan_argv(command: DocCommand) -> list[str] | None:
@@ -114,6 +132,11 @@ def plan_argv(command: DocCommand) -> list[str] | None:
                 f"{command.file}:{command.line}: torchrun must start `-m fntrain run`: {command.text}"
             )
         return ["plan", *argv[module + 3 :], "--world-size", str(_world_size(argv))]
+    if is_launcher(argv):
+        from fntrain.cli.launcher import split_launch
+
+        _, recipe, rest = split_launch(argv[2:])
+        return ["plan", recipe, *rest, "--world-size", str(_world_size(argv))]
     if argv[:2] == ["fntrain", "run"]:
         return ["plan", *argv[2:]]
     if argv[:2] == ["fntrain", "plan"]:
@@ -129,9 +152,10 @@ def not_here(command: DocCommand) -> str | None:
 
 
 def write_fixtures(work: Path) -> None:
-    """The files the docs' commands name, as a user would have them: `~/models/Llama-3.2-1B` holds only
-    the model's config.json (a plan reads no weights), `./my-llama` is a tiny Llama with its tokenizer,
-    the corpora are small text, JSONL, Parquet and `save_to_disk` sources."""
+    """FIXTURES: the user's own files the docs' commands name, as a user would have them:
+    `~/models/Llama-3.2-1B` holds only the model's config.json (a plan reads no weights), `./my-llama` is
+    a tiny Llama with its tokenizer, the corpora are small text, JSONL, Parquet and `save_to_disk`
+    sources. Nothing a doc line makes itself (a config file, a run, shards) is here."""
     from tests.hf_helpers import CHATS, save_tiny_llama
 
     (work / "configs").symlink_to(ROOT / "configs")
@@ -156,12 +180,6 @@ def write_fixtures(work: Path) -> None:
         answers = [chat[-1]["content"] for chat in CHATS] * 20
         pq.write_table(pa.table({"question": questions, "answer": answers}), work / "qa.parquet")
         datasets.Dataset.from_dict({"text": paragraphs}).save_to_disk(str(work / "saved_dataset" / "train"))
-    base = io.StringIO()
-    with contextlib.redirect_stdout(base):
-        from fntrain.cli import dispatch
-
-        dispatch(["config", "tiny_gpt"])
-    (work / "base.toml").write_text(base.getvalue())
 
 
 def clear_outputs(argv: list[str], work: Path) -> None:
@@ -173,8 +191,10 @@ def clear_outputs(argv: list[str], work: Path) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
-# Commands the default tier does not plan, with the reason (the slow tier runs them).
-NEEDS_A_RUN = (r"runs/tiny_gpt/config\.json", r"^fntrain (plot|export)")
+# The planned tier runs these as written (cheap: no model, no training); the rest of what is not a recipe
+# run (plot, export, generate, eval, and what reads a run's files) needs a run: the run tier has one.
+CHEAP = ("plan", "config", "cp", "tokenize", "recipes", "--version")
+NEEDS_A_RUN = (r"runs/[\w.-]+/config\.json",)
 NEEDS_A_REAL_MODEL = (r"--model\.path \./my-llava",)
 
 
@@ -196,20 +216,39 @@ def test_every_doc_command_is_checked_somewhere():
         )
 
 
-def test_the_slow_tier_keeps_what_a_line_names_and_runs_a_repeated_line_once():
+def test_the_slow_tier_scales_every_line_alike_and_keeps_what_a_line_names():
     own = tiny(DocCommand("a.md", 1, "fntrain run tiny_gpt --model.n-layer 6 --train.train-iters 200"))
     assert own.count("--model.n-layer") == 1 and "--model.n-layer 6" in own and "--train.train-iters 8" in own
     assert "--model.d-model 32" in own and "--progress.no-enabled" in own
-    ddp, fsdp2 = (f"-m fntrain run tiny_gpt --parallel.strategy {name}" for name in ("ddp", "fsdp2"))
-    first = DocCommand("a.md", 2, f"torchrun --nproc_per_node 2 {ddp}")
-    again = DocCommand("b.md", 7, f"torchrun --nproc_per_node=2 {ddp}")
-    other = DocCommand("b.md", 8, f"torchrun --nproc_per_node=2 {fsdp2}")
-    assert once_each([[first], [again], [other]]) == [[first], [other]]
+    # the default cadence scaled as a named one is: runs/tiny_gpt/checkpoints/step_100 of a 200-step run
+    # is step_4 of its 8 steps
+    assert "--checkpoint.save-every 4" in own
+    named = tiny(DocCommand("a.md", 2, "fntrain run tiny_gpt --checkpoint.restore-from runs/x/step_100 "
+                                       "--checkpoint.save-every 50"))  # fmt: skip
+    assert (
+        "runs/x/step_4" in named and named.count("--checkpoint.save-every") == 1 and "save-every 2" in named
+    )
+    launched = tiny(DocCommand("a.md", 3, "fntrain run --nproc-per-node 2 tiny_gpt --parallel.strategy ddp"))
+    assert launched.startswith("fntrain run --standalone --nproc-per-node 2 tiny_gpt")
+    assert tiny(DocCommand("a.md", 4, "fntrain run tiny_gpt --help")) == "fntrain run tiny_gpt --help"
+    assert _world_size(["fntrain", "run", "--nnodes=2", "--nproc-per-node", "4"]) == 8
+
+
+def test_each_document_runs_alone_in_its_own_order():
+    lines = [DocCommand(name, number, f"fntrain plan tiny_gpt --seed {number}")
+             for name, number in (("README.md", 1), ("docs/a.md", 3), ("README.md", 5), ("docs/a.md", 9))]  # fmt: skip
+    assert documents(lines) == [[lines[0], lines[2]], [lines[1], lines[3]]]
+    resumed = DocCommand("a.md", 1, "fntrain run tiny_gpt --checkpoint.restore-from latest")
+    again = DocCommand("a.md", 2, "fntrain run tiny_gpt")
+    done = "... WARNING run already complete at step 16; nothing to do\n"
+    assert trains_nothing(again, done) and not trains_nothing(resumed, done)
+    assert not trains_nothing(again, "run completed at step 16")
 
 
 @pytest.mark.slow  # ~40 commands, each a tyro parse and a plan: 15-25 s on 2 shared cores
 def test_every_doc_command_plans_or_runs_as_written(tmp_path, monkeypatch, capsys):
-    """Planned at its world size, or (plan, config, cp, tokenize, --version) run as written."""
+    """Planned at its world size, or (plan, config, cp, tokenize, --version, --help) run as written; in
+    document order in one directory, so a `--config base.toml` finds the base.toml a line above wrote."""
     pytest.importorskip("transformers")
     from fntrain.cli import dispatch
 
@@ -225,11 +264,14 @@ def test_every_doc_command_plans_or_runs_as_written(tmp_path, monkeypatch, capsy
         if any(re.search(p, command.text) for p in (*NEEDS_A_RUN, *NEEDS_A_REAL_MODEL)):
             continue
         argv = command.argv
+        helps = any(word in HELP for word in argv)
+        if argv[0] == "fntrain" and plan_argv(command) is None and argv[1] not in CHEAP and not helps:
+            continue
         clear_outputs(argv, work)
         try:
             if argv[0] == "cp":
                 shutil.copyfile(argv[1], argv[2])
-            elif (plan := plan_argv(command)) is not None:
+            elif not helps and (plan := plan_argv(command)) is not None:
                 report = dispatch(plan)
                 assert report["train_iters"] > 0
             elif ">" in argv:
@@ -253,10 +295,14 @@ def test_every_doc_command_plans_or_runs_as_written(tmp_path, monkeypatch, capsy
 
 # ----------------------------------------------------------------------------- slow tier: run them
 
+# Divided by 25 wherever a line names them: 400 steps -> 16, `--checkpoint.save-every 50` -> 2 (and the
+# `step_<N>` paths alike), so the lines of one document keep agreeing on their run's settings.
 SCALED = {"--train.train-iters": 25, "--checkpoint.save-every": 25, "--data.max-length": 32}
-# What a run line gets unless it names its own, flag by flag (2 layers: the pipeline line has 2 stages).
+# What a run line gets unless it names its own, flag by flag (2 layers: the pipeline line has 2 stages;
+# the recipe's 400 steps and checkpoint every 100 divided as SCALED divides named ones).
 TINY_GPT = {"--model.n-layer": "2", "--model.d-model": "32", "--model.n-head": "2",
-            "--train.global-batch-size": "8", "--train.micro-batch-size": "4", "--train.train-iters": "16"}  # fmt: skip
+            "--train.global-batch-size": "8", "--train.micro-batch-size": "4", "--train.train-iters": "16",
+            "--checkpoint.save-every": "4"}  # fmt: skip
 SMALL = {"tiny_gpt": TINY_GPT, "my_gpt.py": TINY_GPT,
          "hf_causal_lm": {"--train.global-batch-size": "4", "--train.micro-batch-size": "2", "--train.train-iters": "4"},
          "vlm": {"--train.train-iters": "12"}}  # fmt: skip
@@ -265,14 +311,17 @@ SMALL = {"tiny_gpt": TINY_GPT, "my_gpt.py": TINY_GPT,
 def tiny(command: DocCommand) -> str:
     """`command` at the slow tier's scale: the step counts, checkpoint cadences, `step_<N>` paths and
     sequence lengths it names divided (SCALED), a short run length when it names none, a smaller batch
-    and model unless it names its own, a standalone torchrun rendezvous (no fixed port)."""
+    and model unless it names its own, a standalone torchrun rendezvous (no fixed port: two documents
+    run at once); a `--help` line as written."""
     argv = command.argv
+    if any(word in HELP for word in argv):
+        return command.text
     for index, word in enumerate(argv[:-1]):
         if word in SCALED and argv[index + 1].isdigit():
             argv[index + 1] = str(max(2, int(argv[index + 1]) // SCALED[word]))
     argv = [re.sub(r"step_(\d+)", lambda m: f"step_{int(m.group(1)) // 25}", word) for word in argv]
-    if argv[0] == "torchrun":
-        argv.insert(1, "--standalone")
+    if argv[0] == "torchrun" or is_launcher(argv):
+        argv.insert(1 if argv[0] == "torchrun" else 2, "--standalone")
     recipe = next((word for word in argv if word in SMALL), None)
     if recipe is not None and ("run" in argv):
         argv += ["--progress.no-enabled"]
@@ -281,36 +330,26 @@ def tiny(command: DocCommand) -> str:
     return " ".join(shlex.quote(word) if word != ">" else word for word in argv)
 
 
-def chains(commands: list[DocCommand]) -> list[list[DocCommand]]:
-    """`commands` grouped by the doc line they came from: the parts of one `&&` chain run in order, in
-    one working directory (a `tokenize` then the run on its shards); separate lines do not depend on
-    each other, since each starts from the fixtures and, where it names one, the prepared finished run."""
-    grouped: dict[tuple[str, int], list[DocCommand]] = {}
+def documents(commands: list[DocCommand]) -> list[list[DocCommand]]:
+    """`commands` grouped by document, each group in the document's order (a user pastes one document
+    top to bottom; two documents do not share a directory)."""
+    grouped: dict[str, list[DocCommand]] = {}
     for command in commands:
-        grouped.setdefault((command.file, command.line), []).append(command)
+        grouped.setdefault(command.file, []).append(command)
     return list(grouped.values())
 
 
-def once_each(groups: list[list[DocCommand]]) -> list[list[DocCommand]]:
-    """`groups` without repeats: a chain that another doc line already runs word for word (at the
-    slow tier's scale, `--flag=value` read as `--flag value`) runs once."""
-    distinct: dict[tuple[str, ...], list[DocCommand]] = {}
-    for chain in groups:
-        words = [part for command in chain for word in shlex.split(tiny(command)) for part in word.split("=")]
-        distinct.setdefault(tuple(words), chain)
-    return list(distinct.values())
+def trains_nothing(command: DocCommand, output: str) -> bool:
+    """A run line that found its run already complete and trained nothing: a line that needs its own
+    `--run-dir`, unless it names `--checkpoint.restore-from` (a resume, whose point that is)."""
+    return "nothing to do" in output and "--checkpoint.restore-from" not in command.text
 
 
-def run_chain(chain: list[DocCommand], work: Path, prepared_runs: Path, env: dict[str, str]) -> list[str]:
-    """Run each command of `chain` as written (at the slow tier's scale) through bash in `work`; the
-    failures, one entry each."""
+def run_document(commands: list[DocCommand], work: Path, env: dict[str, str]) -> list[str]:
+    """Run `commands` (one document's) as written, at the slow tier's scale, through bash, one after
+    the other in `work`; the failures, one entry each (a failed line does not stop the ones below)."""
     failures = []
-    for command in chain:
-        argv = command.argv
-        shutil.rmtree(work / "runs", ignore_errors=True)
-        clear_outputs(argv, work)
-        if any(word.startswith("runs/tiny_gpt") or word in ("latest", "--overwrite") for word in argv):
-            shutil.copytree(prepared_runs, work / "runs")  # the finished run it refers to
+    for command in commands:
         text = tiny(command)
         result = subprocess.run(
             ["bash", "-c", text], cwd=work, env=env, capture_output=True, text=True, timeout=600
@@ -318,36 +357,28 @@ def run_chain(chain: list[DocCommand], work: Path, prepared_runs: Path, env: dic
         if result.returncode != 0:
             failures.append(f"{command.file}:{command.line}: {text}\n    exit {result.returncode}: "
                             f"{result.stderr.strip()[-600:]}")  # fmt: skip
+        elif trains_nothing(command, result.stdout + result.stderr):
+            failures.append(f"{command.file}:{command.line}: {text}\n    trained nothing: its run directory "
+                            "holds this run already (the line needs its own --run-dir)")  # fmt: skip
     return failures
 
 
-# Doc lines run two at a time, each in its own copy of the working directory: the commands are
-# one-thread processes (OMP_NUM_THREADS=1) that spend their first seconds importing, so two keep both
-# of CI's cores busy and halve the test's time.
-PARALLEL_CHAINS = 2
+# Two documents at a time, each in its own fresh directory: the commands are one-thread processes
+# (OMP_NUM_THREADS=1) that spend their first seconds importing, so two keep both of CI's cores busy.
+PARALLEL_DOCUMENTS = 2
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
-def test_the_doc_commands_run_on_cpu(tmp_path):
-    import queue
+def test_the_doc_commands_run_on_cpu_in_order(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     pytest.importorskip("transformers")
-    work = tmp_path / "work0"
-    work.mkdir()
-    write_fixtures(work)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]), "OMP_NUM_THREADS": "1", "HOME": str(work / "home"),
+    fixtures = tmp_path / "fixtures"
+    fixtures.mkdir()
+    write_fixtures(fixtures)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]), "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "WANDB_SILENT": "true"}  # fmt: skip
-    prepared = tiny(DocCommand("test", 0, "fntrain run tiny_gpt --checkpoint.save-every 100"))
-    assert subprocess.run(["bash", "-c", prepared], cwd=work, env=env, capture_output=True).returncode == 0
-    shutil.copytree(work / "runs", tmp_path / "prepared-runs")
-    free: queue.SimpleQueue[tuple[Path, dict[str, str]]] = queue.SimpleQueue()
-    for index in range(PARALLEL_CHAINS):
-        copy = tmp_path / f"work{index}"
-        if index:
-            shutil.copytree(work, copy, symlinks=True)
-        free.put((copy, {**env, "HOME": str(copy / "home")}))
     runnable = [
         command
         for command in doc_commands()
@@ -355,15 +386,13 @@ def test_the_doc_commands_run_on_cpu(tmp_path):
         and not any(re.search(p, command.text) for p in NEEDS_A_REAL_MODEL)
     ]
 
-    def run_in_a_free_copy(chain: list[DocCommand]) -> list[str]:
-        copy, copy_env = free.get()
-        try:
-            return run_chain(chain, copy, tmp_path / "prepared-runs", copy_env)
-        finally:
-            free.put((copy, copy_env))
+    def run_in_a_fresh_directory(commands: list[DocCommand]) -> list[str]:
+        work = tmp_path / Path(commands[0].file).stem
+        shutil.copytree(fixtures, work, symlinks=True)
+        return run_document(commands, work, {**env, "HOME": str(work / "home")})
 
-    with ThreadPoolExecutor(PARALLEL_CHAINS) as pool:
-        found = pool.map(run_in_a_free_copy, once_each(chains(runnable)))
-        failures = [line for lines in found for line in lines]
+    longest_first = sorted(documents(runnable), key=len, reverse=True)  # README.md: the others beside it
+    with ThreadPoolExecutor(PARALLEL_DOCUMENTS) as pool:
+        failures = [line for lines in pool.map(run_in_a_fresh_directory, longest_first) for line in lines]
     assert len(runnable) > 30
     assert not failures, "\n".join(failures)

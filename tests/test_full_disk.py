@@ -1,7 +1,8 @@
 """A full disk for real: the checkpoint directory on a small tmpfs, mounted in a user and mount
 namespace of the run's own (`unshare -rm`, no root needed where user namespaces are allowed; the test
-is skipped where they are not). tests/checkpoint/test_save_faults.py covers the same faults with a
-write shim in the default tier. Slow tier (a few `fntrain run` processes)."""
+is skipped where they are not), and a rerun's export on a filesystem too full for it (the previous
+export stays whole). tests/checkpoint/test_save_faults.py and tests/test_atomic_exports.py cover the
+same faults with a write shim in the default tier. Slow tier (a few `fntrain run` processes)."""
 
 from __future__ import annotations
 
@@ -139,3 +140,40 @@ def test_continue_and_make_room_on_a_small_disk(tmp_path, one_checkpoint):
     assert "checkpoint.make_room: removed step_3 to make room for step_9" in made.stderr
     assert "not saved" not in made.stderr
     assert [p.name for p in list_checkpoints(roomy / "checkpoints.tmpfs")] == ["step_6", "step_9"]
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_the_export_keeps_the_previous_export_and_says_so(tmp_path):
+    """A finished run rerun in its directory (it writes its exports again) on a tmpfs with less room left
+    than hf_model needs: the write fails inside safetensors, the previous hf_model stays byte for byte,
+    no temporary is left, and the line says what is kept."""
+    if not _can_mount(tmp_path):
+        pytest.skip("cannot mount a tmpfs in a user namespace here (unshare -rm)")
+    run_dir = tmp_path / "run"
+    done = run(tmp_path, run_dir, "--model.d-model", "64")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir / "model.safetensors").unlink()  # only hf_model is there to be replaced
+    before = {p.relative_to(run_dir / "hf_model"): p.read_bytes() for p in (run_dir / "hf_model").rglob("*") if p.is_file()}
+    held = sum(-(-p.stat().st_size // 4096) * 4096 for p in run_dir.rglob("*") if p.is_file())
+    shutil.move(str(run_dir), str(tmp_path / "done"))
+    run_dir.mkdir()
+    corpus = tmp_path / "corpus.txt"
+    command = [sys.executable, "-m", "fntrain", "run", "tiny_gpt", *TINY, "--model.d-model", "64",
+               "--data.path", str(corpus), "--run-dir", str(run_dir)]  # fmt: skip
+    after = tmp_path / "after"
+    script = (f"mount -t tmpfs -o size={held + (160 << 10)} none {shlex.quote(str(run_dir))} && "
+              f"cp -a {shlex.quote(str(tmp_path / 'done'))}/. {shlex.quote(str(run_dir))}/ && "
+              f"{{ {shlex.join(command)}; rc=$?; cp -a {shlex.quote(str(run_dir))} {shlex.quote(str(after))}; "
+              "exit $rc; }")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=180)  # fmt: skip
+    line = last_line(result)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    # (safetensors' own error type: "SafetensorError: ... No space left on device (os error 28)")
+    assert line.startswith("run failed at step 9 exporting hf_model: ") and "No space left on device" in line, line
+    assert "; the checkpoints (newest step_9) and the previous hf_model are kept; full traceback in " in line, line
+    kept = {p.relative_to(after / "hf_model"): p.read_bytes() for p in (after / "hf_model").rglob("*") if p.is_file()}
+    assert kept == before
+    assert not [p.name for p in after.rglob("*") if ".tmp-" in p.name or ".old-" in p.name]

@@ -47,12 +47,27 @@ def test_an_empty_run_directory_is_a_fresh_launch(tmp_path):
         assert launch.resumes == (source != "none")
 
 
-def test_a_second_run_into_a_directory_is_refused_naming_both_ways_out(tmp_path):
+def test_a_rerun_resumes_its_newest_checkpoint_by_default(tmp_path):
+    run = config(tmp_path)  # the recipe's default: restore_from auto
+    step = checkpoint(run, 100)
+    (Path(run.run_dir) / "config.json").write_text("{}")
+    assert decide_launch(run, 0, train_iters=400).path == step
+    assert decide_launch(run, 0, train_iters=100).kind == "complete"
+
+
+def test_a_second_run_into_a_directory_is_refused_naming_only_the_ways_out_that_work(tmp_path):
     run = config(tmp_path)
     Path(run.run_dir).mkdir()
     (Path(run.run_dir) / "config.json").write_text("{}")
-    with pytest.raises(ConfigError, match=r"already holds a run \('config.json'\).*restore_from latest.*overwrite"):
-        decide_launch(run, 0)
+    with pytest.raises(ConfigError, match=r"already holds a run \('config.json'\) with no complete checkpoint to "
+                                          r"resume: start over with `overwrite`"):  # fmt: skip
+        decide_launch(run, 0)  # auto: nothing to resume, and training here would mix two runs
+    assert decide_launch(run, 1).kind == "fresh"  # a torchrun restart keeps the run its first launch began
+    checkpoint(run, 3)
+    never = config(tmp_path, restore_from="none")
+    with pytest.raises(ConfigError, match=r"already holds a run .*: resume it with checkpoint.restore_from auto "
+                                          r"\(its newest checkpoint is step_3\), or start over with `overwrite`"):  # fmt: skip
+        decide_launch(never, 0)
 
 
 def test_latest_resumes_the_newest_checkpoint_and_knows_when_the_run_is_complete(tmp_path):
@@ -137,10 +152,24 @@ def test_a_launch_that_asks_for_nothing_is_not_verified(tmp_path, monkeypatch):
 
 
 def test_requested_source_is_what_a_plan_and_a_launch_read_of_restore_from(tmp_path):
-    assert launching.requested_source(config(tmp_path)) is None
-    assert launching.requested_source(config(tmp_path, restore_from="auto")) == "auto"
+    assert launching.requested_source(config(tmp_path, restore_from="none")) is None
+    assert launching.requested_source(config(tmp_path)) == "auto"
     over = config(tmp_path, overwrite=True, restore_from="latest")
     assert launching.requested_source(over) is None  # starting over: the old checkpoints move aside
     assert launching.requested_source(over, restart_count=1) == "latest"
     named = config(tmp_path, overwrite=True, restore_from="/some/step_4")
     assert launching.requested_source(named) == "/some/step_4"
+
+
+def test_the_hint_after_an_early_stop_names_only_what_will_work(tmp_path):
+    from fntrain.run.finish import resume_hint
+
+    assert resume_hint(config(tmp_path)) == "no checkpoint was saved (set --checkpoint.save-every to make one)"
+    checkpoint(config(tmp_path), 4)
+    assert resume_hint(config(tmp_path)) == "run the same command again to resume from step_4"
+    assert resume_hint(config(tmp_path, restore_from="none")) == (
+        "resume from step_4 with --checkpoint.restore-from latest"
+    )
+    assert resume_hint(config(tmp_path, overwrite=True)) == (
+        "resume from step_4 with --checkpoint.restore-from latest and without --overwrite"
+    )

@@ -47,3 +47,24 @@ def test_torchrun_console_keeps_the_rank_prefix(root_logger, monkeypatch):
 def test_world_size_defaults_to_one():
     assert launch_world_size({}) == 1 and launch_world_size({"WORLD_SIZE": "x"}) == 1
     assert launch_world_size({"WORLD_SIZE": "4"}) == 4
+
+
+def test_other_ranks_leave_warnings_to_rank_0_and_their_log_file(root_logger, monkeypatch, tmp_path, capsys):
+    """Under torchrun rank 0 prints a run's warnings once; rank 1's console shows only its errors,
+    while its log file still gets everything (Python warnings included)."""
+    import warnings
+
+    from fntrain.run.logs import rank_logs
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    setup_console_logging()
+    with rank_logs(tmp_path, rank=1) as path:
+        warnings.warn("a warning every rank raises", UserWarning, stacklevel=1)
+        logging.getLogger("fntrain.run").warning("a setting warning every rank logs")
+        logging.getLogger("fntrain.run").error("a failure on rank 1")
+    console = capsys.readouterr().err
+    assert "a warning every rank raises" not in console and "a setting warning" not in console
+    assert "[rank 1] " in console and "a failure on rank 1" in console
+    written = path.read_text()
+    assert all(text in written for text in ("a warning every rank raises", "a setting warning", "a failure on rank 1"))

@@ -15,7 +15,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}  # fp32; AdamW's first steps magnify 1e-8 gradient noise to ~3e-6
+# fp32; AdamW's first steps magnify 1e-8 gradient noise to ~3e-6. The bound holds while no token changes
+# experts: longer or larger runs drift further through routing flips (a top-k choice between
+# probabilities closer than rounding), not through a difference in the math (docs/distributed.md).
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
 
 def _env() -> dict[str, str]:

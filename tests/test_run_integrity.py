@@ -81,7 +81,9 @@ def last_line(result: subprocess.CompletedProcess) -> str:
 
 
 @pytest.mark.slow
-def test_a_second_run_into_a_run_dir_is_refused_until_resumed_or_overwritten(tmp_path):
+def test_a_second_run_into_a_run_dir_resumes_it_or_is_refused_until_overwritten(tmp_path):
+    """A rerun of the same command resumes the run (here: it is complete); other settings are refused
+    field by field; restore_from none refuses a second run naming the ways out that work."""
     run_dir = tmp_path / "run"
     assert fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-every", "3").returncode == 0
     before = (run_dir / "metrics.jsonl").read_bytes()
@@ -89,13 +91,17 @@ def test_a_second_run_into_a_run_dir_is_refused_until_resumed_or_overwritten(tmp
     again = fntrain(tmp_path, "--run-dir", str(run_dir), "--seed", "7")
     assert again.returncode == 2 and "Traceback" not in again.stderr
     assert len(again.stderr.strip().splitlines()) == 1
-    message = again.stderr
-    assert "already holds a run" in message and "--checkpoint.restore-from latest" in message
-    assert "--overwrite" in message and "moves the old run to" in message
+    assert "other settings: --seed 42 -> 7" in again.stderr
     assert (run_dir / "metrics.jsonl").read_bytes() == before  # nothing was touched
 
-    resumed = fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "auto")
-    assert resumed.returncode == 0 and "nothing to do" in resumed.stderr  # auto works unattended
+    never = fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "none")
+    assert never.returncode == 2 and len(never.stderr.strip().splitlines()) == 1
+    message = never.stderr
+    assert "already holds a run" in message and "--checkpoint.restore-from auto (its newest checkpoint is step_6)" in message
+    assert "--overwrite" in message and "moves the old run to" in message
+
+    resumed = fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-every", "3")
+    assert resumed.returncode == 0 and "nothing to do" in resumed.stderr  # the same command: complete
 
     fresh = fntrain(tmp_path, "--run-dir", str(run_dir), "--seed", "7", "--overwrite")
     assert fresh.returncode == 0, fresh.stderr[-2000:]

@@ -140,7 +140,7 @@ def test_console_rank_0_info_other_ranks_warnings(monkeypatch):
         monkeypatch.setenv("RANK", "2")
         assert launch_rank() == 2
         handler = setup_console_logging()
-        assert handler.level == logging.WARNING and isinstance(handler.formatter, RankFormatter)
+        assert handler.level == logging.ERROR and isinstance(handler.formatter, RankFormatter)
         assert handler.formatter.prefix == "[rank 2] "
         again = setup_console_logging(rank=0)
         assert again.level == logging.INFO and handler not in root.handlers  # replaced, not added

@@ -3,7 +3,10 @@
 Under FSDP2 the full tensors are gathered (a collective: every rank calls this) and only rank 0 writes.
 Keys are the model's own FQNs (no DDP/FSDP prefixes); every key of `model.state_dict()` is written, tied
 weights included (as separate copies), so `model.load_state_dict(safetensors.torch.load_file(path))`
-works as is. The file appears atomically (write to a temp file + os.replace).
+works as is. The file appears atomically (written as `.<name>.tmp-<pid>` beside it, then renamed): a
+failure leaves the previous file, or none. `export_converted` writes a directory the same way
+(`fntrain.checkpoint.staged_out.replaced_dir`). A failure of either is `ExportError`'s business once a
+run has trained: `export_failure` turns it into the line saying what is kept and what is lost.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fntrain.checkpoint import _dist
+from fntrain.checkpoint.layout import find_latest, step_of
+from fntrain.checkpoint.staged_out import _umask, replaced_dir, replaced_file, unwritten
 
-__all__ = ["export_safetensors", "export_converted", "full_model_state", "set_usual_mode"]
+__all__ = ["export_safetensors", "export_converted", "full_model_state", "set_usual_mode", "ExportError",
+           "export_failure"]  # fmt: skip
 
 # (config.json's dict, tensors under their new names) of a model's full state dict: a recipe's
 # `hf_conversion` bound to its config.
@@ -76,14 +82,11 @@ def export_safetensors(
         )
         seen.add(storage)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     header = {"format": "pt"}
     if metadata is not None:
         header["fntrain"] = json.dumps(dict(metadata), sort_keys=True)
-    save_file(tensors, str(tmp), metadata=header)
-    set_usual_mode(tmp)
-    os.replace(tmp, path)
+    with replaced_file(path) as tmp:  # a failure leaves the previous file (or none), no temporary
+        save_file(tensors, str(tmp), metadata=header)
     return path
 
 
@@ -101,30 +104,59 @@ def export_converted(
     if _dist.rank() != 0:
         return out
     config, tensors = convert(full)
-    out.mkdir(parents=True, exist_ok=True)
-    weights = out / "model.safetensors"
-    tmp = weights.with_name(f".{weights.name}.tmp-{os.getpid()}")
     contiguous = {name: tensor.contiguous() for name, tensor in tensors.items()}
-    save_file(contiguous, str(tmp), metadata={"format": "pt"})
-    set_usual_mode(tmp)
-    os.replace(tmp, weights)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    with replaced_dir(out) as staging:  # a failure leaves the previous export (or none), never a half one
+        save_file(contiguous, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        set_usual_mode(staging / "model.safetensors")
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+class ExportError(RuntimeError):
+    """A run's export that failed after its training: `line` says which output, what failed, what is
+    kept and what is lost; `step` is the run's last step; `__cause__` the original error."""
+
+    def __init__(self, line: str, step: int):
+        super().__init__(line)
+        self.line, self.step = line, step
+
+
+def export_failure(error: BaseException, *, step: int, checkpoints: str | os.PathLike,
+                   default: str = "the model") -> ExportError:  # fmt: skip
+    """The `ExportError` of `error`, which struck a run's export after step `step`: "exporting
+    hf_model: OSError: ...; the checkpoints (newest step_6) are kept, the export was not written", or
+    with no complete checkpoint under `checkpoints` "...; no checkpoint was saved, so the run's 6 steps
+    are lost: set --checkpoint.save-every". The output's name comes from the atomic writer that failed
+    (`staged_out.unwritten`), else `default` (a failure before writing: gathering, converting)."""
+    target = unwritten(error)
+    name = target.path.name if target is not None else default
+    previous = target is not None and target.previous_kept
+    latest = find_latest(checkpoints)
+    if latest is None:
+        export = f"the previous {name} is kept" if previous else "the export was not written"
+        kept = f"{export}; no checkpoint was saved, so the run's {step} steps are lost: set --checkpoint.save-every"
+    else:
+        newest = step_of(latest) or 0
+        after = f" (the {step - newest} steps after it are lost)" if newest < step else ""
+        checkpoints_kept = f"the checkpoints (newest {latest.name}{after})"
+        kept = (
+            f"{checkpoints_kept} and the previous {name} are kept"
+            if previous
+            else f"{checkpoints_kept} are kept, the export was not written"
+        )
+    return ExportError(f"exporting {name}: {_what(error)}; {kept}", step)
+
+
+def _what(error: BaseException) -> str:
+    """The error in a few words; an OS error about a file of the removed temporary directory without
+    that file's name (the export's name says where)."""
+    if isinstance(error, OSError) and error.strerror and ".tmp-" in str(error.filename or ""):
+        return f"{type(error).__name__}: {error.strerror}"
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 def set_usual_mode(path: str | os.PathLike) -> None:
     """Give a written file the mode `open` would have given it (0666 less the umask: 0644 usually):
     safetensors' `save_file` creates 0600 files, unlike every other file a run writes."""
     os.chmod(path, 0o666 & ~_umask())
-
-
-def _umask() -> int:
-    """The process umask, read without changing it (Linux), else the common 022."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022

@@ -15,6 +15,7 @@ import torch
 from fntrain.checkpoint.export import Conversion
 from fntrain.checkpoint.hf_export import export_hf
 from fntrain.checkpoint.hf_import import import_hf
+from fntrain.checkpoint.staged_out import unwritten
 from fntrain.config import require_bool, require_choice, require_int, require_str
 
 __all__ = ["ExportOptions", "export_checkpoint", "parse_size", "DTYPES"]
@@ -75,16 +76,26 @@ def export_checkpoint(
     convert: Conversion | None = None,
 ) -> Path:
     """Convert `source` to `out` as `options.format` says (`convert`: as for `export_hf`); return the
-    written directory."""
+    written directory. `out` appears only once complete; an OS error while writing (a full disk) says
+    what is left: the previous `out` (with `overwrite`) or nothing."""
     options.validate("export")
-    if options.format == "hf":
-        return export_hf(
-            source,
-            out,
-            max_shard_size=parse_size(options.max_shard_size),
-            dtype=DTYPES[options.dtype],
-            model_dir=options.model_dir,
-            overwrite=options.overwrite,
-            convert=convert,
+    try:
+        if options.format == "hf":
+            return export_hf(
+                source,
+                out,
+                max_shard_size=parse_size(options.max_shard_size),
+                dtype=DTYPES[options.dtype],
+                model_dir=options.model_dir,
+                overwrite=options.overwrite,
+                convert=convert,
+            )
+        return import_hf(
+            source, out, step=options.step, dtype=DTYPES[options.dtype], overwrite=options.overwrite
         )
-    return import_hf(source, out, step=options.step, dtype=DTYPES[options.dtype], overwrite=options.overwrite)
+    except OSError as error:
+        target = unwritten(error)
+        if target is None or not error.strerror:
+            raise
+        kept = f"the previous {str(out)!r} is kept" if target.previous_kept else "nothing was written"
+        raise type(error)(error.errno, f"{error.strerror} while writing {str(out)!r}; {kept}") from error

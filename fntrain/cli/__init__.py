@@ -3,6 +3,9 @@
     main.py          `fntrain COMMAND ...` dispatched to its subcommand; the console script's `main`
     usage.py         the usage text and the recipe list `--help` prints
     errors.py        the one place a bad command line or setting becomes one line and exit status 2
+    parse.py         every command's tyro call: a rejected command line as that one line, --help/--help-all
+    flags.py         a command's flags, types and docstrings (for "did you mean" and the short help)
+    short_help.py    a recipe command's short --help: the common flags, one line each
     recipe_args.py   a recipe's command line: RECIPE, `--config FILE`s, tyro's flags over them
     commands/        one module per subcommand: run (and `python -m recipes.X`), plan, config, cp,
                      plot, tokenize, export, recipes

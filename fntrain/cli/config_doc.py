@@ -1,5 +1,5 @@
 """The config reference page (docs/config.md): every flag of the built-in recipes, its type, default and
-meaning, from the config dataclasses and their field docstrings (the text `--help` shows).
+meaning, from the config dataclasses and their field docstrings (the text `--help-all` shows).
 
     python -m fntrain.cli.config_doc > docs/config.md     # tests/test_config_doc.py checks it is current
 
@@ -109,7 +109,7 @@ def config_reference(recipes: tuple[str, ...] = RECIPES) -> str:
     base = JobConfig()
     out = ["# Config reference", "",
            "Every flag of the built-in recipes, generated from the config dataclasses and their docstrings "
-           "(`python -m fntrain.cli.config_doc > docs/config.md`; `fntrain run RECIPE --help` prints the same "
+           "(`python -m fntrain.cli.config_doc > docs/config.md`; `fntrain run RECIPE --help-all` prints the same "
            "text). In a config file (`--config FILE.toml`) a flag is a key of its section: "
            "`--train.global-batch-size 64` is `global_batch_size = 64` under `[train]`; `fntrain config RECIPE` "
            "writes a recipe's whole config as a file to start from.", "",

@@ -324,11 +324,12 @@ def parse_config_cli(
     description: str | None = None,
     prog: str | None = None,
 ) -> T:
-    """tyro's CLI for `cls`, with defaults seeded by any `--config FILE` in `argv` (None: sys.argv)."""
-    import tyro  # import time: reading a config file needs no CLI parser
+    """tyro's CLI for `cls`, with defaults seeded by any `--config FILE` in `argv` (None: sys.argv); a
+    rejected flag raises `fntrain.cli.errors.CommandError` with its one line (`fntrain.cli.parse`)."""
+    from fntrain.cli.parse import parse  # import time: reading a config file needs no CLI parser
 
     argv = sys.argv[1:] if argv is None else list(argv)
     paths, rest = split_config_args(argv)
     default = load_config(cls, *paths)
     text = f"{description.strip()}\n\n{CONFIG_HELP}" if description else CONFIG_HELP
-    return tyro.cli(cls, default=default, args=rest, description=text, prog=prog)
+    return parse(cls, rest, default=default, description=text, prog=prog or os.path.basename(sys.argv[0]))

@@ -7,9 +7,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from fntrain.cli.commands import config, cp, export, plan, plot, recipes, run, tokenize
+from fntrain.cli.commands import config, cp, eval, export, generate, plan, plot, recipes, run, tokenize
 from fntrain.cli.errors import reporting
-from fntrain.cli.usage import HELP, full_help, usage
+from fntrain.cli.usage import HELP, full_help
 
 __all__ = ["COMMANDS", "dispatch", "main"]
 
@@ -21,6 +21,8 @@ _DISPATCH = {
     "plot": plot.command,
     "tokenize": tokenize.command,
     "export": export.command,
+    "generate": generate.command,
+    "eval": eval.command,
     "recipes": recipes.command,
 }
 COMMANDS = tuple(_DISPATCH)
@@ -44,10 +46,11 @@ def dispatch(argv: Sequence[str]) -> Any:
         return __version__
     command, rest = args[0], args[1:]
     if command not in _DISPATCH:
-        print(
-            f"fntrain: unknown command {command!r} (one of: {', '.join(COMMANDS)})\n\nusage:\n{usage()}",
-            file=sys.stderr,
-        )
+        import difflib
+
+        near = difflib.get_close_matches(command, COMMANDS, n=1)  # the nearest spelling
+        hint = f"did you mean {near[0]}?" if near else f"one of: {', '.join(COMMANDS)}"
+        print(f"fntrain: unknown command {command!r} ({hint}); fntrain --help for usage", file=sys.stderr)
         raise SystemExit(2)
     return reporting(f"fntrain {command}", lambda: _DISPATCH[command](rest))
 

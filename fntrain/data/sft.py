@@ -55,6 +55,7 @@ from fntrain.config import (
 )
 from fntrain.data.chat import chat_spans, tokenize_spans
 from fntrain.data.files import position_label, read_jsonl_rows, read_rows, require_source
+from fntrain.data.formats import Format, check_table_formats, fitting_format, no_format_error
 from fntrain.data.packing import PackedDocuments
 from fntrain.data.sft_collate import PAD_TO
 from fntrain.data.tokens import IGNORE_INDEX
@@ -171,22 +172,33 @@ def example_format(record: Mapping[str, Any], data: SFTDataConfig, where: str = 
     starting with `where` when no format's keys are there)."""
     if data.format != "auto":
         return data.format
-    if data.messages_key in record:
-        return "chat"
-    if data.prompt_key in record and data.completion_key in record:
-        return "prompt_completion"
-    if data.text_key in record:
-        return "text"
-    raise ConfigError(
-        f"{where}: cannot tell the format of an example with keys {sorted(record)}: expected {data.text_key!r}, "
-        f"{data.prompt_key!r} + {data.completion_key!r}, or {data.messages_key!r}"
-    )
+    formats = _formats(data)
+    found = fitting_format(record, formats)
+    if found is None:
+        raise no_format_error(where, record, formats)
+    return _FORMAT_NAMES[found]
+
+
+# The formats in the order "auto" tries them (a row with messages is a chat whatever else it has).
+_FORMAT_NAMES = ("chat", "prompt_completion", "text")
+
+
+def _formats(data: SFTDataConfig) -> list[Format]:
+    """Each format of `_FORMAT_NAMES` as its key settings (dotted fields, which print as flags) and keys."""
+    return [
+        [("data.messages_key", data.messages_key)],
+        [("data.prompt_key", data.prompt_key), ("data.completion_key", data.completion_key)],
+        [("data.text_key", data.text_key)],
+    ]
 
 
 def _field(record: Mapping[str, Any], key: str, kind: type, where: str, data: SFTDataConfig) -> Any:
     if key not in record:
+        setting = next((f for f in ("text_key", "prompt_key", "completion_key", "messages_key") if getattr(data, f) == key), "")
         chosen = f"data.format {data.format!r} needs it" if data.format != "auto" else "its format needs it"
-        raise ConfigError(f"{where}: missing key {key!r} ({chosen}; the example has keys {sorted(record)})")
+        raise ConfigError(
+            f"{where}: missing key {key!r} ({chosen}; the example has keys {sorted(record)}): check data.{setting}"
+        )
     value = record[key]
     if not isinstance(value, kind):
         raise ConfigError(f"{where}: {key!r} must be a {kind.__name__}, got {type(value).__name__}")
@@ -324,5 +336,7 @@ def build_sft_datasets(
 def _file_examples(path: str, field_name: str, assets: TokenizerAssets, data: SFTDataConfig) -> list[Example]:
     columns = (data.text_key, data.prompt_key, data.completion_key, data.messages_key)
     rows = read_rows(path, field_name, columns)
+    fixed = None if data.format == "auto" else _FORMAT_NAMES.index(data.format)
+    check_table_formats(field_name, path, _formats(data), fixed)  # a table's rows hold only `columns`
     lines = [number for number, _ in rows]
     return build_examples([record for _, record in rows], assets, data, f"{field_name} {path!r}", lines)

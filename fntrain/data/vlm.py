@@ -43,6 +43,7 @@ import torch
 from fntrain.config import ConfigError, require_choice, require_float, require_int, require_str
 from fntrain.data.chat import chat_spans
 from fntrain.data.files import position_label, read_rows, require_source
+from fntrain.data.formats import Format, check_table_formats, no_format_error
 from fntrain.data.sft_collate import make_sft_collate
 from fntrain.data.shapes import ShapesQA
 from fntrain.data.tokens import IGNORE_INDEX
@@ -149,6 +150,12 @@ def _load_images(value: Any, root: Path | None, where: str) -> list[Any]:
     return images
 
 
+def _formats(data: VLMDataConfig) -> list[Format]:
+    """A chat row's and a prompt/completion row's key settings and keys (`fntrain.data.formats`)."""
+    return [[("data.messages_key", data.messages_key)],
+            [("data.prompt_key", data.prompt_key), ("data.completion_key", data.completion_key)]]  # fmt: skip
+
+
 def vlm_messages(record: Mapping[str, Any], data: VLMDataConfig, images: int, where: str) -> list[dict]:
     """The row's conversation, with `images` image items first in the first user turn unless a message
     already holds them; a prompt/completion row is a one-turn chat."""
@@ -160,10 +167,7 @@ def vlm_messages(record: Mapping[str, Any], data: VLMDataConfig, images: int, wh
         messages = [{"role": "user", "content": record[data.prompt_key]},
                     {"role": "assistant", "content": record[data.completion_key]}]  # fmt: skip
     else:
-        raise ConfigError(
-            f"{where}: expected {data.messages_key!r} or {data.prompt_key!r} + {data.completion_key!r}, "
-            f"got keys {sorted(record)}"
-        )
+        raise no_format_error(where, record, _formats(data))
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
             raise ConfigError(f"{where}: message {index} must be an object with 'role' and 'content'")
@@ -348,6 +352,7 @@ def _checked_rows(path: str, field_name: str, data: VLMDataConfig) -> tuple[list
     source, every row checked (`check_vlm_rows`)."""
     columns = (data.image_key, data.messages_key, data.prompt_key, data.completion_key)
     numbered = read_rows(path, field_name, columns)
+    check_table_formats(field_name, path, _formats(data))  # a table's rows hold only `columns`
     rows, lines = [row for _, row in numbered], [number for number, _ in numbered]
     source = require_source(field_name, path)
     root = source if source.is_dir() else source.parent

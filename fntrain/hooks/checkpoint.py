@@ -253,7 +253,7 @@ def _stop_for_preemption(setup: _Setup, saves: Saves, state: TrainState) -> None
                 exit_code)  # fmt: skip
     save_now(setup.writer, saves, state, background=False, stop=True)  # a notice's save must not fail quietly
     settle(setup.writer, saves, stop=True)  # an async save of this very step (save_every) must be complete
-    raise StopTraining(preemption_reason(received, state.global_step),
+    raise StopTraining(preemption_reason(received, state.global_step, setup.agreement.noticed_at()),
                        outcome="interrupted" if interrupted else "preempted", exit_code=exit_code)  # fmt: skip
 
 

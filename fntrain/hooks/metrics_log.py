@@ -102,6 +102,17 @@ class MetricsLog:
         fold_summary(self._summary, record)
         self._latest = record
 
+    def text(self, step: int, name: str, text: str) -> None:
+        """Send a text at `step` (a sample the model wrote) to the sinks that take text, those with a
+        `text(step, name, text)` method (TensorBoard, W&B, MLflow); the others ignore it. Rank 0."""
+        if not self.enabled:
+            return
+        self._configure()
+        self._stopped = False
+        for sink in self.sinks:
+            if hasattr(sink, "text"):
+                sink.text(step, name, text)
+
     def latest(self) -> Mapping[str, Any]:
         """The last record written, with its "step" and "epoch" ({} before the first, and off rank 0)."""
         return self._latest

@@ -60,6 +60,7 @@ class Agreement:
     restart_timer: Callable[[], None]
     end: Callable[[], None]
     preemption: Preemption
+    noticed_at: Callable[[], int | None] = lambda: None  # the step during which this rank saw the notice
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class _AgreementMemory:
     last_save_time: float = 0.0  # clock() at the last save (or at begin), for save_every_minutes
     control_group: Any = None  # CPU group for the all-reduce (None: the default group)
     control_device: Any = None  # where the flags live: cpu, or the device when no gloo group exists
+    noticed_at: int | None = None  # the step at whose end this rank first saw a notice (for the stop's reason)
 
 
 def group_timeout() -> Any:
@@ -110,15 +112,18 @@ def make_agreement(
     `save_every_minutes` > 0; `interrupt`: Ctrl-C is a notice too. Neither: `decide` always answers
     "nothing" and `begin` installs nothing."""
     signals = tuple(signals)
+    distributed = runtime.world_size > 1 and runtime.backend is not None
+    when = (f"at the next step that is a multiple of {check_every} (--checkpoint.preempt-check-every: the "
+            "ranks stop together)") if distributed and check_every > 1 else "at the next step boundary"  # fmt: skip
     setup = _Setup(
         runtime=runtime,
-        preemption=preemption if preemption is not None else Preemption(signals, interrupt=interrupt),
+        preemption=preemption if preemption is not None else Preemption(signals, interrupt=interrupt, when=when),
         clock=clock,
         check_every=check_every,
         interval_s=save_every_minutes * 60.0,
         watch_preemption=bool(signals) or interrupt,
         watch_time=save_every_minutes > 0,
-        distributed=runtime.world_size > 1 and runtime.backend is not None,
+        distributed=distributed,
     )
     memory = _AgreementMemory(control_device=torch.device("cpu"))
 
@@ -131,6 +136,7 @@ def make_agreement(
         restart_timer=restart_timer,
         end=setup.preemption.uninstall,
         preemption=setup.preemption,
+        noticed_at=lambda: memory.noticed_at,
     )
 
 
@@ -158,6 +164,8 @@ def _decide(setup: _Setup, memory: _AgreementMemory, state: TrainState) -> Decis
     """The same `Decision` on every rank (see the module docstring)."""
     if not (setup.watch_preemption or setup.watch_time):
         return _NOTHING
+    if memory.noticed_at is None and setup.watch_preemption and setup.preemption.requested:  # a flag read, no sync
+        memory.noticed_at = state.global_step
     if setup.distributed and state.global_step % setup.check_every:
         return _NOTHING
     preempt = setup.watch_preemption and setup.preemption.requested

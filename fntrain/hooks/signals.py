@@ -71,15 +71,18 @@ class Preemption:
     """
 
     def __init__(
-        self, signals: Iterable[str] = DEFAULT_SIGNALS, *, exit_code: int = DEFAULT_EXIT_CODE, interrupt: bool = False
+        self, signals: Iterable[str] = DEFAULT_SIGNALS, *, exit_code: int = DEFAULT_EXIT_CODE, interrupt: bool = False,
+        when: str = "at the next step boundary",
     ):
         """`interrupt`: Ctrl-C (SIGINT) is a notice too (`checkpoint.save_on_interrupt`): the first one
-        asks for a save at the next step boundary, a second one ends the process at once."""
+        asks for a save at the next step boundary, a second one ends the process at once. `when` says in
+        the notice's warning where the save happens (several ranks stop only at agreed steps)."""
         self.signals = tuple(signals)
         self._numbers = signal_numbers(self.signals) + ((int(signal.SIGINT),) if interrupt else ())
         if type(exit_code) is not int or not 0 <= exit_code <= 255:
             raise ValueError(f"checkpoint.preempt_exit_code must be an int in [0, 255], got {exit_code!r}")
         self.exit_code = exit_code
+        self.when = when
         self._flag = threading.Event()
         self._previous: dict[int, Any] = {}
         self.received: str | None = None
@@ -133,13 +136,15 @@ class Preemption:
                 signal.signal(number, signal.SIG_DFL)
             except (ValueError, OSError):
                 pass
-        log.warning(
-            "%s received: saving a checkpoint at the next step boundary, then stopping "
-            "(a second signal terminates at once)",
-            name,
-        )
+        log.warning("%s received: saving a checkpoint %s, then stopping (a second signal terminates at once)",
+                    name, self.when)  # fmt: skip
 
 
-def preemption_reason(signal_name: str | None, step: int) -> str:
-    """The `StopTraining` reason of a preemption stop."""
-    return f"preempted by {signal_name or 'a notice on another rank'} at step {step}"
+def preemption_reason(signal_name: str | None, step: int, received_at: int | None = None) -> str:
+    """The `StopTraining` reason of a preemption stop at `step`; `received_at`: the step during which
+    this rank saw the notice, named when the ranks' agreement stopped them later than that."""
+    reason = f"preempted by {signal_name or 'a notice on another rank'} at step {step}"
+    if received_at is not None and received_at < step:
+        reason += (f" (received during step {received_at}; the ranks stop together every "
+                   "--checkpoint.preempt-check-every steps)")  # fmt: skip
+    return reason

@@ -1,5 +1,5 @@
 """The standard hook list, built from small factories of the built run, in the dispatch order of [S27]:
-memory, throughput, metrics, progress, evaluate, gc, profiler, the spec's extra hooks (before the
+memory, throughput, metrics, progress, evaluate, sample, gc, profiler, the spec's extra hooks (before the
 checkpoint, so that it saves what they reached), checkpoint, and the hang watchdog last (its silence
 covers every other hook's work).
 
@@ -11,7 +11,7 @@ the metrics hook), and the list itself (what each checkpoint saves the states of
 standard list is one factory and one entry in `STANDARD_FACTORIES`, here.
 
 A recipe's config is expected to carry the hook sections under these names (`memory`, `throughput`,
-`metrics`, `progress`, `evaluate`, `gc`, `profiler`, `checkpoint`, `watchdog`) plus `run_dir` and
+`metrics`, `progress`, `evaluate`, `sample` (optional), `gc`, `profiler`, `checkpoint`, `watchdog`) plus `run_dir` and
 `log_every`.
 """
 
@@ -35,6 +35,7 @@ from fntrain.hooks.metrics import metrics_hook
 from fntrain.hooks.metrics_log import MetricsLog, metrics_log
 from fntrain.hooks.profiler import ProfilerConfig, check_profiler_config, profiler_hook
 from fntrain.hooks.progress import progress_hook, set_library_progress_bars
+from fntrain.hooks.sample import Sampler, sample_hook
 from fntrain.hooks.throughput import ThroughputMeter, throughput_meter
 from fntrain.hooks.watchdog import watchdog_hook
 from fntrain.loop import Hook
@@ -135,6 +136,7 @@ class HookInputs:
     attempt: int = 0  # which launch of the run this is; tags each metrics record
     data_fingerprint: Mapping[str, Any] | None = None  # what the data was: every checkpoint records it
     restoring: bool = False  # the launch restores a checkpoint: its end is saved too (`saves_at_end`)
+    sampler: Sampler | None = None  # the recipe's text sampler (None: no samples during training)
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,16 @@ def _evaluate(inputs: HookInputs, wiring: Wiring) -> Hook | None:
                          last_step=inputs.plan.train_iters)  # fmt: skip
 
 
+def _sample(inputs: HookInputs, wiring: Wiring) -> Hook | None:
+    """Samples every sample.every steps and at the end, with prompts and the recipe's sampler (the
+    run's first phase refused samples asked of a recipe without one)."""
+    config = getattr(inputs.config, "sample", None)
+    if config is None or not config.enabled or inputs.sampler is None:
+        return None
+    return sample_hook(config, inputs.sampler, inputs.components.model, inputs.runtime, inputs.run_dir,
+                       writer=wiring.writer, last_step=inputs.plan.train_iters)  # fmt: skip
+
+
 def _gc(inputs: HookInputs, wiring: Wiring) -> Hook | None:
     config = inputs.config.gc
     if not (config.gc_every or config.empty_cache_every or config.disable_automatic):
@@ -236,7 +248,8 @@ def _watchdog(inputs: HookInputs, wiring: Wiring) -> Hook | None:
 
 
 STANDARD_FACTORIES: tuple[Factory, ...] = (
-    _memory, _throughput, _metrics, _progress, _evaluate, _gc, _profiler, _extra, _checkpoint, _watchdog,
+    _memory, _throughput, _metrics, _progress, _evaluate, _sample, _gc, _profiler, _extra, _checkpoint,
+    _watchdog,
 )
 """The standard list, in dispatch order: one factory per hook."""
 

@@ -9,6 +9,10 @@ with `experts > 0`), a final LayerNorm and an output head tied to the token embe
 GPT-2, which is how `fntrain.models.gpt2` exports it. The parameter names (`tok`, `pos`,
 `blocks.N.attn.q`, `blocks.N.mlp.0`, `head`, ...) are a file format: checkpoints, the GPT-2 export and the
 tensor- and pipeline-parallel plans of recipes/tiny_gpt.py name them.
+
+Sampling (fntrain.models.sampling) passes a `KVCache` so each new token costs one token's forward: the
+keys and values of the tokens already fed stay in preallocated buffers of `context` positions. Training
+never passes one, and its path is unchanged.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch.nn.functional as F
 from fntrain.config import require_float, require_int
 from fntrain.models.moe import GroupedExperts, MoE, RouterOutput, mean_aux_loss, moe_layers
 
-__all__ = ["ModelConfig", "CausalSelfAttention", "Block", "TinyGPT"]
+__all__ = ["ModelConfig", "KVCache", "CausalSelfAttention", "Block", "TinyGPT"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,45 @@ class ModelConfig:
             require_float(f"{prefix}.{name}", getattr(self, name), min=0.0)
 
 
+@dataclass
+class KVCache:
+    """The keys and values of the tokens fed so far, per block, in buffers of `context` positions
+    (allocated at a block's first forward, in its dtype, device and local head count). `length` is the
+    number of positions filled, the position of the next token. Mutable on purpose: it is the one buffer a
+    decode loop threads through `TinyGPT.forward(..., kv_cache=)`, which advances `length`. The learned
+    position embedding ends at `context`: a full cache takes no more tokens (the sampler then recomputes
+    the window, see fntrain.models.sampling)."""
+
+    context: int
+    keys: list[torch.Tensor | None]
+    values: list[torch.Tensor | None]
+    length: int = 0
+
+    @classmethod
+    def empty(cls, n_layer: int, context: int) -> KVCache:
+        return cls(context, [None] * n_layer, [None] * n_layer)
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes this forward's k, v [batch, heads, seq, head_dim] at positions [length, length + seq) of
+        `layer` and returns the keys and values of positions [0, length + seq)."""
+        end = self.length + k.size(2)
+        if self.keys[layer] is None:
+            shape = (k.size(0), k.size(1), self.context, k.size(3))
+            self.keys[layer] = k.new_empty(shape)
+            self.values[layer] = v.new_empty(shape)
+        self.keys[layer][:, :, self.length : end] = k
+        self.values[layer][:, :, self.length : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def causal_mask(self, seq: int, device: torch.device) -> torch.Tensor | None:
+        """The boolean mask [seq, length + seq] of `seq` new queries over every cached key (True: may
+        attend); None where plain causal attention (an empty cache) or none (one query) is exact."""
+        if self.length == 0 or seq == 1:
+            return None
+        keys = torch.arange(self.length + seq, device=device)
+        return keys[None, :] <= (self.length + torch.arange(seq, device=device))[:, None]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -78,11 +121,16 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape  # under tensor parallelism q, k, v hold this rank's heads only
         q, k, v = (p(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
-        # A boolean mask already holds causality (packed documents: block-diagonal causal).
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+        causal = attn_mask is None  # a boolean mask already holds causality (packed documents: block-diagonal)
+        if kv_cache is not None:  # decoding: the new queries attend over the cached positions too
+            k, v = kv_cache.extend(layer, k, v)
+            attn_mask, causal = kv_cache.causal_mask(seq, x.device), kv_cache.length == 0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
                                            dropout_p=self.dropout if self.training else 0.0)  # fmt: skip
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -104,8 +152,11 @@ class Block(nn.Module):
                 nn.Dropout(cfg.dropout),
             )  # fmt: skip
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), attn_mask)
+    def forward(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + (self.attn(h, attn_mask) if kv_cache is None else self.attn(h, None, kv_cache, layer))
         h = self.ln2(x)
         return x + self.mlp(self.moe(h) if hasattr(self, "moe") else h)
 
@@ -140,12 +191,17 @@ class TinyGPT(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
         **_: Any,
     ) -> torch.Tensor:
         """Logits [batch, seq, vocab] (a MoE model: a `RouterOutput` holding them and, in training, the
         weighted router loss averaged over the blocks). Packed sequences (fntrain.data.packing) pass `position_ids` that restart
         at each document and a 4-D boolean `attention_mask` [batch, 1, seq, seq] (True: may attend) that
-        keeps attention inside each document; a 2-D padding mask is ignored (attention stays causal)."""
+        keeps attention inside each document; a 2-D padding mask is ignored (attention stays causal).
+        With `kv_cache` (from `new_kv_cache`) `input_ids` are the tokens after the cached ones, at positions
+        from `kv_cache.length` on (position_ids and attention_mask are ignored); the cache takes them in."""
+        if kv_cache is not None:
+            return self._decode(input_ids, kv_cache)
         x = input_ids  # a pipeline stage after the first gets the previous stage's activations
         if self.tok is not None:
             if position_ids is None:
@@ -156,4 +212,23 @@ class TinyGPT(nn.Module):
         for block in self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks:
             x = block(x) if attn_mask is None else block(x, attn_mask)
         x = self.head(self.ln_f(x)) if self.head is not None else x
+        return RouterOutput(x, mean_aux_loss(moe_layers(self))) if self.cfg.experts else x
+
+    def new_kv_cache(self) -> KVCache:
+        """An empty cache for `forward(..., kv_cache=)`: a whole model (not a pipeline stage), any batch."""
+        if isinstance(self.blocks, nn.ModuleDict) or self.tok is None or self.head is None:
+            raise ValueError("a pipeline stage of the tiny GPT cannot decode with a KV cache: load the whole model")
+        return KVCache.empty(len(self.blocks), self.cfg.context)
+
+    def _decode(self, input_ids: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """The forward of `input_ids` [batch, seq] after the cached tokens; advances the cache."""
+        start, end = kv_cache.length, kv_cache.length + input_ids.size(1)
+        if end > kv_cache.context:
+            raise ValueError(f"the KV cache holds {kv_cache.context} positions (model.context): {start} cached + "
+                             f"{input_ids.size(1)} new do not fit")  # fmt: skip
+        x = self.drop(self.tok(input_ids) + self.pos(torch.arange(start, end, device=input_ids.device)))
+        for layer, block in enumerate(self.blocks):
+            x = block(x, None, kv_cache, layer)
+        kv_cache.length = end
+        x = self.head(self.ln_f(x))
         return RouterOutput(x, mean_aux_loss(moe_layers(self))) if self.cfg.experts else x

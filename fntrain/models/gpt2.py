@@ -117,7 +117,8 @@ def export_gpt2(
     """Write `model` (a tiny GPT, possibly under DDP/FSDP2/tensor or pipeline parallelism) to `out_dir`
     as a Hugging Face GPT-2: model.safetensors and config.json (modes 0666 less the umask). Under a
     process group every rank must call it (the full weights are gathered, from every pipeline stage of
-    `pipeline_group`); rank 0 writes. Returns `out_dir`."""
+    `pipeline_group`); rank 0 writes, beside `out_dir`, renamed in once complete (a failure leaves the
+    previous export or none: `export_converted`). Returns `out_dir`."""
     from fntrain.checkpoint.export import export_converted
 
     def convert(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -284,7 +284,9 @@ def save_hf_model(
 ) -> Path:
     """Save the model (safetensors + config + generation config) and the tokenizer in save_pretrained
     layout to `output_dir`; returns it. Under a process group every rank must call it: the full state
-    dict is gathered (FSDP2 shards included) to CPU, and rank 0 writes."""
+    dict is gathered (FSDP2 shards included) to CPU, and rank 0 writes. Atomic: written as
+    `.<name>.tmp-<pid>` beside `output_dir` and renamed over it once complete (other files a user put
+    in an old `output_dir` are kept, its old weights are not: `fntrain.checkpoint.staged_out`)."""
     output = Path(output_dir).expanduser()
     inner = unwrap(model)
     state_dict = None
@@ -295,12 +297,16 @@ def save_hf_model(
             inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
     if runtime.is_main:
-        output.mkdir(parents=True, exist_ok=True)
+        from fntrain.checkpoint.staged_out import replaced_dir
+
         inner.config.use_cache = True  # the saved model generates with its KV cache, as it was loaded
         try:
-            inner.save_pretrained(str(output), state_dict=state_dict)
+            # Written beside output_dir, renamed in once complete: a failure (a full disk) leaves the
+            # previous export or none, never config files without weights.
+            with replaced_dir(output) as staging, quiet_progress_bars():  # no "Writing model shards" in logs
+                inner.save_pretrained(str(staging), state_dict=state_dict)
+                assets.tokenizer.save_pretrained(str(staging))
         finally:
             inner.config.use_cache = False
-        assets.tokenizer.save_pretrained(str(output))
         log.info("saved the model and tokenizer to %s", output)
     return output

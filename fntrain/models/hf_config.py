@@ -4,14 +4,15 @@
     check_packed_attention(model_config, packing); check_tensor_parallel(model_config, tp_size)
 
 `HFModelConfig` and `AssetsConfig` name local directories only (a Hub id is never looked up): the
-`require_*` functions check a directory and raise a `ConfigError` naming the field. The checks here read
+`require_*` functions check a directory and raise a `ConfigError` naming the field (`require_model_kind`:
+the model is of the kind a recipe trains, by transformers' auto-class tables). The checks here read
 config.json at most; loading, tokenizers and saving are `fntrain.models.hf`'s.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -27,6 +28,7 @@ __all__ = [
     "require_local_dir",
     "require_model_config_dir",
     "require_model_dir",
+    "require_model_kind",
     "read_chat_template",
     "HFModelConfig",
     "AssetsConfig",
@@ -85,6 +87,51 @@ def require_model_dir(field_name: str, path: str) -> Path:
     return directory
 
 
+# Each kind: (what a model of it is, what it is not, the recipe that trains it, what that recipe needs).
+_KINDS = {
+    "causal_lm": ("a text-only causal LM", "not a causal LM", "hf_causal_lm", "a causal LM with its "
+                  "language-model head (a *ForCausalLM, as AutoModelForCausalLM.save_pretrained writes)"),
+    "vlm": ("a vision-language model", "not a vision-language model", "vlm",
+            "a vision-language model (LLaVA-style, with a processor)"),
+}  # fmt: skip
+
+
+def require_model_kind(field_name: str, path: str, kind: str) -> None:
+    """A `ConfigError` naming the field when the config.json in `path` describes a model of another kind
+    than `kind` ("causal_lm": one AutoModelForCausalLM builds; "vlm": one AutoModelForImageTextToText
+    builds), judged by transformers' own auto-class tables from its `architectures` and `model_type`.
+    A model_type transformers does not know, or transformers not installed, passes: the loader (or
+    the package check) says what is wrong."""
+    try:
+        saved = json.loads((Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
+        from transformers.models.auto import configuration_auto, modeling_auto
+    except (ImportError, OSError, ValueError):
+        return
+    if not isinstance(saved, dict) or saved.get("model_type") not in configuration_auto.CONFIG_MAPPING_NAMES:
+        return
+    fits = {
+        "causal_lm": _is_kind(saved, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+        "vlm": _is_kind(saved, modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) or "vision_config" in saved,
+    }
+    if fits[kind]:
+        return
+    names = ", ".join(map(str, saved.get("architectures") or [f"model_type {saved['model_type']!r}"]))
+    other = next((name for name, fit in fits.items() if fit), None)
+    is_what = _KINDS[other][0] if other else _KINDS[kind][1]
+    _, _, recipe, needs = _KINDS[kind]
+    instead = f"; the {_KINDS[other][2]} recipe takes it" if other else ""
+    raise ConfigError(f"{field_name} {path!r} is {is_what} ({names}): the {recipe} recipe needs {needs}{instead}")
+
+
+def _is_kind(saved: Mapping, table: Mapping[str, str]) -> bool:
+    """Whether the saved config's architectures (or, when it names none, its model_type) are in one of
+    transformers' auto-class tables (model_type -> class name)."""
+    architectures = saved.get("architectures")
+    if architectures:
+        return any(name in set(table.values()) for name in architectures)
+    return saved.get("model_type") in table
+
+
 def read_chat_template(value: str, field_name: str = "assets.chat_template") -> str:
     """The template text: `value` itself when it looks like Jinja, else the file it names."""
     if "{{" in value or "{%" in value:
@@ -119,6 +166,7 @@ class HFModelConfig:
         require_choice(f"{prefix}.dtype", self.dtype, (*DTYPES, "auto"))
         require_choice(f"{prefix}.attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
         require_model_dir(f"{prefix}.path", self.path)
+        require_model_kind(f"{prefix}.path", self.path, "causal_lm")
 
 
 @dataclass(frozen=True)

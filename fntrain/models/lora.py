@@ -224,7 +224,7 @@ def save_adapter_or_merged(
     `fntrain.models.hf.ModelAssets`) beside it. With LoRA off it saves the whole model
     (`fntrain.models.hf.save_hf_model`). Under a process group every rank must call it (the full state
     dict is gathered); rank 0 writes. Returns `output_dir`."""
-    from fntrain.models.hf import save_hf_model, unwrap
+    from fntrain.models.hf import quiet_progress_bars, save_hf_model, unwrap
 
     if not config.enabled:
         return save_hf_model(model, assets, output_dir, runtime)
@@ -232,15 +232,20 @@ def save_adapter_or_merged(
     inner = unwrap(model)
     gathered = _full_state_dict(inner, runtime)
     if runtime.is_main:
-        output.mkdir(parents=True, exist_ok=True)
-        if config.merge_on_export:
-            state_dict = (
-                gathered if gathered is not None else {k: v.detach() for k, v in inner.state_dict().items()}
-            )
-            _merged_model(inner, state_dict).save_pretrained(str(output))
-        else:
-            inner.save_pretrained(str(output), state_dict=gathered)
-        if assets is not None:
-            assets.tokenizer.save_pretrained(str(output))
+        from fntrain.checkpoint.staged_out import replaced_dir
+
+        # renamed in once complete: a failure leaves the previous one; no "Writing model shards" in logs
+        with replaced_dir(output) as staging, quiet_progress_bars():
+            if config.merge_on_export:
+                state_dict = (
+                    gathered
+                    if gathered is not None
+                    else {k: v.detach() for k, v in inner.state_dict().items()}
+                )
+                _merged_model(inner, state_dict).save_pretrained(str(staging))
+            else:
+                inner.save_pretrained(str(staging), state_dict=gathered)
+            if assets is not None:
+                assets.tokenizer.save_pretrained(str(staging))
         log.info("saved the %s to %s", "merged model" if config.merge_on_export else "LoRA adapter", output)
     return output

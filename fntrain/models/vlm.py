@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import torch
 
-from fntrain.config import require_choice, require_int, require_str
+from fntrain.config import ConfigError, first_line, require_choice, require_int, require_str
 from fntrain.models.hf import (
     ModelAssets,
     dtype_kwargs,
@@ -40,7 +40,7 @@ from fntrain.models.hf import (
     set_offline,
     unwrap,
 )
-from fntrain.models.hf_config import ATTN_IMPLEMENTATIONS, DTYPES, require_model_dir
+from fntrain.models.hf_config import ATTN_IMPLEMENTATIONS, DTYPES, require_model_dir, require_model_kind
 from fntrain.runtime import Runtime
 from fntrain.runtime.parallel import ParallelConfig
 
@@ -97,6 +97,7 @@ class VLMModelConfig:
         require_choice(f"{prefix}.attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
         if self.path:
             require_model_dir(f"{prefix}.path", self.path)
+            require_model_kind(f"{prefix}.path", self.path, "vlm")
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,8 @@ def build_tiny_llava(directory: str | os.PathLike, texts: Sequence[str], tiny: T
         torch.manual_seed(tiny.seed)
         model = LlavaForConditionalGeneration(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(str(directory))
+    with quiet_progress_bars():  # no "Writing model shards" in a log
+        model.save_pretrained(str(directory))
     processor.save_pretrained(str(directory))
     return directory
 
@@ -231,7 +233,18 @@ def load_processor(directory: str | os.PathLike) -> Any:
     set_offline()
     from transformers import AutoProcessor
 
-    return AutoProcessor.from_pretrained(str(directory), local_files_only=True)
+    try:
+        processor = AutoProcessor.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError) as error:  # transformers' ways of saying "cannot load"
+        processor, reason = None, f" ({first_line(error)})"
+    else:
+        reason = ""
+    if getattr(processor, "image_processor", None) is None:  # AutoProcessor falls back to a bare tokenizer
+        raise ConfigError(
+            f"model.path {str(directory)!r} holds no processor with an image processor{reason}: save the "
+            "model's processor there with processor.save_pretrained"
+        )
+    return processor
 
 
 def vlm_from_config(directory: str | os.PathLike, attn_implementation: str = "sdpa") -> torch.nn.Module:

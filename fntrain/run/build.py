@@ -167,5 +167,6 @@ def job_hooks(built: Built, spec: RecipeSpec, step: LaidOut, checked: Checked, o
         attempt=opened.attempt,
         data_fingerprint=checked.fingerprint,
         restoring=checked.launch.resumes,
+        sampler=spec.sampler(config, built) if spec.sampler else None,
     ))
     return dataclasses.replace(wiring, hooks=[*wiring.hooks, opened.progress])

@@ -7,6 +7,7 @@ the flag, exit status 2), so a bad command leaves the run directory exactly as i
         check_launcher             a strategy that needs a process group is launched by torchrun
         layout.check               the layout's rules: what the recipe's model supports, which sizes
         layout.check_device        combine, the devices it runs on (`fntrain.step.layouts`)
+        check_sampling             samples are asked only of a recipe that can sample text
         check_device_settings      the device and the memory / profiler hooks' rank lists
         check_packages             optional packages the settings need are importable
         check_paths                run_dir, the checkpoint root and output_dir are writable directories
@@ -21,6 +22,7 @@ the flag, exit status 2), so a bad command leaves the run directory exactly as i
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from fntrain.config import ConfigError
 from fntrain.data.files import existing_ancestor
 from fntrain.data.fingerprint import data_fingerprint
 from fntrain.data.stream import is_iterable_dataset
+from fntrain.hooks.sample import check_sampling
 from fntrain.hooks.sinks import check_metric_packages
 from fntrain.hooks.standard import check_early_hooks
 from fntrain.run.config import JobConfig, RecipeSpec
@@ -87,6 +90,7 @@ def check_run(config: JobConfig, spec: RecipeSpec) -> Checked:
         check_launcher(config, env)
         layout = choose_layout(config.parallel)
         layout.check(config, spec, dp_size)
+        check_sampling(config.sample, spec.sampler is not None)
         layout.check_device(config)
         check_device_settings(config, env)
         check_packages(config)
@@ -177,12 +181,27 @@ def _check_writable_dir(field: str, path: str | os.PathLike) -> None:
     if path.exists():
         if not path.is_dir():
             raise ConfigError(f"{field} {str(path)!r} is a file, not a directory")
-        if not os.access(path, os.W_OK | os.X_OK):
+        if not os.access(path, os.W_OK | os.X_OK) or not _can_create_in(path):
             raise ConfigError(f"{field} {str(path)!r} is not writable")
         return
     parent = existing_ancestor(path, field)  # a file there is a FileExistsError naming the field
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{field} {str(path)!r} cannot be created: {str(parent)!r} is not writable")
+    if not _can_create_in(parent):
+        raise ConfigError(
+            f"{field} {str(path)!r} cannot be created: nothing can be created in {str(parent)!r} "
+            "(a read-only or virtual filesystem)"
+        )
+
+
+def _can_create_in(directory: Path) -> bool:
+    """Whether a directory can be made in `directory`: one is made and removed at once. Why a probe:
+    os.access passes for root on a virtual filesystem (/proc, /sys), where mkdir still fails."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".fntrain-probe-", dir=directory))
+    except OSError:
+        return False
+    return True
 
 
 def check_paths(config: JobConfig) -> None:

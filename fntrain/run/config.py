@@ -27,6 +27,7 @@ from fntrain.hooks.memory import MemoryConfig
 from fntrain.hooks.metrics import MetricsConfig
 from fntrain.hooks.profiler import ProfilerConfig
 from fntrain.hooks.progress import ProgressConfig
+from fntrain.hooks.sample import SampleConfig
 from fntrain.hooks.standard import under_run_dir
 from fntrain.hooks.throughput import ThroughputConfig
 from fntrain.loop import Hook
@@ -86,8 +87,8 @@ class CheckpointConfig(SaveConfig):
     """When to save and restore checkpoints: the hook's saving fields (`SaveConfig`) and the run's resume
     and export policy."""
 
-    restore_from: str = "none"
-    """none; auto (latest if one exists, else a quiet fresh start: for restarts); latest (warns if none); or a path."""
+    restore_from: str = "auto"
+    """auto: rerunning a command in its run_dir resumes its newest checkpoint (or says the run is complete), a new run_dir starts fresh; latest: the same, warning when there is none; none: never resume; or a checkpoint path."""
     allow_changes: tuple[str, ...] = ()
     """Fields a resume may change although they change the numbers (e.g. train.train_iters); logged."""
     weights_only: bool = False
@@ -138,6 +139,8 @@ class JobConfig:
     """The progress bar on rank 0."""
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     """Validation loss and perplexity on the recipe's validation split."""
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    """Text the model writes from sample.prompts every sample.every steps and at the end: the log, <run_dir>/samples.jsonl, TensorBoard / W&B / MLflow."""
     gc: GCConfig = field(default_factory=GCConfig)
     """Python gc and device-cache cadence."""
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
@@ -156,7 +159,7 @@ class JobConfig:
         "parallel.activation_checkpointing", "parallel.compile", "parallel.compile_backend",
         "parallel.ddp_bucket_cap_mb", "parallel.find_unused_parameters", "parallel.replicate",
         "parallel.meta_init", "parallel.tp_size", "parallel.pp_size", "parallel.pp_schedule",
-        "parallel.loss_parallel", "parallel.cp_size", "parallel.cp_style", "memory", "throughput", "metrics", "progress", "evaluate", "gc", "profiler",
+        "parallel.loss_parallel", "parallel.cp_size", "parallel.cp_style", "memory", "throughput", "metrics", "progress", "evaluate", "sample", "gc", "profiler",
         "checkpoint", "watchdog",
     )  # fmt: skip
 
@@ -179,8 +182,8 @@ class ExportingJobConfig(JobConfig):
     to `output_dir`: no `model.safetensors` besides it by default, and `output_dir` free to change on a
     resume."""
 
-    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(export=False))
-    """Resumable checkpoints under <run_dir>/checkpoints; the fine-tuned model itself always goes to output_dir in save_pretrained layout."""
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(export=False, save_every_minutes=30.0))
+    """Resumable checkpoints under <run_dir>/checkpoints every 30 minutes and at the end (rerunning the command resumes); the fine-tuned model itself always goes to output_dir in save_pretrained layout."""
     output_dir: str | None = None
     """Where the fine-tuned model is saved (None: <run_dir>/hf_model)."""
 
@@ -240,6 +243,10 @@ class RecipeSpec:
       fntrain config.json); a recipe's `export` uses it too, so both write the same model.
     - `eval_metrics(config, built)`: a function returning extra validation metrics (e.g. answer
       accuracy), called at every evaluation on every rank, beside the validation loss.
+    - `sampler(config, built)`: text sampling for the samples during training (`--sample.*`): a
+      function (prompt, `fntrain.models.sampling.SampleSettings`, torch.Generator) -> the text the
+      built model writes after the prompt, drawing only from that generator; None: the recipe cannot
+      sample (asking for samples is then a `ConfigError` naming the flag).
     - `hooks(built)`: extra hooks, run after the standard ones and before the checkpoint hook.
     - `step_end(config, built)`: a function the step calls after every optimizer update, outside
       autograd, returning more step metrics as device tensors (MoE: router bias update, expert load),
@@ -277,6 +284,7 @@ class RecipeSpec:
     tensor_parallel: Callable[[Any, Any, bool], None] | None = None
     pipeline: Any = None
     attention_heads: Callable[[Any], int] | None = None
+    sampler: Callable[[Any, Built], Callable[[str, Any, Any], str]] | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.config, type) and issubclass(self.config, JobConfig)):

@@ -22,11 +22,14 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from fntrain.checkpoint import export_safetensors
+from fntrain.checkpoint import export_safetensors, find_latest
+from fntrain.checkpoint.export import ExportError, export_failure
+from fntrain.checkpoint.layout import checkpoint_root
 from fntrain.hooks.metrics_file import summarize_metrics
 from fntrain.hooks.metrics_log import MetricsLog
 from fntrain.loop import TrainResult
 from fntrain.run.config import Built, JobConfig
+from fntrain.run.launch import requested_source
 from fntrain.run.metadata import record_outcome
 from fntrain.runtime.groups import pipeline_group
 from fntrain.state import TrainState
@@ -51,13 +54,17 @@ def export(config: JobConfig, recipe_export: Any, built: Built, state: TrainStat
     """The recipe's export (`recipe_export(built, state)`, None: none), and <run_dir>/model.safetensors
     when checkpoint.export is set; where they went."""
     written = []
-    if recipe_export is not None:
-        written.append(recipe_export(built, state))
-    if config.checkpoint.export:
-        path = built.run_dir / "model.safetensors"  # a collective under FSDP2 (every rank gathers), rank 0 writes
-        export_safetensors(built.components.model, path, metadata=state.as_dict(),
-                           pipeline_group=pipeline_group(built.runtime))  # fmt: skip
-        written.append(path)
+    try:
+        if recipe_export is not None:
+            written.append(recipe_export(built, state))
+        if config.checkpoint.export:
+            path = built.run_dir / "model.safetensors"  # a collective under FSDP2 (every rank gathers), rank 0 writes
+            export_safetensors(built.components.model, path, metadata=state.as_dict(),
+                               pipeline_group=pipeline_group(built.runtime))  # fmt: skip
+            written.append(path)
+    except Exception as error:  # the line says what is kept and what is lost
+        raise export_failure(error, step=state.global_step,
+                             checkpoints=checkpoint_root(config.checkpoint, built.run_dir)) from error  # fmt: skip
     return [str(path) for path in written if path is not None]
 
 
@@ -82,10 +89,15 @@ def summary_line(config: JobConfig, outcome: str, step: int | None, seconds: flo
 
 
 def resume_hint(config: JobConfig) -> str:
-    """How to go on after a run that stopped early."""
-    if config.checkpoint.enabled or config.checkpoint.save_on_interrupt:
-        return "resume with --checkpoint.restore-from latest"
-    return "no checkpoint was saved (set --checkpoint.save-every to make one)"
+    """How to go on after a run that stopped early: only an action that will work (resuming needs a
+    complete checkpoint; a rerun of the same command resumes unless checkpoint.restore_from is none)."""
+    latest = find_latest(checkpoint_root(config.checkpoint, config.run_dir))
+    if latest is None:
+        return "no checkpoint was saved (set --checkpoint.save-every to make one)"
+    if requested_source(config) in ("latest", "auto"):
+        return f"run the same command again to resume from {latest.name}"
+    without = " and without --overwrite" if config.overwrite else ""
+    return f"resume from {latest.name} with --checkpoint.restore-from latest{without}"
 
 
 def record_end(config: JobConfig, runtime: Any, writer: MetricsLog | None, outcome: str, summary: str,
@@ -108,6 +120,8 @@ def what_happened(error: BaseException) -> str:
 
 def failure_line(error: BaseException, step: int | None, traceback_at: Path | str) -> str:
     """The one line a failed run leaves on the terminal."""
+    if isinstance(error, ExportError):  # "at step 6 exporting hf_model: ...; what is kept and lost"
+        return f"run failed at step {error.step} {error.line}; full traceback in {traceback_at}"
     where = f"at step {step}" if step is not None else "before its first step"
     return f"run failed {where}: {what_happened(error)}; full traceback in {traceback_at}"
 

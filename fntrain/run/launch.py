@@ -80,16 +80,25 @@ def decide_launch(config: JobConfig, restart_count: int, *, fingerprint: dict[st
     found = holds_run(config.run_dir, root)
     source = requested_source(config, restart_count)
     if found and source is None and not config.overwrite:
-        raise ConfigError(
-            f"run_dir {config.run_dir!r} already holds a run ({', '.join(map(repr, found))}): resume it with "
-            "checkpoint.restore_from latest (or auto), or start over with `overwrite`, which moves the old "
-            f"run to {str(aside_name(config.run_dir))!r}"
-        )
+        _refuse_second_run(config, found, find_latest(root))
     moves_aside = _starts_over(config, restart_count) and bool(found)
     if source is None:
         return Launch(restart_count, moves_aside=moves_aside)
     path = find_latest(root) if source in ("latest", "auto") else _named_checkpoint(source)
+    if path is None and found and not moves_aside and restart_count == 0:
+        _refuse_second_run(config, found, None)  # nothing to resume: training here would mix two runs
     return _launch_from(config, restart_count, source, path, fingerprint, train_iters, moves_aside=moves_aside)
+
+
+def _refuse_second_run(config: JobConfig, found: list[str], latest: Path | None) -> None:
+    """A `ConfigError` for a new run into a run directory that holds one, naming only the ways out that
+    work: resuming (when it has a complete checkpoint) and starting over."""
+    held = f"run_dir {config.run_dir!r} already holds a run ({', '.join(map(repr, found))})"
+    over = f"start over with `overwrite`, which moves the old run to {str(aside_name(config.run_dir))!r}"
+    if latest is not None:
+        raise ConfigError(f"{held}: resume it with checkpoint.restore_from auto (its newest checkpoint is "
+                          f"{latest.name}), or {over}")  # fmt: skip
+    raise ConfigError(f"{held} with no complete checkpoint to resume: {over}")
 
 
 def _starts_over(config: JobConfig, restart_count: int) -> bool:

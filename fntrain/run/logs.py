@@ -8,8 +8,10 @@
   `WORLD_SIZE` > 1, or a rank other than 0), starts with `[rank <r>]` (each line of a multi-line message
   and of a traceback too), so interleaved output can be told apart and grepped. A single-process
   console has no prefix.
-- Console (stderr): rank 0 shows INFO and above; the other ranks only WARNING and above, so a
-  problem on any rank is visible without N copies of every message.
+- Console (stderr): rank 0 shows INFO and above; the other ranks only ERROR and above. Rank 0 prints
+  the run's warnings once (the setting and data warnings of phases 1 and 2 are the same on every
+  rank); each rank's warnings, rank 0's included, are in its log file, and an error on any rank is
+  on the console.
 - Files: `<run_dir>/logs/rank_<r>.log`, appended to (a restarted job adds to the same file, after a
   line marking the launch), INFO and above from every logger, Python warnings included once
   `setup_console_logging` routed them into logging. An exception that ends the `rank_logs` block is
@@ -80,7 +82,8 @@ class _ConsoleHandler(logging.StreamHandler):
 
 
 def setup_console_logging(rank: int | None = None, *, level: int = logging.INFO) -> logging.Handler:
-    """Log to stderr: rank 0 at `level`, other ranks at WARNING and above; lines carry the rank prefix
+    """Log to stderr: rank 0 at `level`, other ranks at ERROR and above (their warnings would repeat rank
+    0's: they are in each rank's log file, `rank_logs`); lines carry the rank prefix
     only when several processes run (`WORLD_SIZE` > 1 or `rank` other than 0).
 
     For entry points (it changes the root logger): replaces a console handler installed by an earlier
@@ -94,7 +97,7 @@ def setup_console_logging(rank: int | None = None, *, level: int = logging.INFO)
     handler = _ConsoleHandler(sys.stderr)
     several = rank != 0 or launch_world_size() > 1
     handler.setFormatter(RankFormatter(rank if several else None))
-    handler.setLevel(level if rank == 0 else max(level, logging.WARNING))
+    handler.setLevel(level if rank == 0 else max(level, logging.ERROR))
     root.addHandler(handler)
     root.setLevel(level)
     logging.captureWarnings(True)

@@ -27,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fntrain.checkpoint.layout import checkpoint_root
+from fntrain.checkpoint.space import CheckpointSaveError
 from fntrain.loop import Event
 from fntrain.run.config import JobConfig
 from fntrain.run.directory import move_aside
@@ -111,8 +112,8 @@ class Progress:
     def __call__(self, event: Event, state: Any, info: Any) -> None:
         if event is Event.STEP_END:
             self.committed, self.step = True, state.global_step
-        elif event is Event.ABORT:
-            self.failed_at = state.global_step + 1
+        elif event is Event.ABORT:  # a failed save names its own step (it fails after that step ended)
+            self.failed_at = info.step if isinstance(info, CheckpointSaveError) else state.global_step + 1
 
 
 @dataclass

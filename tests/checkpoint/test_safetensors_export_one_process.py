@@ -13,7 +13,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fntrain.checkpoint import export
+from fntrain.checkpoint import export, staged_out
 
 
 class Tied(torch.nn.Module):
@@ -57,5 +57,5 @@ def test_umask_falls_back_to_022_without_proc(monkeypatch):
     def no_proc(*_args, **_kwargs):
         raise OSError("no /proc here")
 
-    monkeypatch.setattr(export, "open", no_proc, raising=False)
-    assert export._umask() == 0o022
+    monkeypatch.setattr(staged_out, "open", no_proc, raising=False)
+    assert staged_out._umask() == 0o022

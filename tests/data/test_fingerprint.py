@@ -1,11 +1,14 @@
 """Data fingerprints: what each checkpoint records about the data, and a resume refused when the data
-changed (a JSONL with rows appended, re-tokenized shards, other mixing weights), like a changed setting,
-with `checkpoint.allow_changes data` as the way out."""
+changed (a JSONL with rows appended or a typo fixed in the middle of a line, re-tokenized shards, other
+mixing weights), like a changed setting, with `checkpoint.allow_changes data` as the way out. Files are
+hashed in full up to `FULL_HASH_BYTES`, sampled and timed past it (the threshold made small here); a
+fingerprint recorded before full hashes is compared by the facts it holds."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import numpy as np
 import pytest
 
 from fntrain.config import ConfigError
+from fntrain.data import fingerprint
 from fntrain.data.fingerprint import (
     EDGE_BYTES,
     data_files,
@@ -57,22 +61,83 @@ def shards(directory: Path, docs: int = 40, seed: int = 0, overwrite: bool = Fal
     return directory
 
 
-def test_a_file_fingerprint_reads_the_ends_and_sees_appends_and_edits(tmp_path):
+def test_a_file_fingerprint_sees_appends_and_any_edit_of_a_file_it_hashes_in_full(tmp_path):
     big = tmp_path / "big.bin"
     big.write_bytes(bytes(range(256)) * (EDGE_BYTES // 64))  # 4 x EDGE_BYTES
     before = file_fingerprint(big)
-    assert before["size"] == 4 * EDGE_BYTES and len(before["digest"]) == 32
+    assert before["size"] == 4 * EDGE_BYTES and len(before["digest"]) == 32 and len(before["full"]) == 32
+    assert "samples" not in before and "mtime_ns" not in before
+    assert file_fingerprint(big) == before  # unchanged: equal
     with open(big, "ab") as file:
         file.write(b"appended row\n")
     assert file_fingerprint(big)["size"] == before["size"] + 13
     data = bytearray(big.read_bytes()[: 4 * EDGE_BYTES])
     data[10] ^= 1  # an edit in the head, same size
     big.write_bytes(bytes(data))
-    assert file_fingerprint(big)["size"] == before["size"] and file_fingerprint(big) != before
+    assert file_fingerprint(big)["digest"] != before["digest"]
     data[10] ^= 1
-    data[2 * EDGE_BYTES] ^= 1  # the middle is not read (documented: lengths and ends catch rewrites)
+    data[2 * EDGE_BYTES] ^= 1  # the middle: the ends' digest is the same, the full hash is not
     big.write_bytes(bytes(data))
-    assert file_fingerprint(big) == before
+    after = file_fingerprint(big)
+    assert after["digest"] == before["digest"] and after["full"] != before["full"]
+
+
+def test_a_same_size_edit_in_the_middle_of_a_jsonl_line_is_named(tmp_path):
+    path = jsonl(tmp_path / "train.jsonl", 15000)
+    config = _Config(_Data(path=str(path)))
+    saved = data_fingerprint(config, list(range(15000)))
+    assert fingerprint_changes(saved, data_fingerprint(config, list(range(15000)))) == []
+    text = path.read_text()
+    middle = text.index('"example 7500"')
+    path.write_text(text[:middle] + text[middle:].replace("example 7500", "exbmple 7500", 1))  # a typo, same size
+    assert path.stat().st_size > 4 * EDGE_BYTES  # the edit is far from both ends
+    changes = fingerprint_changes(saved, data_fingerprint(config, list(range(15000))))
+    assert changes == [f"data.path: contents changed (same size, {path.stat().st_size} bytes)"]
+
+
+def test_a_file_past_the_full_hash_budget_is_sampled_and_timed(tmp_path, monkeypatch):
+    monkeypatch.setattr(fingerprint, "FULL_HASH_BYTES", 8 * EDGE_BYTES)
+    small, large = tmp_path / "a.bin", tmp_path / "b.bin"
+    small.write_bytes(b"s" * (6 * EDGE_BYTES))
+    large.write_bytes(bytes(range(256)) * (EDGE_BYTES // 16))  # 16 x EDGE_BYTES: past the budget
+    config = _Config(_Data(path=str(small), val_path=str(large)))
+    saved = data_fingerprint(config, None)
+    assert "full" in saved["files"]["data.path"]
+    assert {"samples", "mtime_ns"} <= set(saved["files"]["data.val_path"])
+    assert "full" not in saved["files"]["data.val_path"]
+    # a second small file does not fit in what the first left of the budget: sampled too
+    assert "samples" in file_fingerprint(small, full=False) and "full" in file_fingerprint(large, full=True)
+
+    stat = large.stat()
+    data = bytearray(large.read_bytes())
+    data[len(data) // 2 + 1] ^= 1  # between two samples, the time put back: not seen (documented)
+    large.write_bytes(bytes(data))
+    os.utime(large, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert fingerprint_changes(saved, data_fingerprint(config, None)) == []
+    os.utime(large, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # an edit in place changes the time
+    changes = fingerprint_changes(saved, data_fingerprint(config, None))
+    assert len(changes) == 1 and changes[0].startswith("data.val_path: modified ") and "same size" in changes[0]
+    offset = (len(data) - fingerprint.SAMPLE_BYTES) * 3 // (fingerprint.SAMPLES + 1)
+    data[offset] ^= 1  # inside a sample, the time put back: the samples differ
+    large.write_bytes(bytes(data))
+    os.utime(large, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    changes = fingerprint_changes(saved, data_fingerprint(config, None))
+    assert changes == [f"data.val_path: contents changed (same size, {len(data)} bytes)"]
+
+
+def test_an_older_fingerprint_is_compared_by_the_facts_it_recorded(tmp_path):
+    path = jsonl(tmp_path / "train.jsonl", 15000)
+    config = _Config(_Data(path=str(path)))
+    now = data_fingerprint(config, list(range(15000)))
+    older = {"files": {name: {"size": facts["size"], "digest": facts["digest"]}
+                       for name, facts in now["files"].items()}, "dataset": now["dataset"]}  # fmt: skip
+    assert fingerprint_changes(older, now) == []  # a checkpoint from before full hashes still resumes
+    text = path.read_text()
+    path.write_text(text.replace("example 7500", "exbmple 7500", 1))
+    assert fingerprint_changes(older, data_fingerprint(config, list(range(15000)))) == []  # its ends only
+    jsonl(path, 15001)
+    changes = fingerprint_changes(older, data_fingerprint(config, list(range(15001))))
+    assert changes[0].startswith("data.path: size ") and changes[1] == "samples 15000 -> 15001"
 
 
 def test_the_files_are_the_data_sections_path_fields(tmp_path, monkeypatch):
@@ -154,6 +219,11 @@ def test_a_resume_on_changed_data_is_refused_naming_the_file_unless_allowed(tmp_
         config, train=dataclasses.replace(config.train, train_iters=3),
         checkpoint=CheckpointConfig(save_every=2, restore_from="latest", allow_changes=("train.train_iters",)),
     )  # fmt: skip
+    edited = bytearray(text[:3000])
+    edited[1500] = ord("#") if edited[1500] != ord("#") else ord("%")  # a same-size edit in the middle
+    corpus.write_bytes(bytes(edited))
+    with pytest.raises(ConfigError, match=r"was saved with other data: data\.path: contents changed \(same size"):
+        run_job(longer, tiny_gpt.spec)
     corpus.write_bytes(text[:3600])  # rows appended under the run
     before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
     with pytest.raises(ConfigError) as caught:

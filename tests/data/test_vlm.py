@@ -102,7 +102,7 @@ def test_bad_rows_are_errors_naming_the_row(processor, tmp_path):
         transform_vlm_example({"image": "missing.png", "prompt": "a", "completion": "b"}, processor, data,
                               root=tmp_path, where="row 3")  # fmt: skip
     row = ShapesQA(1)[0]
-    with pytest.raises(ValueError, match="expected 'messages' or 'prompt'"):
+    with pytest.raises(ValueError, match="expected data.messages_key 'messages' or data.prompt_key 'prompt'"):
         transform_vlm_example({"image": row["image"], "text": "hi"}, processor, data)
     with pytest.raises(ValueError, match=r"exceed data.max_length \(8\)"):
         transform_vlm_example(row, processor, dataclasses.replace(data, max_length=8))
@@ -117,7 +117,7 @@ def test_bad_rows_are_errors_naming_the_row(processor, tmp_path):
          r"line 4: image 'gone.png' not found"),
         ({"image": 7, "prompt": "a", "completion": "b"}, r"line 4: an image must be a path, got int"),
         ({"image": "vqa.jsonl", "prompt": "a", "completion": "b"}, r"line 4: image '.*vqa.jsonl' is not an image Pillow reads"),
-        ({"image": "shapes/000000.png", "text": "hi"}, r"line 4: expected 'messages' or 'prompt' \+ 'completion'"),
+        ({"image": "shapes/000000.png", "text": "hi"}, r"line 4: cannot tell the format .*: expected data.messages_key 'messages' or data.prompt_key 'prompt' \+ data.completion_key 'completion'"),
         ({"image": "shapes/000000.png", "messages": [{"role": "user", "content": "hi"}]},
          r"line 4: no assistant turn to train on"),
         ({"image": "shapes/000000.png", "messages": ["hi"]}, r"line 4: message 0 must be an object"),

@@ -21,6 +21,7 @@ from fntrain.hooks.gc import GCConfig
 from fntrain.hooks.memory import MemoryConfig
 from fntrain.hooks.profiler import ProfilerConfig
 from fntrain.hooks.progress import ProgressConfig
+from fntrain.hooks.sample import SampleConfig
 from fntrain.hooks.standard import HookInputs, make_wiring, wire_standard_hooks
 from fntrain.hooks.throughput import ThroughputConfig
 from fntrain.loop import Event
@@ -47,6 +48,7 @@ def every_hook_on(run_dir: Path) -> JobConfig:
         memory=MemoryConfig(mem_info=True, save_path=str(run_dir / "memory")),
         progress=ProgressConfig(redirect_logging=True),
         evaluate=EvaluateConfig(eval_every=1),
+        sample=SampleConfig(every=1, prompts=("x",)),
         gc=GCConfig(gc_every=1, disable_automatic=True),
         profiler=ProfilerConfig(enabled=True, start_on_init=True, output_path=str(run_dir / "profile")),
         checkpoint=CheckpointConfig(save_every=1, save_on_interrupt=True, preempt_signals=("SIGTERM",)),
@@ -59,7 +61,7 @@ def inputs_for(config: JobConfig, **fields) -> HookInputs:
         config, Runtime(), RunPlan(train_iters=4, steps_per_epoch=4, epochs=1), toy.components(),
         run_dir=Path(config.run_dir), val_dataset=samples,
         forward=lambda model, batch: model(batch), eval_loss=lambda output, batch: output.float().mean(),
-        **fields,
+        **{"sampler": lambda prompt, settings, generator: "", **fields},
     )  # fmt: skip
 
 
@@ -86,8 +88,8 @@ def test_the_list_is_built_in_standard_order_and_creates_no_file(tmp_path, termi
     wiring = wire_standard_hooks(inputs_for(every_hook_on(run_dir), extra=(extra,)))
     hooks = wiring.hooks
     names = [hook.name if isinstance(hook, StatefulHook) else None for hook in hooks]
-    assert len(hooks) == 10 and hooks[7] is extra
-    assert names[1] == "throughput" and names[4] == "evaluate" and names[8] == "checkpoint"
+    assert len(hooks) == 11 and hooks[8] is extra
+    assert names[1] == "throughput" and names[4] == "evaluate" and names[9] == "checkpoint"
     assert wiring.writer is not None and wiring.writer.latest() == {}
     assert not run_dir.exists()  # built: nothing on disk until TRAIN_BEGIN
 
@@ -108,6 +110,7 @@ def test_only_the_metrics_hook_when_every_other_hook_is_off(tmp_path):
         (standard._throughput, {"throughput": ThroughputConfig(enabled=False)}),
         (standard._progress, {"progress": ProgressConfig(enabled=False)}),
         (standard._evaluate, {}),
+        (standard._sample, {}),  # no prompts
         (standard._gc, {}),
         (standard._profiler, {}),
         (standard._checkpoint, {}),

@@ -165,7 +165,7 @@ def test_a_model_dir_without_a_tokenizer_names_the_dir(tiny_model_dir, tmp_path)
         ("{not json", r"config.json is not a JSON file"),
         ("[1, 2]", r"config.json must hold a JSON object"),
         ('{"model_type": "no_such_architecture"}', r"config.json is not a model config transformers reads \(.*no_such_architecture"),
-        ('{"model_type": "clip"}', r"holds no causal LM transformers knows \(Unrecognized configuration class"),
+        ('{"model_type": "clip"}', r"is not a causal LM \(model_type 'clip'\): the hf_causal_lm recipe needs"),
     ],
 )  # fmt: skip
 def test_a_model_dir_that_transformers_cannot_build_names_the_dir(

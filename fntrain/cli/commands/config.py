@@ -7,7 +7,13 @@ import json
 import sys
 from typing import Literal
 
-from fntrain.cli.recipe_args import command_with_options, describe, load_defaults, split_config, split_recipe
+from fntrain.cli.recipe_args import (
+    command_with_options,
+    load_defaults,
+    parse_recipe_command,
+    split_config,
+    split_recipe,
+)
 from fntrain.cli.recipes import load_recipe
 from fntrain.run.resolved import class_defaults, config_to_dict, dump_toml
 
@@ -16,8 +22,6 @@ __all__ = ["command"]
 
 def command(args: list[str]) -> str:
     """`fntrain config`: the config written to stdout and returned as text."""
-    import tyro
-
     name, rest = split_recipe("config", args)
     recipe = load_recipe(name)
     paths, rest = split_config(rest)
@@ -26,7 +30,7 @@ def command(args: list[str]) -> str:
         load_defaults(recipe, paths),
         [("format", Literal["toml", "json"], "toml", "Output format (both read back with --config).")],
     )
-    parsed = tyro.cli(command_cls, args=rest, prog=f"fntrain config {name}", description=describe(recipe))
+    parsed = parse_recipe_command(recipe, command_cls, rest, prog=f"fntrain config {name}")
     data = config_to_dict(parsed.recipe_config)
     if parsed.format == "toml":
         text = dump_toml(data, class_defaults(parsed.recipe_config))

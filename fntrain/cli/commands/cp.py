@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fntrain.cli.errors import CommandError, UsageError
 from fntrain.cli.recipes import load_recipe
+from fntrain.cli.usage import HELP
 
 __all__ = ["command"]
 
@@ -13,10 +14,17 @@ def command(args: list[str]) -> str:
     import shutil
     from pathlib import Path
 
+    if any(arg in HELP for arg in args):
+        print("usage: fntrain cp RECIPE DEST.py [--force]\n\nCopy a recipe's file to DEST.py, to own and change; "
+              "--force replaces an existing DEST.py.")  # fmt: skip
+        return ""
+    unknown = [arg for arg in args if arg.startswith("-") and arg != "--force"]
+    if unknown:
+        raise UsageError(f"unknown flag {unknown[0]} (fntrain cp takes only --force)")
     force = "--force" in args
     positional = [arg for arg in args if arg != "--force"]
     if len(positional) != 2 or any(arg.startswith("-") for arg in positional):
-        raise UsageError("fntrain cp needs a RECIPE and a DEST.py")
+        raise UsageError(f"needs a RECIPE and a DEST.py, got {' '.join(args) or 'nothing'}")
     name, dest = positional
     if not dest.endswith(".py"):
         raise UsageError(f"DEST must be a .py file, got {dest!r}")

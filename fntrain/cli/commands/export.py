@@ -7,6 +7,7 @@ import dataclasses
 from typing import Annotated, Any
 
 from fntrain.cli.errors import CommandError
+from fntrain.cli.parse import parse
 from fntrain.cli.recipes import RecipeNotFound, load_recipe
 
 __all__ = ["command"]
@@ -39,7 +40,7 @@ def command(args: list[str]) -> Any:
         frozen=True,
     )
     summary = "\n\n".join((hf_export.__doc__ or "").split("\n\n")[:2])
-    parsed = tyro.cli(command_cls, args=args, prog="fntrain export", description=summary)
+    parsed = parse(command_cls, args, prog="fntrain export", description=summary)
     try:
         convert = _hf_conversion(parsed.checkpoint, parsed.out, parsed.options)
         path = export_options.export_checkpoint(parsed.checkpoint, parsed.out, parsed.options, convert)

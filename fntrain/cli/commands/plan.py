@@ -7,7 +7,13 @@ import json
 from typing import Any
 
 from fntrain.cli.errors import setting_error
-from fntrain.cli.recipe_args import command_with_options, describe, load_defaults, split_config, split_recipe
+from fntrain.cli.recipe_args import (
+    command_with_options,
+    load_defaults,
+    parse_recipe_command,
+    split_config,
+    split_recipe,
+)
 from fntrain.cli.recipes import Recipe, load_recipe
 from fntrain.config import as_flags
 
@@ -30,8 +36,6 @@ def plan_report(recipe: Recipe, config: Any, world_size: int = 1) -> dict[str, A
 
 def command(args: list[str]) -> dict[str, Any]:
     """`fntrain plan`: the plan printed as text (or JSON) and returned as its report dict."""
-    import tyro
-
     name, rest = split_recipe("plan", args)
     recipe = load_recipe(name)
     paths, rest = split_config(rest)
@@ -43,7 +47,7 @@ def command(args: list[str]) -> dict[str, Any]:
             ("json", bool, False, "Print the plan as JSON instead of text."),
         ],
     )
-    parsed = tyro.cli(command_cls, args=rest, prog=f"fntrain plan {name}", description=describe(recipe))
+    parsed = parse_recipe_command(recipe, command_cls, rest, prog=f"fntrain plan {name}")
     report = plan_report(recipe, parsed.recipe_config, parsed.world_size)
     if parsed.json:
         print(json.dumps(report, indent=2, default=str))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fntrain.cli.errors import CommandError, UsageError
-from fntrain.cli.usage import HELP
+from fntrain.cli.parse import parse
 
 __all__ = ["command"]
 
@@ -34,11 +34,9 @@ def command(args: list[str]) -> Any:
         "out_dir": Annotated[str | None, tyro.conf.arg(metavar="DIR")],
         "return": Any,
     }
-    if not args or args[0] in HELP:
-        if args:
-            tyro.cli(plot, args=["--help"], prog="fntrain plot")
-        raise UsageError("fntrain plot needs a RUN_DIR")
-    result = tyro.cli(plot, args=args, prog="fntrain plot")
+    if not args:
+        raise UsageError("missing RUN_DIR")
+    result = parse(plot, args, prog="fntrain plot")
     for path in result if isinstance(result, (list, tuple)) else [result]:
         print(path)
     return result

@@ -1,5 +1,6 @@
-"""`fntrain run RECIPE [--config FILE] [overrides]`, and the same run from a recipe's own file
-(`python -m recipes.NAME ...`, `python my_recipe.py ...`)."""
+"""`fntrain run RECIPE [--config FILE] [overrides]`, the same run from a recipe's own file
+(`python -m recipes.NAME ...`, `python my_recipe.py ...`), and the launcher: `fntrain run
+--nproc-per-node N [torchrun's options] RECIPE ...` (`fntrain.cli.launcher`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fntrain.cli.errors import reporting, setting_error
+from fntrain.cli.final_line import say
 from fntrain.cli.recipe_args import resolve_config, split_recipe
 from fntrain.cli.recipes import Recipe, load_recipe
 from fntrain.config import ConfigError
@@ -16,11 +18,31 @@ __all__ = ["command", "run_recipe", "recipe_main"]
 
 
 def command(args: list[str]) -> Any:
-    """`fntrain run`: the recipe named first, configured by the rest of the arguments, run."""
+    """`fntrain run`: the recipe named first, configured by the rest of the arguments, run; with
+    torchrun's options before the recipe, run on the ranks they describe (`launch_recipe`)."""
+    from fntrain.cli import launcher
+
+    if launcher.is_launch(args):
+        return launch_recipe(args)
     name, rest = split_recipe("run", args)
     recipe = load_recipe(name)
     config = resolve_config(recipe, rest, prog=f"fntrain run {name}")
     return run_recipe(recipe.spec, config)
+
+
+def launch_recipe(args: list[str]) -> None:
+    """`fntrain run --nproc-per-node N ... RECIPE ...`: the recipe's options parsed here (a bad one is
+    one line, exit status 2, before any rank starts), then the job launched; a job that failed or was
+    stopped ends the process with its first failing rank's line and status."""
+    from fntrain.cli import launcher
+
+    options, name, rest = launcher.split_launch(args)
+    resolve_config(load_recipe(name), rest, prog=f"fntrain run {name}")
+    ended = launcher.launch(options, [name, *rest])
+    if ended.exit_code:
+        if ended.line:
+            print(ended.line, file=sys.stderr)
+        raise SystemExit(ended.exit_code)
 
 
 def run_recipe(spec: Any, config: Any) -> Any:
@@ -30,17 +52,17 @@ def run_recipe(spec: Any, config: Any) -> Any:
     from fntrain.run.job import RunAborted, run_job
     from fntrain.run.logs import setup_console_logging
 
-    setup_console_logging()  # [rank r] prefixes; other ranks: warnings and errors only
+    setup_console_logging()  # [rank r] prefixes; other ranks: errors only (warnings once, from rank 0)
     try:
         result = run_job(config, spec)
     except ConfigError as error:
         raise setting_error(error, type(config)) from None
     except RunAborted as aborted:
         _show_traceback(aborted.__cause__)
-        print(aborted.line, file=sys.stderr)
+        say(aborted.line, aborted.exit_code)
         raise SystemExit(aborted.exit_code) from None
     if result.exit_code:  # preempted or interrupted: saved, torn down; say so in one line
-        print(f"{result.reason}; checkpoint saved, resume with --checkpoint.restore-from latest", file=sys.stderr)
+        say(f"{result.reason}; checkpoint saved, resume with --checkpoint.restore-from latest", result.exit_code)
         raise SystemExit(result.exit_code)
     return result
 

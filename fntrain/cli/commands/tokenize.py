@@ -6,18 +6,17 @@ from __future__ import annotations
 from typing import Any
 
 from fntrain.cli.errors import CommandError
+from fntrain.cli.parse import parse
 
 __all__ = ["command"]
 
 
 def command(args: list[str]) -> Any:
     """`fntrain tokenize`: the shard index written, summarised in one line."""
-    import tyro
-
     from fntrain.data.tokenize_cli import tokenize_command
 
     try:
-        index = tyro.cli(tokenize_command, args=args, prog="fntrain tokenize")
+        index = parse(tokenize_command, args, prog="fntrain tokenize")
     except (ValueError, OSError) as error:  # bad inputs, an occupied output: no traceback
         raise CommandError(str(error)) from error
     print(

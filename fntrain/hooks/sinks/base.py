@@ -14,7 +14,9 @@ RESERVED = ("step", "epoch", "attempt")
 class MetricSink(Protocol):
     """Where records go (rank 0). A sink opens what it writes to on first use, never when built, and
     `close()` releases it (safe twice; a later call opens it again). `write` gets the full record:
-    "step", "epoch", "attempt" and the metrics, values at full precision."""
+    "step", "epoch", "attempt" and the metrics, values at full precision. A sink that can show text may
+    also have `text(step, name, text)` (samples the model wrote; `MetricsLog.text` calls it where it
+    exists)."""
 
     def write(self, step: int, record: Mapping[str, Any]) -> None: ...
 

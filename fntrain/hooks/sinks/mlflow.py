@@ -65,6 +65,11 @@ class MlflowSink:
         ]
         self._open().log_batch(self.run_id, metrics=metrics)
 
+    def text(self, step: int, name: str, text: str) -> None:
+        """A text at `step` (a sample) as the run's artifact `<name>/step_<step>.txt`."""
+        safe = "".join(c if c.isalnum() or c in "-_/" else "_" for c in name).strip("/") or "text"
+        self._open().log_text(self.run_id, text, f"{safe}/step_{step:08d}.txt")
+
     def log_config(self, config: Mapping[str, Any], tags: Mapping[str, str]) -> None:
         from mlflow.entities import Param, RunTag  # optional dependency (fntrain[mlflow])
 

@@ -1,4 +1,4 @@
-"""The TensorBoard sink: scalars by step, config and summary as text, all in one event file."""
+"""The TensorBoard sink: scalars by step, samples, config and summary as text, all in one event file."""
 
 from __future__ import annotations
 
@@ -53,6 +53,12 @@ class TensorBoardSink:
         text = json.dumps(dict(values), indent=2, default=str)
         self._open().add_text("summary", f"```\n{text}\n```")
 
+    def text(self, step: int, name: str, text: str) -> None:
+        """A text at `step` (a sample), shown verbatim (a code block: markdown would join its lines)."""
+        writer = self._open()
+        writer.add_text(name, f"```\n{text}\n```", step)
+        writer.flush()
+
     def close(self) -> None:
         opened, self._writer = self._writer, None
         if opened is not None:
@@ -82,10 +88,10 @@ class _AppendedEvents:
 
         self._add(scalar(tag, value), step)
 
-    def add_text(self, tag: str, text: str) -> None:
+    def add_text(self, tag: str, text: str, step: int | None = None) -> None:
         from torch.utils.tensorboard.summary import text as text_summary
 
-        self._add(text_summary(tag, text), None)
+        self._add(text_summary(tag, text), step)
 
     def flush(self) -> None:
         self._records.flush()

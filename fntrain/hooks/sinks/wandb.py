@@ -45,6 +45,14 @@ class WandbSink:
         values = {name: value for name, value in record.items() if name not in ("step", "attempt")}
         self._open().log(values, step=step)
 
+    def text(self, step: int, name: str, text: str) -> None:
+        """A text at `step` (a sample) as an HTML panel of preformatted text."""
+        import html
+
+        import wandb  # optional dependency (fntrain[wandb])
+
+        self._open().log({name: wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
+
     def log_config(self, config: Mapping[str, Any], tags: Mapping[str, str]) -> None:
         run = self._open()
         run.config.update(dict(config), allow_val_change=True)

@@ -1,0 +1,123 @@
+"""`fntrain eval` through lm-eval (slow tier: lm-eval's imports and its task index take tens of
+seconds). One test runs lm-eval's own command line and `fntrain eval` on the same tiny Llama directory
+and local multiple-choice task, and pins that both give the same accuracy and the same per-sample
+log-likelihoods; the same test then evaluates a tiny-GPT run directory (byte-level tokenizer) and
+checks the bad inputs that need lm-eval's task index, with one task index built for all of them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fntrain.checkpoint.hf_load import OFFLINE_SWITCHES
+from fntrain.cli import dispatch
+from fntrain.models import harness
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(harness.importlib.util.find_spec("lm_eval") is None,
+                                                   reason="needs the eval extra")]  # fmt: skip
+
+SMALL = [
+    "--model.n-layer", "1", "--model.n-head", "2", "--model.d-model", "16", "--model.context", "32",
+    "--train.train-iters", "2", "--train.global-batch-size", "4", "--train.micro-batch-size", "4",
+    "--progress.no-enabled", "--log-every", "1", "--checkpoint.save-every", "1",
+]  # fmt: skip
+
+
+def _task(tasks: Path, name: str, data: Path) -> None:
+    """A multiple-choice task over a local JSONL file: question, three choices, the gold index."""
+    (tasks / f"{name}.yaml").write_text(
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{q}}\"\n"
+        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: gold\nmetric_list:\n  - metric: acc\n"
+    )
+
+
+def _samples(path: Path) -> list[list[float]]:
+    """Per document, the log-likelihood of each choice (lm-eval's CLI writes them as strings)."""
+    return [[float(ll) for ll, _ in json.loads(line)["filtered_resps"]] for line in path.read_text().splitlines()]
+
+
+def _refused(args: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        dispatch(["eval", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_fntrain_eval_gives_lm_evals_own_results(tmp_path, capsys, monkeypatch):
+    from tests.hf_helpers import save_tiny_llama
+
+    lines = ["the cat sat on the mat", "a dog runs fast", "one plus one is two", "birds fly high"] * 4
+    model = save_tiny_llama(tmp_path / "llama", lines, vocab_size=300, max_positions=64)
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    data = tmp_path / "tiny_mc.jsonl"
+    items = [{"q": f"what is {i} plus one?", "choices": [str(i + 1), str(i + 2), "the cat"], "gold": i % 3}
+             for i in range(8)]  # fmt: skip
+    data.write_text("".join(json.dumps(item) + "\n" for item in items))
+    _task(tasks, "tiny_mc", data)
+    _task(tasks, "tiny_gone", tmp_path / "gone.jsonl")
+
+    # lm-eval's own command line on the directory, in a process of its own while fntrain eval runs here
+    env = {**os.environ, **OFFLINE_SWITCHES}
+    theirs = tmp_path / "theirs"
+    log = (tmp_path / "lm_eval.log").open("wb")  # a file, not a pipe: its progress bars would fill one
+    lm_eval_cli = subprocess.Popen([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+                                    f"pretrained={model}", "--tasks", "tiny_mc", "--include_path", str(tasks),
+                                    "--device", "cpu", "--batch_size", "1", "--output_path", str(theirs),
+                                    "--log_samples"], env=env, stdout=subprocess.DEVNULL, stderr=log)  # fmt: skip
+
+    # fntrain eval, with one task index for this command and the ones below (it takes tens of seconds)
+    built = {}
+    monkeypatch.setattr(harness, "task_manager", lambda options, real=harness.task_manager: built.setdefault(
+        options.include_path, real(options)))  # fmt: skip
+    ours = tmp_path / "ours"
+    results = dispatch(["eval", str(model), "--tasks", "tiny_mc", "--include-path", str(tasks), "--device", "cpu",
+                        "--output", str(ours)])  # fmt: skip
+    out = capsys.readouterr().out
+    (written,) = ours.iterdir()
+    assert lm_eval_cli.wait(timeout=600) == 0, (tmp_path / "lm_eval.log").read_text()[-2000:]
+    log.close()
+    their_results = json.loads(next(theirs.rglob("results_*.json")).read_text())["results"]["tiny_mc"]
+    their_samples = _samples(next(theirs.rglob("samples_tiny_mc_*.jsonl")))
+    assert results["results"]["tiny_mc"]["acc,none"] == their_results["acc,none"]
+    assert _samples(written / "samples_tiny_mc.jsonl") == their_samples
+    assert json.loads((written / "results.json").read_text())["results"]["tiny_mc"]["acc,none"] == their_results["acc,none"]
+    assert (written / "table.txt").read_text().splitlines()[1].split()[:2] == ["tiny_mc", "acc"]
+    assert (written / "table.txt").read_text() in out
+
+    # bad tasks: one line, before the model, nothing written
+    include = ["--include-path", str(tasks), "--output", str(tmp_path / "bad")]
+    assert _refused([str(model), "--tasks", "tiny_mc,nope", *include], capsys) == (
+        "fntrain eval: --tasks: unknown task 'nope' (see lm-eval --tasks list)")  # fmt: skip
+    assert _refused([str(model), "--tasks", "tiny_gone", *include], capsys) == (
+        f"fntrain eval: task 'tiny_gone' needs the data file '{tmp_path / 'gone.jsonl'}' (nothing is downloaded): "
+        "provide it")  # fmt: skip
+    assert not (tmp_path / "bad").exists()
+
+    # a tiny-GPT run directory: its latest checkpoint, exported to a GPT-2 with a byte-level tokenizer
+    run_dir = tmp_path / "run"
+    dispatch(["run", "tiny_gpt", "--run-dir", str(run_dir), *SMALL])
+    capsys.readouterr()
+    results = dispatch(["eval", str(run_dir), "--tasks", "tiny_mc", "--include-path", str(tasks), "--device", "cpu",
+                        "--limit", "4"])  # fmt: skip
+    capsys.readouterr()
+    (written,) = (run_dir / "eval").iterdir()
+    assert 0.0 <= results["results"]["tiny_mc"]["acc,none"] <= 1.0
+    assert len((written / "samples_tiny_mc.jsonl").read_text().splitlines()) == 4
+    assert {p.name for p in written.iterdir()} == {"results.json", "samples_tiny_mc.jsonl", "table.txt"}
+
+    # a damaged checkpoint named by path: the verified-checkpoint line
+    step = run_dir / "checkpoints" / "step_2"
+    victim = max(step.rglob("*.distcp"), key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[:-8])
+    err = _refused([str(step), "--tasks", "tiny_mc", *include], capsys)
+    assert "step_2" in err and victim.name in err, err
+    assert len(list((run_dir / "eval").iterdir())) == 1 and not (tmp_path / "bad").exists()
