@@ -21,6 +21,8 @@ tokens are the same with and without the cache.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -93,11 +95,20 @@ def pick_token(logits: torch.Tensor, settings: SampleSettings, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def _eager() -> Any:
+    """Compiled blocks (--parallel.compile) run eagerly while sampling: they would recompile for every
+    length. Only a process that compiled has torch._dynamo loaded; importing it here just to say so would
+    cost every other process about a second."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
+
+
 @torch.no_grad()  # per call, not around the loop: a `with` spanning a `yield` would leak into the caller
-@torch.compiler.set_stance("force_eager")  # compiled blocks (--parallel.compile) would recompile per length
 def _logits(model: Any, ids: torch.Tensor, kv_cache: Any = None) -> torch.Tensor:
     """The last position's logits [vocab] for `ids` [seq] (a MoE or an HF output: its `.logits`)."""
-    output = model(ids[None], kv_cache=kv_cache) if kv_cache is not None else model(ids[None])
+    with _eager():
+        output = model(ids[None], kv_cache=kv_cache) if kv_cache is not None else model(ids[None])
     return getattr(output, "logits", output)[0, -1]
 
 
