@@ -59,12 +59,13 @@ def test_a_second_run_into_a_directory_is_refused_naming_only_the_ways_out_that_
     run = config(tmp_path)
     Path(run.run_dir).mkdir()
     (Path(run.run_dir) / "config.json").write_text("{}")
+    # auto with nothing to resume yet (killed before its first save): the run starts again in place
+    assert decide_launch(run, 0).kind == "fresh" and decide_launch(run, 1).kind == "fresh"
+    never = config(tmp_path, restore_from="none")
     with pytest.raises(ConfigError, match=r"already holds a run \('config.json'\) with no complete checkpoint to "
                                           r"resume: start over with `overwrite`"):  # fmt: skip
-        decide_launch(run, 0)  # auto: nothing to resume, and training here would mix two runs
-    assert decide_launch(run, 1).kind == "fresh"  # a torchrun restart keeps the run its first launch began
+        decide_launch(never, 0)
     checkpoint(run, 3)
-    never = config(tmp_path, restore_from="none")
     with pytest.raises(ConfigError, match=r"already holds a run .*: resume it with checkpoint.restore_from auto "
                                           r"\(its newest checkpoint is step_3\), or start over with `overwrite`"):  # fmt: skip
         decide_launch(never, 0)

@@ -266,7 +266,7 @@ def test_two_ranks_refuse_a_second_run_and_a_changed_resume_together(tmp_path):
     first = torchrun(tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-every", "3")
     assert first.returncode == 0, first.stderr[-3000:]
     before = (run_dir / "metrics.jsonl").read_bytes()
-    again = torchrun(tmp_path, "--run-dir", str(run_dir))
+    again = torchrun(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "none")
     assert again.returncode != 0 and "already holds a run" in again.stderr  # one line per rank that said it
     changed = torchrun(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest", "--seed", "5")
     assert changed.returncode != 0 and "--seed 42 -> 5" in changed.stderr

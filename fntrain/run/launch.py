@@ -84,9 +84,9 @@ def decide_launch(config: JobConfig, restart_count: int, *, fingerprint: dict[st
     moves_aside = _starts_over(config, restart_count) and bool(found)
     if source is None:
         return Launch(restart_count, moves_aside=moves_aside)
+    # latest / auto with no complete checkpoint yet (a run killed before its first save) starts the
+    # run again in place: its metrics log is rewound, its files rewritten.
     path = find_latest(root) if source in ("latest", "auto") else _named_checkpoint(source)
-    if path is None and found and not moves_aside and restart_count == 0:
-        _refuse_second_run(config, found, None)  # nothing to resume: training here would mix two runs
     return _launch_from(config, restart_count, source, path, fingerprint, train_iters, moves_aside=moves_aside)
 
 
