@@ -45,10 +45,10 @@ CONFIGS = [
 
 def _recipe_sections() -> list[type]:
     """The config sections of the built-in recipes' configs that the list above does not name."""
-    from recipes import hf_causal_lm, tiny_gpt, vlm
+    from recipes import dpo, hf_causal_lm, kd, tiny_gpt, vlm
 
     found: list[type] = []
-    for recipe in (tiny_gpt, hf_causal_lm, vlm):
+    for recipe in (tiny_gpt, hf_causal_lm, vlm, dpo, kd):
         hints = typing.get_type_hints(recipe.Config)
         for item in dataclasses.fields(recipe.Config):
             hint = hints[item.name]
@@ -106,6 +106,11 @@ def valid(tmp_path_factory) -> dict[type, Any]:
 
     instances[hf_causal_lm.DataConfig] = hf_causal_lm.DataConfig(path=str(data))
     instances[HFModelConfig] = HFModelConfig(path=str(model))
+    from fntrain.data.preference import PreferenceDataConfig
+    from fntrain.step.objectives import KDConfig
+
+    instances[PreferenceDataConfig] = PreferenceDataConfig(path=str(data))
+    instances[KDConfig] = KDConfig(teacher_path=str(model))
     return instances
 
 

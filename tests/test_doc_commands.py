@@ -1,41 +1,45 @@
 """Every shell command in README.md and docs/*.md works as written, in the order written.
 
 The commands are extracted from the ```bash blocks (continuation lines joined, comments dropped, `&&`
-chains split) and each one gets a way to be checked:
+chains split; a heredoc, `cat > chat.jsonl <<'EOF'` to its `EOF`, is one command) and each one gets a way
+to be checked:
 
 - default tier: every command is extracted and has a check (no `python -m recipes.*` left);
 - slow tier, planned: every `fntrain run`, `fntrain run --nproc-per-node N` and `torchrun ... -m fntrain
   run` command is planned with its own arguments at its own world size (`fntrain plan`: every flag
   parsed, every value and the batch shape over the ranks checked, no weights, no device), and the cheap
-  ones (`fntrain plan`, `config`, `cp`, `tokenize`, `--version`, `--help`) run as written;
+  ones (`fntrain plan`, `config`, `cp`, `tokenize`, `tiny-llama`, `--version`, `--help`) and the lines
+  that make a user's files (`python -c ...`, heredocs, `mkdir`, `cp`) run as written;
 - slow tier, run: as a user pastes them. Each document gets ONE fresh working directory and its
-  commands run there through bash, top to bottom, each seeing what the lines above it left (a run
-  directory, a `base.toml`, a copied recipe, shards): a second run into a run directory that holds one,
-  a file no line made, a checkpoint the run above did not save all fail here. Only the scale is the
-  test's: `tiny()` appends small overrides (run lengths, checkpoint cadences and `step_<N>` paths divided
-  by 25, a small batch and model unless the line names its own), the same to every line, so the lines
-  of a document still agree on their settings. A run line that trains nothing ("run already complete")
-  fails too unless it names `--checkpoint.restore-from` (then resuming is its point): it means the line
-  needs its own `--run-dir`;
-- NOT_HERE lists, with the reason, what cannot run here at all (installs, GPUs, NPUs, several nodes);
-  what docs/guide.md shows is run, in order, by tests/test_guide.py.
+  lines run there through bash, top to bottom, each seeing what the lines above it left (a tiny model,
+  a chat.jsonl, a run directory, a `base.toml`, a copied recipe, shards): a second run into a run
+  directory that holds one, a file no line made, a checkpoint the run above did not save all fail here.
+  A line runs exactly as written unless it trains: only the scale is the test's: `tiny()` appends
+  small overrides (run lengths, checkpoint cadences and `step_<N>` paths divided by 25, a small batch
+  and model unless the line names its own), the same to every line, so the lines of a document still
+  agree on their settings. A run line that trains nothing ("run already complete") fails too unless it
+  names `--checkpoint.restore-from` (then resuming is its point): it means the line needs its own
+  `--run-dir`. Start-up is shared (tests/doc_shell.py): the `fntrain` the lines find on PATH, and the
+  Python torchrun starts its workers with, fork the command from one process that imported torch and
+  transformers once;
+- NOT_HERE lists, with the reason, what cannot run here at all (installs, GPUs, NPUs, several nodes, a
+  model no line can make); what docs/guide.md shows is run, in order, by tests/test_guide.py.
 
-The fixtures (FIXTURES below: `write_fixtures`) are the user's own inputs the docs name, never a file a
-doc line makes: `~/models/Llama-3.2-1B` (HOME points into the working directory) is a model's
-config.json-only directory, `./my-llama` a tiny Llama, the corpora small text, JSONL, Parquet and
-`save_to_disk` sources.
+No fixture stands for a user's file: the docs show how each is made (`fntrain tiny-llama my-llama`, a
+heredoc, a `python -c` line). The working directory holds only what a source checkout has and a doc line
+uses (`checkout_files`): `configs/` and the public config.json files under `tests/fixtures/models/`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,19 +62,29 @@ NOT_HERE = (
         r"^fntrain eval ",
         "lm-eval's task index alone takes tens of seconds; tests/test_eval_harness.py runs it",
     ),
+    (
+        r"--model\.path \./my-llava",
+        "your own LLaVA-style model and images; tests/test_vlm_recipe.py trains on a tiny one made there",
+    ),
 )
 GPU_OR_NODES = (  # 8 ranks: a GPU machine's line
     r"--runtime\.device[ =](cuda|npu)|--nnodes|^(torchrun|fntrain run) --nproc[_-]per[_-]node[ =]8 "
 )
 
 
+HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
+
+
 @dataclass(frozen=True)
 class DocCommand:
-    """One command of a doc: where it is and its text (no comment, one part of an `&&` chain)."""
+    """One command of a doc: where it is, its text (no comment, one part of an `&&` chain; a heredoc's
+    first line) and `raw`, the whole line as written (continuation lines and a heredoc's body included),
+    which every part of an `&&` chain shares."""
 
     file: str
     line: int
     text: str
+    raw: str = ""
 
     @property
     def argv(self) -> list[str]:
@@ -78,13 +92,24 @@ class DocCommand:
         words = shlex.split(self.text)
         return ["fntrain", *words[1:]] if words[0].endswith("/fntrain") else words
 
+    @property
+    def heredoc(self) -> bool:
+        return "\n" in self.raw and HEREDOC.search(self.text) is not None
+
 
 def doc_commands(paths=DOCS) -> list[DocCommand]:
     """The shell commands of the fenced shell blocks of `paths`, in order."""
     found = []
     for path in paths:
-        language, start, pending = None, 0, ""
+        name = str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name)
+        language, start, pending, raw, heredoc = None, 0, "", [], None
         for number, line in enumerate(path.read_text().splitlines(), 1):
+            if heredoc is not None:  # a heredoc's body, to its terminator: data, not commands
+                raw.append(line)
+                if line.strip() == heredoc[1]:
+                    found.append(DocCommand(name, start, heredoc[0], "\n".join(raw)))
+                    heredoc, raw = None, []
+                continue
             if line.startswith("```"):
                 language = None if language is not None else line[3:].strip() or "text"
                 continue
@@ -92,17 +117,43 @@ def doc_commands(paths=DOCS) -> list[DocCommand]:
                 continue
             start = start if pending else number
             pending += line.strip()
+            raw.append(line)
             if pending.endswith("\\"):
                 pending = pending[:-1] + " "
                 continue
+            if match := HEREDOC.search(pending):
+                heredoc, pending = (pending, match.group(1)), ""
+                continue
             words = shlex.split(pending, comments=True)
-            pending = ""
+            pending, text, raw = "", "\n".join(raw), []
             for part in " ".join(
                 shlex.quote(word) if word not in ("&&", ">") else word for word in words
             ).split(" && "):
                 if part.strip():
-                    found.append(DocCommand(str(path.relative_to(ROOT)), start, part.strip()))
+                    found.append(DocCommand(name, start, part.strip(), text))
     return found
+
+
+def bash_lines(commands: list[DocCommand], runs) -> list[tuple[list[DocCommand], str]]:
+    """One document's `commands` as the bash lines that run them, in order: (the parts that run, the
+    text to run), for each line with a part that `runs`. A line whose parts all run and none is scaled
+    runs exactly as written (`raw`: continuation lines, heredoc, shell syntax and all); otherwise its
+    parts that run, each at the test's scale (`tiny`), joined by `&&`."""
+    lines: list[list[DocCommand]] = []
+    for command in commands:
+        same = lines and command.raw and (lines[-1][0].line, lines[-1][0].raw) == (command.line, command.raw)
+        lines[-1].append(command) if same else lines.append([command])
+    out = []
+    for parts in lines:
+        running = [part for part in parts if runs(part)]
+        if not running:
+            continue
+        scaled = [tiny(part) for part in running]
+        as_written = len(running) == len(parts) and all(
+            part.heredoc or shlex.split(text) == part.argv for text, part in zip(scaled, running, strict=True)
+        )
+        out.append((running, parts[0].raw if as_written and parts[0].raw else " && ".join(scaled)))
+    return out
 
 
 def _world_size(argv: list[str]) -> int:
@@ -151,51 +202,37 @@ def not_here(command: DocCommand) -> str | None:
     return None
 
 
-def write_fixtures(work: Path) -> None:
-    """FIXTURES: the user's own files the docs' commands name, as a user would have them:
-    `~/models/Llama-3.2-1B` holds only the model's config.json (a plan reads no weights), `./my-llama` is
-    a tiny Llama with its tokenizer, the corpora are small text, JSONL, Parquet and `save_to_disk`
-    sources. Nothing a doc line makes itself (a config file, a run, shards) is here."""
-    from tests.hf_helpers import CHATS, save_tiny_llama
-
+def checkout_files(work: Path) -> Path:
+    """`work` as the source checkout the docs are read in (README's first line installs it there): the
+    checkout's files a doc line uses, linked (`configs/`, and the public config.json files of
+    `tests/fixtures/models/` that docs/models.md copies to plan a model whose weights are not here).
+    Nothing of a user's: the docs make those. Returns `work`."""
+    work.mkdir(parents=True, exist_ok=True)
     (work / "configs").symlink_to(ROOT / "configs")
-    (work / "home" / "models").mkdir(parents=True)
-    models = ROOT / "tests" / "fixtures" / "models"
-    shutil.copytree(models / "Llama-3.2-1B", work / "home" / "models" / "Llama-3.2-1B")
-    save_tiny_llama(work / "my-llama", [turn["content"] for chat in CHATS for turn in chat] * 4, vocab_size=300,
-                    max_positions=128)  # fmt: skip
-    (work / "chat.jsonl").write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in CHATS * 8))
-    text = next(iter((ROOT / "fntrain" / "data" / "corpora").glob("*.txt"))).read_text()[:60_000]
-    (work / "my_corpus.txt").write_text(text)
-    paragraphs = [part for part in text.split("\n\n") if part.strip()]
-    (work / "corpus.jsonl").write_text("".join(json.dumps({"text": part}) + "\n" for part in paragraphs))
-    with contextlib.suppress(ImportError):  # the `data` extra: Parquet and save_to_disk sources
-        import datasets
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        (work / "data").mkdir()
-        pq.write_table(pa.table({"content": paragraphs}), work / "data" / "part-0.parquet")
-        questions = [chat[-2]["content"] for chat in CHATS] * 20
-        answers = [chat[-1]["content"] for chat in CHATS] * 20
-        pq.write_table(pa.table({"question": questions, "answer": answers}), work / "qa.parquet")
-        datasets.Dataset.from_dict({"text": paragraphs}).save_to_disk(str(work / "saved_dataset" / "train"))
+    (work / "tests" / "fixtures").mkdir(parents=True)
+    (work / "tests" / "fixtures" / "models").symlink_to(ROOT / "tests" / "fixtures" / "models")
+    (work / "home").mkdir()
+    return work
 
 
-def clear_outputs(argv: list[str], work: Path) -> None:
-    """Each doc example starts where a user would: the output a `tokenize` or `cp` names not there yet."""
-    targets = [argv[argv.index("--output") + 1]] if "--output" in argv else []
-    targets += [argv[-1]] if argv[:2] == ["fntrain", "cp"] else []
-    for target in targets:
-        path = work / target
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+def shell_env(home: Path, **extra: str) -> dict[str, str]:
+    """The environment a doc line runs in: this Python's `fntrain` and `python` first on PATH, the
+    checkout importable, HOME in the working directory, one torch thread (two documents run at once)."""
+    path = os.pathsep.join([str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]).rstrip(
+        os.pathsep
+    )
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "HOME": str(home), "WANDB_SILENT": "true",
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **extra}  # fmt: skip
 
 
 # The planned tier runs these as written (cheap: no model, no training); the rest of what is not a recipe
 # run (plot, export, generate, eval, and what reads a run's files) needs a run: the run tier has one.
-CHEAP = ("plan", "config", "cp", "tokenize", "recipes", "--version")
+CHEAP = ("plan", "config", "cp", "tokenize", "tiny-llama", "recipes", "--version")
 NEEDS_A_RUN = (r"runs/[\w.-]+/config\.json",)
-NEEDS_A_REAL_MODEL = (r"--model\.path \./my-llava",)
+
+
+# Lines that make a user's files (a heredoc, a `python -c` writing JSONL or Parquet, a copy): run as written.
+SHELL = ("cp", "mkdir", "cat", "python")
 
 
 def test_every_doc_command_is_checked_somewhere():
@@ -211,7 +248,7 @@ def test_every_doc_command_is_checked_somewhere():
         if not_here(command) or command.file == "docs/guide.md":
             continue
         argv = command.argv
-        assert argv[0] in ("fntrain", "torchrun", "cp"), (
+        assert argv[0] in ("fntrain", "torchrun", *SHELL), (
             f"{where}: a new kind of command; say how it is checked"
         )
 
@@ -245,59 +282,104 @@ def test_each_document_runs_alone_in_its_own_order():
     assert not trains_nothing(again, "run completed at step 16")
 
 
-@pytest.mark.slow  # ~40 commands, each a tyro parse and a plan: 15-25 s on 2 shared cores
+def test_a_heredoc_is_one_command_and_a_line_runs_as_written_unless_it_trains(tmp_path):
+    doc = tmp_path / "a.md"
+    doc.write_text("""```bash
+fntrain tiny-llama my-llama
+cat > chat.jsonl <<'EOF'
+{"text": "All the world's a stage && more"}
+EOF
+mkdir -p ~/m && cp -n x.json ~/m/   # a comment
+fntrain run hf_causal_lm --model.path ./my-llama \\
+    --data.path chat.jsonl
+python3 -m venv .venv && fntrain --version
+```
+""")
+    commands = doc_commands([doc])
+    assert [(c.line, c.text) for c in commands] == [
+        (2, "fntrain tiny-llama my-llama"), (3, "cat > chat.jsonl <<'EOF'"), (6, "mkdir -p '~/m'"),
+        (6, "cp -n x.json '~/m/'"), (7, "fntrain run hf_causal_lm --model.path ./my-llama --data.path chat.jsonl"),
+        (9, "python3 -m venv .venv"), (9, "fntrain --version"),
+    ]  # fmt: skip
+    assert commands[1].heredoc and commands[1].raw.endswith('stage && more"}\nEOF')
+    ran = [text for _, text in bash_lines(commands, lambda command: not not_here(command))]
+    assert ran[:3] == ["fntrain tiny-llama my-llama", commands[1].raw,
+                       "mkdir -p ~/m && cp -n x.json ~/m/   # a comment"]  # fmt: skip
+    assert ran[3].startswith(
+        "fntrain run hf_causal_lm --model.path ./my-llama --data.path chat.jsonl --progress"
+    )
+    assert ran[4] == "fntrain --version"  # the install before it is not run here
+
+
+@pytest.mark.slow  # ~55 commands, each a tyro parse and a plan or a file made: 30-80 s on 2 shared cores
 def test_every_doc_command_plans_or_runs_as_written(tmp_path, monkeypatch, capsys):
-    """Planned at its world size, or (plan, config, cp, tokenize, --version, --help) run as written; in
-    document order in one directory, so a `--config base.toml` finds the base.toml a line above wrote."""
+    """Planned at its world size, or (plan, config, cp, tokenize, tiny-llama, --version, --help, the lines
+    that make files) run as written; each document in order in its own fresh directory, so a `--config
+    base.toml` finds the base.toml a line above wrote and `--model.path ./my-llama` the model a line made."""
     pytest.importorskip("transformers")
     from fntrain.cli import dispatch
 
-    work = tmp_path / "work"
-    work.mkdir()
-    write_fixtures(work)
-    monkeypatch.chdir(work)
-    monkeypatch.setenv("HOME", str(work / "home"))
     failures, checked = [], 0
-    for command in doc_commands():
-        if not_here(command) or command.file == "docs/guide.md":
-            continue
-        if any(re.search(p, command.text) for p in (*NEEDS_A_RUN, *NEEDS_A_REAL_MODEL)):
-            continue
-        argv = command.argv
-        helps = any(word in HELP for word in argv)
-        if argv[0] == "fntrain" and plan_argv(command) is None and argv[1] not in CHEAP and not helps:
-            continue
-        clear_outputs(argv, work)
-        try:
-            if argv[0] == "cp":
-                shutil.copyfile(argv[1], argv[2])
-            elif not helps and (plan := plan_argv(command)) is not None:
-                report = dispatch(plan)
-                assert report["train_iters"] > 0
-            elif ">" in argv:
-                dispatch(argv[1 : argv.index(">")])
-                (work / argv[argv.index(">") + 1]).write_text(capsys.readouterr().out)
-            else:
-                dispatch(argv[1:])
-            checked += 1
-        except SystemExit as error:
-            if error.code not in (0, None):
-                failures.append(f"{command.file}:{command.line}: {command.text}\n    exit {error.code}: "
-                                f"{capsys.readouterr().err.strip()[-300:]}")  # fmt: skip
-        except Exception as error:  # the check itself reports every failing command at once
-            failures.append(
-                f"{command.file}:{command.line}: {command.text}\n    {type(error).__name__}: {error}"
-            )
-        capsys.readouterr()
+    for commands in documents(doc_commands()):
+        work = checkout_files(tmp_path / Path(commands[0].file).stem)
+        monkeypatch.chdir(work)
+        monkeypatch.setenv("HOME", str(work / "home"))
+        ran_lines = set()
+        for command in commands:
+            if not_here(command) or command.file == "docs/guide.md" or _needs_a_run(command):
+                continue
+            if command.argv[0] in SHELL and (command.line, command.raw) in ran_lines:
+                continue  # its line ran whole
+            ran_lines.add((command.line, command.raw))
+            argv = command.argv
+            helps = any(word in HELP for word in argv)
+            if argv[0] == "fntrain" and plan_argv(command) is None and argv[1] not in CHEAP and not helps:
+                continue
+            try:
+                _plan_or_run(command, work, dispatch, capsys)
+                checked += 1
+            except SystemExit as error:
+                if error.code not in (0, None):
+                    failures.append(f"{command.file}:{command.line}: {command.text}\n    exit {error.code}: "
+                                    f"{capsys.readouterr().err.strip()[-300:]}")  # fmt: skip
+            except Exception as error:  # the check itself reports every failing command at once
+                failures.append(
+                    f"{command.file}:{command.line}: {command.text}\n    {type(error).__name__}: {error}"
+                )
+            capsys.readouterr()
     assert not failures, "\n".join(failures)
-    assert checked > 25
+    assert checked > 30
+
+
+def _needs_a_run(command: DocCommand) -> bool:
+    return any(re.search(pattern, command.text) for pattern in NEEDS_A_RUN)
+
+
+def _plan_or_run(command: DocCommand, work: Path, dispatch, capsys) -> None:
+    """One command of the planned tier: a line making files through bash as written, a recipe run
+    planned, a cheap command run in this process (its `> FILE` written from what it printed)."""
+    argv = command.argv
+    helps = any(word in HELP for word in argv)
+    if argv[0] in SHELL:  # the whole line, as written (`mkdir -p ~/x && cp ...`: bash expands the ~)
+        result = subprocess.run(["bash", "-c", command.raw], cwd=work,
+                                env=shell_env(work / "home"), capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert result.returncode == 0, f"exit {result.returncode}: {result.stderr.strip()[-300:]}"
+    elif not helps and (plan := plan_argv(command)) is not None:
+        report = dispatch(plan)
+        assert report["train_iters"] > 0
+    elif ">" in argv:
+        dispatch(argv[1 : argv.index(">")])
+        (work / argv[argv.index(">") + 1]).write_text(capsys.readouterr().out)
+    else:
+        dispatch(argv[1:])
 
 
 # ----------------------------------------------------------------------------- slow tier: run them
 
 # Divided by 25 wherever a line names them: 400 steps -> 16, `--checkpoint.save-every 50` -> 2 (and the
-# `step_<N>` paths alike), so the lines of one document keep agreeing on their run's settings.
-SCALED = {"--train.train-iters": 25, "--checkpoint.save-every": 25, "--data.max-length": 32}
+# `step_<N>` paths alike), so the lines of one document keep agreeing on their run's settings; a
+# sequence length by 32, tokenize's `--workers 8` by 4 (its output is the same bytes for any count).
+SCALED = {"--train.train-iters": 25, "--checkpoint.save-every": 25, "--data.max-length": 32, "--workers": 4}
 # What a run line gets unless it names its own, flag by flag (2 layers: the pipeline line has 2 stages;
 # the recipe's 400 steps and checkpoint every 100 divided as SCALED divides named ones).
 TINY_GPT = {"--model.n-layer": "2", "--model.d-model": "32", "--model.n-head": "2",
@@ -345,27 +427,57 @@ def trains_nothing(command: DocCommand, output: str) -> bool:
     return "nothing to do" in output and "--checkpoint.restore-from" not in command.text
 
 
+def runs_here(command: DocCommand) -> bool:
+    """Whether the run tier runs `command`: not NOT_HERE, not the guide's (tests/test_guide.py), not a
+    GPU machine's or several nodes'."""
+    return not (not_here(command) or command.file == "docs/guide.md" or re.search(GPU_OR_NODES, command.text))
+
+
 def run_document(commands: list[DocCommand], work: Path, env: dict[str, str]) -> list[str]:
-    """Run `commands` (one document's) as written, at the slow tier's scale, through bash, one after
-    the other in `work`; the failures, one entry each (a failed line does not stop the ones below)."""
+    """Run `commands` (one document's, all of them: a line runs as written only when all its parts run)
+    at the slow tier's scale through bash, one line after the other in `work`; the failures, one entry
+    each (a failed line does not stop the ones below)."""
     failures = []
-    for command in commands:
-        text = tiny(command)
+    for parts, text in bash_lines(commands, runs_here):
         result = subprocess.run(
             ["bash", "-c", text], cwd=work, env=env, capture_output=True, text=True, timeout=600
         )
+        where = f"{parts[0].file}:{parts[0].line}: {text}"
         if result.returncode != 0:
-            failures.append(f"{command.file}:{command.line}: {text}\n    exit {result.returncode}: "
-                            f"{result.stderr.strip()[-600:]}")  # fmt: skip
-        elif trains_nothing(command, result.stdout + result.stderr):
-            failures.append(f"{command.file}:{command.line}: {text}\n    trained nothing: its run directory "
-                            "holds this run already (the line needs its own --run-dir)")  # fmt: skip
+            failures.append(f"{where}\n    exit {result.returncode}: {result.stderr.strip()[-600:]}")
+        elif any(trains_nothing(part, result.stdout + result.stderr) for part in parts):
+            failures.append(f"{where}\n    trained nothing: its run directory holds this run already (the line "
+                            "needs its own --run-dir)")  # fmt: skip
     return failures
 
 
 # Two documents at a time, each in its own fresh directory: the commands are one-thread processes
-# (OMP_NUM_THREADS=1) that spend their first seconds importing, so two keep both of CI's cores busy.
+# (OMP_NUM_THREADS=1), forked from the shared start-up server or starting torchrun, so two keep both of
+# CI's cores busy.
 PARALLEL_DOCUMENTS = 2
+
+
+@contextlib.contextmanager
+def shared_startup(env: dict[str, str]):
+    """The server of tests/doc_shell.py, preloaded, and the environment that sends the doc lines'
+    `fntrain` and torchrun's workers to it (its launchers first on PATH, PYTHON_EXEC); stopped after."""
+    from tests.doc_shell import write_launchers
+
+    place = Path(tempfile.mkdtemp(prefix="fntrain-doc-"))  # a short path: a socket's name has 108 bytes
+    socket_path = place / "server.sock"
+    bin_dir = write_launchers(place / "bin")
+    server = subprocess.Popen([sys.executable, "-m", "tests.doc_shell", str(socket_path)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready", (
+            "the server did not start"
+        )
+        yield {**env, "PATH": f"{bin_dir}:{env['PATH']}", "PYTHON_EXEC": str(bin_dir / "python-doc"),
+               "FNTRAIN_DOC_SERVER": str(socket_path)}  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        shutil.rmtree(place, ignore_errors=True)
 
 
 @pytest.mark.slow
@@ -374,25 +486,15 @@ def test_the_doc_commands_run_on_cpu_in_order(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     pytest.importorskip("transformers")
-    fixtures = tmp_path / "fixtures"
-    fixtures.mkdir()
-    write_fixtures(fixtures)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]), "OMP_NUM_THREADS": "1",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "WANDB_SILENT": "true"}  # fmt: skip
-    runnable = [
-        command
-        for command in doc_commands()
-        if not (not_here(command) or command.file == "docs/guide.md" or re.search(GPU_OR_NODES, command.text))
-        and not any(re.search(p, command.text) for p in NEEDS_A_REAL_MODEL)
-    ]
+    commands = doc_commands()
+    assert sum(map(runs_here, commands)) > 40
 
-    def run_in_a_fresh_directory(commands: list[DocCommand]) -> list[str]:
-        work = tmp_path / Path(commands[0].file).stem
-        shutil.copytree(fixtures, work, symlinks=True)
+    def run_in_a_fresh_directory(commands: list[DocCommand], env: dict[str, str]) -> list[str]:
+        work = checkout_files(tmp_path / Path(commands[0].file).stem)
         return run_document(commands, work, {**env, "HOME": str(work / "home")})
 
-    longest_first = sorted(documents(runnable), key=len, reverse=True)  # README.md: the others beside it
-    with ThreadPoolExecutor(PARALLEL_DOCUMENTS) as pool:
-        failures = [line for lines in pool.map(run_in_a_fresh_directory, longest_first) for line in lines]
-    assert len(runnable) > 30
+    longest_first = sorted(documents(commands), key=lambda lines: sum(map(runs_here, lines)), reverse=True)
+    with shared_startup(shell_env(tmp_path)) as env, ThreadPoolExecutor(PARALLEL_DOCUMENTS) as pool:
+        ran = pool.map(lambda lines: run_in_a_fresh_directory(lines, env), longest_first)
+        failures = [line for lines in ran for line in lines]
     assert not failures, "\n".join(failures)

@@ -71,6 +71,29 @@ def test_a_second_run_into_a_directory_is_refused_naming_only_the_ways_out_that_
         decide_launch(never, 0)
 
 
+def test_a_run_killed_before_its_first_save_starts_again_in_place_only_with_its_settings(tmp_path):
+    run = config(tmp_path)  # restore_from auto, the default; no complete checkpoint yet
+    Path(run.run_dir).mkdir()
+    (Path(run.run_dir) / "config.json").write_text(json.dumps(launching.config_to_dict(run)))
+    for again in (run, config(tmp_path, restore_from="latest"), dataclasses.replace(run, log_every=3)):
+        launch = decide_launch(again, 0, train_iters=6)
+        assert (launch.kind, launch.path, launch.moves_aside, launch.changes) == ("fresh", None, False, {})
+        assert launch.resumes
+    changed = dataclasses.replace(run, seed=7)
+    with pytest.raises(ConfigError, match=r"run_dir '.*run' holds a run \(no complete checkpoint yet\) with other "
+                                          r"settings: `seed` 42 -> 7; .*checkpoint.allow_changes.*`overwrite`"):  # fmt: skip
+        decide_launch(changed, 0, train_iters=6)
+    with pytest.raises(ConfigError, match="`seed` 42 -> 7"):
+        decide_launch(changed, 1, train_iters=6)  # a torchrun restart is compared too
+    allowed = dataclasses.replace(config(tmp_path, allow_changes=("seed",)), seed=7)
+    launch = decide_launch(allowed, 0, train_iters=6)
+    assert (launch.kind, launch.path, launch.changes) == ("fresh", None, {"seed": [42, 7]})
+    weights = dataclasses.replace(config(tmp_path, weights_only=True), seed=7)  # a new run: anything goes
+    assert decide_launch(weights, 0, train_iters=6).changes == {}
+    over = dataclasses.replace(config(tmp_path, overwrite=True), seed=7)  # the old run moves aside
+    assert decide_launch(over, 0, train_iters=6).kind == "overwrite"
+
+
 def test_latest_resumes_the_newest_checkpoint_and_knows_when_the_run_is_complete(tmp_path):
     run = config(tmp_path, restore_from="latest")
     checkpoint(run, 2)

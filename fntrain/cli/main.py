@@ -7,7 +7,19 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from fntrain.cli.commands import config, cp, eval, export, generate, plan, plot, recipes, run, tokenize
+from fntrain.cli.commands import (
+    config,
+    cp,
+    eval,
+    export,
+    generate,
+    plan,
+    plot,
+    recipes,
+    run,
+    tiny_llama,
+    tokenize,
+)
 from fntrain.cli.errors import reporting
 from fntrain.cli.usage import HELP, full_help
 
@@ -24,6 +36,7 @@ _DISPATCH = {
     "generate": generate.command,
     "eval": eval.command,
     "recipes": recipes.command,
+    "tiny-llama": tiny_llama.command,
 }
 COMMANDS = tuple(_DISPATCH)
 

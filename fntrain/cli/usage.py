@@ -14,6 +14,7 @@
     fntrain generate SOURCE [--prompt TEXT] [options]   text from a run, checkpoint, export or HF model directory
     fntrain eval SOURCE --tasks T1,T2 [options]         lm-eval scores of a run, checkpoint or HF model directory
     fntrain recipes                                     the recipes that can be named
+    fntrain tiny-llama DIR [options]                    a tiny local Llama and tokenizer to try the HF recipes with
 
 RECIPE is a name registered in the `fntrain.recipes` entry-point group (the built-ins and any other
 project's, listed below and by `fntrain recipes`), a recipe of a source checkout's `recipes/`, a dotted

@@ -24,13 +24,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from fntrain.config import ConfigError, absent_input
+from fntrain.config import ConfigError, absent_input, require_float, require_str
 from fntrain.data.tables import count_table_rows, is_table_source, read_table_rows
 
 __all__ = [
     "open_text",
     "require_file",
     "require_source",
+    "require_split",
     "existing_ancestor",
     "jsonl_rows",
     "read_jsonl_rows",
@@ -123,6 +124,16 @@ def require_source(field_name: str, path: str) -> Path:
             "datasets.save_to_disk dataset)"
         )
     return require_file(field_name, path)
+
+
+def require_split(prefix: str, path: str, val_path: str | None, val_fraction: float) -> None:
+    """A data section's sources: `path` and, when set, `val_path` (files or table folders), and a held-out
+    `val_fraction` in [0, 0.5]; each problem a `ValueError`/`ConfigError` naming `prefix.<field>`."""
+    require_str(f"{prefix}.val_path", val_path, optional=True)
+    require_float(f"{prefix}.val_fraction", val_fraction, min=0.0, max=0.5)
+    require_source(f"{prefix}.path", path)
+    if val_path:
+        require_source(f"{prefix}.val_path", val_path)
 
 
 def read_rows(path: str, field_name: str, columns: Sequence[str]) -> list[tuple[int | str, dict[str, Any]]]:

@@ -49,12 +49,11 @@ from fntrain.config import (
     ConfigError,
     require_bool,
     require_choice,
-    require_float,
     require_int,
     require_str,
 )
 from fntrain.data.chat import chat_spans, tokenize_spans
-from fntrain.data.files import position_label, read_jsonl_rows, read_rows, require_source
+from fntrain.data.files import position_label, read_jsonl_rows, read_rows, require_split
 from fntrain.data.formats import Format, check_table_formats, fitting_format, no_format_error
 from fntrain.data.packing import PackedDocuments
 from fntrain.data.sft_collate import PAD_TO
@@ -129,11 +128,7 @@ class SFTDataConfig:
             require_bool(f"{prefix}.{name}", getattr(self, name))
         require_choice(f"{prefix}.pad_to", self.pad_to, PAD_TO)
         require_int(f"{prefix}.pad_multiple", self.pad_multiple, min=1)
-        require_str(f"{prefix}.val_path", self.val_path, optional=True)
-        require_float(f"{prefix}.val_fraction", self.val_fraction, min=0.0, max=0.5)
-        require_source(f"{prefix}.path", self.path)
-        if self.val_path:
-            require_source(f"{prefix}.val_path", self.val_path)
+        require_split(prefix, self.path, self.val_path, self.val_fraction)
 
 
 class TokenizerAssets(Protocol):

@@ -26,7 +26,9 @@ __all__ = [
 
 IGNORE_INDEX = -100
 
-_SAMPLE_KEYS = ("input_ids", "labels", "shift_labels", "attention_mask")
+# "index" first: one entry per example where a collate lays an example out in several rows (a
+# preference pair's chosen and rejected, fntrain.data.preference_collate), so a pair counts once.
+_SAMPLE_KEYS = ("index", "input_ids", "labels", "shift_labels", "attention_mask")
 
 
 def _is_micro_batch(node: Any) -> bool:

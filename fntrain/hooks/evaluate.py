@@ -4,8 +4,10 @@
 read in order and sharded across data-parallel ranks (rank r reads samples r, r + world, ...), every rank
 runs the same number of forwards (ranks short of samples repeat one with weight 0, so FSDP's collectives
 stay matched), with no grad and the model in eval mode (its previous mode restored after, even on error).
-Each micro-batch's mean loss is weighted by its valid tokens and the sums are reduced across ranks with
-one collective: `val_loss` is the exact token-weighted mean over the whole split, `val_ppl` its exp.
+Each micro-batch's mean loss is weighted by its valid tokens (by its samples when training weights them
+so) and the sums are reduced across ranks with one collective: `val_loss` is the exact weighted mean over
+the whole split, `val_ppl` its exp; an objective's metrics (a loss returning `(loss, metrics)`) are
+reported as `val_<name>` instead of the perplexity. The cadence's settings: `fntrain.hooks.evaluate_config`.
 
 `evaluate_hook` calls any such function on its cadence (on every rank: evaluation takes part in
 collectives) and writes the result as its own record through the run's `MetricsLog` (rank 0), since it
@@ -25,10 +27,11 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from fntrain.config import require_bool, require_int
+from fntrain.config import require_int
 from fntrain.data.device import to_device
-from fntrain.data.tokens import IGNORE_INDEX, count_loss_tokens
+from fntrain.data.tokens import IGNORE_INDEX, count_loss_tokens, count_samples
 from fntrain.hooks.base import StatefulHook, cadence, chain, every_epoch, on, on_steps, stateful
+from fntrain.hooks.evaluate_config import EvaluateConfig
 from fntrain.hooks.metrics_log import RESERVED, MetricsLog, format_record
 from fntrain.loop import Event
 from fntrain.runtime.collectives import exact_dtype, reduce_scalars
@@ -39,51 +42,6 @@ from fntrain.step import default_forward
 __all__ = ["EvaluateConfig", "EvalParts", "evaluate_hook", "make_eval_fn", "eval_index_groups"]
 
 log = logging.getLogger("fntrain.hooks.evaluate")
-
-
-@dataclass(frozen=True)
-class EvaluateConfig:
-    """When and how much to evaluate on the validation split."""
-
-    eval_every: int = 0
-    """Evaluate every N optimizer steps (0: not by steps)."""
-    eval_epochs: int = 0
-    """Evaluate after every N-th epoch (0: not by epochs)."""
-    at_end: bool = False
-    """Also evaluate after the run's last step."""
-    max_batches: int = 0
-    """Micro-batches per rank and evaluation (0: the whole validation split)."""
-    micro_batch_size: int = 0
-    """Sequences per evaluation forward (0: the training micro-batch size)."""
-    with_validation: bool = False
-    """With a validation split and eval_every, eval_epochs and at_end all off: evaluate at the end and every tenth of the run (`resolved`); set those to choose, or this false to never evaluate."""
-
-    def validate(self, prefix: str = "evaluate") -> None:
-        require_int(f"{prefix}.eval_every", self.eval_every, min=0)
-        require_int(f"{prefix}.eval_epochs", self.eval_epochs, min=0)
-        require_bool(f"{prefix}.at_end", self.at_end)
-        require_int(f"{prefix}.max_batches", self.max_batches, min=0)
-        require_int(f"{prefix}.micro_batch_size", self.micro_batch_size, min=0)
-        require_bool(f"{prefix}.with_validation", self.with_validation)
-
-    @property
-    def enabled(self) -> bool:
-        """A cadence is set (with_validation alone does not count: it applies only to a validation split)."""
-        return bool(self.eval_every or self.eval_epochs or self.at_end)
-
-    def resolved(self, has_validation: bool, train_iters: int) -> EvaluateConfig:
-        """The cadence a run uses: this one, or with `with_validation`, a validation split and no cadence
-        set, every max(1, train_iters // 10) steps and at the end [issue 27]."""
-        if self.enabled or not (self.with_validation and has_validation):
-            return self
-        return dataclasses.replace(self, eval_every=max(1, train_iters // 10), at_end=True)
-
-    def describe(self) -> str:
-        """When evaluation runs, in words (for the log line at the start of a run)."""
-        when = [f"every {self.eval_every} steps"] if self.eval_every else []
-        when += [f"every {self.eval_epochs} epochs"] if self.eval_epochs else []
-        when += ["at the end"] if self.at_end else []
-        return " and ".join(when) or "never"
 
 
 def eval_index_groups(
@@ -122,6 +80,10 @@ class EvalParts:
     """Run the forward under autocast to this dtype (None: no autocast)."""
     ignore_index: int = IGNORE_INDEX
     """Label value that marks a position without loss (for the token weights)."""
+    weighting: str = "token"
+    """How micro-batches are weighted, as the training step weights them (`train.loss_weighting`):
+    "token", by their loss tokens; "mean", by their samples (a loss that is a mean over samples, e.g. DPO's
+    over pairs)."""
 
 
 def make_eval_fn(
@@ -138,7 +100,10 @@ def make_eval_fn(
     """`eval_fn() -> {"val_loss", "val_ppl"}` over `dataset` (map-style), sharded over data-parallel ranks.
 
     `loss_fn(output, micro_batch)` must return the mean loss over the micro-batch's valid tokens (like
-    `causal_lm_loss`); it is weighted by `count_loss_tokens`. Must be called on every rank of `group`.
+    `causal_lm_loss`); it is weighted by `count_loss_tokens` (`parts.weighting` "mean": a mean over its
+    samples, weighted by `count_samples`). A loss returning an objective's `(loss,
+    metrics)` adds "val_<name>" for each metric (weighted like the loss) instead of "val_ppl". Must be
+    called on every rank of `group`.
     """
     if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
         raise TypeError(
@@ -167,10 +132,13 @@ def _loss_sums(
     model: torch.nn.Module, loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor], dataset: Any,
     groups: list[tuple[list[int], bool]], parts: EvalParts, device: torch.device,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
-    """{"loss": sum of loss x tokens, "tokens": loss tokens} over this rank's micro-batches, on the device."""
+    """{"loss": sum of loss x tokens, "tokens": loss tokens} over this rank's micro-batches, on the device,
+    and for a loss returning `(loss, metrics)` each metric's sum x tokens (every rank computes the same
+    names: the objective's loss returns them for every micro-batch)."""
     dtype = exact_dtype(device)
     loss_sum = torch.zeros((), dtype=dtype, device=device)
     token_sum = torch.zeros((), dtype=dtype, device=device)
+    sums: dict[str, torch.Tensor] = {}
     for indices, counted in groups:
         micro_batch = to_device(parts.collate_fn([dataset[i] for i in indices]), device)
         if parts.autocast_dtype is not None:
@@ -178,12 +146,31 @@ def _loss_sums(
                 output = parts.forward(model, micro_batch)
         else:
             output = parts.forward(model, micro_batch)
-        loss = loss_fn(output, micro_batch)
+        loss, metrics = _loss_and_metrics(loss_fn(output, micro_batch))
         if counted:  # a filler micro-batch only keeps the ranks' forwards matched
-            tokens = count_loss_tokens(micro_batch, parts.ignore_index).to(dtype)
+            tokens = _weight(micro_batch, parts).to(dtype)
             loss_sum += loss.detach().to(dtype) * tokens
             token_sum += tokens
-    return {"loss": loss_sum, "tokens": token_sum}
+        for name, value in metrics.items():  # a filler adds 0, so every rank reduces the same names
+            key = _METRIC + name
+            total = sums.get(key, torch.zeros((), dtype=dtype, device=device))
+            sums[key] = total + value.detach().to(dtype) * tokens if counted else total
+    return {"loss": loss_sum, "tokens": token_sum, **sums}
+
+
+def _weight(micro_batch: Mapping[str, Any], parts: EvalParts) -> torch.Tensor:
+    """A micro-batch's weight in the means: its loss tokens, or (weighting "mean") its samples."""
+    if parts.weighting == "mean":
+        return torch.tensor(count_samples(micro_batch))
+    return count_loss_tokens(micro_batch, parts.ignore_index)
+
+
+_METRIC = "metric:"  # the sums of an objective's metrics, beside the loss's
+
+
+def _loss_and_metrics(result: Any) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
+    """A loss's result as (loss, metrics): an objective's `(loss, metrics)`, or a bare loss and none."""
+    return result if type(result) is tuple else (result, {})
 
 
 def _val_metrics(totals: Mapping[str, float]) -> dict[str, float]:
@@ -192,6 +179,10 @@ def _val_metrics(totals: Mapping[str, float]) -> dict[str, float]:
         log.warning("evaluation: the validation split has no valid loss tokens")
         return {"val_loss": math.nan, "val_ppl": math.nan}
     val_loss = totals["loss"] / totals["tokens"]
+    grouped = {f"val_{key[len(_METRIC):]}": value / totals["tokens"] for key, value in totals.items()
+               if key.startswith(_METRIC)}  # fmt: skip
+    if grouped:  # an objective's loss (DPO, KD) is no cross-entropy: no perplexity, its metrics instead
+        return {"val_loss": val_loss, **grouped}
     try:
         val_ppl = math.exp(val_loss)
     except OverflowError:

@@ -9,6 +9,9 @@ on the device, and the metrics hook reads the result with its one transfer (CPU 
 host numbers instead: on the CPU a read is no sync, and cheaper than stacking). A window that grows long
 (nothing logs for `FOLD_AT` steps) is folded into sums, a device op but still no sync.
 
+An objective's metrics (names with a "/", e.g. DPO's "rewards/chosen": `make_train_step`'s loss
+metrics) are the plain mean over the window's steps, as TRL logs them, kept and reduced like the norms.
+
 Steps whose update was skipped ("skipped" true: skip-non-finite mode) stay out of the means: their loss
 may be inf/NaN. The window's state (`window_state` / `load_window_state`, host numbers read at a
 checkpoint) lets a resume mid-window log exactly what an uninterrupted run logs.
@@ -24,7 +27,9 @@ import torch
 
 from fntrain.runtime.collectives import exact_dtype
 
-__all__ = ["FOLD_AT", "WEIGHT", "Window", "add_step", "window_means", "window_state", "load_window_state"]
+__all__ = [
+    "FOLD_AT", "WEIGHT", "Window", "add_step", "window_means", "window_state", "load_window_state", "is_group_metric",
+]  # fmt: skip
 
 WEIGHT = "loss_tokens"
 """The step metric that weights the step's loss in the window (consumed by the window, never logged)."""
@@ -48,6 +53,16 @@ class Window:
     grad_norm_steps: int = 0  # steps with a grad_norm in the window (folded and restored ones included)
     tensor_losses: bool = False  # a step returned its loss as a tensor (then the mean is one: reduced)
     tensor_norms: bool = False
+    grouped: dict[str, list[Any]] = field(default_factory=dict)  # each "/" metric's per-step values
+    grouped_sums: dict[str, float] = field(default_factory=dict)  # their sums folded or restored ...
+    grouped_steps: dict[str, int] = field(default_factory=dict)  # ... and the steps behind those sums
+    group_names: tuple[str, ...] = ()  # the grouped names among the step's metrics ...
+    names_of: int = -1  # ... found in a step of this many metrics
+
+
+def is_group_metric(name: str) -> bool:
+    """Whether a step metric is an objective's grouped metric ("rewards/chosen"), averaged over the window."""
+    return "/" in name
 
 
 def add_step(window: Window, metrics: Mapping[str, Any]) -> None:
@@ -60,6 +75,10 @@ def add_step(window: Window, metrics: Mapping[str, Any]) -> None:
     if norm is not None:
         window.norms.append(norm)
         window.grad_norm_steps += 1
+    if len(metrics) != window.names_of:  # a step's metric names are fixed: found once, not every step
+        window.group_names, window.names_of = tuple(filter(is_group_metric, metrics)), len(metrics)
+    for name in window.group_names:
+        window.grouped.setdefault(name, []).append(metrics[name])
     if len(window.losses) >= FOLD_AT:
         _fold(window)
 
@@ -104,8 +123,21 @@ def _sums(window: Window) -> tuple[Any, Any, Any]:
     return loss_sum, loss_weight, window.grad_norm_sum + _norm_sum(window.norms)
 
 
+def _grouped_sums(window: Window) -> dict[str, tuple[Any, int]]:
+    """Each grouped metric's (sum, steps) over the whole window: a device sum for device tensors."""
+    sums = {name: (window.grouped_sums.get(name, 0.0), window.grouped_steps.get(name, 0))
+            for name in {*window.grouped_sums, *window.grouped}}  # fmt: skip
+    for name, values in window.grouped.items():
+        total, steps = sums[name]
+        sums[name] = (total + _norm_sum(values), steps + len(values))
+    return sums
+
+
 def _fold(window: Window) -> None:
     steps = window.grad_norm_steps
+    for name, (total, count) in _grouped_sums(window).items():
+        window.grouped_sums[name], window.grouped_steps[name] = total, count
+    window.grouped.clear()
     window.loss_sum, window.loss_weight, window.grad_norm_sum = _sums(window)
     window.losses.clear()
     window.weights.clear()
@@ -136,6 +168,9 @@ def window_means(window: Window, reduced: bool = True) -> dict[str, Any]:
         means["loss"] = _as_metric(mean, reduced and window.tensor_losses)
     if window.grad_norm_steps:
         means["grad_norm"] = _as_metric(norm_sum / window.grad_norm_steps, reduced and window.tensor_norms)
+    for name, (total, steps) in sorted(_grouped_sums(window).items()):
+        if steps:  # a tensor when the steps gave tensors (reduced over ranks by the caller), like the norms
+            means[name] = _as_metric(total / steps, reduced)
     reset(window)
     return means
 
@@ -148,6 +183,9 @@ def reset(window: Window) -> None:
     window.loss_sum = window.loss_weight = window.grad_norm_sum = 0.0
     window.grad_norm_steps = 0
     window.tensor_losses = window.tensor_norms = False
+    window.grouped.clear()
+    window.grouped_sums.clear()
+    window.grouped_steps.clear()
 
 
 def window_state(window: Window) -> dict[str, float]:
@@ -158,7 +196,9 @@ def window_state(window: Window) -> dict[str, float]:
         "loss_weight": float(loss_weight),
         "grad_norm_sum": float(norm_sum),
         "grad_norm_steps": window.grad_norm_steps,
-    }
+        **({"grouped": {name: [float(total), count] for name, (total, count) in sorted(grouped.items())}}
+           if (grouped := _grouped_sums(window)) else {}),
+    }  # fmt: skip
 
 
 def load_window_state(window: Window, saved: Mapping[str, Any]) -> None:
@@ -172,3 +212,5 @@ def load_window_state(window: Window, saved: Mapping[str, Any]) -> None:
         float(saved["grad_norm_sum"]),
         int(saved["grad_norm_steps"]),
     )
+    for name, (total, count) in saved.get("grouped", {}).items():  # absent: a window without them
+        window.grouped_sums[name], window.grouped_steps[name] = float(total), int(count)

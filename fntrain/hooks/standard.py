@@ -8,7 +8,8 @@ covers every other hook's work).
 What hooks share is passed explicitly in one `Wiring`: the metrics log (the metrics hook and evaluation
 write it, the progress bar reads its latest record), the throughput meter (its figures are a source of
 the metrics hook), and the list itself (what each checkpoint saves the states of). Adding a hook to the
-standard list is one factory and one entry in `STANDARD_FACTORIES`, here.
+standard list is one factory and one entry in `STANDARD_FACTORIES`, here. The records (`HookInputs`,
+`Wiring`, `EarlyHooks`) live in `fntrain.hooks.standard_inputs`, re-exported here.
 
 A recipe's config is expected to carry the hook sections under these names (`memory`, `throughput`,
 `metrics`, `progress`, `evaluate`, `sample` (optional), `gc`, `profiler`, `checkpoint`, `watchdog`) plus `run_dir` and
@@ -20,9 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fntrain.checkpoint import SaveTarget
@@ -32,16 +31,15 @@ from fntrain.hooks.evaluate import EvalParts, evaluate_hook, make_eval_fn
 from fntrain.hooks.gc import gc_hook
 from fntrain.hooks.memory import MemoryConfig, check_memory_device, memory_hook
 from fntrain.hooks.metrics import metrics_hook
-from fntrain.hooks.metrics_log import MetricsLog, metrics_log
+from fntrain.hooks.metrics_log import metrics_log
 from fntrain.hooks.profiler import ProfilerConfig, check_profiler_config, profiler_hook
 from fntrain.hooks.progress import progress_hook, set_library_progress_bars
-from fntrain.hooks.sample import Sampler, sample_hook
-from fntrain.hooks.throughput import ThroughputMeter, throughput_meter
+from fntrain.hooks.sample import sample_hook
+from fntrain.hooks.standard_inputs import EarlyHooks, Factory, HookInputs, Wiring
+from fntrain.hooks.throughput import throughput_meter
 from fntrain.hooks.watchdog import watchdog_hook
 from fntrain.loop import Hook
 from fntrain.runtime import Runtime
-from fntrain.state import RunPlan
-from fntrain.step.components import Components
 
 log = logging.getLogger("fntrain.hooks.evaluate")
 
@@ -69,15 +67,6 @@ def under_run_dir(run_dir: str | os.PathLike, path: str | None, default: str = "
         return os.path.join(run_dir, default) if default else run_dir
     path = os.path.expanduser(path)
     return path if os.path.isabs(path) else os.path.join(run_dir, path)
-
-
-@dataclass(frozen=True)
-class EarlyHooks:
-    """The memory and profiler hooks, built before the model: a device without allocator history or a
-    bad profiler setting fails before any model or device work [S9]."""
-
-    memory: Any
-    profiler: Any
 
 
 def memory_config(config: Any) -> MemoryConfig:
@@ -109,46 +98,6 @@ def early_hooks(config: Any, runtime: Runtime) -> EarlyHooks:
     return EarlyHooks(
         memory_hook(memory_config(config), runtime), profiler_hook(profiler_config(config), runtime)
     )
-
-
-@dataclass(frozen=True)
-class HookInputs:
-    """What the standard hooks are built from: the job config and the built run."""
-
-    config: Any  # the job config: the hook sections, run_dir, log_every
-    runtime: Runtime
-    plan: RunPlan
-    components: Components
-    run_dir: Path
-    early: EarlyHooks | None = None  # the memory and profiler hooks built before the model (None: here)
-    val_dataset: Any = None  # map-style validation split (None or empty: no evaluation)
-    eval_micro_batch_size: int = 1  # when evaluate.micro_batch_size is 0
-    collate_fn: Callable[[list[Any]], Any] | None = None
-    forward: Callable[[Any, Any], Any] | None = None  # (model, micro-batch) -> output for evaluation
-    eval_loss: Callable[[Any, Any], Any] | None = None  # evaluation's loss (None: the components' loss)
-    autocast_dtype: Any = None
-    dp_group: Any = None  # the group evaluation reduces over
-    flops_per_token: Any = None  # a number or a callable measured at TRAIN_BEGIN (see throughput_meter)
-    extra_eval: Callable[[], Mapping[str, float]] | None = None  # more metrics per evaluation (every rank)
-    run_config: dict[str, Any] | None = None  # the resolved config: trackers and checkpoints get it
-    recipe: str | None = None  # the name that loads the recipe again: checkpoints record it
-    extra: Sequence[Hook] = ()  # the spec's hooks, just before the checkpoint hook
-    attempt: int = 0  # which launch of the run this is; tags each metrics record
-    data_fingerprint: Mapping[str, Any] | None = None  # what the data was: every checkpoint records it
-    restoring: bool = False  # the launch restores a checkpoint: its end is saved too (`saves_at_end`)
-    sampler: Sampler | None = None  # the recipe's text sampler (None: no samples during training)
-
-
-@dataclass(frozen=True)
-class Wiring:
-    """What the standard hooks share, built once per list and handed to every factory."""
-
-    writer: MetricsLog  # the metrics records: the metrics hook and evaluation write, progress reads
-    throughput: ThroughputMeter  # its figures go into the metrics hook's records
-    hooks: list[Hook] = field(default_factory=list)  # the list as built: the checkpoint saves their states
-
-
-Factory = Callable[[HookInputs, Wiring], "Hook | tuple[Hook, ...] | None"]
 
 
 def _memory(inputs: HookInputs, wiring: Wiring) -> Hook | None:
@@ -192,8 +141,8 @@ def _evaluate(inputs: HookInputs, wiring: Wiring) -> Hook | None:
         micro_batch_size=config.micro_batch_size or inputs.eval_micro_batch_size,
         runtime=inputs.runtime,
         max_batches=config.max_batches,
-        parts=EvalParts(collate_fn=inputs.collate_fn, forward=inputs.forward,
-                        autocast_dtype=inputs.autocast_dtype),  # fmt: skip
+        parts=EvalParts(collate_fn=inputs.collate_fn, forward=inputs.forward, autocast_dtype=inputs.autocast_dtype,
+                        weighting=inputs.config.train.loss_weighting),  # fmt: skip
         group=inputs.dp_group,
     )
     if inputs.extra_eval is not None:

@@ -45,6 +45,7 @@ __all__ = [
     "set_offline",
     "ModelAssets",
     "load_assets",
+    "load_tokenizer",
     "dtype_kwargs",
     "load_pretrained",
     "load_hf_config",
@@ -82,7 +83,7 @@ def load_assets(model: HFModelConfig, assets: AssetsConfig) -> ModelAssets:
     set_offline()
     source = assets.tokenizer_path or model.path
     field_name = "assets.tokenizer_path" if assets.tokenizer_path else "model.path"
-    tokenizer = _load_tokenizer(field_name, source)
+    tokenizer = load_tokenizer(field_name, source)
     if assets.chat_template is not None:
         tokenizer.chat_template = read_chat_template(assets.chat_template)
     eos_id = tokenizer.eos_token_id
@@ -95,7 +96,7 @@ def load_assets(model: HFModelConfig, assets: AssetsConfig) -> ModelAssets:
     )
 
 
-def _load_tokenizer(field_name: str, source: str) -> Any:
+def load_tokenizer(field_name: str, source: str) -> Any:
     """The tokenizer saved in the local directory `source`; a directory without one, or one
     transformers cannot load, is a `ConfigError` naming `field_name` and the directory."""
     directory = require_local_dir(field_name, source)
@@ -256,17 +257,20 @@ def load_causal_lm(
     model). With `parallel.meta_init` it is built on meta, parallelized and filled shard by shard (no
     rank holds the full model under fsdp2); otherwise loaded whole on `runtime.device`, then
     parallelized. `wrap` (e.g. `fntrain.models.lora.apply_lora`) turns the loaded model into the one to
-    train, between loading and parallelizing; it cannot be combined with `parallel.meta_init`."""
+    train, between loading and parallelizing; it cannot be combined with `parallel.meta_init`. The
+    model is returned in train mode."""
     set_offline()
     if parallel.meta_init:
         if wrap is not None:
             raise ValueError("load_causal_lm: wrap needs a loaded model; turn parallel.meta_init off")
-        return _load_on_meta(config, runtime, parallel)
+        return _load_on_meta(config, runtime, parallel).train()
     from fntrain.runtime.parallel import parallelize
 
     model = load_pretrained(config, runtime.device)
     model = wrap(model) if wrap is not None else model
-    return parallelize(model, runtime, parallel, tensor_parallel=hf_tensor_parallel)
+    # from_pretrained returns the model in eval mode; it trains in train mode (its dropout on), as
+    # transformers' Trainer runs it.
+    return parallelize(model, runtime, parallel, tensor_parallel=hf_tensor_parallel).train()
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -272,7 +272,8 @@ def load_vlm(
             str(directory), local_files_only=True, use_safetensors=True,
             attn_implementation=attn_implementation, **dtype_kwargs("auto" if dtype == "auto" else DTYPES[dtype]),
         )  # fmt: skip
-    return parallelize(model.to(runtime.device), runtime, parallel)
+    # from_pretrained returns the model in eval mode; it trains in train mode, as transformers' Trainer runs it.
+    return parallelize(model.to(runtime.device), runtime, parallel).train()
 
 
 def save_vlm(model: torch.nn.Module, processor: Any, output_dir: str | Path, runtime: Runtime) -> Path:

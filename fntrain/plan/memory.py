@@ -132,15 +132,21 @@ def _sequence_length(config: Any) -> int | None:
     return None
 
 
-def plan_memory(config: Any, model_factory: Callable[[Any], Any], world_size: int) -> dict[str, Any]:
+def plan_memory(
+    config: Any, model_factory: Callable[[Any], Any], world_size: int, frozen_model: Callable[[Any], Any] | None = None
+) -> dict[str, Any]:
     """The plan's "memory per rank" section: `model_factory(config)` built on the meta device (no
     weights), counted, and estimated for `config.parallel` over `world_size` ranks with the config's
     micro-batch and sequence length (`model.context` or `data.max_length`; none found: activations 0,
-    said in a note). Byte counts are ints; the worst pipeline stage's, plus every stage's total."""
+    said in a note). Byte counts are ints; the worst pipeline stage's, plus every stage's total.
+    `frozen_model(config)` (a DPO reference, a KD teacher; None when the objective loads none) is a
+    model without gradients or optimizer state, sharded like the trained one: its weights per rank
+    ("frozen_weights") join the total."""
     import torch
 
     with torch.device("meta"):
         model = model_factory(config)
+        frozen = frozen_model(config) if frozen_model is not None else None
     model_layout = layout_from_module(model)
     parallel = parallel_layout(config.parallel, world_size)
     seq_len = _sequence_length(config)
@@ -169,6 +175,10 @@ def plan_memory(config: Any, model_factory: Callable[[Any], Any], world_size: in
         "micro_batch_size": train.micro_batch_size,
         "mixed_precision": parallel.mixed_precision,
     }  # fmt: skip
+    if frozen is not None:  # its weights as the trained model's are held, nothing else
+        frozen_stage = max(estimate_stages(layout_from_module(frozen), parallel, batch), key=lambda e: e.parameters)
+        section.update(frozen_params=layout_from_module(frozen).total_params, frozen_weights=frozen_stage.parameters,
+                       total=section["total"] + frozen_stage.parameters)  # fmt: skip
     if seq_len is None:
         section["notes"] = ["activations not estimated: the config names no sequence length"]
     return section

@@ -128,6 +128,9 @@ def _memory_per_rank_rows(memory: Mapping[str, Any]) -> Rows:
         ("  model", f"{memory['model_params']:,} parameters, {memory['params_per_rank']:,} per rank; "
                     f"{shape}, {memory['mixed_precision']}; an estimate (fntrain.plan.estimate)"),
     ]  # fmt: skip
+    if "frozen_weights" in memory:
+        rows.append(("  frozen model", f"{memory['frozen_params']:,} parameters (reference or teacher): "
+                                       f"weights {format_bytes(memory['frozen_weights'])} per rank, in the total"))  # fmt: skip
     rows.extend(("  note", note) for note in memory.get("notes", []))
     return rows
 
@@ -176,5 +179,8 @@ def _memory_rows(memory: Mapping[str, Any], world: int) -> Rows:
         rows = [("memory", "off")]
     if memory.get("mem_info"):
         rows.append(("memory info", f"peak memory logged on {_ranks(memory['mem_info_ranks'], world)}"))
+    if "frozen_weights" in memory:
+        rows.append(("  frozen model", f"{memory['frozen_params']:,} parameters (reference or teacher): "
+                                       f"weights {format_bytes(memory['frozen_weights'])} per rank, in the total"))  # fmt: skip
     rows.extend(("  note", note) for note in memory.get("notes", []))
     return rows

@@ -70,7 +70,8 @@ def assemble(config: JobConfig, spec: RecipeSpec, runtime: Any, checked: Checked
 def build_job(config: JobConfig, spec: RecipeSpec, runtime: Any, checked: Checked) -> Built:
     """The model (built and parallelized by the recipe), then the data pipeline over the datasets phase
     1 read, the optimizer and the schedule [S1]. A loss with a `bind_model(model)` method gets the
-    parallelized model once [S4]."""
+    parallelized model once [S4]. A recipe's objective (`spec.objective`) is built last, over all of
+    that: its forward and loss replace the spec's in the components."""
     model = spec.build_model(config, runtime)
     if callable(getattr(spec.loss, "bind_model", None)):
         spec.loss.bind_model(model)
@@ -85,10 +86,15 @@ def build_job(config: JobConfig, spec: RecipeSpec, runtime: Any, checked: Checke
     schedule = build_lr_schedule(config.schedule, plan, optimizer).scheduler
     components = Components(
         model=model, loss_fn=spec.loss, optimizers=(optimizer,), schedulers=(schedule,),
-        grad_scaler=build_grad_scaler(config.parallel, runtime),
+        grad_scaler=build_grad_scaler(config.parallel, runtime), forward=spec.forward,
     )  # fmt: skip
     run_dir = Path(config.run_dir).expanduser()
-    return Built(config, runtime, plan, components, inputs.assets, data, inputs.val_set, inputs.collate_fn, run_dir)
+    built = Built(config, runtime, plan, components, inputs.assets, data, inputs.val_set, inputs.collate_fn, run_dir)
+    if spec.objective is None:
+        return built
+    objective = spec.objective.build(config, built)  # may load its frozen model: after the trained one
+    components = dataclasses.replace(components, loss_fn=objective.loss, forward=objective.forward)
+    return dataclasses.replace(built, components=components)
 
 
 def build_step(built: Built, spec: RecipeSpec) -> LaidOut:
@@ -104,7 +110,7 @@ def build_step(built: Built, spec: RecipeSpec) -> LaidOut:
         autocast_dtype=autocast_dtype(parallel), loss_context=loss_context(runtime, parallel),
     )  # fmt: skip
     inputs = StepInputs(
-        built.components, settings, spec.forward, spec.step_end(config, built) if spec.step_end is not None else None,
+        built.components, settings, built.components.forward, spec.step_end(config, built) if spec.step_end is not None else None,
         runtime, parallel, built.plan.micro_batches, pipeline=spec.pipeline,
         model_on_meta=lambda: full_model_on_meta(config, spec),
     )  # fmt: skip

@@ -36,6 +36,7 @@ from fntrain.runtime.setup import RuntimeConfig
 from fntrain.runtime.watchdog import WatchdogConfig
 from fntrain.state import RunPlan, TrainState
 from fntrain.step import causal_lm_loss, default_forward
+from fntrain.step.objective import ObjectiveSpec
 from fntrain.step.optim import OptimizerConfig, ScheduleConfig
 
 __all__ = [
@@ -263,6 +264,9 @@ class RecipeSpec:
       by cp), for context parallelism: its attention calls `F.scaled_dot_product_attention` with
       (batch, heads, seq, dim) tensors and a whole-sequence mask, which `fntrain.step.context_parallel`
       splits; None: --parallel.cp-size must be 1.
+    - `objective`: a step that minimises something else than `loss` (`fntrain.step.objective.ObjectiveSpec`:
+      DPO, distillation), its forward and loss built over the built model, with a frozen model of its
+      own; None: `forward` and `loss`.
     """
 
     config: type
@@ -285,6 +289,7 @@ class RecipeSpec:
     pipeline: Any = None
     attention_heads: Callable[[Any], int] | None = None
     sampler: Callable[[Any, Built], Callable[[str, Any, Any], str]] | None = None
+    objective: ObjectiveSpec | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.config, type) and issubclass(self.config, JobConfig)):

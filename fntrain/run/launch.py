@@ -6,7 +6,9 @@
                                                 latest / auto the newest good one is decided again here
     restore_launch(config, launch, built, hooks)   the TrainState the launch trains from
 
-A launch is one of: fresh (nothing to restore), resume (a checkpoint, with the setting changes it
+A launch is one of: fresh (nothing to restore; under latest / auto, a run directory whose run has no
+complete checkpoint yet starts that run again in place, its settings compared with its config.json as a
+resume's are with the checkpoint's), resume (a checkpoint, with the setting changes it
 brings), overwrite (--overwrite on a job's first launch: the old run moves aside whole) or complete (the
 checkpoint is at the run's last step: nothing to train, the exports are written again). A torchrun
 restart of a job (restart_count > 0) keeps the run its first launch began.
@@ -19,6 +21,7 @@ checkpoint.allow_changes, and changed data needs `data` in it.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +41,8 @@ from fntrain.state import TrainState
 __all__ = ["Launch", "requested_source", "decide_launch", "verify_launch", "restore_launch"]
 
 log = logging.getLogger("fntrain.run.launch")
+
+_RESUME_WAYS_OUT = "resume with the same settings, or name each field in checkpoint.allow_changes"
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,8 @@ def decide_launch(config: JobConfig, restart_count: int, *, fingerprint: dict[st
     """Phase 1: the launch `config` asks for in its run directory, from the files alone (a missing or
     cut-short checkpoint file shows in the sizes; nothing is written, no process group needed). A
     `ConfigError` for a second run into a directory that holds one, a checkpoint path that does not
-    exist, or settings or data (`fingerprint`) that differ from the checkpoint's."""
+    exist, or settings or data (`fingerprint`) that differ from the checkpoint's; under latest / auto
+    with no complete checkpoint yet, settings that differ from the run directory's config.json."""
     checkpoint = config.checkpoint
     root = checkpoint_root(checkpoint, config.run_dir)
     found = holds_run(config.run_dir, root)
@@ -84,10 +90,35 @@ def decide_launch(config: JobConfig, restart_count: int, *, fingerprint: dict[st
     moves_aside = _starts_over(config, restart_count) and bool(found)
     if source is None:
         return Launch(restart_count, moves_aside=moves_aside)
-    # latest / auto with no complete checkpoint yet (a run killed before its first save) starts the
-    # run again in place: its metrics log is rewound, its files rewritten.
     path = find_latest(root) if source in ("latest", "auto") else _named_checkpoint(source)
+    if path is None and found and not moves_aside:
+        return _again_in_place(config, restart_count, source)
     return _launch_from(config, restart_count, source, path, fingerprint, train_iters, moves_aside=moves_aside)
+
+
+def _again_in_place(config: JobConfig, restart_count: int, source: str) -> Launch:
+    """latest / auto with no complete checkpoint yet (a run killed before its first save): the run
+    starts again in place (its metrics log is rewound, its files rewritten), so it must be the same
+    run: its settings are compared with the run directory's config.json as a resume's are with the
+    checkpoint's (a weights-only restore starts a new run: anything goes)."""
+    saved = None if config.checkpoint.weights_only else _run_config(config.run_dir)
+    aside = str(aside_name(config.run_dir))
+    changes = _setting_changes(
+        config, saved, f"run_dir {config.run_dir!r} holds a run (no complete checkpoint yet) with other settings",
+        f"rerun with the same settings, name each field in checkpoint.allow_changes, or start over with "
+        f"`overwrite` (which moves the old run to {aside!r})",
+    )  # fmt: skip
+    return Launch(restart_count, source, changes=changes)
+
+
+def _run_config(run_dir: str) -> dict[str, Any] | None:
+    """The resolved config the run in `run_dir` wrote (config.json), or None when there is none or it
+    cannot be read (nothing to compare, as for a checkpoint without a readable meta.json)."""
+    try:
+        saved = json.loads((Path(run_dir).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) else None
 
 
 def _refuse_second_run(config: JobConfig, found: list[str], latest: Path | None) -> None:
@@ -136,7 +167,9 @@ def _launch_from(config: JobConfig, restart_count: int, source: str, path: Path 
     if path is None:
         return Launch(restart_count, source, moves_aside=moves_aside)
     meta = _meta(path) if not config.checkpoint.weights_only else {}
-    changes = {**_setting_changes(config, path, meta.get("config")), **_data_changes(config, path, meta.get("data"), fingerprint)}  # fmt: skip
+    settings = _setting_changes(config, meta.get("config"), f"checkpoint.restore_from {str(path)!r} belongs to a "
+                                "run with other settings")  # fmt: skip
+    changes = {**settings, **_data_changes(config, path, meta.get("data"), fingerprint)}
     step = int((meta.get("train_state") or {}).get("global_step", 0))
     complete = train_iters is not None and step >= train_iters > 0
     return Launch(restart_count, source, path, changes, moves_aside, complete)
@@ -150,10 +183,11 @@ def _meta(path: Path) -> dict[str, Any]:
         return {}
 
 
-def _setting_changes(config: JobConfig, path: Path, saved: dict[str, Any] | None) -> dict[str, list[Any]]:
-    """The setting changes resuming `path` (whose resolved config was `saved`) brings, allowed by
-    checkpoint.allow_changes; any other change of a field that changes the numbers is a `ConfigError`
-    listing them."""
+def _setting_changes(config: JobConfig, saved: dict[str, Any] | None, subject: str,
+                     ways_out: str = _RESUME_WAYS_OUT) -> dict[str, list[Any]]:  # fmt: skip
+    """The setting changes continuing the run whose resolved config was `saved` (a checkpoint's, or the
+    run directory's config.json) brings, allowed by checkpoint.allow_changes; any other change of a
+    field that changes the numbers is a `ConfigError`: "<subject>: <each change>; <ways_out>"."""
     if not saved:
         return {}
     allowed = {name.replace("-", "_") for name in config.checkpoint.allow_changes}
@@ -162,10 +196,7 @@ def _setting_changes(config: JobConfig, path: Path, saved: dict[str, Any] | None
     refused = [(name, old, new) for name, old, new in changes if name not in allowed]
     if refused:
         listed = "; ".join(f"`{name}` {old!r} -> {new!r}" for name, old, new in refused)
-        raise ConfigError(
-            f"checkpoint.restore_from {str(path)!r} belongs to a run with other settings: {listed}; "
-            "resume with the same settings, or name each field in checkpoint.allow_changes"
-        )
+        raise ConfigError(f"{subject}: {listed}; {ways_out}")
     return {name: [old, new] for name, old, new in changes}
 
 
@@ -199,8 +230,9 @@ def verify_launch(config: JobConfig, launch: Launch, *, fingerprint: dict[str, A
     if path != launch.path:
         launch = _launch_from(config, launch.restart_count, launch.source, path, fingerprint, train_iters,
                               moves_aside=launch.moves_aside)  # fmt: skip
+    doing = "resuming" if launch.path is not None else "starting the run again"
     for name, (old, new) in launch.changes.items():
-        log.warning("resuming with %s changed from %r to %r (checkpoint.allow_changes)", name, old, new)
+        log.warning("%s with %s changed from %r to %r (checkpoint.allow_changes)", doing, name, old, new)
     return launch
 
 

@@ -113,6 +113,8 @@ def make_train_step(
     `forward(model, micro_batch)` calls the model. `step_end()`, when given, runs after the schedulers
     on every step, outside autograd (a MoE router's bias update); its metrics (device tensors) are merged
     into the step's (a name the step already reports is a ValueError).
+    `loss_fn` may return `(loss, metrics)` (0-d device tensors, e.g. DPO's "rewards/chosen"): combined
+    over micro-batches with the loss's weights and merged into the step's metrics.
     """
     check_settings(settings)
     optimizers, schedulers, params = _step_parts(model, optimizers, schedulers)
@@ -133,12 +135,21 @@ def make_train_step(
             raise ValueError(f"step {state.global_step + 1}: the batch holds no micro-batches")
         if not on_cpu:  # data on the host is already where a CPU step needs it: no tree walk per step
             micro_batches = [to_device(mb, device) for mb in micro_batches]
-        reported, loss_tokens = backward(state, micro_batches)
+        reported, loss_tokens, objective_metrics = backward(state, micro_batches)
         grad_norm = unscale_and_clip()
         skip = should_skip(state.global_step + 1, reported, grad_norm)
-        return update(reported, grad_norm, skip, loss_tokens)
+        return _with_objective_metrics(update(reported, grad_norm, skip, loss_tokens), objective_metrics)
 
     return step_fn
+
+
+def _with_objective_metrics(metrics: dict[str, Any], objective: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The step's metrics with the loss's own merged in (a name the step reports is a ValueError)."""
+    if objective is not None:
+        if clash := sorted(set(objective) & set(metrics)):
+            raise ValueError(f"the loss's metrics {clash} collide with the step's own")
+        metrics.update(objective)
+    return metrics
 
 def _step_parts(model: torch.nn.Module, optimizers: Any, schedulers: Any) -> tuple[tuple, tuple, list]:
     """(optimizers, schedulers) as tuples and the trainable parameters; none of either is a ValueError."""
@@ -211,6 +222,25 @@ def _check_zero_tokens(
         _device_assert(~bad, f"step {step} has zero loss tokens but a non-zero loss", ValueError)
 
 
+def _weighted_metrics(
+    metrics: list[Mapping[str, torch.Tensor]], weights: torch.Tensor | None, count: int
+) -> dict[str, torch.Tensor] | None:
+    """An objective's micro-batch metrics combined like its loss: weighted by the micro-batches' token
+    shares (token mode: their mean over data-parallel ranks is the global weighted mean) or averaged
+    (mean mode); None when the loss returned none. Device ops only, no sync."""
+    if not metrics:
+        return None
+    if len(metrics) != count:
+        raise ValueError("the loss returned metrics for some micro-batches and not for others")
+    if count == 1 and weights is None:
+        return dict(metrics[0])
+    combined = {}
+    for name in metrics[0]:
+        values = torch.stack([m[name].detach().float() for m in metrics])
+        combined[name] = (values * weights).sum() if weights is not None else values.mean()
+    return combined
+
+
 def _make_backward(
     model: torch.nn.Module,
     loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor],
@@ -219,10 +249,12 @@ def _make_backward(
     settings: StepSettings,
     device: torch.device,
 ) -> Callable[[TrainState, list[Mapping[str, Any]]], tuple[torch.Tensor, Any]]:
-    """`backward(state, micro_batches) -> (reported loss, loss tokens)`: forward and backward of every
-    micro-batch, each loss weighted by its token share (token mode) or 1/count (mean mode), gradients
-    synced on the last micro-batch only. The reported loss is the sum of the weighted losses, a device
-    tensor; the loss tokens are the step's count over all data-parallel ranks (token mode, else None)."""
+    """`backward(state, micro_batches) -> (reported loss, loss tokens, objective metrics)`: forward and
+    backward of every micro-batch, each loss weighted by its token share (token mode) or 1/count (mean
+    mode), gradients synced on the last micro-batch only. The reported loss is the sum of the weighted
+    losses, a device tensor; the loss tokens are the step's count over all data-parallel ranks (token
+    mode, else None); the metrics those of a loss returning `(loss, metrics)`, combined like the loss
+    (`_weighted_metrics`), else None."""
     fsdp = hasattr(model, "set_requires_gradient_sync")
     ddp = not fsdp and hasattr(model, "no_sync")
     on_cpu = device.type == "cpu"
@@ -238,6 +270,7 @@ def _make_backward(
             weights, total_tokens = token_weights(micro_batches)
         parts: list[torch.Tensor] = []
         raw_losses: list[torch.Tensor] = []
+        objective_metrics: list[Mapping[str, torch.Tensor]] = []
         with _fsdp_accumulation(model, fsdp and count > 1), loss_context():
             for index, micro_batch in enumerate(micro_batches):
                 last = index == count - 1
@@ -248,6 +281,9 @@ def _make_backward(
                     with autocast():
                         output = forward(model, micro_batch)
                     loss = loss_fn(output, micro_batch)
+                    if type(loss) is tuple:  # an objective's (loss, metrics)
+                        loss, metrics = loss
+                        objective_metrics.append(metrics)
                     if token_weighted:
                         weighted = loss * weights[index]
                     else:
@@ -259,7 +295,8 @@ def _make_backward(
         reported = parts[0] if count == 1 else torch.stack(parts).sum()
         if token_weighted:
             _check_zero_tokens(state, total_tokens, raw_losses, on_cpu)
-        return reported, total_tokens
+        extra = _weighted_metrics(objective_metrics, weights if token_weighted else None, count)
+        return reported, total_tokens, extra
 
     return backward
 

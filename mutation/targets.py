@@ -1,0 +1,82 @@
+"""The core modules under mutation testing, each with the default-tier test files that pin it.
+
+mutmut runs only these files for a module (and, inside them, only the tests that reach the mutated
+function: it records that while running them once unmutated), so one module's run fits the 2-core
+machine. `tests/mutation_pins/test_<stem>.py` joins a module's list by itself when it exists: that is
+where the tests written to kill a surviving mutant live. `goal` is the issue's target score (0.9 for the
+modules a wrong number or a lost file hurts most, 0.8 elsewhere).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PINS = "tests/mutation_pins"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One module to mutate, the test files run against its mutants, and its goal score."""
+
+    module: str
+    tests: tuple[str, ...]
+    goal: float = 0.8
+    skip: tuple[str, ...] = ()  # test ids left out (pytest --deselect): each says why beside the target
+
+    def test_files(self, pins: bool = True) -> tuple[str, ...]:
+        """The listed test files plus, unless `pins` is false, the module's pin file when there is one."""
+        pin = f"{PINS}/test_{Path(self.module).stem}.py"
+        return (*self.tests, pin) if pins and (ROOT / pin).exists() else self.tests
+
+
+def _t(module: str, *tests: str, goal: float = 0.8, skip: tuple[str, ...] = ()) -> Target:
+    return Target(module, tuple(tests), goal, skip)
+
+
+TARGETS = {
+    t.module: t
+    for t in (
+        # The order is the order of importance: `python -m mutation.run --all` runs them so.
+        _t("fntrain/loop.py", "tests/test_loop.py", "tests/test_state.py", goal=0.9),
+        _t("fntrain/state.py", "tests/test_state.py", "tests/test_state_errors.py", "tests/test_loop.py", goal=0.9),
+        # The cross-process test starts fresh interpreters: 15 s for every mutant on 2 cores; the pins
+        # state its property (the order is a function of seed and epoch alone) in one process.
+        _t("fntrain/data/sampler.py", "tests/data/test_sampler.py", goal=0.9, skip=(
+            "tests/data/test_sampler.py::test_order_is_identical_across_processes_and_ignores_the_global_rng",
+        )),
+        _t("fntrain/hooks/metrics_window.py", "tests/hooks/test_metrics.py"),
+        _t("fntrain/checkpoint/retention.py", "tests/checkpoint/test_layout.py", "tests/checkpoint/test_durability.py"),
+        _t("fntrain/checkpoint/verify.py", "tests/checkpoint/test_verify.py", "tests/checkpoint/test_verify_paths.py",
+           goal=0.9),
+        _t("fntrain/checkpoint/saver.py", "tests/checkpoint/test_save_restore.py", "tests/checkpoint/test_save_faults.py",
+           goal=0.9),
+        _t("fntrain/checkpoint/restorer.py", "tests/checkpoint/test_save_restore.py", "tests/checkpoint/test_resume.py",
+           goal=0.9),
+        _t("fntrain/data/pipeline.py", "tests/data/test_pipeline.py", "tests/data/test_position_pins.py", goal=0.9),
+        _t("fntrain/step/train_step.py", "tests/test_step.py", goal=0.9),
+        _t("fntrain/step/layouts.py", "tests/test_layouts.py", "tests/test_step.py", goal=0.9),
+        _t("fntrain/run/launch.py", "tests/test_launch.py", goal=0.9),
+        _t("fntrain/stateful.py", "tests/hooks/test_standard.py"),
+        _t("fntrain/step/optim.py", "tests/test_step.py"),
+        _t("fntrain/data/stream.py", "tests/data/test_pipeline.py"),
+        _t("fntrain/data/prefetch.py", "tests/data/test_prefetch.py"),
+        _t("fntrain/data/packing.py", "tests/data/test_packing.py", "tests/data/test_packing_paths.py"),
+        _t("fntrain/data/sft.py", "tests/data/test_sft.py"),
+        _t("fntrain/data/shards.py", "tests/data/test_shards.py"),
+        _t("fntrain/data/mixing.py", "tests/data/test_mixing.py"),
+        _t("fntrain/data/fingerprint.py", "tests/data/test_fingerprint.py"),
+        _t("fntrain/checkpoint/layout.py", "tests/checkpoint/test_layout.py"),
+        _t("fntrain/checkpoint/rng.py", "tests/checkpoint/test_rng.py"),
+        _t("fntrain/run/checks.py", "tests/test_job.py"),
+        _t("fntrain/run/open.py", "tests/test_run_transaction.py"),
+        _t("fntrain/run/finish.py", "tests/test_launch.py"),
+        _t("fntrain/hooks/metrics.py", "tests/hooks/test_metrics.py"),
+        _t("fntrain/hooks/checkpoint.py", "tests/hooks/test_checkpoint.py", "tests/hooks/test_checkpoint_pins.py"),
+        _t("fntrain/hooks/evaluate.py", "tests/hooks/test_evaluate.py"),
+        _t("fntrain/hooks/throughput.py", "tests/hooks/test_throughput.py"),
+        _t("fntrain/hooks/preemption.py", "tests/hooks/test_preemption.py", "tests/hooks/test_preemption_groups.py"),
+        _t("fntrain/hooks/watchdog.py", "tests/hooks/test_watchdog.py"),
+    )
+}
