@@ -95,6 +95,9 @@ def test_the_first_failing_ranks_line_and_status_end_the_job():
     # A record of an earlier attempt (another pid) is not this failure's.
     stale = [_record(1, 99, "old line", 1, 1.0), *records]
     assert ending(stale, failures=_failures((0, 10, 1), (1, 11, 1))).line == f"[rank 1] {crash}"
+    # Only the failing rank had time to say anything (the agent stopped the other): its line, with its rank.
+    alone = [_record(1, 11, crash, 1, 7.1)]
+    assert ending(alone, failures=_failures((0, 10, -15), (1, 11, 1))) == Ending(f"[rank 1] {crash}", 1)
 
     # No line: the rank and its status, a signal as the shell reports it (128 + the signal).
     assert ending([], failures=_failures((1, 11, 3))) == Ending(

@@ -144,7 +144,10 @@ def ending(records: list[dict[str, Any]], *, failures: Mapping[int, Any] | None 
     records = [record for record in records if record.get("exit_code")]
     if records:
         first = min(records, key=lambda record: record.get("time", 0.0))
-        same = len({record["line"] for record in records}) == 1
+        # Every failed process said the same: the line alone; else (different lines, or some stopped
+        # before they could say anything) whose line it is.
+        said_by_all = failures is None or len(records) == len(failures)
+        same = said_by_all and len({record["line"] for record in records}) == 1
         line = first["line"] if same else f"[rank {first.get('rank', '?')}] {first['line']}"
         return Ending(line, int(first["exit_code"]))
     if failures:
