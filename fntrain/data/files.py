@@ -32,6 +32,7 @@ __all__ = [
     "require_file",
     "require_source",
     "require_split",
+    "held_out_tail",
     "existing_ancestor",
     "jsonl_rows",
     "read_jsonl_rows",
@@ -134,6 +135,16 @@ def require_split(prefix: str, path: str, val_path: str | None, val_fraction: fl
     require_source(f"{prefix}.path", path)
     if val_path:
         require_source(f"{prefix}.val_path", val_path)
+
+
+def held_out_tail(items: list[Any], val_fraction: float, what: str) -> tuple[list[Any], list[Any]]:
+    """(train, validation): the last `val_fraction` of `items` held out in order, at least one; a
+    fraction that leaves no training item is a `ConfigError` saying so (`what`: the training item, as
+    the message names it)."""
+    split = len(items) - max(1, int(len(items) * val_fraction))
+    if split < 1:
+        raise ConfigError(f"data.val_fraction {val_fraction} leaves no training {what}")
+    return items[:split], items[split:]
 
 
 def read_rows(path: str, field_name: str, columns: Sequence[str]) -> list[tuple[int | str, dict[str, Any]]]:

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 
 from fntrain.config import ConfigError, first_line, require_choice, require_int, require_str
-from fntrain.data.files import position_label, read_rows, require_split
+from fntrain.data.files import held_out_tail, position_label, read_rows, require_split
 from fntrain.data.formats import check_table_formats
 from fntrain.data.preference_collate import make_preference_collate
 from fntrain.data.sft import TokenizerAssets
@@ -344,13 +344,8 @@ def build_preference_datasets(
     if data.val_path:
         val_pairs = _file_pairs(data.val_path, "data.val_path", assets, data)
     elif data.val_fraction > 0:
-        split = len(pairs) - max(1, int(len(pairs) * data.val_fraction))
-        if split < 1:
-            raise ConfigError(
-                f"data.val_fraction {data.val_fraction} leaves no training row of data.path {data.path!r} "
-                f"({len(pairs)} rows)"
-            )
-        pairs, val_pairs = pairs[:split], pairs[split:]
+        what = f"row of data.path {data.path!r} ({len(pairs)} rows)"
+        pairs, val_pairs = held_out_tail(pairs, data.val_fraction, what)
     train_set = PreferenceExamples(pairs, data.max_length)
     val_set = PreferenceExamples(val_pairs, data.max_length) if val_pairs else None
     return train_set, val_set

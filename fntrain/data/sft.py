@@ -53,7 +53,7 @@ from fntrain.config import (
     require_str,
 )
 from fntrain.data.chat import chat_spans, tokenize_spans
-from fntrain.data.files import position_label, read_jsonl_rows, read_rows, require_split
+from fntrain.data.files import held_out_tail, position_label, read_jsonl_rows, read_rows, require_split
 from fntrain.data.formats import Format, check_table_formats, fitting_format, no_format_error
 from fntrain.data.packing import PackedDocuments
 from fntrain.data.sft_collate import PAD_TO
@@ -319,10 +319,7 @@ def build_sft_datasets(
     if data.val_path:
         val_examples = _file_examples(data.val_path, "data.val_path", assets, data)
     elif data.val_fraction > 0:
-        split = len(examples) - max(1, int(len(examples) * data.val_fraction))
-        if split < 1:
-            raise ConfigError(f"data.val_fraction {data.val_fraction} leaves no training example")
-        examples, val_examples = examples[:split], examples[split:]
+        examples, val_examples = held_out_tail(examples, data.val_fraction, "example")
     train_set = build_dataset(examples, data, pad_id=assets.pad_id)
     val_set = build_dataset(val_examples, data, pad_id=assets.pad_id) if val_examples else None
     return train_set, val_set

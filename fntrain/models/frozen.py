@@ -18,6 +18,7 @@ import torch
 from fntrain.config import ConfigError
 from fntrain.models.hf import ModelAssets, load_causal_lm, load_pretrained, load_tokenizer
 from fntrain.models.hf_config import HFModelConfig, model_vocab_size, require_model_dir, require_model_kind
+from fntrain.step.objectives import disable_dropout
 
 __all__ = ["check_companion", "load_frozen_causal_lm", "freeze"]
 
@@ -49,10 +50,7 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
     """`model` in eval mode, nothing trainable, every dropout at p=0; returned for chaining."""
     model.eval()
     model.requires_grad_(False)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
+    return disable_dropout(model)
 
 
 def load_frozen_causal_lm(config: HFModelConfig, runtime: Any, parallel: Any) -> torch.nn.Module:

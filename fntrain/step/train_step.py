@@ -223,12 +223,12 @@ def _check_zero_tokens(
 
 
 def _weighted_metrics(
-    metrics: list[Mapping[str, torch.Tensor]], weights: torch.Tensor | None, count: int
+    metrics: list[Mapping[str, torch.Tensor]] | None, weights: torch.Tensor | None, count: int
 ) -> dict[str, torch.Tensor] | None:
     """An objective's micro-batch metrics combined like its loss: weighted by the micro-batches' token
     shares (token mode: their mean over data-parallel ranks is the global weighted mean) or averaged
     (mean mode); None when the loss returned none. Device ops only, no sync."""
-    if not metrics:
+    if metrics is None:
         return None
     if len(metrics) != count:
         raise ValueError("the loss returned metrics for some micro-batches and not for others")
@@ -270,7 +270,7 @@ def _make_backward(
             weights, total_tokens = token_weights(micro_batches)
         parts: list[torch.Tensor] = []
         raw_losses: list[torch.Tensor] = []
-        objective_metrics: list[Mapping[str, torch.Tensor]] = []
+        objective_metrics: list[Mapping[str, torch.Tensor]] | None = None  # made only if the loss returns metrics
         with _fsdp_accumulation(model, fsdp and count > 1), loss_context():
             for index, micro_batch in enumerate(micro_batches):
                 last = index == count - 1
@@ -283,7 +283,7 @@ def _make_backward(
                     loss = loss_fn(output, micro_batch)
                     if type(loss) is tuple:  # an objective's (loss, metrics)
                         loss, metrics = loss
-                        objective_metrics.append(metrics)
+                        objective_metrics = [*(objective_metrics or ()), metrics]
                     if token_weighted:
                         weighted = loss * weights[index]
                     else:
