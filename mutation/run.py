@@ -84,6 +84,10 @@ def run_mutmut(work: Path, max_children: int, log: Path) -> int:
     mutmut = Path(sys.executable).with_name("mutmut")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("PYTHONPATH", None)
+    # mutmut forks a child per mutant from the process that ran the tests once: torch imports dynamo the
+    # first time an optimizer is built, which each child would then pay again (seconds per mutant);
+    # loading it as a pytest plugin puts it in the parent, once.
+    env["PYTEST_ADDOPTS"] = f"{os.environ.get('PYTEST_ADDOPTS', '')} -p torch._dynamo".strip()
     with log.open("w") as out:
         done = subprocess.run(
             ["nice", "-n", "19", str(mutmut), "run", "--max-children", str(max_children)],

@@ -155,6 +155,16 @@ def _precomputed(frozen: Any, built: Any) -> Any:
     return reference
 
 
+def _reference_forward(config: Config) -> Any:
+    """The model whose forward runs beside the policy's on every micro-batch (for the FLOPs count): the
+    frozen copy, the policy itself with its adapters off, or none (simpo; a precomputed reference)."""
+    if not config.dpo.needs_reference or config.dpo.reference == "precomputed":
+        return None
+    if config.dpo.reference == "adapter-off":
+        return causal_lm_from_config(config.model)
+    return causal_lm_from_config(reference_model(config))
+
+
 spec = RecipeSpec(
     config=Config,
     build_model=build_model,
@@ -168,6 +178,8 @@ spec = RecipeSpec(
     objective=ObjectiveSpec(
         build=build_objective,
         frozen_model=lambda config: causal_lm_from_config(ref) if (ref := reference_model(config)) else None,
+        forward_only=lambda config: _reference_forward(config),
+        rows_per_sample=2,  # a pair is laid out as its chosen and its rejected row
     ),
     describe=lambda config: {
         "objective": f"dpo ({config.dpo.loss_type}, beta {config.dpo.beta})",

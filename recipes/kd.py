@@ -64,7 +64,11 @@ spec = dataclasses.replace(
     hf_causal_lm.spec,
     config=Config,
     check=check,
-    objective=ObjectiveSpec(build=build_objective, frozen_model=lambda config: causal_lm_from_config(teacher_model(config))),
+    objective=ObjectiveSpec(
+        build=build_objective,
+        frozen_model=lambda config: causal_lm_from_config(teacher_model(config)),
+        forward_only=lambda config: causal_lm_from_config(teacher_model(config)),  # the teacher, every micro-batch
+    ),
     describe=lambda config: {
         **hf_causal_lm.spec.describe(config),
         "objective": f"kd (ratio {config.kd.ratio}, temperature {config.kd.temperature})",

@@ -6,12 +6,16 @@ directory, environment and standard streams (passed over a Unix socket), its exi
 a signal to the launcher (torchrun stopping a worker) is passed on to the command. What a fresh process
 would add to its environment at import (fntrain's OMP_WAIT_POLICY, the Hub's offline switches) is added.
 Without the server (`FNTRAIN_DOC_SERVER` unset or gone) the launcher runs the real program.
+`python-doc -m MODULE ARGS` (with or without `-u`) runs any module so (the slow tier's drivers and
+torchrun workers: `tests.vlm_driver`, `tests.dpo_dist_worker`, ...); other `python-doc` arguments run
+the real Python.
 
 Why: every doc line is a new interpreter importing torch (and, for the Hugging Face lines,
 transformers and peft): most of a tiny run's wall time on two shared cores, paid by ~50 lines and by
-every torchrun worker. Forked from one imported server, a line pays only its own work.
+every torchrun worker. Forked from one imported server, a line pays only its own work. The slow-tier
+tests that launch their own processes share it the same way (`started`: one server per test module).
 
-    python -m tests.doc_shell SOCKET      # the server (from the checkout): preload, then fork one command per connection
+    python -m tests.doc_shell SOCKET [MODULE...]   # the server: preload (PRELOAD, or the MODULEs), then fork per connection
 """
 
 from __future__ import annotations
@@ -22,12 +26,16 @@ import io
 import json
 import os
 import select
+import shutil
 import socket
 import struct
+import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["write_launchers", "PRELOAD"]
+__all__ = ["write_launchers", "started", "PRELOAD", "HF_PRELOAD", "DPO_PRELOAD", "VLM_PRELOAD"]
 
 # Imported once by the server: what the doc lines' commands import (the heavy ones: peft, the LLaVA
 # and CLIP modules and mlflow take 5-12 s each on two shared cores). Importing them starts no Python
@@ -40,22 +48,36 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.
            "datasets", "matplotlib", "fntrain", "fntrain.cli", "fntrain.run.job",
            "fntrain.plan", "fntrain.checkpoint", "fntrain.models.hf", "fntrain.models.tiny_llama",
            "recipes.tiny_gpt", "recipes.hf_causal_lm", "recipes.vlm")  # fmt: skip
+# What the Hugging Face recipe tests' launches import (no LLaVA, tracking or plotting modules).
+HF_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+              "torch.distributed.tensor.parallel", "torch.distributed.run", "tyro", "safetensors.torch",
+              "transformers", "transformers.models.llama.modeling_llama", "tokenizers", "peft", "fntrain",
+              "fntrain.cli", "fntrain.run.job", "fntrain.checkpoint", "fntrain.models.hf",
+              "recipes.hf_causal_lm")  # fmt: skip
+DPO_PRELOAD = (*HF_PRELOAD, "recipes.dpo", "recipes.kd")
+VLM_PRELOAD = (*HF_PRELOAD, "transformers.models.llava.modeling_llava", "transformers.models.clip.modeling_clip",
+               "PIL.Image", "recipes.vlm")  # fmt: skip
 
 LAUNCHER = '''#!{python} -S
 """The doc test's `{name}`: runs through the server at $FNTRAIN_DOC_SERVER (tests/doc_shell.py)."""
 import json, os, signal, socket, struct, sys
 PYTHON = {python!r}
 args, mode = sys.argv[1:], {mode!r}
-if mode == "module" and args[:3] != ["-u", "-m", "fntrain"]:  # not a torchrun worker of fntrain
-    os.execv(PYTHON, [PYTHON, *args])
-args = args[3:] if mode == "module" else args
+if mode == "module":  # `[-u] -m MODULE ARGS` (a torchrun worker, a test's driver); else the real Python
+    flags = args[:1] if args[:1] == ["-u"] else []
+    if args[len(flags) : len(flags) + 1] != ["-m"] or len(args) < len(flags) + 2:
+        os.execv(PYTHON, [PYTHON, *args])
+    module, args = args[len(flags) + 1], args[len(flags) + 2 :]
+else:
+    flags, module = [], None
 try:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.connect(os.environ["FNTRAIN_DOC_SERVER"])
 except (KeyError, OSError):  # no server: the real program
-    real = {{"module": ["-u", "-m", "fntrain"], "script": ["-m", "fntrain"], "torchrun": ["-m", "torch.distributed.run"]}}
+    real = {{"module": [*flags, "-m", module], "script": ["-m", "fntrain"], "torchrun": ["-m", "torch.distributed.run"]}}
     os.execv(PYTHON, [PYTHON, *real[mode], *args])
-request = json.dumps({{"mode": mode, "argv": args, "cwd": os.getcwd(), "env": dict(os.environ)}}).encode()
+request = json.dumps({{"mode": mode, "module": module, "unbuffered": bool(flags), "argv": args, "cwd": os.getcwd(),
+                      "env": dict(os.environ)}}).encode()
 socket.send_fds(server, [struct.pack("!I", len(request)) + request], [0, 1, 2])
 def read(size):
     data = b""
@@ -102,7 +124,7 @@ def _run_command(request: dict, fds: list[int], added_env: dict[str, str]) -> in
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    unbuffered = request["mode"] == "module"  # torchrun starts workers with `python -u`
+    unbuffered = request.get("unbuffered", False)  # torchrun starts workers with `python -u`
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=unbuffered or os.isatty(1),
                                   write_through=unbuffered)  # fmt: skip
@@ -115,11 +137,11 @@ def _run_command(request: dict, fds: list[int], added_env: dict[str, str]) -> in
     os.environ.update({**added_env, **request["env"]})
     code = 1
     try:
-        if request["mode"] == "module":  # `python -u -m fntrain ARGS`, as torchrun starts a worker
+        if request["mode"] == "module":  # `python [-u] -m MODULE ARGS`, as torchrun starts a worker
             import runpy
 
-            sys.argv = ["fntrain", *request["argv"]]
-            runpy.run_module("fntrain", run_name="__main__", alter_sys=True)
+            sys.argv = [request["module"], *request["argv"]]
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
             code = 0
         elif request["mode"] == "torchrun":  # torchrun's agent; its workers come back here (PYTHON_EXEC)
             from torch.distributed.run import main as torchrun
@@ -163,11 +185,11 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def serve(path: str) -> None:
+def serve(path: str, preload: Sequence[str] = PRELOAD) -> None:
     """Preload, then fork one command per connection; each connection gets the child's pid, then its
     exit status (negative: the signal that ended it). Ends when its parent (the test) is gone."""
     before = dict(os.environ)
-    for name in PRELOAD:
+    for name in preload:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     added_env = {key: value for key, value in os.environ.items() if before.get(key) != value}
@@ -209,5 +231,30 @@ def serve(path: str) -> None:
             conn.close()
 
 
+@contextlib.contextmanager
+def started(env: Mapping[str, str], preload: Sequence[str] = PRELOAD) -> Iterator[dict[str, str]]:
+    """A server preloaded with `preload`, started from the checkout with `env` (its OMP_NUM_THREADS is the
+    commands': torch sizes its thread pool at import), and the environment that sends commands to it:
+    the launchers first on PATH (`fntrain`, `torchrun`), `python-doc` as PYTHON_EXEC (torchrun's
+    workers) and in PYTHON_DOC (a test's `python -m MODULE`). Stopped after."""
+    root = Path(__file__).resolve().parents[1]
+    place = Path(tempfile.mkdtemp(prefix="fntrain-doc-"))  # a short path: a socket's name has 108 bytes
+    socket_path = place / "server.sock"
+    bin_dir = write_launchers(place / "bin")
+    server = subprocess.Popen([sys.executable, "-m", "tests.doc_shell", str(socket_path), *preload], cwd=root,
+                              env=dict(env), stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready", (
+            "the server did not start"
+        )
+        python = str(bin_dir / "python-doc")
+        yield {**env, "PATH": f"{bin_dir}:{env['PATH']}", "PYTHON_EXEC": python, "PYTHON_DOC": python,
+               "FNTRAIN_DOC_SERVER": str(socket_path)}  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        shutil.rmtree(place, ignore_errors=True)
+
+
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2:] or PRELOAD)

@@ -70,3 +70,35 @@ def test_eval_loss_runs_under_loss_parallel_when_logits_are_split():
     forward, eval_loss = laid_out.forward, laid_out.loss
     assert forward == "spec forward"
     assert eval_loss(torch.ones(3), {"shift": 1.0}) == 4.0 and entered == [True]
+
+
+def _gpt_flops(forward_only):
+    """tiny_gpt's FLOPs per token as the run counts them, with an objective whose forward-only model is
+    `forward_only(config)` (None: no objective)."""
+    model = dataclasses.replace(tiny_gpt.Config().model, context=16, n_layer=1, n_head=2, d_model=32)
+    config = dataclasses.replace(tiny_gpt.Config(), model=model)
+    ids = torch.arange(4 * 16).reshape(4, 16) % config.model.vocab_size
+    built = SimpleNamespace(data=SimpleNamespace(dataset=[{"input_ids": row, "labels": row} for row in ids]),
+                            config=dataclasses.replace(config, train=dataclasses.replace(config.train, micro_batch_size=2)),
+                            collate_fn=None)  # fmt: skip
+    objective = None if forward_only is None else SimpleNamespace(forward_only=forward_only)
+    spec = SimpleNamespace(model_factory=tiny_gpt.spec.model_factory, loss=tiny_gpt.spec.loss, forward=None,
+                           objective=objective)  # fmt: skip
+    return build._flops_per_token(built, spec)()
+
+
+def test_an_objectives_forward_only_model_adds_its_forward_flops_and_none_adds_nothing():
+    policy = _gpt_flops(None)
+    assert _gpt_flops(lambda config: None) == policy  # e.g. a precomputed reference: no forward beside the policy's
+    with_copy = _gpt_flops(tiny_gpt.spec.model_factory)  # a frozen copy of the policy, forward only
+    # A forward is a third of forward + backward for the matmuls that dominate (backward: two matmuls each).
+    assert policy * 1.3 < with_copy < policy * 1.36
+    built_where = []
+
+    def on_meta(config):
+        model = tiny_gpt.spec.model_factory(config)
+        built_where.append(next(model.parameters()).device.type)
+        return model
+
+    _gpt_flops(on_meta)
+    assert built_where == ["meta"]  # a teacher's weights are never allocated to count its FLOPs

@@ -1,21 +1,23 @@
 """2-rank gloo runs under torchrun match a 1-rank run with the same global batch (§5) [S21] [S23].
 
 Each strategy runs `tests/dist_worker.py` once under `python -m torch.distributed.run
---nproc_per_node=2` (several cases per launch, to pay the start-up once); the 1-rank reference runs
-the same worker without torchrun. fp32, dropout 0, a global batch that divides evenly, labels masked
-unevenly across micro-batches and ranks.
+--nproc_per_node=2` (several cases per launch, ddp and fsdp2 in one launch through
+tests/worker_sequence.py, every process forked from one preloaded Python through
+tests/preloaded_launch.py: the start-up is paid once); the 1-rank reference runs the same worker without
+torchrun. fp32, dropout 0, a global batch that divides evenly, labels masked unevenly across
+micro-batches and ranks.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests import preloaded_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 TIGHT = {"rtol": 1e-5, "atol": 1e-6}
@@ -30,41 +32,34 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _torchrun(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--standalone", *args,
-    ]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, (
-        f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
-    )
-    return result
-
-
-def _run_worker(strategy: str, out: Path, cases: str) -> dict:
-    if strategy == "none":
-        command = [sys.executable, "-m", "tests.dist_worker", "none", str(out), cases]
-        result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, result.stderr[-6000:]
-    else:
-        _torchrun("-m", "tests.dist_worker", strategy, str(out), cases)
-    return torch.load(out)
+@pytest.fixture(scope="module")
+def python(tmp_path_factory):
+    """Every launch of the module (torchrun's workers too) forks from one Python that imported torch and
+    fntrain (tests/preloaded_launch.py): the imports cost more than these runs' steps."""
+    yield from preloaded_launch.start(tmp_path_factory, _env())
 
 
 CASES = "sgd,adamw,sgd_mean,bf16,fp16,skip_nan"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """strategy -> the worker's results, each strategy launched once per module."""
+def runs(tmp_path_factory, python):
+    """strategy -> the worker's results: the 1-rank reference in one process, ddp and fsdp2 in one
+    2-rank launch (tests/worker_sequence.py: the launch costs more than these steps)."""
+    root = tmp_path_factory.mktemp("runs")
     cache: dict[str, dict] = {}
 
     def get(strategy: str) -> dict:
         if strategy not in cache:
-            out = tmp_path_factory.mktemp(strategy) / "results.pt"
-            cache[strategy] = _run_worker(strategy, out, CASES)
-            assert cache[strategy]["world_size"] == (1 if strategy == "none" else 2)
+            if strategy == "none":
+                preloaded_launch.run(python, 1, "tests.dist_worker", "none", str(root / "none.pt"), CASES)
+            else:
+                preloaded_launch.run(python, 2, "tests.worker_sequence", "tests.dist_worker", "ddp",
+                                     str(root / "ddp.pt"), CASES, "--", "tests.dist_worker", "fsdp2",
+                                     str(root / "fsdp2.pt"), CASES)  # fmt: skip
+            for name in ("none",) if strategy == "none" else ("ddp", "fsdp2"):
+                cache[name] = torch.load(root / f"{name}.pt")
+                assert cache[name]["world_size"] == (1 if name == "none" else 2)
         return cache[strategy]
 
     return get
@@ -146,12 +141,14 @@ def test_token_counts_really_differ_across_ranks():
     assert sum(per_rank[0]) * 2 < sum(per_rank[1])
 
 
+# The recipe under torchrun with ddp: tests/test_hf_conventions.py's window test, whose 2-rank DDP run
+# asserts the same runtime line and saved config (one launch fewer).
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_recipe_runs_under_torchrun(strategy, tmp_path):
+@pytest.mark.parametrize("strategy", ["fsdp2"])
+def test_recipe_runs_under_torchrun(strategy, python, tmp_path):
     run_dir = tmp_path / "run"
-    result = _torchrun(
-        "-m", "recipes.tiny_gpt",
+    output = preloaded_launch.run(
+        python, 2, "recipes.tiny_gpt",
         "--parallel.strategy", strategy,
         "--runtime.device", "cpu",
         "--run-dir", str(run_dir),
@@ -161,7 +158,7 @@ def test_recipe_runs_under_torchrun(strategy, tmp_path):
         "--model.n-layer", "2", "--model.d-model", "32", "--model.context", "32",
         "--log-every", "1", "--data.val-fraction", "0.001",  # a short end-of-run evaluation
     )  # fmt: skip
-    assert "runtime: world 2, device cpu, backend gloo, dp 2" in result.stderr + result.stdout
+    assert "runtime: world 2, device cpu, backend gloo, dp 2" in output
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["parallel"]["strategy"] == strategy
     assert saved["runtime"]["device"] == "cpu"

@@ -5,12 +5,7 @@ chains split; a heredoc, `cat > chat.jsonl <<'EOF'` to its `EOF`, is one command
 to be checked:
 
 - default tier: every command is extracted and has a check (no `python -m recipes.*` left);
-- slow tier, planned: every `fntrain run`, `fntrain run --nproc-per-node N` and `torchrun ... -m fntrain
-  run` command is planned with its own arguments at its own world size (`fntrain plan`: every flag
-  parsed, every value and the batch shape over the ranks checked, no weights, no device), and the cheap
-  ones (`fntrain plan`, `config`, `cp`, `tokenize`, `tiny-llama`, `--version`, `--help`) and the lines
-  that make a user's files (`python -c ...`, heredocs, `mkdir`, `cp`) run as written;
-- slow tier, run: as a user pastes them. Each document gets ONE fresh working directory and its
+- slow tier: as a user pastes them. Each document gets ONE fresh working directory and its
   lines run there through bash, top to bottom, each seeing what the lines above it left (a tiny model,
   a chat.jsonl, a run directory, a `base.toml`, a copied recipe, shards): a second run into a run
   directory that holds one, a file no line made, a checkpoint the run above did not save all fail here.
@@ -19,9 +14,16 @@ to be checked:
   and model unless the line names its own), the same to every line, so the lines of a document still
   agree on their settings. A run line that trains nothing ("run already complete") fails too unless it
   names `--checkpoint.restore-from` (then resuming is its point): it means the line needs its own
-  `--run-dir`. Start-up is shared (tests/doc_shell.py): the `fntrain` the lines find on PATH, and the
-  Python torchrun starts its workers with, fork the command from one process that imported torch and
-  transformers once;
+  `--run-dir`. The cheap lines (`fntrain plan`, `config`, `cp`, `tokenize`, `tiny-llama`,
+  `--version`, `--help`) and the lines that make a user's files (`python -c ...`, heredocs, `mkdir`,
+  `cp`) run as written;
+- slow tier, planned: after its line ran (or where it stands, for a GPU machine's or several nodes'
+  line, which does not run here), every `fntrain run`, `fntrain run --nproc-per-node N` and
+  `torchrun ... -m fntrain run` command is planned with its own arguments, unscaled, at its own world
+  size (`fntrain plan`: every flag parsed, every value and the batch shape over the ranks checked, no
+  weights, no device), in the same directory. Start-up is shared (tests/doc_shell.py): the `fntrain`
+  the lines find on PATH, and the Python torchrun starts its workers with, fork the command from one
+  process that imported torch and transformers once;
 - NOT_HERE lists, with the reason, what cannot run here at all (installs, GPUs, NPUs, several nodes, a
   model no line can make); what docs/guide.md shows is run, in order, by tests/test_guide.py.
 
@@ -32,14 +34,11 @@ uses (`checkout_files`): `configs/` and the public config.json files under `test
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -225,9 +224,7 @@ def shell_env(home: Path, **extra: str) -> dict[str, str]:
             "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **extra}  # fmt: skip
 
 
-# The planned tier runs these as written (cheap: no model, no training); the rest of what is not a recipe
-# run (plot, export, generate, eval, and what reads a run's files) needs a run: the run tier has one.
-CHEAP = ("plan", "config", "cp", "tokenize", "tiny-llama", "recipes", "--version")
+# A line that reads a run's files (its config.json) is not planned: its run is at the test's scale.
 NEEDS_A_RUN = (r"runs/[\w.-]+/config\.json",)
 
 
@@ -282,6 +279,27 @@ def test_each_document_runs_alone_in_its_own_order():
     assert not trains_nothing(again, "run completed at step 16")
 
 
+def test_each_recipe_run_is_planned_unscaled_after_its_line_and_a_gpu_line_only_planned():
+    chain = "fntrain cp tiny_gpt my_gpt.py && fntrain run my_gpt.py --train.train-iters 200"
+    lines = [DocCommand("a.md", 1, part, chain) for part in chain.split(" && ")]
+    gpu = (
+        "torchrun --nproc_per_node=8 -m fntrain run tiny_gpt --runtime.device cuda --parallel.strategy fsdp2"
+    )
+    lines += [
+        DocCommand("a.md", 2, gpu, gpu),
+        DocCommand("a.md", 3, "fntrain run tiny_gpt --help", "fntrain run tiny_gpt --help"),
+    ]
+    steps = [(text, planned) for _, text, planned in document_steps(lines)]
+    assert steps[0][0].startswith(
+        "fntrain cp tiny_gpt my_gpt.py && fntrain run my_gpt.py --train.train-iters 8"
+    )
+    assert steps[1:] == [
+        ("fntrain plan my_gpt.py --train.train-iters 200", True),
+        ("fntrain plan tiny_gpt --runtime.device cuda --parallel.strategy fsdp2 --world-size 8", True),
+        ("fntrain run tiny_gpt --help", False),
+    ]
+
+
 def test_a_heredoc_is_one_command_and_a_line_runs_as_written_unless_it_trains(tmp_path):
     doc = tmp_path / "a.md"
     doc.write_text("""```bash
@@ -311,75 +329,16 @@ python3 -m venv .venv && fntrain --version
     assert ran[4] == "fntrain --version"  # the install before it is not run here
 
 
-@pytest.mark.slow  # ~55 commands, each a tyro parse and a plan or a file made: 30-80 s on 2 shared cores
-def test_every_doc_command_plans_or_runs_as_written(tmp_path, monkeypatch, capsys):
-    """Planned at its world size, or (plan, config, cp, tokenize, tiny-llama, --version, --help, the lines
-    that make files) run as written; each document in order in its own fresh directory, so a `--config
-    base.toml` finds the base.toml a line above wrote and `--model.path ./my-llama` the model a line made."""
-    pytest.importorskip("transformers")
-    from fntrain.cli import dispatch
-
-    failures, checked = [], 0
-    for commands in documents(doc_commands()):
-        work = checkout_files(tmp_path / Path(commands[0].file).stem)
-        monkeypatch.chdir(work)
-        monkeypatch.setenv("HOME", str(work / "home"))
-        ran_lines = set()
-        for command in commands:
-            if not_here(command) or command.file == "docs/guide.md" or _needs_a_run(command):
-                continue
-            if command.argv[0] in SHELL and (command.line, command.raw) in ran_lines:
-                continue  # its line ran whole
-            ran_lines.add((command.line, command.raw))
-            argv = command.argv
-            helps = any(word in HELP for word in argv)
-            if argv[0] == "fntrain" and plan_argv(command) is None and argv[1] not in CHEAP and not helps:
-                continue
-            try:
-                _plan_or_run(command, work, dispatch, capsys)
-                checked += 1
-            except SystemExit as error:
-                if error.code not in (0, None):
-                    failures.append(f"{command.file}:{command.line}: {command.text}\n    exit {error.code}: "
-                                    f"{capsys.readouterr().err.strip()[-300:]}")  # fmt: skip
-            except Exception as error:  # the check itself reports every failing command at once
-                failures.append(
-                    f"{command.file}:{command.line}: {command.text}\n    {type(error).__name__}: {error}"
-                )
-            capsys.readouterr()
-    assert not failures, "\n".join(failures)
-    assert checked > 30
-
-
 def _needs_a_run(command: DocCommand) -> bool:
     return any(re.search(pattern, command.text) for pattern in NEEDS_A_RUN)
-
-
-def _plan_or_run(command: DocCommand, work: Path, dispatch, capsys) -> None:
-    """One command of the planned tier: a line making files through bash as written, a recipe run
-    planned, a cheap command run in this process (its `> FILE` written from what it printed)."""
-    argv = command.argv
-    helps = any(word in HELP for word in argv)
-    if argv[0] in SHELL:  # the whole line, as written (`mkdir -p ~/x && cp ...`: bash expands the ~)
-        result = subprocess.run(["bash", "-c", command.raw], cwd=work,
-                                env=shell_env(work / "home"), capture_output=True, text=True, timeout=300)  # fmt: skip
-        assert result.returncode == 0, f"exit {result.returncode}: {result.stderr.strip()[-300:]}"
-    elif not helps and (plan := plan_argv(command)) is not None:
-        report = dispatch(plan)
-        assert report["train_iters"] > 0
-    elif ">" in argv:
-        dispatch(argv[1 : argv.index(">")])
-        (work / argv[argv.index(">") + 1]).write_text(capsys.readouterr().out)
-    else:
-        dispatch(argv[1:])
 
 
 # ----------------------------------------------------------------------------- slow tier: run them
 
 # Divided by 25 wherever a line names them: 400 steps -> 16, `--checkpoint.save-every 50` -> 2 (and the
 # `step_<N>` paths alike), so the lines of one document keep agreeing on their run's settings; a
-# sequence length by 32, tokenize's `--workers 8` by 4 (its output is the same bytes for any count).
-SCALED = {"--train.train-iters": 25, "--checkpoint.save-every": 25, "--data.max-length": 32, "--workers": 4}
+# sequence length by 32. (tokenize's `--workers 8` runs as written: forked workers, the same work.)
+SCALED = {"--train.train-iters": 25, "--checkpoint.save-every": 25, "--data.max-length": 32}
 # What a run line gets unless it names its own, flag by flag (2 layers: the pipeline line has 2 stages;
 # the recipe's 400 steps and checkpoint every 100 divided as SCALED divides named ones).
 TINY_GPT = {"--model.n-layer": "2", "--model.d-model": "32", "--model.n-head": "2",
@@ -433,19 +392,48 @@ def runs_here(command: DocCommand) -> bool:
     return not (not_here(command) or command.file == "docs/guide.md" or re.search(GPU_OR_NODES, command.text))
 
 
+def plans_here(command: DocCommand) -> bool:
+    """Whether the slow tier plans `command` with its own arguments at its world size: a recipe run (or
+    plan) of a document it reads, a GPU machine's and several nodes' included; not a `--help` line, not
+    one that reads a run's files."""
+    return not (
+        not_here(command)
+        or command.file == "docs/guide.md"
+        or _needs_a_run(command)
+        or any(word in HELP for word in command.argv)
+    ) and (plan_argv(command) is not None)
+
+
+def document_steps(commands: list[DocCommand]) -> list[tuple[list[DocCommand], str, bool]]:
+    """One document's bash lines in order, as (the parts, the text to run, whether it is a plan): each
+    line that runs here (`bash_lines`), then the `fntrain plan` of each of its parts that plans; a line
+    that does not run here (a GPU machine's) only planned, where it stands."""
+    lines = {(parts[0].line, parts[0].raw): (parts, text) for parts, text in bash_lines(commands, runs_here)}
+    steps: list[tuple[list[DocCommand], str, bool]] = []
+    for command in commands:
+        if (key := (command.line, command.raw)) in lines:
+            steps.append((*lines.pop(key), False))
+        if plans_here(command):
+            steps.append(([command], shlex.join(["fntrain", *plan_argv(command)]), True))
+    return steps
+
+
 def run_document(commands: list[DocCommand], work: Path, env: dict[str, str]) -> list[str]:
     """Run `commands` (one document's, all of them: a line runs as written only when all its parts run)
-    at the slow tier's scale through bash, one line after the other in `work`; the failures, one entry
-    each (a failed line does not stop the ones below)."""
+    at the slow tier's scale through bash, one line after the other in `work`, each recipe run planned
+    after its line (`document_steps`); the failures, one entry each (a failed line does not stop the
+    ones below)."""
     failures = []
-    for parts, text in bash_lines(commands, runs_here):
+    for parts, text, planned in document_steps(commands):
         result = subprocess.run(
             ["bash", "-c", text], cwd=work, env=env, capture_output=True, text=True, timeout=600
         )
         where = f"{parts[0].file}:{parts[0].line}: {text}"
         if result.returncode != 0:
             failures.append(f"{where}\n    exit {result.returncode}: {result.stderr.strip()[-600:]}")
-        elif any(trains_nothing(part, result.stdout + result.stderr) for part in parts):
+        elif planned and not re.search(r"^train_iters +[1-9]", result.stdout, re.M):
+            failures.append(f"{where}\n    planned no steps: {result.stdout.strip()[-600:]}")
+        elif not planned and any(trains_nothing(part, result.stdout + result.stderr) for part in parts):
             failures.append(f"{where}\n    trained nothing: its run directory holds this run already (the line "
                             "needs its own --run-dir)")  # fmt: skip
     return failures
@@ -457,44 +445,23 @@ def run_document(commands: list[DocCommand], work: Path, env: dict[str, str]) ->
 PARALLEL_DOCUMENTS = 2
 
 
-@contextlib.contextmanager
-def shared_startup(env: dict[str, str]):
-    """The server of tests/doc_shell.py, preloaded, and the environment that sends the doc lines'
-    `fntrain` and torchrun's workers to it (its launchers first on PATH, PYTHON_EXEC); stopped after."""
-    from tests.doc_shell import write_launchers
-
-    place = Path(tempfile.mkdtemp(prefix="fntrain-doc-"))  # a short path: a socket's name has 108 bytes
-    socket_path = place / "server.sock"
-    bin_dir = write_launchers(place / "bin")
-    server = subprocess.Popen([sys.executable, "-m", "tests.doc_shell", str(socket_path)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        assert server.stdout is not None and server.stdout.readline().strip() == "ready", (
-            "the server did not start"
-        )
-        yield {**env, "PATH": f"{bin_dir}:{env['PATH']}", "PYTHON_EXEC": str(bin_dir / "python-doc"),
-               "FNTRAIN_DOC_SERVER": str(socket_path)}  # fmt: skip
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        shutil.rmtree(place, ignore_errors=True)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
 def test_the_doc_commands_run_on_cpu_in_order(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
+    from tests.doc_shell import started
+
     pytest.importorskip("transformers")
     commands = doc_commands()
-    assert sum(map(runs_here, commands)) > 40
+    assert sum(map(runs_here, commands)) > 40 and sum(map(plans_here, commands)) > 30
 
     def run_in_a_fresh_directory(commands: list[DocCommand], env: dict[str, str]) -> list[str]:
         work = checkout_files(tmp_path / Path(commands[0].file).stem)
         return run_document(commands, work, {**env, "HOME": str(work / "home")})
 
-    longest_first = sorted(documents(commands), key=lambda lines: sum(map(runs_here, lines)), reverse=True)
-    with shared_startup(shell_env(tmp_path)) as env, ThreadPoolExecutor(PARALLEL_DOCUMENTS) as pool:
+    longest_first = sorted(documents(commands), key=lambda lines: len(document_steps(lines)), reverse=True)
+    with started(shell_env(tmp_path)) as env, ThreadPoolExecutor(PARALLEL_DOCUMENTS) as pool:
         ran = pool.map(lambda lines: run_in_a_fresh_directory(lines, env), longest_first)
         failures = [line for lines in ran for line in lines]
     assert not failures, "\n".join(failures)

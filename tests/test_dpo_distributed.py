@@ -16,11 +16,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.doc_shell import DPO_PRELOAD, started
 from tests.dpo_helpers import CORPUS, preference_rows, tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -84,12 +84,12 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _launch(root: Path, cases: list[str], ranks: int) -> Path:
+def _launch(root: Path, cases: list[str], ranks: int, env: dict[str, str]) -> Path:
     strategy = "fsdp2" if ranks > 1 else "none"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    command = [*(torchrun if ranks > 1 else [sys.executable]), "-m", "tests.dpo_dist_worker", strategy, str(root),
+    torchrun = ["torchrun", "--standalone", f"--nproc_per_node={ranks}"]
+    command = [*(torchrun if ranks > 1 else [env["PYTHON_DOC"]]), "-m", "tests.dpo_dist_worker", strategy, str(root),
                *cases]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=500)
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     assert result.returncode == 0, (
         f"{ranks} rank(s) failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     )
@@ -98,13 +98,15 @@ def _launch(root: Path, cases: list[str], ranks: int) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(cases, tmp_path_factory) -> dict[str, Path]:
-    """layout -> the root of its run directories."""
+    """layout -> the root of its run directories. The launches (torchrun's agent and workers, the one
+    process) fork from one process that imported torch and transformers once (tests/doc_shell.py)."""
     dpo_flags = json.loads(cases[0].removeprefix("dpo=dpo:"))
     tensor_parallel = f"tp=dpo:{json.dumps([*dpo_flags, '--parallel.tp-size', '2'])}"  # 2 ranks only
-    return {
-        "fsdp2": _launch(tmp_path_factory.mktemp("fsdp2"), [*cases, tensor_parallel], 2),
-        "one": _launch(tmp_path_factory.mktemp("one"), cases, 1),
-    }
+    with started(_env(), DPO_PRELOAD) as env:
+        return {
+            "fsdp2": _launch(tmp_path_factory.mktemp("fsdp2"), [*cases, tensor_parallel], 2, env),
+            "one": _launch(tmp_path_factory.mktemp("one"), cases, 1, env),
+        }
 
 
 def _steps(run_dir: Path) -> list[dict]:

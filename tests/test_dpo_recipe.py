@@ -130,6 +130,29 @@ def test_plan_counts_the_frozen_model(capsys, inputs):
     assert "frozen model" in out and "(reference or teacher)" in out
 
 
+
+def test_the_flops_count_the_forward_that_runs_beside_the_policys(inputs):
+    """TFLOP/s and MFU count the reference's or teacher's forward: the model each objective runs forward
+    only on every micro-batch (counted on meta by fntrain.run.build), none when nothing runs beside the policy."""
+    import torch
+
+    from recipes import dpo, kd
+
+    def forward_only(recipe, config):
+        with torch.device("meta"):
+            model = recipe.spec.objective.forward_only(config)
+        return None if model is None else model.config.num_hidden_layers
+
+    config = _dpo_config(inputs, Path("unused"))
+    assert forward_only(dpo, config) == 2  # the frozen copy of the starting model
+    assert forward_only(dpo, dataclasses.replace(config, dpo=DPOConfig(reference="precomputed"))) is None
+    assert forward_only(dpo, dataclasses.replace(config, dpo=DPOConfig(loss_type="simpo"))) is None
+    with_lora = dataclasses.replace(config, dpo=DPOConfig(reference="adapter-off"),
+                                    lora=dataclasses.replace(config.lora, rank=4))  # fmt: skip
+    assert forward_only(dpo, with_lora) == 2  # the policy itself, adapters off
+    kd_config = kd.Config(model=HFModelConfig(path=str(inputs["model"])), kd=KDConfig(teacher_path=str(inputs["teacher"])))
+    assert forward_only(kd, kd_config) == 3  # the teacher
+
 BAD = [
     ("dpo", ["--dpo.beta", "0"], "--dpo.beta must be > 0, got 0.0"),
     ("dpo", ["--dpo.reference", "adapter-off"], "--dpo.reference 'adapter-off' needs LoRA"),

@@ -6,7 +6,8 @@ row. The same with `--dpo.reference precomputed`, whose table is computed again 
 relaunch with another `--dpo.beta` is refused with one line naming it (exit 2, the run directory as
 it was) unless `--checkpoint.allow-changes dpo.beta`. Slow tier (kills and relaunches processes).
 
-Runs go through tests/dpo_resume_driver.py with tests/checkpoint/test_resume.py's process helpers.
+Runs go through tests/dpo_resume_driver.py with tests/checkpoint/test_resume.py's process helpers,
+each its own process forked from one that imported torch and transformers once (tests/doc_shell.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -22,6 +22,7 @@ import pytest
 
 from fntrain.checkpoint import find_latest, read_meta
 from tests.checkpoint.test_resume import assert_latest_is_complete, env, finish
+from tests.doc_shell import DPO_PRELOAD, started
 from tests.dpo_helpers import preference_rows, tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -31,6 +32,12 @@ STEPS = 6
 KILL = "optimizer:5"  # inside step 5: updated weights, nothing of it saved or logged
 TIMING = ("samples_per_s", "step_time_s", "tflops", "tokens_per_s")  # wall-clock figures: differ by run
 LAUNCH = "attempt"  # which launch logged the row: 0 before the kill, 1 after it
+
+
+@pytest.fixture(scope="module")
+def launch_env():
+    with started(env(), DPO_PRELOAD) as launched:
+        yield launched
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +56,13 @@ def inputs(tmp_path_factory) -> list[str]:
     ]  # fmt: skip
 
 
-def launch(run_dir: Path, kill: str, args: list[str]) -> subprocess.Popen:
+def launch(run_dir: Path, kill: str, args: list[str], launch_env: dict[str, str]) -> subprocess.Popen:
     """tests/dpo_resume_driver.py in its own session, its output in a file (see test_resume.ended)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "tests.dpo_resume_driver", str(run_dir), kill, *args, "--run-dir", str(run_dir)]  # fmt: skip
+    command = [launch_env["PYTHON_DOC"], "-m", "tests.dpo_resume_driver", str(run_dir), kill, *args,
+               "--run-dir", str(run_dir)]  # fmt: skip
     output = tempfile.TemporaryFile(mode="w+")
-    process = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=output, stderr=subprocess.STDOUT, text=True,
+    process = subprocess.Popen(command, cwd=ROOT, env=launch_env, stdout=output, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)  # fmt: skip
     process.output = output  # type: ignore[attr-defined]
     return process
@@ -73,11 +81,13 @@ def without_launch(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if k != LAUNCH} for row in rows]
 
 
-def uninterrupted_and_killed(reference: Path, run_dir: Path, args: list[str]) -> None:
+def uninterrupted_and_killed(
+    reference: Path, run_dir: Path, args: list[str], launch_env: dict[str, str]
+) -> None:
     """The uninterrupted run, and beside it (both at once, as tests/checkpoint/test_resume.py does) one
     killed inside step 5, which left step 3's checkpoint latest."""
-    running = launch(reference, "none", args)
-    killed = launch(run_dir, KILL, args)
+    running = launch(reference, "none", args, launch_env)
+    killed = launch(run_dir, KILL, args, launch_env)
     finish(running, killed=False)
     finish(killed, killed=True)
     assert_latest_is_complete(run_dir)
@@ -106,9 +116,9 @@ def assert_same_run(reference: Path, run_dir: Path) -> None:
     assert float.fromhex(expected[4]["loss"]) != got[1]["loss"]
 
 
-def test_dpo_killed_between_logs_resumes_bit_for_bit(tmp_path, inputs):
-    uninterrupted_and_killed(tmp_path / "reference", tmp_path / "run", inputs)
-    finish(launch(tmp_path / "run", "none", inputs), killed=False)
+def test_dpo_killed_between_logs_resumes_bit_for_bit(tmp_path, inputs, launch_env):
+    uninterrupted_and_killed(tmp_path / "reference", tmp_path / "run", inputs, launch_env)
+    finish(launch(tmp_path / "run", "none", inputs, launch_env), killed=False)
     assert_same_run(tmp_path / "reference", tmp_path / "run")
 
 
@@ -119,12 +129,13 @@ def _snapshot(run_dir: Path) -> dict[str, tuple[int, int] | None]:
             for p in run_dir.rglob("*")}  # fmt: skip
 
 
-def test_precomputed_reference_resumes_bit_for_bit_and_a_changed_beta_is_refused(tmp_path, inputs, capsys):
+def test_precomputed_reference_resumes_bit_for_bit_and_a_changed_beta_is_refused(tmp_path, inputs, launch_env,
+                                                                                 capsys):  # fmt: skip
     from fntrain.cli import dispatch
 
     args = [*inputs, "--dpo.reference", "precomputed"]
     run_dir = tmp_path / "run"
-    uninterrupted_and_killed(tmp_path / "reference", run_dir, args)
+    uninterrupted_and_killed(tmp_path / "reference", run_dir, args, launch_env)
 
     # Another beta changes every number after the restored step: refused before any model work.
     before = _snapshot(run_dir)
@@ -146,5 +157,5 @@ def test_precomputed_reference_resumes_bit_for_bit_and_a_changed_beta_is_refused
     assert metadata["allowed_changes"] == {"dpo.beta": [0.1, 0.2]}
     assert [row["step"] for row in logged_rows(allowed)] == [2, 4, 6]
 
-    finish(launch(run_dir, "none", args), killed=False)
+    finish(launch(run_dir, "none", args, launch_env), killed=False)
     assert_same_run(tmp_path / "reference", run_dir)

@@ -1,8 +1,12 @@
-"""`fntrain eval` through lm-eval (slow tier: lm-eval's imports and its task index take tens of
-seconds). One test runs lm-eval's own command line and `fntrain eval` on the same tiny Llama directory
-and local multiple-choice task, and pins that both give the same accuracy and the same per-sample
-log-likelihoods; the same test then evaluates a tiny-GPT run directory (byte-level tokenizer) and
-checks the bad inputs that need lm-eval's task index, with one task index built for all of them."""
+"""`fntrain eval` through lm-eval (slow tier: lm-eval's imports take seconds). One test runs lm-eval's
+own command line and `fntrain eval` on the same tiny Llama directory and local multiple-choice task,
+and pins that both give the same accuracy and the same per-sample log-likelihoods; the same test then
+evaluates a tiny-GPT run directory (byte-level tokenizer) and checks the bad inputs that need lm-eval's
+task index.
+
+Both sides index only the tasks of --include-path (lm-eval's TaskManager with include_defaults=False,
+in this process and in lm-eval's command line): the thousands of tasks lm-eval ships cost ~16 s of CPU
+to index per process and play no part in a local task's numbers or in an unknown name's error."""
 
 from __future__ import annotations
 
@@ -32,14 +36,40 @@ def _task(tasks: Path, name: str, data: Path) -> None:
     """A multiple-choice task over a local JSONL file: question, three choices, the gold index."""
     (tasks / f"{name}.yaml").write_text(
         f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{q}}\"\n"
-        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: gold\nmetric_list:\n  - metric: acc\n"
+        'test_split: test\noutput_type: multiple_choice\ndoc_to_text: "{{q}}"\n'
+        'doc_to_choice: "{{choices}}"\ndoc_to_target: gold\nmetric_list:\n  - metric: acc\n'
     )
 
 
 def _samples(path: Path) -> list[list[float]]:
     """Per document, the log-likelihood of each choice (lm-eval's CLI writes them as strings)."""
-    return [[float(ll) for ll, _ in json.loads(line)["filtered_resps"]] for line in path.read_text().splitlines()]
+    return [
+        [float(ll) for ll, _ in json.loads(line)["filtered_resps"]] for line in path.read_text().splitlines()
+    ]
+
+
+# lm-eval's command line (`python -m lm_eval ...`) with its TaskManager limited to --include_path's tasks.
+LM_EVAL_OWN_TASKS_ONLY = """
+import lm_eval.tasks as tasks
+class OwnTasksOnly(tasks.TaskManager):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "include_defaults": False})
+tasks.TaskManager = OwnTasksOnly
+from lm_eval.__main__ import cli_evaluate
+cli_evaluate()
+"""
+
+
+def _index_own_tasks_only(monkeypatch) -> None:
+    """fntrain's harness.task_manager, as written, over a TaskManager that skips lm-eval's own tasks."""
+    harness.set_offline()  # as harness.task_manager does before lm-eval imports datasets
+    import lm_eval.tasks
+
+    class OwnTasksOnly(lm_eval.tasks.TaskManager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "include_defaults": False})
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", OwnTasksOnly)
 
 
 def _refused(args: list[str], capsys) -> str:
@@ -69,15 +99,13 @@ def test_fntrain_eval_gives_lm_evals_own_results(tmp_path, capsys, monkeypatch):
     env = {**os.environ, **OFFLINE_SWITCHES}
     theirs = tmp_path / "theirs"
     log = (tmp_path / "lm_eval.log").open("wb")  # a file, not a pipe: its progress bars would fill one
-    lm_eval_cli = subprocess.Popen([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+    lm_eval_cli = subprocess.Popen([sys.executable, "-c", LM_EVAL_OWN_TASKS_ONLY, "--model", "hf", "--model_args",
                                     f"pretrained={model}", "--tasks", "tiny_mc", "--include_path", str(tasks),
                                     "--device", "cpu", "--batch_size", "1", "--output_path", str(theirs),
                                     "--log_samples"], env=env, stdout=subprocess.DEVNULL, stderr=log)  # fmt: skip
 
-    # fntrain eval, with one task index for this command and the ones below (it takes tens of seconds)
-    built = {}
-    monkeypatch.setattr(harness, "task_manager", lambda options, real=harness.task_manager: built.setdefault(
-        options.include_path, real(options)))  # fmt: skip
+    # fntrain eval, its task index over --include-path's tasks alone
+    _index_own_tasks_only(monkeypatch)
     ours = tmp_path / "ours"
     results = dispatch(["eval", str(model), "--tasks", "tiny_mc", "--include-path", str(tasks), "--device", "cpu",
                         "--output", str(ours)])  # fmt: skip
@@ -89,7 +117,10 @@ def test_fntrain_eval_gives_lm_evals_own_results(tmp_path, capsys, monkeypatch):
     their_samples = _samples(next(theirs.rglob("samples_tiny_mc_*.jsonl")))
     assert results["results"]["tiny_mc"]["acc,none"] == their_results["acc,none"]
     assert _samples(written / "samples_tiny_mc.jsonl") == their_samples
-    assert json.loads((written / "results.json").read_text())["results"]["tiny_mc"]["acc,none"] == their_results["acc,none"]
+    assert (
+        json.loads((written / "results.json").read_text())["results"]["tiny_mc"]["acc,none"]
+        == their_results["acc,none"]
+    )
     assert (written / "table.txt").read_text().splitlines()[1].split()[:2] == ["tiny_mc", "acc"]
     assert (written / "table.txt").read_text() in out
 

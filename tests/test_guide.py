@@ -3,7 +3,11 @@ config and saved with save_pretrained, generated Parquet files for $DATA and $CO
 processes over gloo. What the test changes is listed in REWRITES and SMALL: the process count, a
 standalone rendezvous (no fixed port), the CPU device and a run of a few tiny steps; the multi-node line
 is planned at its world size (16) instead of run. Then it checks what each step promises: the plan, the
-checkpoints and hf_model of the run, the resumed extension, the export, and transformers loading it."""
+checkpoints and hf_model of the run, the resumed extension, the export, and transformers loading it.
+The `fntrain` and `torchrun` the lines find on PATH (and torchrun's workers) fork from one process that
+imported torch and transformers once (tests/doc_shell.py): each is its own process all the same.
+
+tests/test_doc_commands.py runs every other document's lines and leaves docs/guide.md to this test."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.doc_shell import HF_PRELOAD, started
 from tests.hf_helpers import CHATS, save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,9 +117,16 @@ def test_the_guide_runs_at_a_tiny_scale(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]), "OMP_NUM_THREADS": "1", "MODEL": str(model), "DATA": str(data),
            "CORPUS": str(corpus), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # fmt: skip
     commands = [tiny_command(command) for command in guide_commands()]
+    with started(env, HF_PRELOAD) as launch_env:
+        _run_the_guide(commands, work, launch_env, env)
+
+
+def _run_the_guide(commands: list[str], work: Path, launch_env: dict, env: dict) -> None:
+    """The guide's lines (through the shared start-up: `launch_env`) and the checks of what each promises;
+    its Python block in a fresh interpreter (`env`)."""
     outputs = []
     for command in commands[:6]:  # plan, train, plan 2 nodes, extend, export, CPT on the Parquet corpus
-        result = _run(command, work, env)
+        result = _run(command, work, launch_env)
         assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
         outputs.append(result.stdout + result.stderr)
     run = work / "runs" / "llama-3.2-1b-sft"
@@ -132,5 +144,5 @@ def test_the_guide_runs_at_a_tiny_scale(tmp_path):
     assert (work / "runs" / "llama-3.2-1b-cpt" / "hf_model" / "config.json").is_file()
     shutil.rmtree(work / "runs" / "llama-3.2-1b-cpt")
     for command in commands[6:]:  # tokenize the Parquet corpus, then train on its shards
-        result = _run(command, work, env)
+        result = _run(command, work, launch_env)
         assert result.returncode == 0, f"{command}\n{result.stderr[-4000:]}"

@@ -29,6 +29,7 @@ from fntrain.step.optim import (
     build_optimizer,
     lr_factor,
 )
+from tests import preloaded_launch
 
 
 class NormedLM(nn.Module):
@@ -236,30 +237,39 @@ WINDOW_RUN = [
 ]  # fmt: skip
 
 
-def _window_run(run_dir, ranks: int, *args: str) -> list[dict]:
-    import subprocess
-    import sys
+@pytest.fixture(scope="module")
+def python(tmp_path_factory):
+    """The window test's launches fork from one Python that imported torch and fntrain
+    (tests/preloaded_launch.py): their imports cost more than their steps."""
+    from tests.test_distributed import _env
 
-    from tests.test_distributed import ROOT, _env
+    yield from preloaded_launch.start(tmp_path_factory, _env())
 
-    command = [sys.executable, "-m", "recipes.tiny_gpt", *WINDOW_RUN, "--run-dir", str(run_dir), *args]
-    if ranks > 1:
-        command[1:3] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m",
-                        "recipes.tiny_gpt"]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+
+def _window_run(python, run_dir, ranks: int, *args: str) -> tuple[list[dict], str]:
+    """The run's logged windows and its output."""
+    flags = [*WINDOW_RUN, "--run-dir", str(run_dir), *args]
+    output = preloaded_launch.run(python, ranks, "recipes.tiny_gpt", *flags)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{key: row[key] for key in ("step", "loss", "loss_last", "grad_norm", "lr")} for row in rows]
+    windows = [{key: row[key] for key in ("step", "loss", "loss_last", "grad_norm", "lr")} for row in rows]
+    return windows, output
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_window_means_over_data_parallel_and_pipeline_ranks_equal_one_rank(tmp_path):
+def test_the_window_means_over_data_parallel_and_pipeline_ranks_equal_one_rank(python, tmp_path):
     """loss_tokens is the count over all data-parallel ranks, so the per-rank window means average to the
-    global token-weighted mean: 2-rank DDP and a 2-stage pipeline log what one rank logs."""
-    one = _window_run(tmp_path / "one", 1)
+    global token-weighted mean: 2-rank DDP and a 2-stage pipeline log what one rank logs. The DDP run is
+    also tests/test_distributed.py's "the recipe runs under torchrun" for ddp: its runtime line and its
+    saved config (one launch for both claims)."""
+    one, _ = _window_run(python, tmp_path / "one", 1)
     assert [row["step"] for row in one] == [4, 8] and one[0]["loss"] != one[0]["loss_last"]
     for name, args in (("ddp", ["--parallel.strategy", "ddp"]), ("pp", ["--parallel.pp-size", "2"])):
-        rows = _window_run(tmp_path / name, 2, *args)
+        rows, output = _window_run(python, tmp_path / name, 2, *args)
         for got, want in zip(rows, one, strict=True):
             assert got == pytest.approx(want, rel=1e-5), name
+        if name == "ddp":
+            assert "runtime: world 2, device cpu, backend gloo, dp 2" in output
+            saved = json.loads((tmp_path / name / "config.json").read_text())
+            assert saved["parallel"]["strategy"] == "ddp"
+            assert saved["runtime"]["device"] == "cpu"

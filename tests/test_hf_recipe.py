@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from fntrain.run.config import CheckpointConfig, TrainConfig
 from fntrain.run.job import run_job
 from fntrain.step.optim import OptimizerConfig
 from recipes import hf_causal_lm as hf
+from tests.doc_shell import HF_PRELOAD, started
 from tests.hf_helpers import CHATS, TEMPLATE, save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,19 +255,23 @@ def test_plan_for_two_ranks_reads_no_weights(tiny_hf_model, monkeypatch, capsys)
     assert "world size          2 (data-parallel 2)" in capsys.readouterr().out
 
 
-def _fsdp2_fine_tune(model_dir: Path, data_path: Path, tmp_path: Path, *extra: str) -> Path:
+@pytest.fixture(scope="module")
+def launch_env():
+    """The environment of this module's `torchrun` and `fntrain` commands: each forks from one process
+    that imported torch, transformers and peft once (tests/doc_shell.py), its own process all the same."""
+    with started({**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, HF_PRELOAD) as env:
+        yield env
+
+
+def _fsdp2_fine_tune(model_dir: Path, data_path: Path, tmp_path: Path, env: dict, *extra: str) -> Path:
     """`torchrun --nproc_per_node 2 -m fntrain run hf_causal_lm` for 2 FSDP2 steps; its output_dir."""
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    if torchrun is None:
-        pytest.skip("torchrun not installed")
     command = [
-        torchrun, "--standalone", "--nproc_per_node", "2", "-m", "fntrain", "run", "hf_causal_lm",
+        "torchrun", "--standalone", "--nproc_per_node", "2", "-m", "fntrain", "run", "hf_causal_lm",
         "--run-dir", str(tmp_path / "run"), "--model.path", str(model_dir), "--data.path", str(data_path),
         "--data.max-length", "48", "--train.train-iters", "2", "--train.global-batch-size", "4",
         "--train.micro-batch-size", "1", "--parallel.strategy", "fsdp2", "--optim.lr", "1e-2", "--log-every", "1",
         *extra,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr[-4000:]
     return tmp_path / "run" / "hf_model"
@@ -275,12 +279,12 @@ def _fsdp2_fine_tune(model_dir: Path, data_path: Path, tmp_path: Path, *extra: s
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_rank_fsdp2_fine_tune_saves_a_loadable_model(tiny_hf_model, tmp_path):
+def test_two_rank_fsdp2_fine_tune_saves_a_loadable_model(tiny_hf_model, launch_env, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     model_dir, data_path = tiny_hf_model
-    out = _fsdp2_fine_tune(model_dir, data_path, tmp_path)
+    out = _fsdp2_fine_tune(model_dir, data_path, tmp_path, launch_env)
     after, before = load_file(out / "model.safetensors"), load_file(model_dir / "model.safetensors")
     assert before.keys() == after.keys()
     assert all(after[name].shape == before[name].shape for name in before)  # full tensors, not shards
@@ -290,7 +294,7 @@ def test_two_rank_fsdp2_fine_tune_saves_a_loadable_model(tiny_hf_model, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_rank_tensor_parallel_fine_tune_matches_one_process(tiny_hf_model, tmp_path):
+def test_two_rank_tensor_parallel_fine_tune_matches_one_process(tiny_hf_model, launch_env, tmp_path):
     """tp 2 (the model's declared transformers plan, vocabulary-parallel loss) trains like one process:
     the same losses, and the exported model has full tensors equal to the one-process run's (SGD: Adam
     would blow float-level gradient differences up to lr-sized ones where the gradient is near 0)."""
@@ -298,17 +302,17 @@ def test_two_rank_tensor_parallel_fine_tune_matches_one_process(tiny_hf_model, t
 
     model_dir, data_path = tiny_hf_model
     (tmp_path / "tp").mkdir()
-    out = _fsdp2_fine_tune(
-        model_dir, data_path, tmp_path / "tp", "--parallel.strategy", "none", "--parallel.tp-size", "2", "--optim.name", "sgd"
-    )
+    out = _fsdp2_fine_tune(model_dir, data_path, tmp_path / "tp", launch_env, "--parallel.strategy", "none",
+                           "--parallel.tp-size", "2", "--optim.name", "sgd")  # fmt: skip
     command = [
-        sys.executable, "-m", "fntrain", "run", "hf_causal_lm", "--run-dir", str(tmp_path / "one"),
+        "fntrain", "run", "hf_causal_lm", "--run-dir", str(tmp_path / "one"),
         "--model.path", str(model_dir), "--data.path", str(data_path), "--data.max-length", "48",
         "--train.train-iters", "2", "--train.global-batch-size", "4", "--train.micro-batch-size", "1",
         "--optim.lr", "1e-2", "--log-every", "1", "--optim.name", "sgd",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    result = subprocess.run(
+        command, cwd=tmp_path, env=launch_env, capture_output=True, text=True, timeout=280
+    )
     assert result.returncode == 0, result.stderr[-4000:]
 
     def losses(run_dir: Path) -> list[float]:
@@ -351,14 +355,14 @@ def test_lora_flags_are_checked_before_any_model_work(tiny_files, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("merge", [False, True], ids=["adapter", "merged"])
-def test_two_rank_fsdp2_lora_saves_a_loadable_adapter(tiny_hf_model, tmp_path, merge):
+def test_two_rank_fsdp2_lora_saves_a_loadable_adapter(tiny_hf_model, launch_env, tmp_path, merge):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     model_dir, data_path = tiny_hf_model
     lora = ["--lora.rank", "4", "--lora.target-modules", "q_proj", "v_proj", "--progress.no-enabled"]
     out = _fsdp2_fine_tune(
-        model_dir, data_path, tmp_path, *lora, *(["--lora.merge-on-export"] if merge else [])
+        model_dir, data_path, tmp_path, launch_env, *lora, *(["--lora.merge-on-export"] if merge else [])
     )
     before = load_file(model_dir / "model.safetensors")
     if merge:

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from fntrain.cli import dispatch
 from fntrain.cli.errors import UsageError
 from fntrain.cli.final_line import LINES_ENV, say
 from fntrain.cli.launcher import Ending, ending, is_launch, launch, read_lines, split_launch
+from tests.preloaded_python import preloaded
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,6 +98,9 @@ def test_the_first_failing_ranks_line_and_status_end_the_job():
     # Only the failing rank had time to say anything (the agent stopped the other): its line, with its rank.
     alone = [_record(1, 11, crash, 1, 7.1)]
     assert ending(alone, failures=_failures((0, 10, -15), (1, 11, 1))) == Ending(f"[rank 1] {crash}", 1)
+    # ... but a bad setting is every rank's (they share the settings): its line alone, whoever said it.
+    first_to_refuse = [_record(0, 10, bad, 2, 5.0)]
+    assert ending(first_to_refuse, failures=_failures((0, 10, 2), (1, 11, -15))) == Ending(bad, 2)
 
     # No line: the rank and its status, a signal as the shell reports it (128 + the signal).
     assert ending([], failures=_failures((1, 11, 3))) == Ending(
@@ -229,8 +232,19 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _fntrain(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fntrain", "run", *args], cwd=cwd, env=_env(),
+@pytest.fixture(scope="module")
+def python(tmp_path_factory):
+    """The Python the slow tests launch `fntrain run` and torchrun with: tests/preloaded_python.py's
+    launcher (the agent a fork of one process that imported torch once), and the environment to run
+    them with. The ranks stay fresh interpreters (no PYTHON_EXEC): the launcher matches a rank's last
+    line to torchrun's record of the rank by its pid, which a fork behind a launcher does not share."""
+    with preloaded(tmp_path_factory.mktemp("python"), _env()) as (launcher, added):
+        yield launcher, {**_env(), **{key: value for key, value in added.items() if key != "PYTHON_EXEC"}}
+
+
+def _fntrain(python, cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    executable, env = python
+    return subprocess.run([executable, "-m", "fntrain", "run", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
@@ -240,15 +254,15 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
 
 
 @pytest.mark.slow
-def test_the_launcher_trains_as_torchrun_does_and_a_bad_setting_is_one_line(tmp_path):
+def test_the_launcher_trains_as_torchrun_does_and_a_bad_setting_is_one_line(tmp_path, python):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:4000])
     common = ["tiny_gpt", *TINY, "--data.path", str(corpus), "--train.train-iters", "3"]
-    launched = _fntrain(tmp_path, "--nproc-per-node", "2", *common, "--run-dir", "launched")
+    launched = _fntrain(python, tmp_path, "--nproc-per-node", "2", *common, "--run-dir", "launched")
     assert launched.returncode == 0, launched.stderr[-3000:]
-    plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    plain = subprocess.run([python[0], "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                             "-m", "fntrain", "run", *common, "--run-dir", "plain"],
-                           cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)  # fmt: skip
+                           cwd=tmp_path, env=python[1], capture_output=True, text=True, timeout=240)  # fmt: skip
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert (
         _losses(tmp_path / "launched") == _losses(tmp_path / "plain")
@@ -257,7 +271,15 @@ def test_the_launcher_trains_as_torchrun_does_and_a_bad_setting_is_one_line(tmp_
     assert "OMP_NUM_THREADS" not in launched.stderr and "elastic" not in launched.stderr  # the agent is quiet
 
     bad = _fntrain(
-        tmp_path, "--nproc-per-node", "2", *common, "--train.global-batch-size", "6", "--run-dir", "bad"
+        python,
+        tmp_path,
+        "--nproc-per-node",
+        "2",
+        *common,
+        "--train.global-batch-size",
+        "6",
+        "--run-dir",
+        "bad",
     )
     assert bad.returncode == 2 and bad.stderr.splitlines() == [
         "fntrain run: --train.global-batch-size (6) must be divisible by --train.micro-batch-size (2) x "
@@ -267,12 +289,12 @@ def test_the_launcher_trains_as_torchrun_does_and_a_bad_setting_is_one_line(tmp_
 
 
 @pytest.mark.slow
-def test_a_failing_rank_and_ctrl_c_end_the_launched_job_in_one_line(tmp_path):
+def test_a_failing_rank_and_ctrl_c_end_the_launched_job_in_one_line(tmp_path, python):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:4000])
     (tmp_path / "failing_gpt.py").write_text(FAILING_RECIPE)
     common = [*TINY, "--data.path", str(corpus)]
-    failed = _fntrain(tmp_path, "--nproc-per-node", "2", "failing_gpt.py", *common, "--train.train-iters", "4",
+    failed = _fntrain(python, tmp_path, "--nproc-per-node", "2", "failing_gpt.py", *common, "--train.train-iters", "4",
                       "--run-dir", "failed")  # fmt: skip
     assert failed.returncode == 1, failed.stderr[-3000:]
     last = failed.stderr.strip().splitlines()[-1]
@@ -283,9 +305,9 @@ def test_a_failing_rank_and_ctrl_c_end_the_launched_job_in_one_line(tmp_path):
     # Ctrl-C reaches the agent (the ranks run in sessions of their own): it passes SIGINT on.
     stderr = tmp_path / "interrupted.err"
     with stderr.open("w") as sink:
-        agent = subprocess.Popen([sys.executable, "-m", "fntrain", "run", "--nproc-per-node", "2", "tiny_gpt",
+        agent = subprocess.Popen([python[0], "-m", "fntrain", "run", "--nproc-per-node", "2", "tiny_gpt",
                                   *common, "--train.train-iters", "5000", "--run-dir", "interrupted"],
-                                 cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=sink)  # fmt: skip
+                                 cwd=tmp_path, env=python[1], stdout=subprocess.DEVNULL, stderr=sink)  # fmt: skip
         metrics = tmp_path / "interrupted" / "metrics.jsonl"
         deadline = time.monotonic() + 180
         while (

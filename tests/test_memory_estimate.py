@@ -187,6 +187,20 @@ def test_plan_memory_builds_on_meta_and_counts_the_recipe_model():
     )
 
 
+
+def test_an_objective_adds_its_frozen_weights_and_its_rows_per_sample_to_the_plan():
+    from types import SimpleNamespace
+
+    config = dataclasses.replace(Config(), parallel=ParallelConfig(strategy="fsdp2"))
+    plain = plan_memory(config, spec.model_factory, world_size=2)
+    pairs = plan_memory(config, spec.model_factory, 2, SimpleNamespace(frozen_model=spec.model_factory, rows_per_sample=2))
+    doubled = plan_memory(dataclasses.replace(config, train=dataclasses.replace(config.train, micro_batch_size=2 * config.train.micro_batch_size)),
+                          spec.model_factory, world_size=2)  # fmt: skip
+    assert pairs["activations"] == doubled["activations"] > plain["activations"]  # a pair is two rows
+    assert pairs["micro_batch_size"] == plain["micro_batch_size"]  # the setting as the user gave it
+    assert pairs["frozen_weights"] == plain["parameters"]  # a frozen copy, sharded like the trained model
+    assert pairs["total"] == doubled["total"] + pairs["frozen_weights"]
+
 def test_doc_tables_are_the_functions_output():
     """docs/distributed.md's memory tables are `doc_tables` of the tiny GPT recipe's defaults (the
     command that regenerates them is in the docs)."""

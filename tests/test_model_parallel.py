@@ -4,14 +4,15 @@ Fast tier: the pipeline split (layers per stage, names kept, tied weights found,
 into the full forward), the tensor-parallel plan's rules and the job's checks of a recipe's support.
 Slow tier (torchrun, gloo on CPU): tp 2, pp 2 (1F1B and GPipe), dp 2 x tp 2 and tp 2 x pp 2 runs of the
 real recipe match a 1-rank run on the same global batch (losses over 5 steps, the validation loss and
-the exported SGD weights at rtol 1e-5, atol 1e-6); a tp 2 checkpoint restores at tp 1.
+the exported SGD weights at rtol 1e-5, atol 1e-6); the tp 2 run's step-3 checkpoint restores at tp 1;
+AdamW state survives pp 1 -> 2 -> 1. A launch costs more than these steps: each layout is launched once
+per module, the checkpoint tests restore what those runs saved, and every launch (torchrun's workers
+too) forks from one process that imported torch and fntrain (tests/preloaded_launch.py).
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ from fntrain.run.job import plan_job
 from fntrain.runtime.pipeline import PipelineSplit, split_stage, stage_layers, stage_ties
 from fntrain.runtime.tensor_parallel import tensor_parallel_plan
 from recipes.tiny_gpt import PIPELINE, Config
-from tests.test_distributed import ROOT, _env
+from tests import preloaded_launch
+from tests.test_distributed import _env
 
 TIGHT = {"rtol": 1e-5, "atol": 1e-6}
 SHAPE = ModelConfig(context=16, n_layer=4, n_head=4, d_model=32)
@@ -129,7 +131,8 @@ RUN = [
     "--evaluate.micro-batch-size", "8", "--data.val-fraction", "0.001",  # 69 validation samples, all evaluated
 ]  # fmt: skip
 LAYOUTS = {
-    "tp2": (2, ["--parallel.tp-size", "2"]),
+    # The tp 2 run also saves step 3: test_a_tp2_checkpoint_restores_at_tp1 restores it (saving changes no step).
+    "tp2": (2, ["--parallel.tp-size", "2", "--checkpoint.save-every", "3"]),
     "pp2_1f1b": (2, ["--parallel.pp-size", "2", "--parallel.pp-schedule", "1f1b"]),
     "pp2_gpipe": (2, ["--parallel.pp-size", "2", "--parallel.pp-schedule", "gpipe"]),
     "dp2_tp2": (4, ["--parallel.tp-size", "2", "--parallel.strategy", "fsdp2"]),
@@ -137,20 +140,8 @@ LAYOUTS = {
 }
 
 
-def _run(run_dir: Path, ranks: int, *args: str) -> str:
-    command = [sys.executable, "-m", "recipes.tiny_gpt", *RUN, "--run-dir", str(run_dir), *args]
-    if ranks > 1:
-        command[1:3] = [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={ranks}",
-            "-m",
-            "recipes.tiny_gpt",
-        ]
-    result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return result.stdout + result.stderr
+def _run(python: preloaded_launch.Python, run_dir: Path, ranks: int, *args: str) -> str:
+    return preloaded_launch.run(python, ranks, "recipes.tiny_gpt", *RUN, "--run-dir", str(run_dir), *args)
 
 
 def _metrics(run_dir: Path) -> tuple[list[float], float]:
@@ -159,86 +150,96 @@ def _metrics(run_dir: Path) -> tuple[list[float], float]:
     return losses, next(row["val_loss"] for row in rows if "val_loss" in row)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("one_rank")
-    _run(run_dir, 1)
-    return run_dir
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_model_parallel_runs_match_one_rank(layout, reference, tmp_path):
-    ranks, args = LAYOUTS[layout]
-    output = _run(tmp_path, ranks, *args)
-    tp = "2" if "--parallel.tp-size" in args else "1"
-    pp = "2" if "--parallel.pp-size" in args else "1"
-    assert f"tp {tp}, pp {pp}" in output
-    losses, val_loss = _metrics(tmp_path)
-    want_losses, want_val = _metrics(reference)
-    assert len(losses) == 5
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **TIGHT)
-    torch.testing.assert_close(torch.tensor(val_loss), torch.tensor(want_val), **TIGHT)
+def _assert_same_weights(got_dir: Path, want_dir: Path) -> None:
     got, want = (
-        load_file(tmp_path / "hf_model" / "model.safetensors"),
-        load_file(reference / "hf_model" / "model.safetensors"),
+        load_file(got_dir / "hf_model" / "model.safetensors"),
+        load_file(want_dir / "hf_model" / "model.safetensors"),
     )
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], **TIGHT, msg=name)
 
 
+@pytest.fixture(scope="module")
+def python(tmp_path_factory):
+    """Every launch of the module forks from one process that imported torch and fntrain."""
+    yield from preloaded_launch.start(tmp_path_factory, _env())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, python) -> Path:
+    run_dir = tmp_path_factory.mktemp("one_rank")
+    _run(python, run_dir, 1)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory, python):
+    """layout -> (run directory, output) of its torchrun run, each layout launched once per module."""
+    cache: dict[str, tuple[Path, str]] = {}
+
+    def get(layout: str) -> tuple[Path, str]:
+        if layout not in cache:
+            ranks, args = LAYOUTS[layout]
+            run_dir = tmp_path_factory.mktemp(layout)
+            cache[layout] = (run_dir, _run(python, run_dir, ranks, *args))
+        return cache[layout]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_tp2_checkpoint_restores_at_tp1(reference, tmp_path):
-    """Saved by 2 tensor-parallel ranks at step 5, restored by one process: the same weights, and the
-    two go on to step 7 alike (to float tolerance: the reductions run in another order)."""
-    two = tmp_path / "two"
-    _run(two, 2, "--parallel.tp-size", "2", "--checkpoint.save-every", "5")
-    checkpoint = two / "checkpoints" / "step_5"
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_model_parallel_runs_match_one_rank(layout, reference, layout_runs):
+    run_dir, output = layout_runs(layout)
+    args = LAYOUTS[layout][1]
+    tp = "2" if "--parallel.tp-size" in args else "1"
+    pp = "2" if "--parallel.pp-size" in args else "1"
+    assert f"tp {tp}, pp {pp}" in output
+    losses, val_loss = _metrics(run_dir)
+    want_losses, want_val = _metrics(reference)
+    assert len(losses) == 5
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **TIGHT)
+    torch.testing.assert_close(torch.tensor(val_loss), torch.tensor(want_val), **TIGHT)
+    _assert_same_weights(run_dir, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_tp2_checkpoint_restores_at_tp1(layout_runs, python, tmp_path):
+    """Saved by 2 tensor-parallel ranks at step 3 (the tp 2 run of the test above), restored by one
+    process: steps 4-5 log the tp 2 run's losses and end at its weights (to float tolerance: the
+    reductions run in another order)."""
+    two, _ = layout_runs("tp2")
     one = tmp_path / "one"
-    longer = ["--train.train-iters", "7", "--checkpoint.allow-changes", "train.train_iters"]
-    _run(one, 1, "--checkpoint.restore-from", str(checkpoint), *longer)
-    _run(two, 2, "--parallel.tp-size", "2", "--checkpoint.restore-from", "latest", *longer)
+    _run(python, one, 1, "--checkpoint.restore-from", str(two / "checkpoints" / "step_3"))
     losses_one, _ = _metrics(one)
     losses_two, _ = _metrics(two)
-    assert len(losses_one) == 2 and len(losses_two) == 7
-    torch.testing.assert_close(torch.tensor(losses_one), torch.tensor(losses_two[5:]), **TIGHT)
-    got, want = (
-        load_file(one / "hf_model" / "model.safetensors"),
-        load_file(two / "hf_model" / "model.safetensors"),
-    )
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], **TIGHT, msg=name)
+    assert len(losses_one) == 2 and len(losses_two) == 5
+    torch.testing.assert_close(torch.tensor(losses_one), torch.tensor(losses_two[3:]), **TIGHT)
+    _assert_same_weights(one, two)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_pipeline_checkpoints_change_layout_with_their_adam_state(tmp_path):
-    """AdamW moments survive a change of pipeline layout both ways (pp 2 -> 1 and pp 1 -> 2), including
-    the tied output head, which the last stage holds under its own name: the resumed steps equal those
-    of an uninterrupted one-rank run."""
-    # A constant learning rate: a run stopped at step 3 then resumed follows the 5-step run's schedule.
-    adam = [
-        "--optim.name",
-        "adamw",
-        "--optim.lr",
-        "0.003",
-        "--schedule.kind",
-        "constant",
-        "--checkpoint.save-every",
-        "3",
-    ]
-    longer = ["--checkpoint.allow-changes", "train.train_iters", "--train.train-iters", "5"]
-    straight = tmp_path / "straight"
-    _run(straight, 1, *adam)
+def test_pipeline_checkpoints_change_layout_with_their_adam_state(python, tmp_path):
+    """AdamW moments survive a change of pipeline layout both ways, including the tied output head,
+    which the last stage holds under its own name: an uninterrupted one-rank run's step-2 checkpoint
+    resumed at pp 2 (pp 1 -> 2), and that pp 2 run's step-4 checkpoint resumed at pp 1 (pp 2 -> 1),
+    log the one-rank run's losses. Two resumed steps each: the last one's loss is the first to see an
+    update made with the restored moments."""
+    # A constant learning rate: a resumed run follows the uninterrupted run's schedule.
+    adam = ["--optim.name", "adamw", "--optim.lr", "0.003", "--schedule.kind", "constant",
+            "--checkpoint.save-every", "2", "--train.train-iters", "6"]  # fmt: skip
+    straight, on_two, on_one = tmp_path / "straight", tmp_path / "pp2", tmp_path / "pp1"
+    _run(python, straight, 1, *adam)
     want, _ = _metrics(straight)
-    for saved_pp, resumed_pp in ((2, 1), (1, 2)):
-        saved, resumed = tmp_path / f"saved_{saved_pp}", tmp_path / f"resumed_{resumed_pp}"
-        _run(saved, saved_pp, *adam, "--parallel.pp-size", str(saved_pp), "--train.train-iters", "3")
-        output = _run(resumed, resumed_pp, *adam, "--parallel.pp-size", str(resumed_pp), *longer,
-                      "--checkpoint.restore-from", str(saved / "checkpoints" / "step_3"))  # fmt: skip
+    for run_dir, pp, saved, start in ((on_two, 2, straight / "checkpoints" / "step_2", 2),
+                                      (on_one, 1, on_two / "checkpoints" / "step_4", 4)):  # fmt: skip
+        restore = ["--parallel.pp-size", str(pp), "--checkpoint.restore-from", str(saved)]
+        output = _run(python, run_dir, pp, *adam, *restore)
         assert "optimizer state not restored" not in output and "lacks optimizer state" not in output
-        losses, _ = _metrics(resumed)
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want[3:]), **TIGHT)
+        losses, _ = _metrics(run_dir)
+        assert len(losses) == 6 - start
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want[start:]), **TIGHT)

@@ -1,17 +1,20 @@
 """Expert parallelism under torchrun (gloo, CPU): a MoE tiny GPT at ep 2 and 4 (alone and under FSDP2
 over the rest of the data-parallel ranks) trains as one process does, token- and mean-weighted
-(tests/moe_worker.py); and through `fntrain run`, a checkpoint saved at ep 2 resumes at ep 1 and at ep
-4, and a SIGKILL resume at ep 2 is bitwise the uninterrupted run (tests/checkpoint/resume_driver.py)."""
+(tests/moe_worker.py; the ep sizes of one world size share a launch); and through `fntrain run`, a
+checkpoint saved at ep 2 resumes at ep 1 and at ep 4, and a SIGKILL resume at ep 2 is bitwise the
+uninterrupted run (tests/checkpoint/resume_driver.py). One uninterrupted ep 2 run is the reference of the
+SIGKILL resume and the checkpoint the other ep sizes restore; every launch forks from one preloaded Python."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests import preloaded_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -27,23 +30,50 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _launch(ranks: int, module: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--standalone"]
-    command = [*(torchrun if ranks > 1 else [sys.executable]), "-m", module, *args]
-    result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+PYTHON: dict[str, preloaded_launch.Python] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def python(tmp_path_factory):
+    """Every launch of the module (torchrun's workers too) forks from one Python that imported torch and
+    fntrain (tests/preloaded_launch.py): the imports cost more than these runs' steps."""
+    for started in preloaded_launch.start(tmp_path_factory, _env()):
+        PYTHON["python"] = started
+        yield
+    PYTHON.clear()
+
+
+def _launch(ranks: int, module: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS`, under torchrun when ranks > 1; its status must be 0 when `check`."""
+    python = PYTHON["python"]
+    command = preloaded_launch.command(python, ranks, module, *args)
+    env = dict(python.env)
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    failed = f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    assert result.returncode == 0 or not check, failed
     return result
+
+
+# Every layout of a world size runs in one launch (tests/worker_sequence.py): the launch is the cost.
+EP_SIZES = {2: (1, 2), 4: (2, 4)}
 
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
+    """(ranks, ep) -> the worker's results; one launch per world size computes all its ep sizes."""
     cache: dict[tuple, dict] = {}
 
     def get(ranks: int, strategy: str, ep: int) -> dict:
         if (ranks, strategy, ep) not in cache:
-            out = tmp_path_factory.mktemp(f"w{ranks}ep{ep}") / "results.pt"
-            _launch(ranks, "tests.moe_worker", strategy, str(ep), str(out))
-            cache[ranks, strategy, ep] = torch.load(out)
+            root = tmp_path_factory.mktemp(f"w{ranks}")
+            if ranks == 1:
+                _launch(1, "tests.moe_worker", strategy, str(ep), str(root / "results.pt"))
+                cache[1, strategy, ep] = torch.load(root / "results.pt")
+                return cache[1, strategy, ep]
+            outs = {ep: root / f"ep{ep}.pt" for ep in EP_SIZES[ranks]}
+            runs = [("--", "tests.moe_worker", strategy, str(ep), str(out)) for ep, out in outs.items()]
+            _launch(ranks, "tests.worker_sequence", *[word for run in runs for word in run][1:])
+            cache.update({(ranks, strategy, ep): torch.load(out) for ep, out in outs.items()})
         return cache[ranks, strategy, ep]
 
     return get
@@ -94,11 +124,7 @@ def corpus(tmp_path_factory) -> Path:
 def _run(run_dir: Path, ranks: int, kill: str, *args: str, corpus: Path) -> subprocess.CompletedProcess:
     run_dir.mkdir(parents=True, exist_ok=True)
     driver = [str(run_dir), kill, *RUN, *args, "--data.path", str(corpus), "--run-dir", str(run_dir)]
-    if kill == "none":
-        return _launch(ranks, "tests.checkpoint.resume_driver", *driver)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--standalone"]
-    command = [*torchrun, "-m", "tests.checkpoint.resume_driver", *driver]
-    return subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    return _launch(ranks, "tests.checkpoint.resume_driver", *driver, check=kill == "none")
 
 
 def _losses(run_dir: Path) -> dict[int, str]:
@@ -119,34 +145,39 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "model.safetensors")
 
 
-def test_sigkill_resume_at_ep2_is_bitwise(tmp_path, corpus):
-    """Killed at step 5 (step 4 saved), resumed at the same layout: the losses and final weights of
-    the uninterrupted run, bit for bit; the loss-free router bias is on, so its buffer must be restored."""
-    args = [*EP2, "--model.router-bias-rate", "0.01"]
-    _run(tmp_path / "reference", 2, "none", *args, corpus=corpus)
-    killed = _run(tmp_path / "run", 2, "step_begin:5", *args, corpus=corpus)
-    assert killed.returncode != 0
-    assert sorted(_losses(tmp_path / "run")) == [1, 2, 3, 4]
-    _run(tmp_path / "run", 2, "none", *args, corpus=corpus)
-    assert _losses(tmp_path / "run") == _losses(tmp_path / "reference")
-    want, got = _weights(tmp_path / "reference"), _weights(tmp_path / "run")
-    assert want["blocks.0.moe.experts.w_in"].shape == (4, 32, 32)  # the full tensor: global expert index
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+# The loss-free router bias is on in the ep 2 runs: its buffer must be saved, restored and resharded too.
+BIAS = ["--model.router-bias-rate", "0.01"]
+EP2_RUN = [*EP2, *BIAS]
 
 
 @pytest.fixture(scope="module")
 def ep2_run(tmp_path_factory, corpus) -> Path:
-    """An uninterrupted run at ep 2 (2 ranks), its checkpoints every 2 steps kept."""
+    """An uninterrupted run at ep 2 (2 ranks), its checkpoints every 2 steps kept: the reference of the
+    SIGKILL resume and the checkpoint the other layouts restore."""
     run_dir = tmp_path_factory.mktemp("ep2")
-    _run(run_dir, 2, "none", *EP2, corpus=corpus)
+    _run(run_dir, 2, "none", *EP2_RUN, corpus=corpus)
     return run_dir
+
+
+def test_sigkill_resume_at_ep2_is_bitwise(tmp_path, corpus, ep2_run):
+    """Killed at step 5 (step 4 saved), resumed at the same layout: the losses and final weights of
+    the uninterrupted run, bit for bit; the loss-free router bias is on, so its buffer must be restored."""
+    reference = ep2_run
+    killed = _run(tmp_path / "run", 2, "step_begin:5", *EP2_RUN, corpus=corpus)
+    assert killed.returncode != 0
+    assert sorted(_losses(tmp_path / "run")) == [1, 2, 3, 4]
+    _run(tmp_path / "run", 2, "none", *EP2_RUN, corpus=corpus)
+    assert _losses(tmp_path / "run") == _losses(reference)
+    want, got = _weights(reference), _weights(tmp_path / "run")
+    assert want["blocks.0.moe.experts.w_in"].shape == (4, 32, 32)  # the full tensor: global expert index
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
 @pytest.mark.parametrize(("ranks", "layout"), [(1, []), (4, ["--parallel.strategy", "fsdp2", "--parallel.ep-size", "4"])])
 def test_checkpoint_saved_at_ep2_resumes_at_another_ep_size(tmp_path, corpus, ep2_run, ranks, layout):
     """Step 4's checkpoint of a run at ep 2 (2 ranks) resumed at ep 1 (one process) and at ep 4 (4
-    ranks, one expert each), SGD's momentum included: the global losses of steps 5-8 and the final
-    weights are the uninterrupted run's to fp32 tolerance."""
+    ranks, one expert each), SGD's momentum and the router bias included: the global losses of steps
+    5-8 and the final weights are the uninterrupted run's to fp32 tolerance."""
     import shutil
 
     reference = ep2_run
@@ -154,7 +185,7 @@ def test_checkpoint_saved_at_ep2_resumes_at_another_ep_size(tmp_path, corpus, ep
     shutil.copytree(reference / "checkpoints" / "step_4", run_dir / "checkpoints" / "step_4")
     (run_dir / "checkpoints" / "latest").write_text("step_4\n")
     allow = ["--checkpoint.allow-changes", "parallel.ep_size", "parallel.strategy"]
-    _run(run_dir, ranks, "none", *layout, *allow, corpus=corpus)
+    _run(run_dir, ranks, "none", *layout, *BIAS, *allow, corpus=corpus)
     want, got = _logged(reference, "loss"), _logged(run_dir, "loss")
     assert sorted(got) == [5, 6, 7, 8]
     torch.testing.assert_close([got[s] for s in got], [want[s] for s in got], rtol=1e-5, atol=0)

@@ -22,6 +22,7 @@ from fntrain.hooks.progress import ProgressConfig
 from fntrain.run.config import CheckpointConfig
 from fntrain.run.job import run_job
 from recipes import tiny_gpt
+from tests.preloaded_python import preloaded
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -29,6 +30,21 @@ TINY = [
     "--train.global-batch-size", "8", "--train.micro-batch-size", "4", "--train.train-iters", "6",
     "--log-every", "1", "--progress.no-enabled", "--evaluate.eval-every", "0", "--evaluate.no-at-end",
 ]  # fmt: skip
+
+
+# The slow tests' launches go through a preloaded Python (tests/preloaded_python.py: a fork of one
+# process that imported torch and fntrain once) when they ask for `python`; the others start a fresh one.
+PYTHON: dict[str, object] = {}
+
+
+@pytest.fixture(scope="module")
+def python(tmp_path_factory):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(ROOT)
+    with preloaded(tmp_path_factory.mktemp("python"), env) as (launcher, added):
+        PYTHON.update(executable=launcher, env=added)
+        yield
+    PYTHON.clear()
 
 
 def corpus(tmp_path: Path) -> Path:
@@ -42,11 +58,13 @@ def fntrain(tmp_path: Path, *args: str, driver: str | None = None) -> subprocess
     """`fntrain run tiny_gpt ARGS` (or the fault driver with FAULT `driver`) in a subprocess."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = str(ROOT)
+    env.update(PYTHON.get("env", {}))
     head = ["-m", "fntrain", "run", "tiny_gpt"]
     if driver is not None:
         head = ["-m", "tests.fault_driver", str(tmp_path / "faults"), driver]
         (tmp_path / "faults").mkdir(exist_ok=True)
-    command = [sys.executable, *head, *TINY, "--data.path", str(corpus(tmp_path)), *args]
+    python = str(PYTHON.get("executable", sys.executable))
+    command = [python, *head, *TINY, "--data.path", str(corpus(tmp_path)), *args]
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
                           preexec_fn=_ctrl_c_as_in_a_terminal)  # fmt: skip
 
@@ -81,9 +99,14 @@ def last_line(result: subprocess.CompletedProcess) -> str:
 
 
 @pytest.mark.slow
-def test_a_second_run_into_a_run_dir_resumes_it_or_is_refused_until_overwritten(tmp_path):
-    """A rerun of the same command resumes the run (here: it is complete); other settings are refused
-    field by field; restore_from none refuses a second run naming the ways out that work."""
+def test_a_run_dir_is_resumed_refused_field_by_field_recovered_past_a_damaged_checkpoint_or_overwritten(
+    tmp_path, python
+):
+    """One run directory through every later launch a careless user makes, in turn: a rerun of the same
+    command resumes the run (here: it is complete); other settings are refused field by field (a cadence
+    may change) unless allowed; restore_from none refuses a second run naming the ways out that work; a
+    damaged newest checkpoint is refused when named and skipped by `latest`; --overwrite moves the old run
+    aside whole."""
     run_dir = tmp_path / "run"
     assert fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-every", "3").returncode == 0
     before = (run_dir / "metrics.jsonl").read_bytes()
@@ -97,18 +120,70 @@ def test_a_second_run_into_a_run_dir_resumes_it_or_is_refused_until_overwritten(
     never = fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "none")
     assert never.returncode == 2 and len(never.stderr.strip().splitlines()) == 1
     message = never.stderr
-    assert "already holds a run" in message and "--checkpoint.restore-from auto (its newest checkpoint is step_6)" in message
+    assert (
+        "already holds a run" in message
+        and "--checkpoint.restore-from auto (its newest checkpoint is step_6)" in message
+    )
     assert "--overwrite" in message and "moves the old run to" in message
 
     resumed = fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-every", "3")
     assert resumed.returncode == 0 and "nothing to do" in resumed.stderr  # the same command: complete
 
+    changed = fntrain(
+        tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest", "--seed", "3",
+        "--train.train-iters", "9", "--log-every", "2",
+    )  # fmt: skip
+    assert changed.returncode == 2 and len(changed.stderr.strip().splitlines()) == 1, changed.stderr
+    assert "--seed 42 -> 3" in changed.stderr and "--train.train-iters 6 -> 9" in changed.stderr
+    assert "log-every" not in changed.stderr  # a cadence may change freely
+    assert "--checkpoint.allow-changes" in changed.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == before
+
+    # attempts so far: 0 (the first run) and 1 (the rerun that found it complete); the refusals are none
+    assert_a_damaged_newest_checkpoint_is_skipped_and_named(tmp_path, run_dir, attempt=2)
+
+    longer = fntrain(
+        tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest", "--train.train-iters", "9",
+        "--checkpoint.allow-changes", "train.train-iters", "--log-every", "2",
+    )  # fmt: skip
+    assert longer.returncode == 0, longer.stderr[-2000:]
+    assert "train.train_iters changed from 6 to 9" in longer.stderr
+    metadata = json.loads((run_dir / "run_metadata.json").read_text())
+    assert metadata["allowed_changes"] == {"train.train_iters": [6, 9]}
+    assert metadata["outcome"] == "completed" and metadata["end_state"]["global_step"] == 9
+
+    old = (run_dir / "metrics.jsonl").read_bytes()
     fresh = fntrain(tmp_path, "--run-dir", str(run_dir), "--seed", "7", "--overwrite")
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     (aside,) = tmp_path.glob("run.replaced-*")
-    assert (aside / "metrics.jsonl").read_bytes() == before  # the old run, moved aside whole
+    assert (aside / "metrics.jsonl").read_bytes() == old  # the old run, moved aside whole
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and {r["attempt"] for r in rows} == {0}
+
+
+def assert_a_damaged_newest_checkpoint_is_skipped_and_named(
+    tmp_path: Path, run_dir: Path, attempt: int
+) -> None:
+    """step_6 of the complete 6-step run in `run_dir` (saved every 3 steps) truncated, as by a full disk:
+    named, it is refused in one line naming the file and why and left where it is; `latest` warns once,
+    moves it aside and resumes from step 3 as the run's attempt `attempt`."""
+    step_6 = run_dir / "checkpoints" / "step_6"
+    shard = next(step_6.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated, as by a full disk
+
+    named = fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", str(step_6))
+    assert named.returncode == 2 and len(named.stderr.strip().splitlines()) == 1, named.stderr
+    assert shard.name in named.stderr and "truncated" in named.stderr
+    assert step_6.is_dir()  # an explicitly named checkpoint is left where it is
+
+    latest = fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest")
+    assert latest.returncode == 0, latest.stderr[-2000:]
+    warnings = [line for line in latest.stderr.splitlines() if shard.name in line]
+    assert len(warnings) == 1 and "truncated" in warnings[0]  # one warning naming the file and why
+    assert "run completed at step 6" in latest.stderr  # resumed from step 3, trained 4..6 again
+    assert (run_dir / "checkpoints" / "step_6.damaged").is_dir()  # moved aside, not deleted
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and [r["attempt"] for r in rows][-1] == attempt
 
 
 def test_a_run_dir_holding_only_a_failed_start_is_not_a_run(tmp_path):
@@ -145,37 +220,25 @@ def test_after_a_resume_every_step_is_logged_once_and_traced_to_its_attempt(tmp_
 # ----------------------------------------------------------------------------- the same run
 
 
-@pytest.mark.slow
-def test_a_resume_with_other_settings_is_refused_field_by_field(tmp_path):
-    run_dir = tmp_path / "run"
-    assert fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-every", "3").returncode == 0
-    changed = fntrain(
-        tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest", "--seed", "3",
-        "--train.train-iters", "9", "--log-every", "2",
-    )  # fmt: skip
-    assert changed.returncode == 2 and len(changed.stderr.strip().splitlines()) == 1, changed.stderr
-    assert "--seed 42 -> 3" in changed.stderr and "--train.train-iters 6 -> 9" in changed.stderr
-    assert "log-every" not in changed.stderr  # a cadence may change freely
-    assert "--checkpoint.allow-changes" in changed.stderr
-
-    longer = fntrain(
-        tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest", "--train.train-iters", "9",
-        "--checkpoint.allow-changes", "train.train-iters", "--log-every", "2",
-    )  # fmt: skip
-    assert longer.returncode == 0, longer.stderr[-2000:]
-    assert "train.train_iters changed from 6 to 9" in longer.stderr
-    metadata = json.loads((run_dir / "run_metadata.json").read_text())
-    assert metadata["allowed_changes"] == {"train.train_iters": [6, 9]}
-    assert metadata["outcome"] == "completed" and metadata["end_state"]["global_step"] == 9
-
-
 # ----------------------------------------------------------------------------- interrupts
 
 
 @pytest.mark.slow
-def test_ctrl_c_saves_at_the_next_boundary_exits_130_and_resumes_exactly(tmp_path):
-    reference = fntrain(tmp_path, "--run-dir", str(tmp_path / "reference"))
-    assert reference.returncode == 0
+def test_a_finished_run_says_so_and_ctrl_c_saves_at_the_next_boundary_exits_130_and_resumes_exactly(
+    tmp_path, python
+):
+    """Every run ends with a summary; a finished run rerun says so. Ctrl-C with save-on-interrupt saves at
+    the next step boundary, exits 130 in one line and resumes to the losses of the finished run."""
+    reference = tmp_path / "reference"
+    first = fntrain(tmp_path, "--run-dir", str(reference), "--checkpoint.save-every", "6")
+    assert first.returncode == 0
+    summary = [line for line in first.stderr.splitlines() if "run completed at step 6" in line]
+    assert len(summary) == 1 and "tokens" in summary[0] and "final loss" in summary[0]
+    assert f"weights in {reference / 'hf_model'}, {reference / 'model.safetensors'}" in summary[0]
+    again = fntrain(tmp_path, "--run-dir", str(reference), "--checkpoint.restore-from", "latest")
+    assert again.returncode == 0 and "run already complete at step 6; nothing to do" in again.stderr
+    assert not (reference / "metrics.superseded.jsonl").exists()
+
     run_dir = tmp_path / "run"
     stopped = fntrain(
         tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-on-interrupt", driver="sigint:0:3"
@@ -196,7 +259,7 @@ def test_ctrl_c_saves_at_the_next_boundary_exits_130_and_resumes_exactly(tmp_pat
         "latest",
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    want = [r["loss"] for r in read_metrics(tmp_path / "reference" / "metrics.jsonl")]
+    want = [r["loss"] for r in read_metrics(reference / "metrics.jsonl")]  # saving changes no step
     assert [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")] == want
 
 
@@ -233,27 +296,14 @@ def test_a_second_ctrl_c_ends_the_process_at_once(tmp_path):
 # ----------------------------------------------------------------------------- saying what happened
 
 
-@pytest.mark.slow
-def test_a_finished_run_says_so_and_every_run_ends_with_a_summary(tmp_path):
-    run_dir = tmp_path / "run"
-    first = fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-every", "6")
-    assert first.returncode == 0
-    summary = [line for line in first.stderr.splitlines() if "run completed at step 6" in line]
-    assert len(summary) == 1 and "tokens" in summary[0] and "final loss" in summary[0]
-    assert f"weights in {run_dir / 'hf_model'}, {run_dir / 'model.safetensors'}" in summary[0]
-    again = fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest")
-    assert again.returncode == 0 and "run already complete at step 6; nothing to do" in again.stderr
-    assert not (run_dir / "metrics.superseded.jsonl").exists()
-
-
 # ----------------------------------------------------------------------------- two ranks
 
 
 def torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **PYTHON.get("env", {}))
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "fntrain",
+        str(PYTHON.get("executable", sys.executable)), "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "fntrain",
         "run", "tiny_gpt", *TINY, "--data.path", str(corpus(tmp_path)), "--parallel.strategy", "ddp", *args,
     ]  # fmt: skip
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
@@ -261,14 +311,16 @@ def torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_ranks_refuse_a_second_run_and_a_changed_resume_together(tmp_path):
+def test_two_ranks_refuse_a_second_run_and_a_changed_resume_together(tmp_path, python):
     run_dir = tmp_path / "run"
     first = torchrun(tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-every", "3")
     assert first.returncode == 0, first.stderr[-3000:]
     before = (run_dir / "metrics.jsonl").read_bytes()
     again = torchrun(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "none")
     assert again.returncode != 0 and "already holds a run" in again.stderr  # one line per rank that said it
-    changed = torchrun(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest", "--seed", "5")
+    changed = torchrun(
+        tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest", "--seed", "5"
+    )
     assert changed.returncode != 0 and "--seed 42 -> 5" in changed.stderr
     assert (run_dir / "metrics.jsonl").read_bytes() == before  # neither launch touched the run
     resumed = torchrun(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest")
@@ -286,26 +338,3 @@ def test_overwrite_moves_a_run_aside_only_on_the_first_launch_of_a_job(tmp_path,
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # a new job: starts over, the old run kept aside
     assert run_job(config, tiny_gpt.spec).state.global_step == 6
     assert len(list(tmp_path.glob("run.replaced-*"))) == 1
-
-
-@pytest.mark.slow
-def test_a_damaged_newest_checkpoint_is_skipped_and_named_through_the_cli(tmp_path):
-    run_dir = tmp_path / "run"
-    assert fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-every", "3").returncode == 0
-    step_6 = run_dir / "checkpoints" / "step_6"
-    shard = next(step_6.glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:100])  # truncated, as by a full disk
-
-    named = fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", str(step_6))
-    assert named.returncode == 2 and len(named.stderr.strip().splitlines()) == 1, named.stderr
-    assert shard.name in named.stderr and "truncated" in named.stderr
-    assert step_6.is_dir()  # an explicitly named checkpoint is left where it is
-
-    latest = fntrain(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest")
-    assert latest.returncode == 0, latest.stderr[-2000:]
-    warnings = [line for line in latest.stderr.splitlines() if shard.name in line]
-    assert len(warnings) == 1 and "truncated" in warnings[0]  # one warning naming the file and why
-    assert "run completed at step 6" in latest.stderr  # resumed from step 3, trained 4..6 again
-    assert (run_dir / "checkpoints" / "step_6.damaged").is_dir()  # moved aside, not deleted
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and [r["attempt"] for r in rows][-1] == 1

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from fntrain.run.config import TrainConfig
 from fntrain.run.job import plan_job, run_job
 from fntrain.step.optim import OptimizerConfig
 from recipes import vlm
+from tests.doc_shell import VLM_PRELOAD, started
 from tests.vlm_helpers import tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,12 +114,20 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _driver(out: Path, kill: str, args: list[str], *, ranks: int = 1) -> subprocess.CompletedProcess:
-    command = [sys.executable]
-    if ranks > 1:
-        command += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+@pytest.fixture(scope="module")
+def launch_env():
+    """The environment of this module's driver launches: each its own process (torchrun's agent and
+    workers too), forked from one that imported torch and transformers once (tests/doc_shell.py)."""
+    with started(_env(), VLM_PRELOAD) as env:
+        yield env
+
+
+def _driver(
+    out: Path, kill: str, args: list[str], env: dict[str, str], *, ranks: int = 1
+) -> subprocess.CompletedProcess:
+    command = ["torchrun", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else [env["PYTHON_DOC"]]
     command += ["-m", "tests.vlm_driver", str(out), kill, *args, "--run-dir", str(out)]
-    return subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _losses(out: Path) -> list[str]:
@@ -166,15 +174,15 @@ SMALL = ["--data.train-samples", "32", "--data.val-samples", "8", "--train.globa
 
 
 @pytest.mark.slow
-def test_two_rank_fsdp2_matches_one_rank(model_dir, tmp_path):
+def test_two_rank_fsdp2_matches_one_rank(model_dir, launch_env, tmp_path):
     from safetensors.torch import load_file
 
     args = [*SMALL, "--model.path", str(model_dir), "--train.train-iters", "4", "--optim.name", "sgd",
             "--optim.lr", "0.05", "--train.max-grad-norm", "0", "--data.pad-to", "max_length",
             "--data.max-length", "40"]  # fmt: skip
-    one = _driver(tmp_path / "one", "none", args)
+    one = _driver(tmp_path / "one", "none", args, launch_env)
     assert one.returncode == 0, one.stderr[-4000:]
-    two = _driver(tmp_path / "two", "none", [*args, "--parallel.strategy", "fsdp2"], ranks=2)
+    two = _driver(tmp_path / "two", "none", [*args, "--parallel.strategy", "fsdp2"], launch_env, ranks=2)
     assert two.returncode == 0, two.stderr[-4000:]
 
     def logged(out: Path) -> torch.Tensor:  # the loss reduced over the ranks, as metrics.jsonl logs it
@@ -194,17 +202,17 @@ def test_two_rank_fsdp2_matches_one_rank(model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_matches_an_uninterrupted_run_bitwise(model_dir, tmp_path):
+def test_sigkill_and_resume_matches_an_uninterrupted_run_bitwise(model_dir, launch_env, tmp_path):
     from safetensors.torch import load_file
 
     args = [*SMALL, "--model.path", str(model_dir), "--train.train-iters", "8", "--checkpoint.save-every", "2",
             "--checkpoint.restore-from", "latest", "--loader.num-workers", "2"]  # fmt: skip
-    reference = _driver(tmp_path / "ref", "none", args)
+    reference = _driver(tmp_path / "ref", "none", args, launch_env)
     assert reference.returncode == 0, reference.stderr[-4000:]
-    killed = _driver(tmp_path / "resumed", "step_begin:6", args)
+    killed = _driver(tmp_path / "resumed", "step_begin:6", args, launch_env)
     assert killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), killed.stderr[-4000:]
     assert len(_losses(tmp_path / "resumed")) == 2 * 5
-    resumed = _driver(tmp_path / "resumed", "none", args)
+    resumed = _driver(tmp_path / "resumed", "none", args, launch_env)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     ref = _losses(tmp_path / "ref")
     got = _losses(tmp_path / "resumed")

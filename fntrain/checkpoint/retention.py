@@ -58,10 +58,7 @@ def remove_superseded_temporary(root: str | os.PathLike, newest: str | os.PathLi
         if path != newest and (step_of(path) or 0) < newest_step and is_temporary(path)
     ]
     doomed = [path for path in superseded if _deletable(path, "deleted")]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-        log.info("removed temporary checkpoint %s (superseded by %s)", path, newest.name)
-    return doomed
+    return [path for path in doomed if _remove(path, "temporary checkpoint", f"superseded by {newest.name}")]
 
 
 def retain(
@@ -90,7 +87,22 @@ def retain(
         else:
             doomed.append(path)
     doomed.reverse()
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-        log.info("removed old checkpoint %s (keep_last=%d)", path, keep_last)
-    return doomed
+    return [path for path in doomed if _remove(path, "old checkpoint", f"keep_last={keep_last}")]
+
+
+def _remove(path: Path, kind: str, why: str) -> bool:
+    """Delete the checkpoint `path` (a `kind`, removed because `why`); True once it is no longer a checkpoint. It is first renamed to
+    `<name>.removing` (atomic), so a deletion that fails part-way never leaves a half checkpoint that
+    looks whole, and the log says what is left instead of claiming it is gone. Never raises."""
+    try:
+        doomed = move_aside(path, "removing")
+    except OSError as error:
+        log.warning("could not remove %s %s (%s): %r; it is kept", kind, path, why, error)
+        return False
+    try:
+        shutil.rmtree(doomed)
+    except OSError as error:
+        log.warning("%s %s (%s) was only partly deleted: %s is left (%r)", kind, path, why, doomed, error)
+        return True
+    log.info("removed %s %s (%s)", kind, path, why)
+    return True

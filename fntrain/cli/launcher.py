@@ -145,8 +145,10 @@ def ending(records: list[dict[str, Any]], *, failures: Mapping[int, Any] | None 
     if records:
         first = min(records, key=lambda record: record.get("time", 0.0))
         # Every failed process said the same: the line alone; else (different lines, or some stopped
-        # before they could say anything) whose line it is.
-        said_by_all = failures is None or len(records) == len(failures)
+        # before they could say anything) whose line it is. A bad setting (status 2) is every rank's
+        # (they share the settings), so the ranks that spoke agreeing is enough for it.
+        bad_setting = int(first["exit_code"]) == 2
+        said_by_all = failures is None or len(records) == len(failures) or bad_setting
         same = said_by_all and len({record["line"] for record in records}) == 1
         line = first["line"] if same else f"[rank {first.get('rank', '?')}] {first['line']}"
         return Ending(line, int(first["exit_code"]))

@@ -133,19 +133,21 @@ def _sequence_length(config: Any) -> int | None:
 
 
 def plan_memory(
-    config: Any, model_factory: Callable[[Any], Any], world_size: int, frozen_model: Callable[[Any], Any] | None = None
+    config: Any, model_factory: Callable[[Any], Any], world_size: int, objective: Any = None
 ) -> dict[str, Any]:
     """The plan's "memory per rank" section: `model_factory(config)` built on the meta device (no
     weights), counted, and estimated for `config.parallel` over `world_size` ranks with the config's
     micro-batch and sequence length (`model.context` or `data.max_length`; none found: activations 0,
     said in a note). Byte counts are ints; the worst pipeline stage's, plus every stage's total.
-    `frozen_model(config)` (a DPO reference, a KD teacher; None when the objective loads none) is a
-    model without gradients or optimizer state, sharded like the trained one: its weights per rank
-    ("frozen_weights") join the total."""
+    `objective` (a recipe's `ObjectiveSpec`, or None): its `frozen_model(config)` (a DPO reference, a KD
+    teacher; None when it loads none) is a model without gradients or optimizer state, sharded like the
+    trained one, whose weights per rank ("frozen_weights") join the total; the activations are those of
+    its `rows_per_sample` rows per sample (a preference pair is two)."""
     import torch
 
     with torch.device("meta"):
         model = model_factory(config)
+        frozen_model = getattr(objective, "frozen_model", None)
         frozen = frozen_model(config) if frozen_model is not None else None
     model_layout = layout_from_module(model)
     parallel = parallel_layout(config.parallel, world_size)
@@ -155,7 +157,7 @@ def plan_memory(
     attn = getattr(getattr(config, "model", None), "attn_implementation", None)
     dropout = getattr(getattr(config, "model", None), "dropout", 0.0)
     batch = BatchShape(
-        micro_batch_size=train.micro_batch_size,
+        micro_batch_size=train.micro_batch_size * getattr(objective, "rows_per_sample", 1),
         seq_len=seq_len or 0,
         micro_batches=micro_batches,
         flash_attention=attn != "eager",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.utils.data import default_collate
 
 from fntrain.data.pipeline import build_data
@@ -130,15 +131,22 @@ def _sample_micro_batch(built: Built) -> Any:
 
 def _flops_per_token(built: Built, spec: RecipeSpec) -> Callable[[], float] | None:
     """FLOPs per token, counted when the throughput hook first needs them (at TRAIN_BEGIN) on a meta
-    copy of the bare model with a real micro-batch: no memory, no device work."""
+    copy of the bare model with a real micro-batch: no memory, no device work. An objective's
+    forward-only model (a reference, a teacher) adds its forward's FLOPs: the device does that work too."""
     if spec.model_factory is None:
         return None
+    forward_only = spec.objective.forward_only if spec.objective is not None else None
 
     def measure() -> float:
-        return measure_flops_per_token(
-            lambda: spec.model_factory(built.config), _sample_micro_batch(built), loss_fn=spec.loss,
-            forward=spec.forward,
-        )  # fmt: skip
+        sample = _sample_micro_batch(built)
+        flops = measure_flops_per_token(lambda: spec.model_factory(built.config), sample, loss_fn=spec.loss,
+                                        forward=spec.forward)  # fmt: skip
+        if forward_only is not None:
+            with torch.device("meta"):  # built without weights, as the plan builds it
+                frozen = forward_only(built.config)
+            if frozen is not None:
+                flops += measure_flops_per_token(frozen, sample, forward=spec.forward, backward=False)
+        return flops
 
     return measure
 

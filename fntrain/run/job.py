@@ -194,8 +194,7 @@ def plan_job(config: JobConfig, spec: RecipeSpec, world_size: int = 1) -> dict[s
     # plan or a pipeline split: the layouts the estimate knows (a VLM's factory may write its model).
     if spec.model_factory is not None and (spec.tensor_parallel is not None or spec.pipeline is not None):
         try:
-            frozen = spec.objective.frozen_model if spec.objective is not None else None
-            extra["memory_per_rank"] = plan_memory(config, spec.model_factory, world_size, frozen)
+            extra["memory_per_rank"] = plan_memory(config, spec.model_factory, world_size, spec.objective)
         except (ValueError, NotImplementedError, OSError) as error:  # a model it cannot count on meta
             extra["memory_per_rank"] = {"unavailable": str(error)}
     checkpoint = dataclasses.replace(config.checkpoint, dir=str(checkpoint_root(config.checkpoint, config.run_dir)))

@@ -32,7 +32,10 @@ def causal_lm_loss(
     logits = output.logits if hasattr(output, "logits") else output
     targets, valid = loss_targets(micro_batch, ignore_index)
     if "shift_labels" not in micro_batch:
-        logits = logits[..., :-1, :]
+        # The last position has no next token: its target is padded as ignored rather than the logits
+        # sliced, so the logits are read in place (a slice of them would be copied whole by the reshape).
+        targets = torch.nn.functional.pad(targets, (0, 1), value=ignore_index)
+        valid = torch.nn.functional.pad(valid, (0, 1), value=False)
     per_token = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.size(-1)).float(),
         targets.reshape(-1).masked_fill(~valid.reshape(-1), 0),

@@ -4,9 +4,14 @@ step, inside a save) and resumed from "latest" give the same per-step losses (==
 checkpoint. The resumed runs read data with 2 workers and prefetch on, the reference reads in-process:
 data order depends on neither. Dropout is on, so the RNG state matters.
 
+A preemption notice (SIGTERM) is one more point of the chains: the run saves, stops with status 143
+and its resume matches too.
+
 The default tier has one quick case; every kill point in turn (sync and async saves), 2-rank FSDP2 and
-resharding (saved by 2 ranks, restored by 1) are in the slow tier (`-m slow`). Runs go through
-tests/checkpoint/resume_driver.py.
+DDP, a 2-stage pipeline and resharding (saved by 2 ranks, restored by 1) are in the slow tier
+(`-m slow`). Runs go through tests/checkpoint/resume_driver.py, launched through a preloaded Python
+(tests/preloaded_python.py: each launch a fork of one process that imported torch and fntrain once, so
+that ~40 launches do not each pay the imports); torchrun's workers come through it too.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fntrain.checkpoint import find_latest, is_complete, read_meta
 from fntrain.checkpoint.layout import LATEST
+from tests.preloaded_python import preloaded
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -54,6 +61,19 @@ def env() -> dict[str, str]:
     return out
 
 
+# The preloaded Python's launcher and environment (set for the module by `python` below): every launch
+# goes through it.
+PYTHON: dict[str, object] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def python(tmp_path_factory):
+    with preloaded(tmp_path_factory.mktemp("python"), env()) as (launcher, added):
+        PYTHON.update(executable=launcher, env={**env(), **added})
+        yield
+    PYTHON.clear()
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """A corpus small enough for 6 steps per epoch, so 12 steps cross an epoch boundary."""
@@ -67,16 +87,18 @@ def launch(run_dir: Path, kill: str, args: list[str], corpus: Path, *, ranks: in
     run_dir.mkdir(parents=True, exist_ok=True)
     driver = ["-m", "tests.checkpoint.resume_driver", str(run_dir), kill, *args, "--data.path", str(corpus)]
     driver += ["--run-dir", str(run_dir)]
+    python = str(PYTHON.get("executable", sys.executable))
     if ranks == 1:
-        command = [sys.executable, *driver]
+        command = [python, *driver]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+        command = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
         command += driver
         shutil.rmtree(run_dir / "pids", ignore_errors=True)  # the driver's kill reads the ranks' pids there
     output = tempfile.TemporaryFile(mode="w+")  # read by finish(); see there why not a pipe
     process = subprocess.Popen(
-        command, cwd=ROOT, env=env(), stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+        command, cwd=ROOT, env=PYTHON.get("env", env()), stdout=output, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
     process.output = output  # type: ignore[attr-defined]
     return process
 
@@ -139,9 +161,33 @@ def assert_same_run(reference: Path, run_dir: Path) -> None:
     assert all(torch.equal(want[k], got[k]) for k in want), "final weights differ"
 
 
+# Every how many steps the ranks agree on a preemption notice in the runs that get one (one process
+# checks every step): a notice at step 9 stops one process at 9, two ranks at 10.
+PREEMPT = ["--checkpoint.preempt-check-every", "2"]
+
+
+def preempted(run_dir: Path, at: int, args: list[str], corpus: Path, ranks: int) -> None:
+    """SIGTERM to the last rank at step `at` (odd): every rank agrees to save the step they stop at and
+    stop cleanly, exiting with the documented status 143 (torchrun then reports the workers' 143)."""
+    earlier = len(losses(run_dir)) if (run_dir / "losses.txt").exists() else 0
+    process = launch(run_dir, f"preempt:{at}", args, corpus, ranks=ranks)
+    output = ended(process)
+    if ranks == 1:
+        assert process.returncode == 143, output[-3000:]
+    else:
+        assert process.returncode != 0 and output.count("exitcode  : 143") == 2, output[-3000:]
+    stop = at if ranks == 1 else at + 1
+    assert max(step for step, _ in losses(run_dir)[earlier:]) == stop  # the last step this launch ran
+    assert read_meta(find_latest(run_dir / "checkpoints"))["train_state"]["global_step"] == stop
+
+
 def kill_and_resume(run_dir: Path, kills: list[str], args: list[str], corpus: Path, ranks: int = 1) -> None:
+    """Each of `kills` in turn (a SIGKILL point of the driver, or `preempt:K`), then a run to the end."""
     for kill in kills:
-        finish(launch(run_dir, kill, args, corpus, ranks=ranks), killed=True)
+        if kill.startswith("preempt:"):
+            preempted(run_dir, int(kill.partition(":")[2]), args, corpus, ranks)
+        else:
+            finish(launch(run_dir, kill, args, corpus, ranks=ranks), killed=True)
         assert_latest_is_complete(run_dir)
     finish(launch(run_dir, "none", args, corpus, ranks=ranks), killed=False)
     assert_latest_is_complete(run_dir)
@@ -200,6 +246,7 @@ KILL_CHAIN = (
     "dcp_finish:8",  # inside a save at save_every, its data files written
     "marker:8",  # its .metadata written, the COMPLETE marker not yet
     "latest:8",  # COMPLETE written, `latest` not yet moved
+    "preempt:9",  # not a kill: a preemption notice, saved at step 9, status 143
     "optimizer:10",  # inside a step, after a resume from the newest complete checkpoint
     "export",  # after the last step's save, before the weights are exported
 )
@@ -207,8 +254,9 @@ KILL_CHAIN = (
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_every_kill_point_in_turn_resumes_bit_for_bit(tmp_path, corpus, uninterrupted, mode):
-    args = [*COMMON, *WORKERS] + (["--checkpoint.async-save"] if mode == "async" else [])
+def test_every_kill_point_and_a_preemption_in_turn_resume_bit_for_bit(tmp_path, corpus, uninterrupted, mode):
+    """The reference runs without the preemption check: checking for notices changes no step."""
+    args = [*COMMON, *WORKERS, *PREEMPT] + (["--checkpoint.async-save"] if mode == "async" else [])
     kill_and_resume(tmp_path, list(KILL_CHAIN), args, corpus)
     assert_same_run(uninterrupted(COMMON), tmp_path)
     assert len(losses(tmp_path)) > STEPS  # the kills cost steps that the resumes redid
@@ -227,11 +275,17 @@ def fsdp_args(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
-def test_two_ranks_kill_and_resume(tmp_path, corpus, uninterrupted, strategy):
+@pytest.mark.parametrize(
+    ("strategy", "kills"),
+    [("fsdp2", ["optimizer:5", "marker:8", "preempt:9"]), ("ddp", ["optimizer:5", "marker:8"])],
+)
+def test_two_ranks_killed_or_preempted_resume_bit_for_bit(tmp_path, corpus, uninterrupted, strategy, kills):
+    """Killed inside a step and inside a save (and, FSDP2, preempted: SIGTERM to one rank at step 9, the
+    ranks agree at step 10 to save and stop with status 143), the 2-rank run resumes to the uninterrupted
+    run's losses and weights; the reference runs without the preemption check."""
     run_dir = tmp_path / "run"
-    args = [*fsdp_args(strategy=strategy), *WORKERS, "--checkpoint.async-save"]
-    kill_and_resume(run_dir, ["optimizer:5", "marker:8"], args, corpus, ranks=2)
+    args = [*fsdp_args(strategy=strategy), *WORKERS, "--checkpoint.async-save", *PREEMPT]
+    kill_and_resume(run_dir, kills, args, corpus, ranks=2)
     assert_same_run(uninterrupted(fsdp_args(strategy=strategy), ranks=2), run_dir)
     step = find_latest(run_dir / "checkpoints")
     assert read_meta(step)["world_size"] == 2
@@ -243,51 +297,31 @@ def test_two_ranks_kill_and_resume(tmp_path, corpus, uninterrupted, strategy):
 
 @pytest.mark.slow
 def test_resharding_two_ranks_to_one(tmp_path, corpus):
-    """Saved by 2 FSDP2 ranks at step 8, restored by 1 process: the same weights; training on from there
-    matches the 2-rank run to float tolerance (the reduction order differs; dropout off, since the ranks'
-    dropout streams cannot match one process's)."""
+    """Saved by 2 FSDP2 ranks at step 8, restored by 1 process: the weights the checkpoint holds; training
+    on from there matches the 2-rank run to float tolerance (the reduction order differs; dropout off,
+    since the ranks' dropout streams cannot match one process's)."""
     two = tmp_path / "two"
-    finish(launch(two, "none", fsdp_args(8, dropout=0.0), corpus, ranks=2), killed=False)
+    finish(launch(two, "none", fsdp_args(STEPS, dropout=0.0), corpus, ranks=2), killed=False)
     checkpoint = two / "checkpoints" / "step_8"
     assert read_meta(checkpoint)["world_size"] == 2
+    dcp_to_torch_save(checkpoint, tmp_path / "step_8.pt")  # what the 2 ranks saved, in one file
+    held = torch.load(tmp_path / "step_8.pt", weights_only=False)
+    saved = {key.removeprefix("model."): value for key, value in held.items() if key.startswith("model.")}
 
     one = tmp_path / "one"
-    finish(launch(one, "none", fsdp_args(8, str(checkpoint), "none", 0.0), corpus), killed=False)
-    want, got = weights(two), weights(one)
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    shorter = ["--checkpoint.allow-changes", "train.train_iters"]  # it ends at the restored step
+    finish(launch(one, "none", [*fsdp_args(8, str(checkpoint), "none", 0.0), *shorter], corpus), killed=False)
+    got = weights(one)
+    assert saved.keys() == got.keys() and all(torch.equal(saved[k], got[k]) for k in saved)
     assert (one / "losses.txt").read_text() == ""  # restored at its last step: nothing re-run, not re-saved
     assert not (one / "checkpoints").exists()
 
     on = tmp_path / "on"
-    longer = ["--checkpoint.allow-changes", "train.train_iters"]  # both runs go on past step 8
-    finish(launch(on, "none", [*fsdp_args(STEPS, str(checkpoint), "none", 0.0), *longer], corpus), killed=False)
-    # The 2-rank run goes on from step 8 too.
-    finish(launch(two, "none", [*fsdp_args(STEPS, dropout=0.0), *longer], corpus, ranks=2), killed=False)
-    want, got = weights(two), weights(on)
+    finish(launch(on, "none", fsdp_args(STEPS, str(checkpoint), "none", 0.0), corpus), killed=False)
+    want, got = weights(two), weights(on)  # the 2-rank run went on from step 8 too
+    assert want.keys() == got.keys()
     assert all(torch.allclose(want[k], got[k], rtol=1e-4, atol=1e-5) for k in want)
     assert min(step for step, _ in losses(on)) == 9
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_preemption_signal_saves_stops_and_resumes(tmp_path, corpus, uninterrupted, ranks):
-    """SIGTERM to one rank at step 5: every rank agrees (every 2 steps) to save step 6 and stop cleanly,
-    exiting with the documented status 143 (torchrun then reports the workers' 143); the resumed run
-    matches the uninterrupted one."""
-    plain = fsdp_args(strategy="fsdp2" if ranks == 2 else "none")
-    args = [*plain, "--checkpoint.preempt-check-every", "2"]
-    run_dir = tmp_path / "run"
-    preempted = launch(run_dir, "preempt:5", args, corpus, ranks=ranks)
-    output = ended(preempted)
-    if ranks == 1:
-        assert preempted.returncode == 143, output[-3000:]
-    else:
-        assert preempted.returncode != 0 and output.count("exitcode  : 143") == 2, output[-3000:]
-    expected_stop = 5 if ranks == 1 else 6  # one process checks every step
-    assert max(step for step, _ in losses(run_dir)) == expected_stop
-    assert read_meta(find_latest(run_dir / "checkpoints"))["train_state"]["global_step"] == expected_stop
-    finish(launch(run_dir, "none", args, corpus, ranks=ranks), killed=False)
-    assert_same_run(uninterrupted(plain, ranks=ranks), run_dir)  # checking for notices changes no step
 
 
 @pytest.mark.slow

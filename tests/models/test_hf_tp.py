@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +21,7 @@ from fntrain.models.hf_tp import (
     resolve_tp_plan,
     tp_styles,
 )
+from tests.doc_shell import HF_PRELOAD, started
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYER_PLAN = {
@@ -206,16 +206,23 @@ def _env() -> dict[str, str]:
     return env
 
 
+# What the workers import, once: torchrun's agent and both workers fork from a process that imported
+# torch and transformers (tests/doc_shell.py), instead of each importing them (most of this test's cost).
+PRELOAD = (*HF_PRELOAD, "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen3.modeling_qwen3",
+           "transformers.models.phi3.modeling_phi3", "fntrain.models.hf_tp", "tests.models.hf_tp_worker")  # fmt: skip
+
+
 @pytest.mark.slow
 def test_two_rank_split_matches_the_unsharded_model(tmp_path):
     """Logits, the summed cross-entropy (under loss_parallel() when the logits are vocab-sharded) and
     every gradient (full_tensor()) match the unsharded model, with loss_parallel on and off."""
     out = tmp_path / "results.json"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "torchrun", "--standalone", "--nproc_per_node=2",
         "-m", "tests.models.hf_tp_worker", str(tmp_path / "models"), str(out),
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    with started(_env(), PRELOAD) as env:
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     results = json.loads(out.read_text())
     from tests.models.hf_tp_worker import MODELS

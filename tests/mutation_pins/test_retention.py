@@ -157,3 +157,60 @@ def test_a_checkpoint_that_cannot_be_deleted_does_not_stop_the_run(tmp_path, mon
     monkeypatch.setattr(os, "unlink", refuse)
     assert len(retain(tmp_path, 2)) == 1
     assert len(remove_superseded_temporary(tmp_path, step_dir(tmp_path, 3))) == 1
+
+
+def test_a_removal_that_fails_part_way_leaves_no_half_checkpoint_and_says_what_is_left(tmp_path, caplog, monkeypatch):
+    for step in (1, 2):
+        make(tmp_path, step)
+    real_rmtree = retention.shutil.rmtree
+
+    def fail_after_one_file(path, *args, **kwargs):
+        (path / "__0_0.distcp").unlink()  # part of it goes, then the file system refuses the rest
+        raise OSError("device busy")
+
+    monkeypatch.setattr(retention.shutil, "rmtree", fail_after_one_file)
+    with caplog.at_level(logging.INFO, logger="fntrain.checkpoint"):
+        removed = retain(tmp_path, 1)
+    monkeypatch.setattr(retention.shutil, "rmtree", real_rmtree)
+    assert removed == [step_dir(tmp_path, 1)]  # no longer a checkpoint: never listed, resumed from or counted
+    assert names(tmp_path) == ["step_1.removing", "step_2"]
+    assert list_checkpoints(tmp_path) == [step_dir(tmp_path, 2)]
+    assert caplog.messages == [
+        f"old checkpoint {step_dir(tmp_path, 1)} (keep_last=1) was only partly deleted: "
+        f"{tmp_path / 'step_1.removing'} is left ({OSError('device busy')!r})"
+    ]
+
+
+def test_a_checkpoint_that_cannot_be_renamed_for_removal_is_kept_and_not_reported_removed(tmp_path, caplog, monkeypatch):
+    make(tmp_path, 2, temporary=True)
+    newest = make(tmp_path, 4)
+
+    def refuse(path, suffix):
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(retention, "move_aside", refuse)
+    with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
+        assert remove_superseded_temporary(tmp_path, newest) == []
+    assert names(tmp_path) == ["step_2", "step_4"]
+    assert caplog.messages == [
+        f"could not remove temporary checkpoint {step_dir(tmp_path, 2)} (superseded by step_4): "
+        f"{OSError('read-only file system')!r}; it is kept"
+    ]
+
+
+def test_a_damaged_newest_checkpoint_that_cannot_be_moved_never_counts_as_one_kept(tmp_path, caplog, monkeypatch):
+    for step in (1, 2):
+        make(tmp_path, step)
+    (step_dir(tmp_path, 2) / "__0_0.distcp").write_bytes(b"DATA")  # the newest is damaged
+    real_move_aside = retention.move_aside
+
+    def refuse_to_set_aside(path, suffix):
+        if suffix == "damaged":
+            raise OSError("read-only file system")
+        return real_move_aside(path, suffix)
+
+    monkeypatch.setattr(retention, "move_aside", refuse_to_set_aside)
+    with caplog.at_level(logging.INFO, logger="fntrain.checkpoint"):
+        assert retain(tmp_path, 1) == []  # the intact step 1 is the one kept: it is not deleted
+    assert names(tmp_path) == ["step_1", "step_2"]
+    assert len(caplog.messages) == 1 and "could not be moved aside" in caplog.messages[0]

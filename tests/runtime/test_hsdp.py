@@ -1,8 +1,12 @@
 """HSDP (issue 12, item 3): `--parallel.replicate R` lays the data-parallel ranks out as a 2-D mesh
 (R replicas x dp/R shards) that fully_shard shards over; R must divide the data-parallel size. Validation
-here; 2 ranks (replicate 2, shard 1) matching DDP under torchrun in the slow tier."""
+here; 2 ranks (replicate 2, shard 1) matching DDP under torchrun in the slow tier, every launch forked
+from one preloaded Python (tests/preloaded_launch.py)."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +14,7 @@ import torch
 from fntrain.runtime.groups import hsdp_shape
 from fntrain.runtime.parallel import ParallelConfig, parallelize
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime
-from tests.runtime.scale_worker import launch
+from tests import preloaded_launch
 
 
 def test_replicate_must_be_a_positive_int():
@@ -56,11 +60,23 @@ def test_parallelize_rejects_replicate_without_an_hsdp_runtime_mesh(one_rank_env
             parallelize(torch.nn.Linear(2, 2), runtime, ParallelConfig(strategy="fsdp2", replicate=2))
 
 
+@pytest.fixture(scope="module")
+def python(tmp_path_factory):
+    """The slow tests' launches (torchrun's workers too) fork from one Python that imported torch and
+    fntrain (tests/preloaded_launch.py): their imports cost more than their steps."""
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
+    env.update(PYTHONPATH=str(root) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    yield from preloaded_launch.start(tmp_path_factory, env)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_two_rank_hsdp_replicate_2_shard_1_matches_ddp(tmp_path):
+def test_two_rank_hsdp_replicate_2_shard_1_matches_ddp(python, tmp_path):
     out = tmp_path / "hsdp.pt"
-    launch("hsdp", out)
+    preloaded_launch.run(python, 2, "tests.runtime.scale_worker", "hsdp", str(out), timeout=110)
     result = torch.load(out)
     ddp, hsdp = result["ddp"], result["hsdp"]
     assert result["world_size"] == 2
@@ -80,23 +96,14 @@ def test_two_rank_hsdp_replicate_2_shard_1_matches_ddp(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_tiny_gpt_recipe_under_hsdp_with_meta_init_matches_ddp_and_exports(tmp_path):
+def test_tiny_gpt_recipe_under_hsdp_with_meta_init_matches_ddp_and_exports(python, tmp_path):
     """The whole recipe (hooks, evaluation, checkpoints, the final export) under torchrun."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     from safetensors.torch import load_file
 
     from fntrain.checkpoint.hf_export import export_hf
 
-    root = Path(__file__).resolve().parents[2]
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    }
-    env.update(PYTHONPATH=str(root) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     common = [
         "--train.train-iters", "4", "--checkpoint.save-every", "2", "--model.n-layer", "2", "--model.d-model", "32",
         "--evaluate.eval-every", "2", "--data.val-fraction", "0.002", "--log-every", "1", "--progress.no-enabled",
@@ -107,12 +114,8 @@ def test_tiny_gpt_recipe_under_hsdp_with_meta_init_matches_ddp_and_exports(tmp_p
     }
     metrics = {}
     for name, flags in runs.items():
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            "-m", "fntrain", "run", "tiny_gpt", "--run-dir", str(tmp_path / name), *common, *flags,
-        ]  # fmt: skip
-        result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110)
-        assert result.returncode == 0, result.stderr[-5000:]
+        args = ["run", "tiny_gpt", "--run-dir", str(tmp_path / name), *common, *flags]
+        preloaded_launch.run(python, 2, "fntrain", *args, timeout=110, cwd=tmp_path)
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         metrics[name] = [(r["step"], r.get("loss"), r.get("val_loss")) for r in map(json.loads, lines)]
     assert len(metrics["hsdp"]) >= 6

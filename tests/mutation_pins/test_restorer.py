@@ -1,0 +1,258 @@
+"""Behaviours of the checkpoint restorer that mutation testing found unpinned (mutation/RESULTS.md): the
+exact line of each refused source, the warnings a restore gives (damaged checkpoints passed over, a
+different world size or thread count, missing RNG or hook state), and, in one process, what the
+kill-and-resume tests check across processes: a resumed run continues bit for bit and an interrupted
+save leaves the previous checkpoint the one that is restored."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+
+import pytest
+import torch
+
+from fntrain.checkpoint import SaveTarget, restore, save, step_dir
+from fntrain.checkpoint import restorer as restorer_module
+from fntrain.checkpoint.layout import DCP_METADATA, LATEST, MANIFEST, MARKER
+from fntrain.checkpoint.restorer import CheckpointDamagedError, read_meta, resolve_source
+from fntrain.config import ConfigError
+from fntrain.hooks.base import stateful
+from fntrain.state import TrainState
+from tests.checkpoint import toy
+
+DATA = "__0_0.distcp"
+
+
+def ours(caplog) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "fntrain.checkpoint"]
+
+
+def truncate(path) -> None:
+    blob = (path / DATA).read_bytes()
+    (path / DATA).write_bytes(blob[: len(blob) // 2])
+
+
+def test_each_refused_source_is_one_exact_line(tmp_path):
+    with pytest.raises(FileNotFoundError) as raised:
+        restore(tmp_path / "nope", toy.components())
+    assert str(raised.value) == f"checkpoint {str(tmp_path / 'nope')!r} does not exist"
+    for source in ("latest", "auto"):
+        with pytest.raises(ValueError) as raised:
+            resolve_source(source)
+        assert str(raised.value) == f'restore "{source}" needs the checkpoint root directory (root=...)'
+    empty_root = tmp_path / "runs"
+    (empty_root / "step_3").mkdir(parents=True)  # a partial: not a checkpoint
+    with pytest.raises(ValueError) as raised:
+        resolve_source(empty_root)
+    assert str(raised.value) == f"checkpoint root {str(empty_root)!r} holds no complete checkpoint"
+    partial = empty_root / "step_3"
+    (partial / DCP_METADATA).write_bytes(b"x")
+    with pytest.raises(ConfigError) as raised:
+        resolve_source(partial)
+    assert str(raised.value) == (
+        f"{str(partial)!r} is not a complete checkpoint (missing {MARKER}: an interrupted save?)"
+    )
+    (partial / DCP_METADATA).unlink()
+    with pytest.raises(ConfigError) as raised:
+        resolve_source(partial)
+    assert f"(missing {DCP_METADATA}, {MARKER}: an interrupted save?)" in str(raised.value)
+    assert resolve_source(None) is None and resolve_source("none", tmp_path) is None
+
+
+def test_a_checkpoint_of_another_format_is_refused_by_name(tmp_path):
+    path = save(SaveTarget(tmp_path, toy.components()), TrainState(0, 1, 1))
+    meta = json.loads((path / "meta.json").read_text())
+    for found in (2, None):
+        meta["format"] = found
+        (path / "meta.json").write_text(json.dumps(meta))
+        with pytest.raises(ValueError) as raised:
+            read_meta(path)
+        assert str(raised.value) == f"checkpoint {path} has format {found!r}; this fntrain reads 1"
+
+
+def test_a_checkpoint_root_named_by_path_means_its_newest_intact_one_left_in_place(tmp_path, caplog):
+    toy.two_checkpoints(tmp_path)
+    (tmp_path / LATEST).unlink()  # found from the step directories alone
+    assert resolve_source(tmp_path) == step_dir(tmp_path, 4)
+    truncate(step_dir(tmp_path, 4))
+    with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
+        assert resolve_source(tmp_path) == step_dir(tmp_path, 2)
+    assert ours(caplog) == [(logging.WARNING, f"skipping damaged checkpoint {step_dir(tmp_path, 4)}/{DATA}: "
+                             + ours(caplog)[0][1].split(f"{DATA}: ", 1)[1])]  # fmt: skip
+    assert ours(caplog)[0][1].endswith("(trying step_2)")
+    assert (
+        step_dir(tmp_path, 4).is_dir() and not (tmp_path / LATEST).exists()
+    )  # not the run's root: untouched
+
+
+def test_latest_passes_over_damage_with_one_warning_each_and_says_when_none_is_left(tmp_path, caplog):
+    toy.two_checkpoints(tmp_path)
+    for step in (2, 4):
+        truncate(step_dir(tmp_path, step))
+    with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
+        with pytest.raises(CheckpointDamagedError) as raised:
+            restore("latest", toy.components(), root=tmp_path)
+    assert str(raised.value).endswith("; no intact checkpoint to restore (2 damaged)")
+    first, second = (message for _, message in ours(caplog))
+    assert first.startswith(f"skipping damaged checkpoint {step_dir(tmp_path, 4)}/{DATA}: truncated")
+    assert first.endswith("(moved aside to step_4.damaged; trying step_2)")
+    assert second.endswith("(moved aside to step_2.damaged; no older checkpoint to try)")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fntrain.checkpoint"):
+        with pytest.warns(UserWarning) as said:
+            assert restore("latest", toy.components(), root=tmp_path) == TrainState()
+        assert restore("auto", toy.components(), root=tmp_path) == TrainState()
+    note = " (2 damaged checkpoint(s) set aside there: step_2.damaged, step_4.damaged)"
+    assert [str(w.message) for w in said] == [
+        f"no complete checkpoint under {tmp_path}; starting fresh{note}"
+    ]
+    assert ours(caplog)[-1] == (logging.WARNING, f"restore auto: no complete checkpoint under {tmp_path}; "
+                                f"starting fresh{note}")  # fmt: skip
+
+
+def test_auto_on_an_empty_root_logs_a_quiet_fresh_start(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="fntrain.checkpoint"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert restore("auto", toy.components(), root=tmp_path) == TrainState()
+    assert ours(caplog) == [
+        (logging.INFO, f"restore auto: no complete checkpoint under {tmp_path}; starting fresh")
+    ]
+
+
+def test_a_damaged_checkpoint_that_cannot_be_moved_aside_is_still_skipped(tmp_path, caplog, monkeypatch):
+    toy.two_checkpoints(tmp_path)
+    truncate(step_dir(tmp_path, 4))
+
+    def refuse(path, suffix):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(restorer_module, "move_aside", refuse)
+    with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
+        assert restore("latest", toy.components(), root=tmp_path) == TrainState(0, 2, 2)
+    (message,) = (m for _, m in ours(caplog))
+    assert message.endswith("(could not move it aside ([Errno 13] Permission denied); trying step_2)")
+    assert (tmp_path / LATEST).read_text() == "step_2\n"  # the pointer names what was restored
+
+
+def test_a_named_checkpoint_clears_the_roots_partials_and_a_damaged_one_says_what_to_do(tmp_path):
+    toy.two_checkpoints(tmp_path)
+    (tmp_path / "step_9").mkdir()
+    (tmp_path / "step_9" / DATA).write_bytes(b"partial")
+    assert resolve_source(step_dir(tmp_path, 2), tmp_path) == step_dir(tmp_path, 2)
+    assert (tmp_path / "step_9.incomplete" / DATA).is_file()
+    truncate(step_dir(tmp_path, 2))
+    with pytest.raises(CheckpointDamagedError) as raised:
+        resolve_source(step_dir(tmp_path, 2), tmp_path)
+    assert str(raised.value).endswith('; restore another checkpoint ("latest" skips damaged ones)')
+
+
+def test_restore_logs_what_it_restored_and_what_differs_from_the_save(tmp_path, caplog, monkeypatch):
+    path = save(SaveTarget(tmp_path, toy.components()), TrainState(1, 5, 2))
+    meta = json.loads((path / "meta.json").read_text())
+    meta["world_size"] = 2
+    meta["num_threads"] = torch.get_num_threads() + 3
+    (path / "meta.json").write_text(json.dumps(meta))
+    (path / MANIFEST).unlink()  # an edited checkpoint: restored unverified, with one warning
+    hook = stateful("kept", lambda *a: None, lambda: {}, lambda s: None)
+    newcomer = stateful("newcomer", lambda *a: None, lambda: {}, lambda s: None)
+    other = stateful("other", lambda *a: None, lambda: {}, lambda s: None)
+    with caplog.at_level(logging.INFO, logger="fntrain.checkpoint"):
+        state = restore(path, toy.components(), hooks=lambda: [hook, newcomer, other])
+    assert state == TrainState(1, 5, 2)
+    assert ours(caplog) == [
+        (logging.WARNING, f"checkpoint {path} has no manifest (saved by an older fntrain): its file sizes and "
+                          "metadata were checked, its contents could not be verified"),
+        (logging.WARNING, f"checkpoint {path} was saved by 2 rank(s), restoring on 1"),
+        (logging.WARNING, f"checkpoint {path} was saved with torch.get_num_threads() == "
+                          f"{torch.get_num_threads() + 3}, this process has {torch.get_num_threads()}: CPU results "
+                          "may differ from an uninterrupted run in the last bits"),
+        (logging.WARNING, f"checkpoint {path} has no state for hook(s) kept, newcomer, other; they start fresh"),
+        (logging.INFO, f"restored checkpoint {path} (epoch 1, step 5, cursor 2)"),
+    ]  # fmt: skip
+
+
+def test_another_rank_without_its_own_file_keeps_its_rng_and_takes_rank_zeros_hook_states(
+    tmp_path, caplog, monkeypatch
+):
+    box = {"n": 7}
+    hook = stateful("counter", lambda *a: None, lambda: dict(box), lambda s: box.update(s))
+    path = save(SaveTarget(tmp_path, toy.components(), hooks=[hook]), TrainState(0, 3, 3))
+    box["n"] = 0
+    monkeypatch.setattr(restorer_module._dist, "rank", lambda group=None: 1)
+    monkeypatch.setattr(restorer_module._dist, "world_size", lambda group=None: 2)
+    fresh = toy.components()
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
+        restore(path, fresh, hooks=[hook], verified=True)
+    assert torch.equal(torch.rand(3), expected)  # no rank_1.json: the RNG keeps its seeded state
+    assert box == {"n": 7}
+    assert (
+        logging.WARNING,
+        f"checkpoint {path} has no RNG state for rank 1; its RNG keeps the seeded state",
+    ) in ours(caplog)
+
+
+def test_weights_only_restores_the_model_alone_and_says_so(tmp_path, caplog):
+    parts = toy.components()
+    toy.step(parts, toy.batches(1)[0])
+    path = save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1))
+    fresh = toy.components(seed=4)
+    with caplog.at_level(logging.INFO, logger="fntrain.checkpoint"):
+        assert restore(path, fresh, weights_only=True) == TrainState()
+    assert toy.same_weights(fresh, parts) and not fresh.optimizers[0].state
+    assert fresh.schedulers[0].last_epoch == 0
+    assert ours(caplog)[-1] == (
+        logging.INFO,
+        f"restored model weights from {path} (weights only; training starts at step 0)",
+    )
+
+
+def test_the_grad_scaler_and_every_scheduler_are_restored(tmp_path):
+    def parts_with_scaler(seed, scale):
+        parts = toy.components(seed)
+        optimizer = parts.optimizers[0]
+        second = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale, enabled=True)
+        return parts.__class__(parts.model, parts.loss_fn, parts.optimizers, (parts.schedulers[0], second),
+                               grad_scaler=scaler)  # fmt: skip
+
+    parts = parts_with_scaler(0, 64.0)
+    toy.step(parts, toy.batches(1)[0])
+    path = save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1))
+    fresh = parts_with_scaler(1, 2.0)
+    restore(path, fresh)
+    assert fresh.grad_scaler.state_dict()["scale"] == 64.0
+    assert [s.last_epoch for s in fresh.schedulers] == [s.last_epoch for s in parts.schedulers] == [1, 1]
+    assert fresh.optimizers[0].param_groups[0]["lr"] == parts.optimizers[0].param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("interrupted", ["before the marker", "before latest"])
+def test_a_resume_after_an_interrupted_save_continues_bit_for_bit_from_the_previous_one(
+    tmp_path, interrupted
+):
+    """What the kill-and-resume tests check across processes, in one: a run saved at step 2, interrupted
+    inside the save of step 4, resumed from "latest", gives the uninterrupted run's later losses (==)."""
+    data = toy.batches(6)
+    live = toy.components(seed=0)
+    torch.manual_seed(3)
+    for ids in data[:2]:
+        toy.step(live, ids)
+    save(SaveTarget(tmp_path, live), TrainState(0, 2, 2))
+    expected = [toy.step(live, ids) for ids in data[2:]]
+    if interrupted == "before the marker":  # the later save's files are there, its marker is not
+        path = save(SaveTarget(tmp_path, live), TrainState(0, 4, 4))
+        (path / MARKER).unlink()
+        (tmp_path / LATEST).write_text("step_2\n")
+    else:  # complete, but the pointer still names the previous checkpoint
+        save(SaveTarget(tmp_path, live), TrainState(0, 4, 4))
+        (tmp_path / LATEST).write_text("step_2\n")
+    fresh = toy.components(seed=99)
+    torch.manual_seed(1234)
+    state = restore("latest", fresh, root=tmp_path)
+    assert state == TrainState(0, 2, 2)
+    assert [toy.step(fresh, ids) for ids in data[2:]] == expected
