@@ -56,6 +56,7 @@ def mutmut_config(target: Target, pins: bool) -> str:
     return (
         "\n[tool.mutmut]\n"
         'source_paths = ["fntrain"]\n'
+        'also_copy = ["recipes", "configs"]\n'  # tests build recipes' jobs and read their configs
         f"only_mutate = [{json.dumps(target.module)}]\n"
         f"pytest_add_cli_args_test_selection = [{tests}]\n"
         f'pytest_add_cli_args = ["-p", "no:cacheprovider", "-W", "ignore"{deselect}]\n'
