@@ -23,13 +23,7 @@ from fntrain.data.pipeline import (
 )
 from fntrain.data.settings import Batching, LoaderConfig
 from tests.data.datasets import Indexed, StatefulStream, Stream
-
-
-def read(iterator) -> list[list[list[int]]]:
-    try:
-        return [[mb["index"].tolist() for mb in step] for step in iterator]
-    finally:
-        iterator.close()
+from tests.data.test_pipeline import read
 
 
 def build(dataset=None, batching: dict | None = None, loader: dict | None = None, **options):
