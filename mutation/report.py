@@ -1,14 +1,15 @@
 """The results of mutation runs: one record per module in results.json, rendered to RESULTS.md.
 
 A module's score is killed / (total - equivalent): a mutant the tests notice (a failure, a timeout, a
-crash) is killed; a surviving mutant matched by an entry of equivalent.toml (same module, same function,
-same changed lines) is argued equivalent or harmless and leaves the denominator; every other survivor is
+crash) is killed; a surviving mutant matched by an entry of mutation/equivalent/<module stem>.toml (same module, same
+function, same changed lines) is argued equivalent or harmless and leaves the denominator; every other survivor is
 listed in RESULTS.md with its diff, a behaviour no test pins. Matching by the change, not by mutmut's
 numbering, keeps a reason attached to its mutant when the function's other lines change.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import sys
 from datetime import datetime
@@ -23,7 +24,7 @@ from mutation.targets import ROOT, TARGETS, Target
 HERE = ROOT / "mutation"
 RESULTS_JSON = HERE / "results.json"
 RESULTS_MD = HERE / "RESULTS.md"
-EQUIVALENT = HERE / "equivalent.toml"
+EQUIVALENT = HERE / "equivalent"  # one <module stem>.toml per module
 
 
 def function_of(name: str) -> str:
@@ -41,10 +42,9 @@ def change_of(diff: str) -> str:
 
 
 def load_equivalent() -> list[dict]:
-    """The argued mutants: [[mutant]] tables with module, function, change and reason."""
-    if not EQUIVALENT.exists():
-        return []
-    return tomllib.loads(EQUIVALENT.read_text())["mutant"]
+    """The argued mutants: the [[mutant]] tables (module, function, change, reason) of every
+    mutation/equivalent/<module stem>.toml."""
+    return [entry for path in sorted(EQUIVALENT.glob("*.toml")) for entry in tomllib.loads(path.read_text())["mutant"]]
 
 
 def reason_for(module: str, name: str, diff: str, argued: list[dict]) -> str | None:
@@ -84,14 +84,18 @@ def record(target: Target, by_name: dict[str, str], survivors: dict[str, str], *
 def store(rec: dict, baseline: bool = False) -> None:
     """Put `rec` into results.json. The module's first recorded score is kept as its baseline (the
     score before tests were written against its survivors); a `baseline` run replaces that one only."""
-    data = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else {}
     summary = {k: rec[k] for k in ("date", "total", "killed", "score", "command")}
-    previous = data.get(rec["module"])
-    if baseline and previous is not None:
-        data[rec["module"]] = {**previous, "first": summary}
-    else:
-        data[rec["module"]] = {**rec, "first": (previous or {}).get("first") or summary}
-    RESULTS_JSON.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    # Two modules' runs may end at once (one per terminal): the read-modify-write holds a lock so
+    # neither loses the other's record.
+    with (HERE / ".results.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else {}
+        previous = data.get(rec["module"])
+        if baseline and previous is not None:
+            data[rec["module"]] = {**previous, "first": summary}
+        else:
+            data[rec["module"]] = {**rec, "first": (previous or {}).get("first") or summary}
+        RESULTS_JSON.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
 
 
 def summary_line(rec: dict) -> str:
@@ -131,7 +135,7 @@ def _details(data: dict) -> list[str]:
                     *("  " + ln for ln in s["diff"].splitlines()[2:]), "  ```", ""]
     if not any(rec["survived"] for rec in data.values()):
         out.append("None in the modules run.")
-    out += ["", "## Equivalent or harmless mutants (mutation/equivalent.toml)", ""]
+    out += ["", "## Equivalent or harmless mutants (mutation/equivalent/)", ""]
     for module, rec in data.items():
         for e in rec["equivalent"]:
             change = " / ".join(f"`{ln}`" for ln in e["change"].splitlines())

@@ -9,7 +9,7 @@ For each module (mutation/targets.py names the modules and the test files that p
    tests as they are now and nobody else's edits land in the middle of it;
 2. runs `mutmut run` there under `nice -n 19`: mutmut runs the tests once unmutated to learn which
    tests reach which function, then, for every mutant, only those tests (the first failure kills it);
-3. reads back each mutant's verdict, matches the survivors against mutation/equivalent.toml (mutants
+3. reads back each mutant's verdict, matches the survivors against mutation/equivalent/*.toml (mutants
    argued equivalent or harmless, with the reason) and records the module's score, killed /
    (total - equivalent), in mutation/results.json and mutation/RESULTS.md, where every survivor that
    is neither killed nor argued is listed with its diff: a behaviour of the core no test pins.
