@@ -12,3 +12,23 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_as_found():
+    """Entry points called in-process (`fntrain run`, a recipe's main) set up console logging for the
+    process: the root logger's level, a console handler, warnings routed into logging. Put that back
+    after each test, so a later test in the same worker reads fntrain's log lines as a fresh process
+    has them (fntrain's loggers at WARNING, through the root's default level)."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers:
+            root.removeHandler(handler)
+    root.setLevel(level)
+    logging.captureWarnings(False)

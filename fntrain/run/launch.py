@@ -232,7 +232,8 @@ def verify_launch(config: JobConfig, launch: Launch, *, fingerprint: dict[str, A
                               moves_aside=launch.moves_aside)  # fmt: skip
     doing = "resuming" if launch.path is not None else "starting the run again"
     for name, (old, new) in launch.changes.items():
-        log.warning("%s with %s changed from %r to %r (checkpoint.allow_changes)", doing, name, old, new)
+        if name != "data":  # _data_changes said it, file by file, when it compared the fingerprints
+            log.warning("%s with %s changed from %r to %r (checkpoint.allow_changes)", doing, name, old, new)
     return launch
 
 
