@@ -263,7 +263,7 @@ def _write_json_parts(
     }
     if "optimizer" in tree:  # each pipeline stage's own groups (meta.json's values are rank 0's)
         rank_state["optimizer_groups"] = [
-            list(g["params"]) for g in tree["optimizer"].get("param_groups", [])
+            list(g["params"]) for g in tree["optimizer"]["param_groups"]
         ]
     write_json_atomic(path / f"rank_{rank}.json", rank_state)
     if rank == 0:

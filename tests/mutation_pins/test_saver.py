@@ -5,6 +5,7 @@ interrupted at any point leaves the previous checkpoint the one `latest` restore
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -28,6 +29,7 @@ from fntrain.checkpoint.layout import DCP_METADATA, LATEST, MARKER, list_checkpo
 from fntrain.checkpoint.saver import FORMAT_VERSION, CheckpointSaveError, finalize, writer
 from fntrain.hooks.base import stateful
 from fntrain.state import TrainState
+from fntrain.step.components import Components
 from tests.checkpoint import toy
 
 
@@ -164,10 +166,11 @@ def test_a_save_into_a_root_that_does_not_exist_yet_is_checked_against_its_paren
     assert is_complete(path) and (root / LATEST).read_text() == "step_1\n"
 
     monkeypatch.setattr(space, "free_bytes", lambda path: 0)
-    with pytest.raises(CheckpointSaveError) as raised:
-        save(SaveTarget(tmp_path / "new" / "ckpt", toy.components()), TrainState(0, 1, 1))
-    assert raised.value.line.startswith(f"checkpoint step_1 not saved: ENOSPC not enough free space on {tmp_path} "
-                                        "for step_1")  # the nearest directory that exists  # fmt: skip
+    for options in (SaveOptions(), SaveOptions(keep_last=2, make_room=True)):  # make_room: nothing to remove
+        with pytest.raises(CheckpointSaveError) as raised:
+            save(SaveTarget(tmp_path / "new" / "ckpt", toy.components()), TrainState(0, 1, 1), options)
+        assert raised.value.line.startswith(f"checkpoint step_1 not saved: ENOSPC not enough free space on "
+                                            f"{tmp_path} for step_1")  # the nearest directory that exists  # fmt: skip
 
 
 def test_failed_clean_up_after_a_complete_save_is_a_warning_and_the_checkpoint_stays(
@@ -322,3 +325,85 @@ def test_retention_never_removes_the_checkpoint_just_saved(tmp_path):
     path = save(SaveTarget(tmp_path, parts), TrainState(0, 2, 2), SaveOptions(keep_last=1))
     assert is_complete(path) and (tmp_path / LATEST).read_text() == "step_2\n"
     assert "step_2" in [p.name for p in list_checkpoints(tmp_path)]
+
+
+def test_a_model_without_parameters_saves_the_cpu_rng(tmp_path):
+    model = torch.nn.Module()
+    model.register_buffer("counts", torch.zeros(3))  # state, but nothing to tell the device by
+    parts = Components(model, None, ())
+    path = save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1))
+    assert set(json.loads((path / "rank_0.json").read_text())["rng"]) == {"python", "numpy", "torch_cpu"}
+
+
+def test_the_rng_is_read_from_the_device_the_target_names(tmp_path, monkeypatch):
+    """The model's parameters sit on the CPU, the run's device is another: its generator is saved."""
+    read = []
+    monkeypatch.setattr(saver_module, "rng_state", lambda device: read.append(device) or {})
+    save(SaveTarget(tmp_path, toy.components(), device="meta"), TrainState(0, 1, 1))
+    assert read == [torch.device("meta")]
+
+
+def test_a_grad_scalers_state_is_saved_and_restored(tmp_path):
+    parts = dataclasses.replace(toy.components(), grad_scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    path = save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1))
+    fresh = dataclasses.replace(toy.components(), grad_scaler=torch.amp.GradScaler("cpu"))
+    restore(path, fresh)
+    assert fresh.grad_scaler.state_dict() == parts.grad_scaler.state_dict()
+    assert fresh.grad_scaler.state_dict()["scale"] == 1024.0
+
+
+def test_a_ddp_wrapped_model_names_its_tied_weights_as_the_bare_model(monkeypatch):
+    model = toy.Toy()
+    wrapped = torch.nn.parallel.DistributedDataParallel.__new__(torch.nn.parallel.DistributedDataParallel)
+    torch.nn.Module.__init__(wrapped)
+    wrapped.module = model  # a DDP wrapper's shape, without a process group
+    assert saver_module._tied_names(wrapped) == [["embed.weight", "head.weight"]] == saver_module._tied_names(model)
+
+
+def test_make_room_never_removes_the_checkpoint_latest_names_and_lists_each_it_removes(
+    tmp_path, monkeypatch, caplog
+):
+    parts = toy.components()
+    one = size_of(save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1)))
+    for step in (2, 3):
+        save(SaveTarget(tmp_path, parts), TrainState(0, step, step), SaveOptions(keep_last=5))
+    (tmp_path / LATEST).write_text("step_1\n")  # e.g. a run resumed from step_1 by path
+    capacity(monkeypatch, tmp_path, int(one * 3.5))  # room for step_4 once one checkpoint goes
+    with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
+        save(SaveTarget(tmp_path, parts), TrainState(0, 4, 4), SaveOptions(keep_last=2, make_room=True))
+    assert ours(caplog)[0] == "checkpoint.make_room: removed step_2 to make room for step_4"
+    monkeypatch.undo()
+    for step in (5, 6):
+        save(SaveTarget(tmp_path, parts), TrainState(0, step, step), SaveOptions(keep_last=5))
+    caplog.clear()
+    capacity(monkeypatch, tmp_path, int(one * 4.5))  # four checkpoints: two must go
+    with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
+        save(SaveTarget(tmp_path, parts), TrainState(0, 7, 7), SaveOptions(keep_last=3, make_room=True))
+    assert ours(caplog)[0] == "checkpoint.make_room: removed step_3, step_4 to make room for step_7"
+
+
+@pytest.mark.parametrize("rank, world", [(0, 1), (1, 2)])
+def test_a_failed_json_write_names_the_rank_of_several_and_the_step(tmp_path, monkeypatch, rank, world):
+    monkeypatch.setattr(saver_module._dist, "rank", lambda group=None: rank)
+    monkeypatch.setattr(saver_module._dist, "world_size", lambda group=None: world)
+    step_dir(tmp_path, 3).mkdir(parents=True)  # rank 0 made it; on another rank prepare does not
+
+    def full(path, data):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(saver_module, "write_json_atomic", full)
+    with pytest.raises(CheckpointSaveError) as raised:
+        save(SaveTarget(tmp_path, toy.components()), TrainState(0, 3, 3))
+    who = f"rank {rank}: " if world > 1 else ""
+    assert raised.value.line.startswith(
+        f"checkpoint step_3 not saved: {who}ENOSPC No space left on device: {step_dir(tmp_path, 3) / f'rank_{rank}.json'}"
+    )
+    assert raised.value.step == 3
+
+
+def test_a_step_directory_that_cannot_be_made_is_one_save_error_with_its_step(tmp_path):
+    (tmp_path / "ckpt").write_text("a file where the checkpoint root should be")
+    with pytest.raises(CheckpointSaveError) as raised:
+        save(SaveTarget(tmp_path / "ckpt", toy.components()), TrainState(0, 5, 5))
+    assert raised.value.step == 5
+    assert raised.value.line.startswith(f"checkpoint step_5 not saved: ENOTDIR Not a directory: {tmp_path / 'ckpt'}")
