@@ -61,8 +61,12 @@ TARGETS = {
         # tests/checkpoint/test_resume.py SIGKILLs recipe runs in fresh interpreters (tens of seconds a
         # mutant); the in-process restore tests here and the pins state what it checks of the restorer
         # (a resumed run continues bit for bit; an interrupted save leaves the previous checkpoint loadable).
+        # Left out: the check that restore's warnings point at its caller (stacklevel) fails under mutmut,
+        # whose trampoline adds a frame to every mutated function; it runs in the default tier as written.
         _t("fntrain/checkpoint/restorer.py", "tests/checkpoint/test_save_restore.py", "tests/checkpoint/test_verify.py",
-           "tests/checkpoint/test_restart.py", goal=0.9),
+           "tests/checkpoint/test_restart.py", goal=0.9, skip=(
+               "tests/checkpoint/test_save_restore.py::test_restores_warnings_point_at_its_caller",
+           )),
         # Left out: the three tests that start DataLoader worker processes for a whole epoch at every cursor
         # (5 s a mutant on 2 cores; the shorter worker tests stay) and the one that builds a whole job per
         # rank (3 s; its pipeline half, each rank reading its own shard, is the every-cursor test's). The

@@ -196,9 +196,15 @@ def test_missing_optimizer_state_warns_and_keeps_a_fresh_optimizer(tmp_path):
     assert any("no optimizer state" in m for m in messages) and any(
         "no schedulers state" in m for m in messages
     )
-    assert all(w.filename == __file__ for w in caught)  # attributed to the caller of restore
     assert toy.same_weights(source, target)
     assert not target.optimizers[0].state  # truly fresh: no zero-lr initialisation step left behind
+
+
+def test_restores_warnings_point_at_its_caller(tmp_path):
+    path = save(SaveTarget(tmp_path, toy.components(optimizer=False)), TrainState(0, 3, 3))
+    with pytest.warns(UserWarning) as caught:
+        restore(path, toy.components(seed=9))
+    assert caught and all(w.filename == __file__ for w in caught)
 
 
 def test_changed_parameter_groups_warn(tmp_path):
