@@ -168,10 +168,10 @@ class Mixture(torch.utils.data.Dataset):
 
     def locate(self, index: int) -> tuple[int, int]:
         """(source, index in that source) of the view's sample `index` in the current epoch."""
+        if not -self.samples_per_epoch <= index < self.samples_per_epoch:
+            raise IndexError(f"mixture index {index} is outside [-{self.samples_per_epoch}, {self.samples_per_epoch})")
         if index < 0:
             index += self.samples_per_epoch
-        if not 0 <= index < self.samples_per_epoch:
-            raise IndexError(f"mixture index {index} is outside [0, {self.samples_per_epoch})")
         round_number, slot = divmod(index, self.round)
         source = int(self._slot_source[slot])
         ordinal = round_number * self.round_counts[source] + int(self._slot_ordinal[slot])

@@ -256,3 +256,64 @@ def test_a_resume_after_an_interrupted_save_continues_bit_for_bit_from_the_previ
     state = restore("latest", fresh, root=tmp_path)
     assert state == TrainState(0, 2, 2)
     assert [toy.step(fresh, ids) for ids in data[2:]] == expected
+
+
+@pytest.fixture
+def group_of_one(monkeypatch):
+    """A process group stand-in with this process as rank 0 of 1: the restorer takes the plan rank 0
+    sends every rank (here, itself) instead of the one it made. Returns what rank 0 sent."""
+    sent: list[str | None] = []
+    dist = restorer_module._dist
+    monkeypatch.setattr(dist, "initialized", lambda: True)
+    monkeypatch.setattr(dist, "rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "world_size", lambda group=None: 1)
+    monkeypatch.setattr(dist, "barrier", lambda group=None: None)
+    monkeypatch.setattr(dist, "agree", lambda problem, group=None: problem)
+    monkeypatch.setattr(dist, "broadcast_text", lambda text, group=None: sent.append(text) or text)
+    return sent
+
+
+def test_under_a_process_group_latest_passes_over_damage_as_alone(tmp_path, group_of_one, caplog):
+    toy.two_checkpoints(tmp_path)
+    truncate(step_dir(tmp_path, 4))
+    with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
+        assert restore("latest", toy.components(), root=tmp_path) == TrainState(0, 2, 2)
+    assert len(group_of_one) == 1  # the plan went through the broadcast
+    assert (tmp_path / "step_4.damaged").is_dir() and (tmp_path / LATEST).read_text() == "step_2\n"
+    (message,) = (m for _, m in ours(caplog))
+    assert message.endswith("(moved aside to step_4.damaged; trying step_2)")
+
+
+def test_under_a_process_group_a_named_damaged_checkpoint_is_refused_as_alone(tmp_path, group_of_one):
+    toy.two_checkpoints(tmp_path)
+    truncate(step_dir(tmp_path, 4))
+    with pytest.raises(CheckpointDamagedError) as raised:
+        restore(step_dir(tmp_path, 4), toy.components(), root=tmp_path)
+    assert str(raised.value).endswith(restorer_module.NAMED_DAMAGED_HINT)
+    assert step_dir(tmp_path, 4).is_dir()  # named by the user: never moved
+
+
+def test_under_a_process_group_an_empty_root_says_fresh_start_as_alone(tmp_path, group_of_one, caplog):
+    with pytest.warns(UserWarning) as said:
+        assert restore("latest", toy.components(), root=tmp_path) == TrainState()
+    assert [str(w.message) for w in said] == [f"no complete checkpoint under {tmp_path}; starting fresh"]
+    with caplog.at_level(logging.INFO, logger="fntrain.checkpoint"):
+        assert restore("auto", toy.components(), root=tmp_path) == TrainState()
+    assert ours(caplog) == [(logging.INFO, f"restore auto: no complete checkpoint under {tmp_path}; starting fresh")]
+
+
+def test_another_rank_resolves_rank_zeros_plan_or_says_rank_zeros_error(tmp_path, group_of_one, monkeypatch):
+    toy.two_checkpoints(tmp_path)
+    assert resolve_source("latest", tmp_path) == step_dir(tmp_path, 4)
+    (plan,) = group_of_one
+    monkeypatch.setattr(restorer_module._dist, "rank", lambda group=None: 1)
+    monkeypatch.setattr(restorer_module._dist, "broadcast_text", lambda text, group=None: plan)
+    assert resolve_source("latest", tmp_path) == step_dir(tmp_path, 4)
+    said = f"error:checkpoint {str(tmp_path / 'nope')!r} does not exist"
+    monkeypatch.setattr(restorer_module._dist, "broadcast_text", lambda text, group=None: said)
+    with pytest.raises(RuntimeError) as raised:
+        resolve_source(tmp_path / "nope", tmp_path)
+    assert str(raised.value) == (
+        f"rank 0 could not resolve checkpoint {str(tmp_path / 'nope')!r}: checkpoint "
+        f"{str(tmp_path / 'nope')!r} does not exist"
+    )
