@@ -81,6 +81,37 @@ def record(target: Target, by_name: dict[str, str], survivors: dict[str, str], *
     }
 
 
+def retested(target: Target, previous: dict, again: dict[str, str], survivors: dict[str, str], *,
+             killed_verdicts: set[str], started: datetime, seconds: float) -> dict:
+    """The module's record after its open survivors (`again`: name -> new verdict) were tested again:
+    the previous run's kills and argued mutants kept, the newly killed counted, the rest re-matched
+    against the equivalent files."""
+    argued = load_equivalent()
+    equivalent, open_ = list(previous["equivalent"]), []
+    for name, diff in survivors.items():
+        reason = reason_for(target.module, name, diff, argued)
+        entry = {"name": name, "function": function_of(name), "change": change_of(diff), "diff": diff}
+        if reason is None:
+            open_.append({**entry, "verdict": again[name]})
+        else:
+            equivalent.append({**entry, "reason": reason})
+    killed = previous["killed"] + sum(v in killed_verdicts for v in again.values())
+    denominator = previous["total"] - len(equivalent)
+    return {
+        **previous, "tests": list(target.test_files(True)),
+        "date": started.strftime("%Y-%m-%d %H:%M UTC"), "seconds": previous["seconds"] + round(seconds),
+        "command": f".venv/bin/python -m mutation.run {target.module}, then --survivors",
+        "killed": killed, "equivalent": equivalent, "survived": open_,
+        "timeouts": previous["timeouts"] + sum(v == "timeout" for v in again.values()),
+        "score": killed / denominator if denominator else 1.0,
+    }
+
+
+def stored(module: str) -> dict | None:
+    """The module's record in results.json, or None."""
+    return json.loads(RESULTS_JSON.read_text()).get(module) if RESULTS_JSON.exists() else None
+
+
 def store(rec: dict, baseline: bool = False) -> None:
     """Put `rec` into results.json. The module's first recorded score is kept as its baseline (the
     score before tests were written against its survivors); a `baseline` run replaces that one only."""

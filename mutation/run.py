@@ -80,8 +80,9 @@ def prepare(target: Target, pins: bool) -> Path:
     return work
 
 
-def run_mutmut(work: Path, max_children: int, log: Path) -> int:
-    """`nice -n 19 mutmut run` in `work`, its output in `log`; returns mutmut's exit status."""
+def run_mutmut(work: Path, max_children: int, log: Path, names: tuple[str, ...] = ()) -> int:
+    """`nice -n 19 mutmut run [names]` in `work` (every mutant, or only those named), its output in
+    `log`; returns mutmut's exit status."""
     mutmut = Path(sys.executable).with_name("mutmut")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("PYTHONPATH", None)
@@ -91,7 +92,7 @@ def run_mutmut(work: Path, max_children: int, log: Path) -> int:
     env["PYTEST_ADDOPTS"] = f"{os.environ.get('PYTEST_ADDOPTS', '')} -p torch._dynamo".strip()
     with log.open("w") as out:
         done = subprocess.run(
-            ["nice", "-n", "19", str(mutmut), "run", "--max-children", str(max_children)],
+            ["nice", "-n", "19", str(mutmut), "run", "--max-children", str(max_children), *names],
             cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, check=False,
         )
     return done.returncode
@@ -103,6 +104,12 @@ def verdicts(work: Path, target: Target) -> dict[str, str]:
 
     meta = json.loads((work / "mutants" / (target.module + ".meta")).read_text())
     return {name: status_by_exit_code[code] for name, code in sorted(meta["exit_code_by_key"].items())}
+
+
+def _mutmut_or_exit(target: Target, work: Path, status: int, log: Path) -> None:
+    if status != 0 or not (work / "mutants" / (target.module + ".meta")).exists():
+        tail = "\n".join(log.read_text().splitlines()[-30:])
+        raise SystemExit(f"mutmut failed on {target.module} (exit {status}); its log: {log}\n{tail}")
 
 
 def diff_of(work: Path, target: Target, name: str) -> str:
@@ -123,14 +130,38 @@ def measure(target: Target, max_children: int, pins: bool = True) -> dict:
     log = work / "mutmut.log"
     started = datetime.now(timezone.utc)
     status = run_mutmut(work, max_children, log)
-    meta = work / "mutants" / (target.module + ".meta")
-    if status != 0 or not meta.exists():
-        tail = "\n".join(log.read_text().splitlines()[-30:])
-        raise SystemExit(f"mutmut failed on {target.module} (exit {status}); its log: {log}\n{tail}")
+    _mutmut_or_exit(target, work, status, log)
     by_name = verdicts(work, target)
     survivors = {name: diff_of(work, target, name) for name, v in by_name.items() if v in SURVIVED}
     return report.record(
         target, by_name, survivors, killed_verdicts=KILLED, pins=pins,
+        started=started, seconds=(datetime.now(timezone.utc) - started).total_seconds(),
+    )
+
+
+def retest(target: Target, max_children: int) -> dict:
+    """Run only the open survivors of the module's last recorded run against the tests as they are now
+    (minutes instead of the whole module's run); the mutants that run killed stay killed. Refused when
+    the module's source changed since (its mutants are no longer the recorded ones): run it whole."""
+    previous = report.stored(target.module)
+    if previous is None or not previous["survived"]:
+        raise SystemExit(f"{target.module}: no recorded run with open survivors to test again")
+    work = prepare(target, pins=True)
+    log = work / "mutmut.log"
+    started = datetime.now(timezone.utc)
+    names = tuple(s["name"] for s in previous["survived"])
+    _mutmut_or_exit(target, work, run_mutmut(work, max_children, log, names), log)
+    by_name = verdicts(work, target)
+    changed = len(by_name) != previous["total"] or any(
+        diff_of(work, target, s["name"]) != s["diff"] for s in previous["survived"]
+    )
+    if changed:
+        raise SystemExit(f"{target.module} changed since its last run: run it whole (python -m mutation.run "
+                         f"{target.module})")  # fmt: skip
+    again = {name: by_name[name] for name in names}
+    survivors = {name: diff_of(work, target, name) for name, v in again.items() if v in SURVIVED}
+    return report.retested(
+        target, previous, again, survivors, killed_verdicts=KILLED,
         started=started, seconds=(datetime.now(timezone.utc) - started).total_seconds(),
     )
 
@@ -143,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-children", type=int, default=1, help="mutants tested at once (default 1)")
     parser.add_argument("--baseline", action="store_true",
                         help="run without tests/mutation_pins and record it as the module's first run")
+    parser.add_argument("--survivors", action="store_true",
+                        help="test only the open survivors of the module's last run again (after new pins)")
     parser.add_argument("--render", action="store_true", help="rewrite RESULTS.md from results.json only")
     args = parser.parse_args(argv)
     if args.list:
@@ -163,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for module in chosen:
         print(f"mutating {module} ...", flush=True)
-        rec = measure(TARGETS[module], args.max_children, pins=not args.baseline)
+        if args.survivors:
+            rec = retest(TARGETS[module], args.max_children)
+        else:
+            rec = measure(TARGETS[module], args.max_children, pins=not args.baseline)
         report.store(rec, baseline=args.baseline)
         print(report.summary_line(rec), flush=True)
     report.render()

@@ -187,8 +187,8 @@ def _check_file(path: Path, name: str, expected: dict[str, Any], contents: bool)
     return None
 
 
-def _legacy_checks(path: Path) -> list[tuple[str, Any]]:
-    """(file, check) pairs for a checkpoint without a manifest: what can be verified without checksums."""
+def _legacy_checks(path: Path) -> list[Any]:
+    """The checks of a checkpoint without a manifest: what can be verified without checksums."""
     from fntrain.checkpoint.safe_reader import read_dcp_metadata
 
     def metadata_check() -> Damage | None:
@@ -222,35 +222,31 @@ def _legacy_checks(path: Path) -> list[tuple[str, Any]]:
             return Damage(path, name, f"unreadable ({error})")
         return None
 
-    checks: list[tuple[str, Any]] = [
-        (DCP_METADATA, metadata_check),
-        ("meta.json", lambda: json_check("meta.json")),
-    ]
+    checks: list[Any] = [metadata_check, lambda: json_check("meta.json")]
     for rank_file in sorted(entry.name for entry in path.glob("rank_*.json")):
-        checks.append((rank_file, lambda name=rank_file: json_check(name)))
+        checks.append(lambda name=rank_file: json_check(name))
     return checks
 
 
-def _checks(path: Path, contents: bool) -> list[tuple[str, Any]]:
-    """(file, check) pairs that together verify `path`; a check returns a Damage or None."""
+def _checks(path: Path, contents: bool) -> list[Any]:
+    """The checks that together verify `path`, in the order their damage is reported; a check returns
+    a Damage or None."""
     if not path.is_dir():
-        return [("", lambda: Damage(path, "", "not a directory"))]
+        return [lambda: Damage(path, "", "not a directory")]
     if not (path / MARKER).is_file():
-        return [(MARKER, lambda: Damage(path, MARKER, "missing (an interrupted save?)"))]
+        return [lambda: Damage(path, MARKER, "missing (an interrupted save?)")]
     try:
         manifest = read_manifest(path)
     except (OSError, ValueError) as error:
         unreadable = Damage(path, MANIFEST, f"unreadable ({error})")
-        return [(MANIFEST, lambda: unreadable)]
+        return [lambda: unreadable]
     if manifest is None:
         return _legacy_checks(path)
     files = manifest["files"]
-    checks = [
-        (name, lambda name=name: _check_file(path, name, files[name], contents)) for name in sorted(files)
-    ]
+    checks = [lambda name=name: _check_file(path, name, files[name], contents) for name in sorted(files)]
     for required in (DCP_METADATA, "meta.json"):
         if required not in files:
-            checks.append((required, lambda name=required: Damage(path, name, "not in the manifest")))
+            checks.append(lambda name=required: Damage(path, name, "not in the manifest"))
     return checks
 
 
@@ -264,7 +260,7 @@ def damage(path: str | os.PathLike, *, contents: bool = True) -> Damage | None:
     `contents=False` checks presence and sizes only (no file is read)."""
     path = Path(path)
     checks = _checks(path, contents)
-    found = _first(_map(lambda check: check[1](), checks))
+    found = _first(_map(lambda check: check(), checks))
     if found is None and contents and has_manifest(path):
         _remember(path, read_manifest(path))
     return found
@@ -280,13 +276,15 @@ def verify_collectively(path: str | os.PathLike, process_group: Any = None) -> D
 
     rank, world = _dist.rank(process_group), _dist.world_size(process_group)
     checks = _checks(path, contents=True)
-    mine = _first(_map(lambda check: check[1](), checks[rank::world]))
+    # this rank's checks are checks[rank], checks[rank + world], ...: each damage goes with the index of
+    # the check that found it, so the ranks agree on the one `damage(path)` names (the first check's)
+    found = _map(lambda check: check(), checks[rank::world])
+    mine = next(((rank + world * i, d.file, d.reason) for i, d in enumerate(found) if d is not None), None)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, None if mine is None else (mine.file, mine.reason), group=process_group)
-    order = {name: index for index, (name, _) in enumerate(checks)}
-    reported = sorted((order.get(item[0], len(order)), item) for item in gathered if item is not None)
+    dist.all_gather_object(gathered, mine, group=process_group)
+    reported = sorted(item for item in gathered if item is not None)
     if reported:
-        return Damage(path, *reported[0][1])
+        return Damage(path, *reported[0][1:])
     if has_manifest(path):
         _remember(path, read_manifest(path))
     return None

@@ -169,7 +169,8 @@ def test_closing_a_rank_share_closes_the_stream_it_reads():
         finally:
             closed.append(True)  # a generator holding a file releases it here
 
-    share = rank_samples(stream(), rank=0, world_size=2, drop_last=True)
+    inner = stream()  # still referenced: only an explicit close() runs its clean-up now
+    share = rank_samples(inner, rank=0, world_size=2, drop_last=True)
     assert take(share, 2) == [0, 2]
     share.close()
     assert closed == [True]
