@@ -317,3 +317,70 @@ def test_another_rank_resolves_rank_zeros_plan_or_says_rank_zeros_error(tmp_path
         f"rank 0 could not resolve checkpoint {str(tmp_path / 'nope')!r}: checkpoint "
         f"{str(tmp_path / 'nope')!r} does not exist"
     )
+
+
+def test_latest_tries_the_next_older_checkpoint_and_names_the_newest_damage(tmp_path, caplog):
+    parts = toy.components()
+    for step in (2, 4, 6):
+        save(SaveTarget(tmp_path, parts), TrainState(0, step, step))
+    truncate(step_dir(tmp_path, 6))
+    with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
+        assert restore("latest", toy.components(), root=tmp_path) == TrainState(0, 4, 4)
+    (message,) = (m for _, m in ours(caplog))
+    assert message.endswith("(moved aside to step_6.damaged; trying step_4)")
+    for step in (2, 4):
+        truncate(step_dir(tmp_path, step))
+    with pytest.raises(CheckpointDamagedError) as raised:
+        restore("latest", toy.components(), root=tmp_path)
+    assert str(raised.value).startswith(f"damaged checkpoint: {step_dir(tmp_path, 4)}/{DATA}: truncated")
+    assert raised.value.damage.path == step_dir(tmp_path, 4)
+
+
+def test_the_checkpoint_is_verified_over_the_callers_group(tmp_path, group_of_one, monkeypatch):
+    toy.two_checkpoints(tmp_path)
+    groups = []
+    monkeypatch.setattr(restorer_module, "verify_collectively", lambda path, group=None: groups.append(group))
+    group = object()
+    assert resolve_source("latest", tmp_path, process_group=group) == step_dir(tmp_path, 4)
+    assert groups == [group]
+
+
+def test_a_checkpoint_without_a_world_size_counts_as_one_rank(tmp_path, caplog):
+    path = save(SaveTarget(tmp_path, toy.components()), TrainState(0, 1, 1))
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["world_size"]  # written by an fntrain that did not record it
+    (path / "meta.json").write_text(json.dumps(meta))
+    (path / MANIFEST).unlink()  # its files are then checked by size, not checksum
+    with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
+        restore(path, toy.components())
+    assert not any("rank(s), restoring on" in m for _, m in ours(caplog))
+
+
+def test_a_model_without_parameters_restores_its_rng_and_buffers(tmp_path):
+    def model():
+        module = torch.nn.Module()
+        module.register_buffer("counts", torch.zeros(3))
+        return module
+
+    source = toy.Components(model(), None, ())
+    source.model.counts += 2
+    torch.manual_seed(5)
+    path = save(SaveTarget(tmp_path, source), TrainState(0, 1, 1))
+    expected = torch.rand(3)
+    target = toy.Components(model(), None, ())
+    torch.manual_seed(0)
+    restore(path, target)
+    assert torch.equal(target.model.counts, torch.full((3,), 2.0)) and torch.equal(torch.rand(3), expected)
+
+
+def test_each_rank_takes_its_own_hook_state_when_it_has_a_file(tmp_path, monkeypatch):
+    box = {}
+    hook = stateful("h", lambda *a: None, lambda: dict(box), lambda state: box.update(loaded=state))
+    path = save(SaveTarget(tmp_path, toy.components(), hooks=[hook]), TrainState(0, 1, 1))
+    own = json.loads((path / "rank_0.json").read_text())
+    own["rank"], own["hooks"] = 1, {"h": {"mine": 1}}
+    (path / "rank_1.json").write_text(json.dumps(own))
+    monkeypatch.setattr(restorer_module._dist, "rank", lambda group=None: 1)
+    monkeypatch.setattr(restorer_module._dist, "world_size", lambda group=None: 2)
+    restorer_module._restore_rank_state(path, read_meta(path), [hook], toy.components(), None)  # rank 1's part
+    assert box["loaded"] == {"mine": 1}
