@@ -137,7 +137,7 @@ def export_failure(error: BaseException, *, step: int, checkpoints: str | os.Pat
         kept = f"{export}; no checkpoint was saved, so the run's {step} steps are lost: set --checkpoint.save-every"
     else:
         newest = step_of(latest) or 0
-        after = f" (the {step - newest} steps after it are lost)" if newest < step else ""
+        after = f", {step - newest} steps before the run's end" if newest < step else ""
         checkpoints_kept = f"the checkpoints (newest {latest.name}{after})"
         kept = (
             f"{checkpoints_kept} and the previous {name} are kept"

@@ -328,6 +328,6 @@ def test_an_export_failure_is_one_line_saying_what_is_kept(tmp_path):
     with pytest.raises(ExportError) as caught:
         export(run, recipe_export, built_for(run), TrainState(0, 6, 6))
     assert (caught.value.line, caught.value.step, caught.value.__cause__) == (
-        "exporting the model: OSError: disk full; the checkpoints (newest step_4 (the 2 steps after it are lost)) "
+        "exporting the model: OSError: disk full; the checkpoints (newest step_4, 2 steps before the run's end) "
         "are kept, the export was not written", 6, cause)  # fmt: skip
     assert not (Path(run.run_dir) / "model.safetensors").exists()
