@@ -56,18 +56,25 @@ def reason_for(module: str, name: str, diff: str, argued: list[dict]) -> str | N
     return None
 
 
-def record(target: Target, by_name: dict[str, str], survivors: dict[str, str], *, killed_verdicts: set[str],
-           pins: bool, started: datetime, seconds: float) -> dict:
-    """One module's result record from mutmut's verdicts and the survivors' diffs."""
+def _argued_and_open(target: Target, survivors: dict[str, str], verdicts: dict[str, str]) -> tuple[list, list]:
+    """The survivors (name -> diff) split into those argued in mutation/equivalent/ (with the reason) and
+    those still open (with mutmut's verdict)."""
     argued = load_equivalent()
     equivalent, open_ = [], []
     for name, diff in survivors.items():
         reason = reason_for(target.module, name, diff, argued)
         entry = {"name": name, "function": function_of(name), "change": change_of(diff), "diff": diff}
         if reason is None:
-            open_.append({**entry, "verdict": by_name[name]})
+            open_.append({**entry, "verdict": verdicts[name]})
         else:
             equivalent.append({**entry, "reason": reason})
+    return equivalent, open_
+
+
+def record(target: Target, by_name: dict[str, str], survivors: dict[str, str], *, killed_verdicts: set[str],
+           pins: bool, started: datetime, seconds: float) -> dict:
+    """One module's result record from mutmut's verdicts and the survivors' diffs."""
+    equivalent, open_ = _argued_and_open(target, survivors, by_name)
     total = len(by_name)
     killed = sum(v in killed_verdicts for v in by_name.values())
     denominator = total - len(equivalent)
@@ -86,15 +93,8 @@ def retested(target: Target, previous: dict, again: dict[str, str], survivors: d
     """The module's record after its open survivors (`again`: name -> new verdict) were tested again:
     the previous run's kills and argued mutants kept, the newly killed counted, the rest re-matched
     against the equivalent files."""
-    argued = load_equivalent()
-    equivalent, open_ = list(previous["equivalent"]), []
-    for name, diff in survivors.items():
-        reason = reason_for(target.module, name, diff, argued)
-        entry = {"name": name, "function": function_of(name), "change": change_of(diff), "diff": diff}
-        if reason is None:
-            open_.append({**entry, "verdict": again[name]})
-        else:
-            equivalent.append({**entry, "reason": reason})
+    argued, open_ = _argued_and_open(target, survivors, again)
+    equivalent = [*previous["equivalent"], *argued]
     killed = previous["killed"] + sum(v in killed_verdicts for v in again.values())
     denominator = previous["total"] - len(equivalent)
     return {
