@@ -63,6 +63,12 @@ def stack_of(thread: threading.Thread | None) -> list[str]:
     return names
 
 
+def waiting_in(thread: threading.Thread | None, queue_method: str) -> bool:
+    """True while `thread` waits inside the queue's `put` or `get` (the queue's own frames, so the check
+    holds however the prefetch functions are wrapped: mutmut's trampoline renames their frames)."""
+    return stack_of(thread)[:2] == ["wait", queue_method]
+
+
 def prefetch_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("fntrain-prefetch")]
 
@@ -85,10 +91,10 @@ def test_queue_is_bounded_by_depth():
         prefetcher = Prefetcher(source, depth=depth)
 
         # The worker fills the queue and then holds one more item, blocked on the full queue: once it is
-        # seen waiting in _put with the queue full, it cannot read on, so the count is final.
+        # seen waiting in the queue's put with the queue full, it cannot read on, so the count is final.
         def blocked(prefetcher=prefetcher, source=source, depth=depth):
             return (source.produced > depth and prefetcher._items.full()
-                    and "_put" in stack_of(prefetcher._thread))  # fmt: skip
+                    and waiting_in(prefetcher._thread, "put"))  # fmt: skip
 
         assert wait_until(blocked)
         assert source.produced == depth + 1
@@ -147,7 +153,7 @@ def test_stop_from_another_thread_releases_a_blocked_consumer():
     consumer = threading.Thread(target=lambda: outcome.append(next(prefetcher, "ended")))
     consumer.start()
     assert source.entered.wait(2.0)
-    assert wait_until(lambda: "__next__" in stack_of(consumer))  # the consumer waits on the empty queue
+    assert wait_until(lambda: waiting_in(consumer, "get"))  # the consumer waits on the empty queue
     stopper = threading.Thread(target=lambda: outcome.append(prefetcher.stop(timeout=0.2)))
     with pytest.warns(RuntimeWarning, match="did not stop within"):
         stopper.start()
@@ -173,6 +179,18 @@ def test_stop_timeout_returns_false_then_drops_the_late_item_and_releases_everyt
     assert source.produced == 1 and source.closed
     assert next(prefetcher, "end") == "end"  # the late item was dropped, never delivered
     assert prefetcher._items.empty()
+
+
+def test_the_stop_timeout_warning_points_at_the_caller_of_stop():
+    gate = threading.Event()
+    source = Source(["late"], gate=gate)
+    prefetcher = Prefetcher(source)
+    assert source.entered.wait(2.0)
+    with pytest.warns(RuntimeWarning, match="did not stop within") as warned:
+        prefetcher.stop(timeout=0.05)
+    assert [w.filename for w in warned] == [__file__]
+    gate.set()
+    assert wait_until(lambda: source.closed)
 
 
 def test_references_to_the_source_are_released_once_the_worker_exits():
