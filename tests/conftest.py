@@ -14,8 +14,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import logging  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -32,3 +35,18 @@ def _root_logger_as_found():
             root.removeHandler(handler)
     root.setLevel(level)
     logging.captureWarnings(False)
+
+
+@pytest.fixture(scope="session")
+def fork_env():
+    """The environment to launch `python -m MODULE` commands with (`fork_env["PYTHON_FORK"]` in place of
+    `sys.executable`, and this environment or a copy): each command is a fork of one server per test
+    process that imported torch and fntrain once (tests/fork_server.py), started when a test first asks.
+    Commands get one torch thread (the server's, sized at its import). A command that must start a
+    fresh interpreter (what an import costs or pulls in, a hash seed) uses `sys.executable`."""
+    from tests.fork_server import started
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    with started(env) as launch_env:
+        yield launch_env

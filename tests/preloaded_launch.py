@@ -1,11 +1,11 @@
-"""Launches of the slow distributed tests through one preloaded Python per test module
-(tests/preloaded_python.py): the recipe or worker run, torchrun's agent and every one of its workers is
+"""Launches of the slow distributed tests through the test process's fork server (the `fork_env`
+fixture, tests/fork_server.py): the recipe or worker run, torchrun's agent and every one of its workers is
 a fork of a process that imported torch and fntrain once, and otherwise runs as a fresh `python -m` would
 (its own process, arguments, environment, streams and exit status).
 
     @pytest.fixture(scope="module")
-    def python(tmp_path_factory):
-        yield from preloaded_launch.start(tmp_path_factory, _env())
+    def python(fork_env):
+        return preloaded_launch.through(fork_env)
 
     output = preloaded_launch.run(python, 2, "recipes.tiny_gpt", *flags)   # torchrun, 2 workers
 
@@ -17,11 +17,9 @@ only when a slow test asks for it (a module fixture), so the fast tier never pay
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-from tests.preloaded_python import preloaded
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,11 +33,9 @@ class Python:
     env: Mapping[str, str]
 
 
-def start(tmp_path_factory, env: Mapping[str, str]) -> Iterator[Python]:
-    """For a module fixture: a preloaded server started with `env` (its thread settings are the
-    commands'), stopped when the module is done."""
-    with preloaded(tmp_path_factory.mktemp("python"), dict(env)) as (launcher, added):
-        yield Python(launcher, {**env, **added})
+def through(fork_env: Mapping[str, str]) -> Python:
+    """The launches of a module through the `fork_env` fixture's server (one torch thread a command)."""
+    return Python(fork_env["PYTHON_FORK"], dict(fork_env))
 
 
 def command(python: Python, ranks: int, module: str, *args: str) -> list[str]:

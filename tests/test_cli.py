@@ -474,11 +474,11 @@ def test_every_bad_value_is_one_line_naming_the_flag_before_any_file(tmp_path, c
     assert not run_dir.exists()  # no file was written
 
 
-def test_python_dash_m_recipe_gives_the_same_one_line_errors(tmp_path):
+def test_python_dash_m_recipe_gives_the_same_one_line_errors(tmp_path, fork_env):
     for args, words in (BAD_VALUES[0], (["--config", str(tmp_path / "missing.toml")], "missing.toml")):
         result = subprocess.run(
-            [sys.executable, "-m", "recipes.tiny_gpt", "--run-dir", str(tmp_path / "run"), *args],
-            cwd=ROOT, capture_output=True, text=True,
+            [fork_env["PYTHON_FORK"], "-m", "recipes.tiny_gpt", "--run-dir", str(tmp_path / "run"), *args],
+            cwd=ROOT, env=fork_env, capture_output=True, text=True,
         )  # fmt: skip
         assert result.returncode == 2 and words in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1

@@ -6,7 +6,7 @@
 - the recipe end to end: a checkpoint saved at cp 2 resumes at cp 1, and a cp 2 run SIGKILLed inside a
   step and at a save resumes bit for bit (the kill-and-resume machinery of tests/checkpoint).
 A launch (imports, process-group set-up) costs more than these steps: every launch forks from one
-preloaded Python (tests/preloaded_python.py), the 2-rank worker cases and the ring probe share one
+preloaded Python (tests/fork_server.py), the 2-rank worker cases and the ring probe share one
 launch (tests/worker_sequence.py), and one uninterrupted cp 2 run of the recipe is both the SIGKILL
 test's reference and the checkpoint the cp 1 test restores.
 The pieces (all-to-alls, slices, refusals) are tested in tests/test_context_parallel_parts.py.
@@ -33,7 +33,7 @@ corpus = resume.corpus  # the small-corpus fixture of the kill-and-resume tests
 
 @pytest.fixture(scope="module")
 def preloaded(python) -> preloaded_launch.Python:
-    """The module's server (tests/preloaded_python.py) for the worker launches too."""
+    """The module's server (tests/fork_server.py) for the worker launches too."""
     return preloaded_launch.Python(str(resume.PYTHON["executable"]), dict(resume.PYTHON["env"]))
 
 

@@ -11,7 +11,6 @@ micro-batches and ranks.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -23,20 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TIGHT = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def _env() -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    }
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 @pytest.fixture(scope="module")
-def python(tmp_path_factory):
+def python(fork_env):
     """Every launch of the module (torchrun's workers too) forks from one Python that imported torch and
     fntrain (tests/preloaded_launch.py): the imports cost more than these runs' steps."""
-    yield from preloaded_launch.start(tmp_path_factory, _env())
+    return preloaded_launch.through(fork_env)
 
 
 CASES = "sgd,adamw,sgd_mean,bf16,fp16,skip_nan"

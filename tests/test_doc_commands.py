@@ -21,7 +21,7 @@ to be checked:
   line, which does not run here), every `fntrain run`, `fntrain run --nproc-per-node N` and
   `torchrun ... -m fntrain run` command is planned with its own arguments, unscaled, at its own world
   size (`fntrain plan`: every flag parsed, every value and the batch shape over the ranks checked, no
-  weights, no device), in the same directory. Start-up is shared (tests/doc_shell.py): the `fntrain`
+  weights, no device), in the same directory. Start-up is shared (tests/fork_server.py): the `fntrain`
   the lines find on PATH, and the Python torchrun starts its workers with, fork the command from one
   process that imported torch and transformers once;
 - NOT_HERE lists, with the reason, what cannot run here at all (installs, GPUs, NPUs, several nodes, a
@@ -450,7 +450,7 @@ PARALLEL_DOCUMENTS = 2
 def test_the_doc_commands_run_on_cpu_in_order(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.doc_shell import started
+    from tests.fork_server import PRELOAD, started
 
     pytest.importorskip("transformers")
     commands = doc_commands()
@@ -461,7 +461,7 @@ def test_the_doc_commands_run_on_cpu_in_order(tmp_path):
         return run_document(commands, work, {**env, "HOME": str(work / "home")})
 
     longest_first = sorted(documents(commands), key=lambda lines: len(document_steps(lines)), reverse=True)
-    with started(shell_env(tmp_path)) as env, ThreadPoolExecutor(PARALLEL_DOCUMENTS) as pool:
+    with started(shell_env(tmp_path), PRELOAD) as env, ThreadPoolExecutor(PARALLEL_DOCUMENTS) as pool:
         ran = pool.map(lambda lines: run_in_a_fresh_directory(lines, env), longest_first)
         failures = [line for lines in ran for line in lines]
     assert not failures, "\n".join(failures)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.doc_shell import DPO_PRELOAD, started
 from tests.dpo_helpers import CORPUS, preference_rows, tiny_llama
+from tests.fork_server import DPO_PRELOAD, started
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -87,7 +87,7 @@ def _env() -> dict[str, str]:
 def _launch(root: Path, cases: list[str], ranks: int, env: dict[str, str]) -> Path:
     strategy = "fsdp2" if ranks > 1 else "none"
     torchrun = ["torchrun", "--standalone", f"--nproc_per_node={ranks}"]
-    command = [*(torchrun if ranks > 1 else [env["PYTHON_DOC"]]), "-m", "tests.dpo_dist_worker", strategy, str(root),
+    command = [*(torchrun if ranks > 1 else [env["PYTHON_FORK"]]), "-m", "tests.dpo_dist_worker", strategy, str(root),
                *cases]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     assert result.returncode == 0, (
@@ -99,7 +99,7 @@ def _launch(root: Path, cases: list[str], ranks: int, env: dict[str, str]) -> Pa
 @pytest.fixture(scope="module")
 def runs(cases, tmp_path_factory) -> dict[str, Path]:
     """layout -> the root of its run directories. The launches (torchrun's agent and workers, the one
-    process) fork from one process that imported torch and transformers once (tests/doc_shell.py)."""
+    process) fork from one process that imported torch and transformers once (tests/fork_server.py)."""
     dpo_flags = json.loads(cases[0].removeprefix("dpo=dpo:"))
     tensor_parallel = f"tp=dpo:{json.dumps([*dpo_flags, '--parallel.tp-size', '2'])}"  # 2 ranks only
     with started(_env(), DPO_PRELOAD) as env:

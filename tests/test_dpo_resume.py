@@ -7,7 +7,7 @@ relaunch with another `--dpo.beta` is refused with one line naming it (exit 2, t
 it was) unless `--checkpoint.allow-changes dpo.beta`. Slow tier (kills and relaunches processes).
 
 Runs go through tests/dpo_resume_driver.py with tests/checkpoint/test_resume.py's process helpers,
-each its own process forked from one that imported torch and transformers once (tests/doc_shell.py).
+each its own process forked from one that imported torch and transformers once (tests/fork_server.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import pytest
 
 from fntrain.checkpoint import find_latest, read_meta
 from tests.checkpoint.test_resume import assert_latest_is_complete, env, finish
-from tests.doc_shell import DPO_PRELOAD, started
 from tests.dpo_helpers import preference_rows, tiny_llama
+from tests.fork_server import DPO_PRELOAD, started
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -59,7 +59,7 @@ def inputs(tmp_path_factory) -> list[str]:
 def launch(run_dir: Path, kill: str, args: list[str], launch_env: dict[str, str]) -> subprocess.Popen:
     """tests/dpo_resume_driver.py in its own session, its output in a file (see test_resume.ended)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    command = [launch_env["PYTHON_DOC"], "-m", "tests.dpo_resume_driver", str(run_dir), kill, *args,
+    command = [launch_env["PYTHON_FORK"], "-m", "tests.dpo_resume_driver", str(run_dir), kill, *args,
                "--run-dir", str(run_dir)]  # fmt: skip
     output = tempfile.TemporaryFile(mode="w+")
     process = subprocess.Popen(command, cwd=ROOT, env=launch_env, stdout=output, stderr=subprocess.STDOUT, text=True,

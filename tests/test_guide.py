@@ -5,7 +5,7 @@ standalone rendezvous (no fixed port), the CPU device and a run of a few tiny st
 is planned at its world size (16) instead of run. Then it checks what each step promises: the plan, the
 checkpoints and hf_model of the run, the resumed extension, the export, and transformers loading it.
 The `fntrain` and `torchrun` the lines find on PATH (and torchrun's workers) fork from one process that
-imported torch and transformers once (tests/doc_shell.py): each is its own process all the same.
+imported torch and transformers once (tests/fork_server.py): each is its own process all the same.
 
 tests/test_doc_commands.py runs every other document's lines and leaves docs/guide.md to this test."""
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.doc_shell import HF_PRELOAD, started
+from tests.fork_server import HF_PRELOAD, started
 from tests.hf_helpers import CHATS, save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]

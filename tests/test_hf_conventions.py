@@ -238,12 +238,10 @@ WINDOW_RUN = [
 
 
 @pytest.fixture(scope="module")
-def python(tmp_path_factory):
+def python(fork_env):
     """The window test's launches fork from one Python that imported torch and fntrain
     (tests/preloaded_launch.py): their imports cost more than their steps."""
-    from tests.test_distributed import _env
-
-    yield from preloaded_launch.start(tmp_path_factory, _env())
+    return preloaded_launch.through(fork_env)
 
 
 def _window_run(python, run_dir, ranks: int, *args: str) -> tuple[list[dict], str]:

@@ -26,7 +26,7 @@ from fntrain.run.config import CheckpointConfig, TrainConfig
 from fntrain.run.job import run_job
 from fntrain.step.optim import OptimizerConfig
 from recipes import hf_causal_lm as hf
-from tests.doc_shell import HF_PRELOAD, started
+from tests.fork_server import HF_PRELOAD, started
 from tests.hf_helpers import CHATS, TEMPLATE, save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -258,7 +258,7 @@ def test_plan_for_two_ranks_reads_no_weights(tiny_hf_model, monkeypatch, capsys)
 @pytest.fixture(scope="module")
 def launch_env():
     """The environment of this module's `torchrun` and `fntrain` commands: each forks from one process
-    that imported torch, transformers and peft once (tests/doc_shell.py), its own process all the same."""
+    that imported torch, transformers and peft once (tests/fork_server.py), its own process all the same."""
     with started({**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, HF_PRELOAD) as env:
         yield env
 

@@ -22,7 +22,6 @@ from fntrain.cli import dispatch
 from fntrain.cli.errors import UsageError
 from fntrain.cli.final_line import LINES_ENV, say
 from fntrain.cli.launcher import Ending, ending, is_launch, launch, read_lines, split_launch
-from tests.preloaded_python import preloaded
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -225,21 +224,14 @@ spec = dataclasses.replace(tiny_spec, hooks=hooks)
 '''
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "LOGLEVEL", "FNTRAIN_TRACEBACK")}  # fmt: skip
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return env
-
-
 @pytest.fixture(scope="module")
-def python(tmp_path_factory):
-    """The Python the slow tests launch `fntrain run` and torchrun with: tests/preloaded_python.py's
+def python(fork_env):
+    """The Python the slow tests launch `fntrain run` and torchrun with: tests/fork_server.py's
     launcher (the agent a fork of one process that imported torch once), and the environment to run
     them with. The ranks stay fresh interpreters (no PYTHON_EXEC): the launcher matches a rank's last
     line to torchrun's record of the rank by its pid, which a fork behind a launcher does not share."""
-    with preloaded(tmp_path_factory.mktemp("python"), _env()) as (launcher, added):
-        yield launcher, {**_env(), **{key: value for key, value in added.items() if key != "PYTHON_EXEC"}}
+    left_out = ("PYTHON_EXEC", "MASTER_PORT", "LOGLEVEL", "FNTRAIN_TRACEBACK")
+    return fork_env["PYTHON_FORK"], {key: value for key, value in fork_env.items() if key not in left_out}
 
 
 def _fntrain(python, cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:

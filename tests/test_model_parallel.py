@@ -26,7 +26,6 @@ from fntrain.runtime.pipeline import PipelineSplit, split_stage, stage_layers, s
 from fntrain.runtime.tensor_parallel import tensor_parallel_plan
 from recipes.tiny_gpt import PIPELINE, Config
 from tests import preloaded_launch
-from tests.test_distributed import _env
 
 TIGHT = {"rtol": 1e-5, "atol": 1e-6}
 SHAPE = ModelConfig(context=16, n_layer=4, n_head=4, d_model=32)
@@ -161,9 +160,9 @@ def _assert_same_weights(got_dir: Path, want_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def python(tmp_path_factory):
+def python(fork_env):
     """Every launch of the module forks from one process that imported torch and fntrain."""
-    yield from preloaded_launch.start(tmp_path_factory, _env())
+    return preloaded_launch.through(fork_env)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ SIGKILL resume and the checkpoint the other ep sizes restore; every launch forks
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -24,22 +23,15 @@ pytestmark = pytest.mark.slow
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return env
-
-
 PYTHON: dict[str, preloaded_launch.Python] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def python(tmp_path_factory):
+def python(fork_env):
     """Every launch of the module (torchrun's workers too) forks from one Python that imported torch and
     fntrain (tests/preloaded_launch.py): the imports cost more than these runs' steps."""
-    for started in preloaded_launch.start(tmp_path_factory, _env()):
-        PYTHON["python"] = started
-        yield
+    PYTHON["python"] = preloaded_launch.through(fork_env)
+    yield
     PYTHON.clear()
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.doc_shell import HF_PRELOAD, started
+from tests.fork_server import HF_PRELOAD, started
 from tests.hf_helpers import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def tiny_moe(tmp_path_factory) -> tuple[Path, Path]:
     return model_dir, data_path
 
 
-# What the launches import, once (tests/doc_shell.py's server): each launch, torchrun's agent and its
+# What the launches import, once (tests/fork_server.py's server): each launch, torchrun's agent and its
 # workers fork from it instead of importing torch and transformers again.
 PRELOAD = (*HF_PRELOAD, "transformers.models.qwen3_moe.modeling_qwen3_moe", "fntrain.models.moe_hf_ep")
 
@@ -68,7 +68,7 @@ def _train(env: dict, tiny_moe: tuple[Path, Path], run_dir: Path, ranks: int, *l
     model_dir, data_path = tiny_moe
     torchrun = ["torchrun", "--standalone", f"--nproc_per_node={ranks}"]
     command = [
-        *(torchrun if ranks > 1 else [env["PYTHON_DOC"]]), "-m", "recipes.hf_causal_lm",
+        *(torchrun if ranks > 1 else [env["PYTHON_FORK"]]), "-m", "recipes.hf_causal_lm",
         "--run-dir", str(run_dir),
         "--model.path", str(model_dir), "--data.path", str(data_path), "--data.max-length", "32",
         "--train.train-iters", "4", "--train.global-batch-size", "4", "--train.micro-batch-size", "1",

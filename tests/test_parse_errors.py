@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -117,10 +116,10 @@ def test_parse_config_cli_raises_the_line():
         parse_config_cli(recipe.config_cls, ["--seed", "abc"], prog="drv")
 
 
-def test_end_to_end_in_a_new_process(tmp_path):
+def test_end_to_end_in_a_new_process(tmp_path, fork_env):
     done = subprocess.run(
-        [sys.executable, "-m", "fntrain", "run", "tiny_gpt", "--train.train-iters", "twenty"],
-        cwd=tmp_path, capture_output=True, text=True,
+        [fork_env["PYTHON_FORK"], "-m", "fntrain", "run", "tiny_gpt", "--train.train-iters", "twenty"],
+        cwd=tmp_path, env=fork_env, capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == "fntrain run: --train.train-iters expects an integer (or None), got 'twenty'\n"

@@ -84,10 +84,11 @@ def test_missing_matplotlib_is_a_clear_error(tmp_path, monkeypatch, capsys):
     assert "pip install" in capsys.readouterr().err
 
 
-def test_module_command_line(tmp_path):
+def test_module_command_line(tmp_path, fork_env):
     write_run(tmp_path / "run", sample_records())
     result = subprocess.run(
-        [sys.executable, "-m", "fntrain.cli.plot", str(tmp_path / "run")],
+        [fork_env["PYTHON_FORK"], "-m", "fntrain.cli.plot", str(tmp_path / "run")],
+        env=fork_env,
         capture_output=True,
         text=True,
         check=True,

@@ -196,22 +196,20 @@ def test_the_checkpoint_hook_installs_the_configured_signals_itself(tmp_path):
     assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)) == before
 
 
-def test_the_process_exits_with_the_documented_status(tmp_path):
+def test_the_process_exits_with_the_documented_status(tmp_path, fork_env):
     """`python -m recipes.tiny_gpt` (here through tests/fault_driver.py, which calls its main): SIGTERM
     at step 3 -> checkpoint step 3, exit status 143, no traceback."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:1700])
     run_dir = tmp_path / "run"
     command = [
-        sys.executable, "-m", "tests.fault_driver", str(run_dir), "sigterm:0:3", "--run-dir", str(run_dir),
+        fork_env["PYTHON_FORK"], "-m", "tests.fault_driver", str(run_dir), "sigterm:0:3", "--run-dir", str(run_dir),
         "--model.n-layer", "1", "--model.d-model", "32", "--model.n-head", "2", "--model.context", "32",
         "--train.global-batch-size", "8", "--train.micro-batch-size", "4", "--train.train-iters", "12",
         "--log-every", "0", "--data.path", str(corpus), "--checkpoint.save-every", "100",
         "--progress.no-enabled", "--evaluate.eval-every", "0",
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = str(ROOT)
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(command, cwd=ROOT, env=fork_env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 143, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert "preemption (SIGTERM): saving step 3" in result.stderr

@@ -22,7 +22,6 @@ from fntrain.hooks.progress import ProgressConfig
 from fntrain.run.config import CheckpointConfig
 from fntrain.run.job import run_job
 from recipes import tiny_gpt
-from tests.preloaded_python import preloaded
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -32,18 +31,15 @@ TINY = [
 ]  # fmt: skip
 
 
-# The slow tests' launches go through a preloaded Python (tests/preloaded_python.py: a fork of one
-# process that imported torch and fntrain once) when they ask for `python`; the others start a fresh one.
+# The launches go through the test process's fork server (the `fork_env` fixture, tests/fork_server.py:
+# each a fork of one process that imported torch and fntrain once).
 PYTHON: dict[str, object] = {}
 
 
-@pytest.fixture(scope="module")
-def python(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = str(ROOT)
-    with preloaded(tmp_path_factory.mktemp("python"), env) as (launcher, added):
-        PYTHON.update(executable=launcher, env=added)
-        yield
+@pytest.fixture(scope="module", autouse=True)
+def python(fork_env):
+    PYTHON.update(executable=fork_env["PYTHON_FORK"], env=fork_env)
+    yield
     PYTHON.clear()
 
 
@@ -301,7 +297,8 @@ def test_a_second_ctrl_c_ends_the_process_at_once(tmp_path):
 
 def torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **PYTHON.get("env", {}))
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.update(PYTHON.get("env", {}))
     command = [
         str(PYTHON.get("executable", sys.executable)), "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "fntrain",
         "run", "tiny_gpt", *TINY, "--data.path", str(corpus(tmp_path)), "--parallel.strategy", "ddp", *args,

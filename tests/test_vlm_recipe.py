@@ -26,7 +26,7 @@ from fntrain.run.config import TrainConfig
 from fntrain.run.job import plan_job, run_job
 from fntrain.step.optim import OptimizerConfig
 from recipes import vlm
-from tests.doc_shell import VLM_PRELOAD, started
+from tests.fork_server import VLM_PRELOAD, started
 from tests.vlm_helpers import tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def launch_env():
     """The environment of this module's driver launches: each its own process (torchrun's agent and
-    workers too), forked from one that imported torch and transformers once (tests/doc_shell.py)."""
+    workers too), forked from one that imported torch and transformers once (tests/fork_server.py)."""
     with started(_env(), VLM_PRELOAD) as env:
         yield env
 
@@ -125,7 +125,7 @@ def launch_env():
 def _driver(
     out: Path, kill: str, args: list[str], env: dict[str, str], *, ranks: int = 1
 ) -> subprocess.CompletedProcess:
-    command = ["torchrun", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else [env["PYTHON_DOC"]]
+    command = ["torchrun", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else [env["PYTHON_FORK"]]
     command += ["-m", "tests.vlm_driver", str(out), kill, *args, "--run-dir", str(out)]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 

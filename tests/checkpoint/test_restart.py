@@ -30,7 +30,6 @@ from fntrain import TrainState
 from fntrain.checkpoint import SaveTarget, find_latest, resolve_source, restore, save, step_dir
 from fntrain.runtime.restart import RESTART_HINT, attempt_store, note_restart_hint
 from tests.checkpoint import toy
-from tests.preloaded_python import preloaded
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,26 +138,22 @@ def torchrun(
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
     }
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.update({} if fresh else PYTHON.get("env", {}))
     # torchrun's default: one rendezvous store shared by every attempt (setup_runtime scopes the keys).
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **({} if fresh else PYTHON.get("env", {})))
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 # The slow tests' torchrun and its workers are forks of one process that imported torch and fntrain once
-# (tests/preloaded_python.py), set up for the module by `python` below.
+# (tests/fork_server.py), set up for the module by `python` below.
 PYTHON: dict[str, object] = {}
 
 
 @pytest.fixture(scope="module")
-def python(tmp_path_factory):
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    }
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    with preloaded(tmp_path_factory.mktemp("python"), env) as (launcher, added):
-        PYTHON.update(executable=launcher, env=added)
-        yield
+def python(fork_env):
+    PYTHON.update(executable=fork_env["PYTHON_FORK"], env=fork_env)
+    yield
     PYTHON.clear()
 
 

@@ -10,7 +10,7 @@ and its resume matches too.
 The default tier has one quick case; every kill point in turn (sync and async saves), 2-rank FSDP2 and
 DDP, a 2-stage pipeline and resharding (saved by 2 ranks, restored by 1) are in the slow tier
 (`-m slow`). Runs go through tests/checkpoint/resume_driver.py, launched through a preloaded Python
-(tests/preloaded_python.py: each launch a fork of one process that imported torch and fntrain once, so
+(tests/fork_server.py: each launch a fork of one process that imported torch and fntrain once, so
 that ~40 launches do not each pay the imports); torchrun's workers come through it too.
 """
 
@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fntrain.checkpoint import find_latest, is_complete, read_meta
 from fntrain.checkpoint.layout import LATEST
-from tests.preloaded_python import preloaded
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -67,10 +66,9 @@ PYTHON: dict[str, object] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def python(tmp_path_factory):
-    with preloaded(tmp_path_factory.mktemp("python"), env()) as (launcher, added):
-        PYTHON.update(executable=launcher, env={**env(), **added})
-        yield
+def python(fork_env):
+    PYTHON.update(executable=fork_env["PYTHON_FORK"], env=dict(fork_env))
+    yield
     PYTHON.clear()
 
 

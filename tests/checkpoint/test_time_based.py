@@ -4,10 +4,8 @@ alone; optionally temporary, each deleted once a newer checkpoint is complete (n
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -124,20 +122,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_ranks_follow_rank_0s_clock_and_any_ranks_preemption(tmp_path):
+def test_two_ranks_follow_rank_0s_clock_and_any_ranks_preemption(tmp_path, fork_env):
     """Rank 1's clock always says a save is due, rank 0's after 60 s (step 6): both save step 6 only.
     Rank 1 alone is asked to stop at step 7: both save and stop at step 8, the next agreement step."""
     root = tmp_path / "ckpt"
     port = free_port()
     processes = []
     for rank in (0, 1):
-        env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK",)}
-        env.update(
-            RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
-        )  # fmt: skip
+        env = {**fork_env, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         command = [
-            sys.executable,
+            fork_env["PYTHON_FORK"],
             "-m",
             "tests.checkpoint.agree_worker",
             str(root),

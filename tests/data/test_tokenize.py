@@ -6,7 +6,6 @@ from __future__ import annotations
 import gzip
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -259,12 +258,12 @@ def stream_of_function(tmp_path: Path, corpus: Path) -> list[int]:
     return stream_of(tmp_path / "via_function")
 
 
-def test_python_dash_m_fntrain_tokenize(tmp_path):
+def test_python_dash_m_fntrain_tokenize(tmp_path, fork_env):
     (tmp_path / "play.txt").write_text("Enter GHOST.\n\nExit GHOST.\n")
     result = subprocess.run(
-        [sys.executable, "-m", "fntrain", "tokenize", str(tmp_path / "play.txt"), "--output",
+        [fork_env["PYTHON_FORK"], "-m", "fntrain", "tokenize", str(tmp_path / "play.txt"), "--output",
          str(tmp_path / "out"), "--split", "paragraph", "--eos-id", "0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, env=fork_env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "2 documents" in result.stdout

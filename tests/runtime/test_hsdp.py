@@ -5,9 +5,6 @@ from one preloaded Python (tests/preloaded_launch.py)."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -61,15 +58,10 @@ def test_parallelize_rejects_replicate_without_an_hsdp_runtime_mesh(one_rank_env
 
 
 @pytest.fixture(scope="module")
-def python(tmp_path_factory):
+def python(fork_env):
     """The slow tests' launches (torchrun's workers too) fork from one Python that imported torch and
     fntrain (tests/preloaded_launch.py): their imports cost more than their steps."""
-    root = Path(__file__).resolve().parents[2]
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    }
-    env.update(PYTHONPATH=str(root) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    yield from preloaded_launch.start(tmp_path_factory, env)
+    return preloaded_launch.through(fork_env)
 
 
 @pytest.mark.slow
