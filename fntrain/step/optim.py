@@ -94,12 +94,14 @@ _HF_NO_DECAY_PATTERNS = tuple(
 
 
 def _hf_no_decay_names(model: torch.nn.Module) -> set[str]:
-    """Names transformers' Trainer leaves undecayed: under a `torch.nn.LayerNorm`, or named like a bias or
-    a norm (every name a parameter has, tied or not)."""
+    """Names transformers' Trainer leaves undecayed: under a `torch.nn.LayerNorm` (its submodules' too), or
+    named like a bias or a norm (every name a parameter has, tied or not)."""
     names = set()
     for module_name, module in model.named_modules(remove_duplicate=False):
         inside_layer_norm = isinstance(module, torch.nn.LayerNorm)
-        for param_name, _ in module.named_parameters(recurse=False, remove_duplicate=False):
+        # every parameter below the module (Trainer skips all of a LayerNorm's); full names, so a
+        # parameter reached again from a deeper module is the same name
+        for param_name, _ in module.named_parameters(remove_duplicate=False):
             name = f"{module_name}.{param_name}" if module_name else param_name
             if inside_layer_norm or any(pattern.search(name.lower()) for pattern in _HF_NO_DECAY_PATTERNS):
                 names.add(name)

@@ -7,6 +7,7 @@ line each bad setting gets."""
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -236,3 +237,132 @@ def test_the_edges_of_each_setting_are_accepted():
     ).validate()
     ScheduleConfig(kind="constant", warmup_iters=0, min_lr_ratio=0.0, lr_schedule_iters=1).validate()
     ScheduleConfig(kind="linear", min_lr_ratio=1.0, warmup_style="hf").validate()
+
+
+class GatedLayerNorm(torch.nn.LayerNorm):
+    """A LayerNorm with a submodule of its own: Trainer leaves every parameter under a LayerNorm undecayed."""
+
+    def __init__(self):
+        super().__init__(4)
+        self.gate = torch.nn.Linear(4, 4, bias=False)
+
+
+def test_hf_grouping_leaves_everything_under_a_layer_norm_undecayed():
+    model = torch.nn.Module()
+    model.ln = GatedLayerNorm()
+    model.proj = torch.nn.Linear(4, 4, bias=False)
+    Named.last = model
+    decayed, other = groups_of(build_optimizer(OptimizerConfig(decay_grouping="hf"), model))
+    assert (decayed, other) == (["proj.weight"], ["ln.bias", "ln.gate.weight", "ln.weight"])
+
+
+def shared_module(first, second):
+    model = torch.nn.Module()
+    shared = torch.nn.Module()
+    shared.weight = torch.nn.Parameter(torch.ones(4))
+    setattr(model, first, shared)
+    setattr(model, second, shared)
+    model.proj = torch.nn.Linear(4, 4, bias=False)
+    return model
+
+
+def shared_parameter(first, second):
+    model = torch.nn.Module()
+    model.block = torch.nn.Module()
+    weight = torch.nn.Parameter(torch.ones(4))
+    setattr(model.block, first, weight)
+    setattr(model.block, second, weight)
+    model.proj = torch.nn.Linear(4, 4, bias=False)
+    return model
+
+
+@pytest.mark.parametrize("make", [shared_module, shared_parameter])
+@pytest.mark.parametrize("names", [("x", "x_norm"), ("x_norm", "x")])
+def test_hf_grouping_leaves_a_shared_parameter_undecayed_when_any_of_its_names_is_a_norms(make, names):
+    """A pipeline stage may hold the parameter under either name: both must decide the same."""
+    Named.last = make(*names)
+    built = build_optimizer(OptimizerConfig(decay_grouping="hf"), Named.last)
+    assert [len(g) for g in groups_of(built)] == [1, 1]
+    assert (built.decayed_params, built.undecayed_params) == (16, 4)
+
+
+@pytest.mark.parametrize(
+    "model, grouping, decayed",
+    [
+        (torch.nn.Linear(4, 4), "hf", 16),  # the bias is named "bias" at the root
+        (torch.nn.LayerNorm(4), "hf", 0),
+        (torch.nn.Embedding(5, 4), "fntrain", 0),  # the model is an embedding table
+        (torch.nn.Linear(4, 4), "fntrain", 16),
+    ],
+)
+def test_a_bare_layer_as_the_model_is_grouped_like_the_same_layer_inside_one(model, grouping, decayed):
+    built = build_optimizer(OptimizerConfig(decay_grouping=grouping), model)
+    total = sum(p.numel() for p in model.parameters())
+    assert (built.decayed_params, built.undecayed_params) == (decayed, total - decayed)
+
+
+class ProjectedEmbedding(torch.nn.Embedding):
+    """An embedding table with a projection matrix of its own."""
+
+    def __init__(self):
+        super().__init__(5, 4)
+        self.out = torch.nn.Linear(4, 4, bias=False)
+
+
+def test_fntrain_grouping_leaves_the_embedding_table_undecayed_but_not_a_matrix_inside_it():
+    model = torch.nn.Module()
+    model.tok = ProjectedEmbedding()
+    Named.last = model
+    assert groups_of(build_optimizer(OptimizerConfig(), model)) == [["tok.out.weight"], ["tok.weight"]]
+
+
+class FakeParameter:
+    """A trainable parameter on `device` (no such device is needed: the optimizer is a recorder)."""
+
+    def __init__(self, device):
+        self.device, self.requires_grad = types.SimpleNamespace(type=device), True  # npu: no torch_npu here
+
+    def numel(self):
+        return 4
+
+
+class OnDevice(torch.nn.Module):
+    def __init__(self, device):
+        super().__init__()
+        self.param = FakeParameter(device)
+
+    def named_parameters(self, *args, **kwargs):
+        return iter([("w", self.param)])
+
+
+@pytest.mark.parametrize("name, cls", [("adamw", "AdamW"), ("sgd", "SGD")])
+@pytest.mark.parametrize(
+    "device, fused, kernel",
+    [
+        ("cuda", None, {"fused": True}),
+        ("npu", None, {"fused": True}),
+        ("cpu", None, {"foreach": True}),
+        ("meta", None, {"foreach": True}),
+        ("cuda", False, {"foreach": True}),
+        ("cpu", True, {"fused": True}),
+    ],
+)
+def test_the_kernel_is_fused_on_cuda_and_npu_and_foreach_elsewhere_unless_set(
+    monkeypatch, name, cls, device, fused, kernel
+):
+    made = []
+    monkeypatch.setattr(torch.optim, cls, lambda groups, **kwargs: made.append(kwargs))
+    config = OptimizerConfig(name=name, fused=fused, decay_all=True)
+    build_optimizer(config, OnDevice(device))
+    assert len(made) == 1 and {k: made[0][k] for k in ("fused", "foreach") if k in made[0]} == kernel
+
+
+def test_a_real_sgd_gets_the_foreach_kernel_on_cpu_and_the_fused_one_when_asked():
+    assert build(OptimizerConfig(name="sgd")).optimizer.defaults["foreach"] is True
+    assert build(OptimizerConfig(name="sgd", fused=True)).optimizer.defaults["fused"] is True
+
+
+def test_a_one_step_horizon_decays_to_the_floor_after_its_step():
+    plan = RunPlan(train_iters=1, steps_per_epoch=1, epochs=1)
+    built = build_lr_schedule(ScheduleConfig(kind="cosine", min_lr_ratio=0.1), plan, toy_optimizer())
+    assert built.horizon == 1 and lrs(built, 3) == pytest.approx([2.0, 0.2, 0.2])
