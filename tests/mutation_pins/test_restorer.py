@@ -1,17 +1,23 @@
 """Behaviours of the checkpoint restorer that mutation testing found unpinned (mutation/RESULTS.md): the
 exact line of each refused source, the warnings a restore gives (damaged checkpoints passed over, a
-different world size or thread count, missing RNG or hook state), and, in one process, what the
-kill-and-resume tests check across processes: a resumed run continues bit for bit and an interrupted
-save leaves the previous checkpoint the one that is restored."""
+different world size or thread count, missing RNG or hook state, model keys or optimizer entries or
+schedulers that differ from the save), what a pipeline stage gets of a whole-model checkpoint (a tied
+head's optimizer state included), what a section the checkpoint lacks leaves, where the RNG is restored,
+that a pickled object in a checkpoint runs no code, what rank 0 shares under a process group, and, in
+one process, what the kill-and-resume tests check across processes: a resumed run continues bit for bit
+and an interrupted save leaves the previous checkpoint the one that is restored."""
 
 from __future__ import annotations
 
 import json
 import logging
+import pickle
 import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fntrain.checkpoint import SaveTarget, restore, save, step_dir
 from fntrain.checkpoint import restorer as restorer_module
@@ -336,13 +342,18 @@ def test_latest_tries_the_next_older_checkpoint_and_names_the_newest_damage(tmp_
     assert raised.value.damage.path == step_dir(tmp_path, 4)
 
 
-def test_the_checkpoint_is_verified_over_the_callers_group(tmp_path, group_of_one, monkeypatch):
+def test_the_plan_is_shared_and_the_checkpoint_verified_over_the_callers_group(
+    tmp_path, group_of_one, monkeypatch
+):
     toy.two_checkpoints(tmp_path)
     groups = []
     monkeypatch.setattr(restorer_module, "verify_collectively", lambda path, group=None: groups.append(group))
+    monkeypatch.setattr(
+        restorer_module._dist, "broadcast_text", lambda text, group=None: groups.append(group) or text
+    )
     group = object()
     assert resolve_source("latest", tmp_path, process_group=group) == step_dir(tmp_path, 4)
-    assert groups == [group]
+    assert groups == [group, group]  # rank 0's plan, then the verification
 
 
 def test_a_checkpoint_without_a_world_size_counts_as_one_rank(tmp_path, caplog):
@@ -384,3 +395,244 @@ def test_each_rank_takes_its_own_hook_state_when_it_has_a_file(tmp_path, monkeyp
     monkeypatch.setattr(restorer_module._dist, "world_size", lambda group=None: 2)
     restorer_module._restore_rank_state(path, read_meta(path), [hook], toy.components(), None)  # rank 1's part
     assert box["loaded"] == {"mine": 1}
+
+
+class _Stage(torch.nn.Module):
+    """One pipeline stage of `toy.Toy`: the named submodules alone, under their names in the whole."""
+
+    def __init__(self, names):
+        super().__init__()
+        whole = toy.Toy()
+        for name in names:
+            setattr(self, name, getattr(whole, name))
+
+
+def _stage(names) -> toy.Components:
+    torch.manual_seed(5)
+    model = _Stage(names)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0)
+    return toy.Components(model, None, (optimizer,), (schedule,))
+
+
+def _moments(parts) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's optimizer state by name (a tied weight under its first name)."""
+    names = {}
+    for name, parameter in parts.model.named_parameters():
+        names.setdefault(id(parameter), name)
+    return {names[id(p)]: state for p, state in parts.optimizers[0].state.items()}
+
+
+@pytest.mark.parametrize("names", [("hidden", "norm"), ("head",)], ids=["middle", "tied-head"])
+def test_a_pipeline_stage_gets_each_of_its_parameters_saved_optimizer_state_quietly(tmp_path, caplog, names):
+    """A stage restored from a whole-model checkpoint: its weights, its optimizer's hyperparameters (the
+    scheduled lr) and every moment of its parameters are the saved ones, the output head's under the name
+    of the embedding it is tied to; nothing warns."""
+    whole = toy.components()
+    toy.step(whole, toy.batches(1)[0])
+    path = save(SaveTarget(tmp_path, whole), TrainState(0, 1, 1))
+    saved = _moments(whole)
+    stage = _stage(names)
+    with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert restore(path, stage, model_part=True) == TrainState(0, 1, 1)
+    assert ours(caplog) == []
+    weights = whole.model.state_dict()
+    assert all(torch.equal(value, weights[key]) for key, value in stage.model.state_dict().items())
+
+    def settings(parts):
+        return {key: value for key, value in parts.optimizers[0].param_groups[0].items() if key != "params"}
+
+    assert settings(stage) == settings(whole)
+    restored = _moments(stage)
+    assert sorted(restored) == sorted(f"{n}.{p}" for n in names for p, _ in getattr(stage.model, n).named_parameters())
+    for name, state in restored.items():
+        source = saved["embed.weight" if name == "head.weight" else name]
+        assert state.keys() == source.keys() and all(torch.equal(state[k], source[k]) for k in state)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"model_part": True}], ids=["whole-model", "stage"])
+def test_model_keys_the_model_lacks_are_one_warning_naming_them_unless_it_is_a_stage(tmp_path, caplog, kwargs):
+    path = save(SaveTarget(tmp_path, toy.components(extra=True)), TrainState(0, 1, 1))
+    with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
+        restore(path, toy.components(), **kwargs)
+    expected = [] if kwargs else [
+        (logging.WARNING, f"checkpoint {path} has model keys the model does not: extra.bias, extra.weight (ignored)")
+    ]
+    assert ours(caplog) == expected
+
+
+@pytest.mark.parametrize("tied_listed", [True, False], ids=["tied-listed", "older-meta-without-tied"])
+def test_optimizer_entries_the_checkpoint_lacks_keep_fresh_values_with_one_warning_naming_them(
+    tmp_path, tied_listed
+):
+    """`extra` takes no part in the forward pass: the saved optimizer has no state for it. A checkpoint of
+    an fntrain that wrote no list of tied weights restores the same way."""
+    parts = toy.components(extra=True)
+    toy.step(parts, toy.batches(1)[0])
+    path = save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1))
+    if not tied_listed:
+        meta = json.loads((path / "meta.json").read_text())
+        del meta["tied"]
+        (path / "meta.json").write_text(json.dumps(meta))
+    fresh = toy.components(seed=3, extra=True)
+    with pytest.warns(UserWarning) as said:
+        restore(path, fresh, verified=True)
+    fields = ", ".join(f"{p}.{f}" for p in ("extra.bias", "extra.weight") for f in ("exp_avg", "exp_avg_sq", "step"))
+    assert [str(w.message) for w in said] == [
+        f"checkpoint {path} lacks optimizer state for: {fields}; those entries keep their fresh values"
+    ]
+    saved, restored = _moments(parts), _moments(fresh)
+    assert all(torch.equal(restored["hidden.weight"][k], v) for k, v in saved["hidden.weight"].items())
+    assert not restored["extra.weight"]["exp_avg"].any()  # fresh
+
+
+@pytest.mark.parametrize("saved, live", [(1, 2), (2, 1)])
+def test_a_different_number_of_schedulers_restores_the_first_min_of_both_with_one_warning(tmp_path, saved, live):
+    def parts_with(count, seed):
+        parts = toy.components(seed)
+        optimizer = parts.optimizers[0]
+        extra = [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5) for _ in range(count - 1)]
+        return parts.__class__(parts.model, parts.loss_fn, parts.optimizers, (parts.schedulers[0], *extra))
+
+    source = parts_with(saved, 0)
+    for ids in toy.batches(2):
+        toy.step(source, ids)
+    path = save(SaveTarget(tmp_path, source), TrainState(0, 2, 2))
+    fresh = parts_with(live, 1)
+    with pytest.warns(UserWarning) as said:
+        restore(path, fresh)
+    assert [str(w.message) for w in said] == [
+        f"checkpoint {path} has {saved} LR scheduler state(s), the run {live}; restoring the first min of both"
+    ]
+    assert [s.last_epoch for s in fresh.schedulers] == [2] + [0] * (live - 1)
+
+
+@pytest.mark.parametrize("trained", [False, True], ids=["fresh-optimizer", "trained-optimizer"])
+def test_an_optimizer_the_checkpoint_has_no_state_for_keeps_the_state_it_had(tmp_path, trained):
+    """A fresh optimizer stays without state (its first step is step 1), a trained one keeps its moments."""
+    path = save(SaveTarget(tmp_path, toy.components(optimizer=False)), TrainState(0, 1, 1))
+    parts = toy.components(seed=2)
+    if trained:
+        toy.step(parts, toy.batches(1)[0])
+    before = {name: {k: v.clone() for k, v in state.items()} for name, state in _moments(parts).items()}
+    with pytest.warns(UserWarning) as said:
+        restore(path, parts)
+    assert [str(w.message) for w in said] == [
+        f"checkpoint {path} has no {section} state; it starts fresh" for section in ("optimizer", "schedulers")
+    ]
+    after = _moments(parts)
+    assert after.keys() == before.keys() and len(after) == (5 if trained else 0)
+    assert all(torch.equal(after[n][k], v) for n, state in before.items() for k, v in state.items())
+
+
+@pytest.mark.parametrize("device, expected", [(None, "cpu"), ("meta", "meta")])
+def test_the_rng_is_restored_onto_the_named_device_else_the_models(tmp_path, monkeypatch, device, expected):
+    """The model's parameters sit on the CPU; a run whose device is another restores that one's generator."""
+    path = save(SaveTarget(tmp_path, toy.components()), TrainState(0, 1, 1))
+    onto = []
+    monkeypatch.setattr(restorer_module, "set_rng_state", lambda state, device="cpu": onto.append(device))
+    restore(path, toy.components(), device=device)
+    assert [torch.device(d) for d in onto] == [torch.device(expected)]
+
+
+def test_a_checkpoint_without_any_rank_file_restores_with_fresh_rng_and_hooks(tmp_path, caplog):
+    box = {"n": 7}
+    hook = stateful("counter", lambda *a: None, lambda: dict(box), lambda s: box.update(s))
+    path = save(SaveTarget(tmp_path, toy.components(), hooks=[hook]), TrainState(0, 3, 3))
+    (path / "rank_0.json").unlink()
+    box["n"] = 0
+    with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
+        assert restore(path, toy.components(), hooks=[hook], verified=True) == TrainState(0, 3, 3)
+    assert box == {"n": 0} and ours(caplog) == [
+        (logging.WARNING, f"checkpoint {path} has no RNG state for rank 0; its RNG keeps the seeded state"),
+        (logging.WARNING, f"checkpoint {path} has no state for hook(s) counter; they start fresh"),
+    ]
+
+
+def test_under_a_process_group_dcp_reads_as_one_collective_load(tmp_path, group_of_one, monkeypatch):
+    """Alone, DCP reads without collectives; in a job every rank takes part in one load (a rank's failure
+    reaches all of them). In one process the load itself runs alone."""
+    path = save(SaveTarget(tmp_path, toy.components()), TrainState(0, 1, 1))
+    modes = []
+    real_load = restorer_module.dcp.load
+
+    def dcp_load(state, *, storage_reader, planner=None, no_dist=False):
+        modes.append(bool(no_dist))
+        return real_load(state, storage_reader=storage_reader, planner=planner, no_dist=True)
+
+    monkeypatch.setattr(restorer_module.dcp, "load", dcp_load)
+    restore(path, toy.components(), verified=True)
+    assert modes == [False]
+
+
+def test_a_pickled_object_where_a_tensor_belongs_is_refused_without_running_it(tmp_path):
+    """DCP would unpickle a byte entry with plain pickle; a crafted checkpoint must not run code on restore."""
+    ran = []
+
+    class Payload:
+        def __reduce__(self):
+            return (ran.append, ("code from the checkpoint",))
+
+    path = save(SaveTarget(tmp_path, toy.components()), TrainState(0, 1, 1))
+    crafted = toy.weights(toy.components())
+    crafted["hidden.bias"] = Payload()
+    for data in path.glob("*.distcp"):
+        data.unlink()
+    with warnings.catch_warnings():  # DCP's notes on writing alone over an existing checkpoint
+        warnings.simplefilter("ignore")
+        dcp.save({f"model.{k}": v for k, v in crafted.items()}, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    with pytest.raises(CheckpointException) as raised:
+        restore(path, toy.components(optimizer=False), verified=True)
+    ((refused, _),) = raised.value.failures.values()  # rank 0's error
+    assert isinstance(refused, pickle.UnpicklingError) and ran == []
+
+
+def test_under_a_process_group_a_root_named_by_path_leaves_its_damage_in_place(
+    tmp_path, group_of_one, monkeypatch, caplog
+):
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "runs"
+    toy.two_checkpoints(root)
+    truncate(step_dir(root, 4))
+    with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
+        assert resolve_source(root) == step_dir(root, 2)
+    assert step_dir(root, 4).is_dir() and (root / LATEST).read_text() == "step_4\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"]  # no pointer written anywhere else
+    (message,) = (m for _, m in ours(caplog))
+    assert message.endswith("(trying step_2)") and "moved aside" not in message
+
+
+def test_under_a_process_group_rank_zeros_error_is_its_own_and_sent_to_the_others(tmp_path, group_of_one):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError) as raised:
+        resolve_source(missing, tmp_path)
+    assert str(raised.value) == f"checkpoint {str(missing)!r} does not exist"
+    assert group_of_one == [f"error:checkpoint {str(missing)!r} does not exist"]
+
+
+class _Counted(toy.Toy):
+    """A model with extra state (what `get_extra_state` returns travels in the state dict, not as a tensor)."""
+
+    def __init__(self, seen: int):
+        super().__init__()
+        self.seen = seen
+
+    def get_extra_state(self):
+        return {"seen": self.seen}
+
+    def set_extra_state(self, state):
+        self.seen = state["seen"]
+
+
+def test_a_models_extra_state_is_restored_with_its_optimizer(tmp_path):
+    def parts(seen):
+        torch.manual_seed(0)
+        model = _Counted(seen)
+        return toy.Components(model, None, (torch.optim.AdamW(model.parameters(), lr=1e-2),))
+
+    path = save(SaveTarget(tmp_path, parts(7)), TrainState(0, 1, 1))
+    fresh = parts(0)
+    restore(path, fresh)
+    assert fresh.model.seen == 7
