@@ -45,18 +45,14 @@ _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)  # absent on some platforms: pa
 
 
 class _Mapped:
-    """One shard file mapped read-only: its tokens as a zero-copy numpy view of the mapping."""
+    """One shard file mapped read-only: its tokens as a zero-copy numpy view of the mapping. Only a shard
+    holding tokens is mapped (`TokenShards.read` skips the others: mmap refuses an empty file)."""
 
-    __slots__ = ("file", "mapping", "tokens", "data_offset", "itemsize")
+    __slots__ = ("file", "mapping", "tokens", "data_offset")
 
     def __init__(self, path: Path, dtype: np.dtype, tokens: int):
         self.data_offset = npy_layout(path)[0] if path.suffix == ".npy" else 0
-        self.itemsize = dtype.itemsize
         self.file = open(path, "rb")  # noqa: SIM115 - owned by this object, closed in close()
-        if tokens == 0:
-            self.mapping = None
-            self.tokens = np.empty(0, dtype=dtype)
-            return
         self.mapping = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_READ)
         self.tokens = np.frombuffer(self.mapping, dtype=dtype, count=tokens, offset=self.data_offset)
 
