@@ -50,7 +50,8 @@ class Launch:
     """What this launch is: `source` is what checkpoint.restore_from asks for (None: nothing, or the
     run starts over), `path` the checkpoint it continues (None: it starts at step 0), `changes` the
     allowed setting changes ({field: [old, new]}) against it, `moves_aside` whether the old run in the
-    run directory moves aside first, `complete` whether the checkpoint already reached the run's end."""
+    run directory moves aside first, `complete` whether the checkpoint already reached the run's end,
+    `said` the warning that tells the user of each allowed change (verify_launch logs them)."""
 
     restart_count: int = 0
     source: str | None = None
@@ -58,6 +59,7 @@ class Launch:
     changes: dict[str, list[Any]] = field(default_factory=dict)
     moves_aside: bool = False
     complete: bool = False
+    said: tuple[str, ...] = ()
 
     @property
     def kind(self) -> str:
@@ -108,7 +110,7 @@ def _again_in_place(config: JobConfig, restart_count: int, source: str) -> Launc
         f"rerun with the same settings, name each field in checkpoint.allow_changes, or start over with "
         f"`overwrite` (which moves the old run to {aside!r})",
     )  # fmt: skip
-    return Launch(restart_count, source, changes=changes)
+    return Launch(restart_count, source, changes=changes, said=_setting_lines("starting the run again", changes))
 
 
 def _run_config(run_dir: str) -> dict[str, Any] | None:
@@ -169,10 +171,11 @@ def _launch_from(config: JobConfig, restart_count: int, source: str, path: Path 
     meta = _meta(path) if not config.checkpoint.weights_only else {}
     settings = _setting_changes(config, meta.get("config"), f"checkpoint.restore_from {str(path)!r} belongs to a "
                                 "run with other settings")  # fmt: skip
-    changes = {**settings, **_data_changes(config, path, meta.get("data"), fingerprint)}
+    data, data_said = _data_changes(config, path, meta.get("data"), fingerprint)
     step = int((meta.get("train_state") or {}).get("global_step", 0))
     complete = train_iters is not None and step >= train_iters > 0
-    return Launch(restart_count, source, path, changes, moves_aside, complete)
+    said = _setting_lines("resuming", settings) + data_said
+    return Launch(restart_count, source, path, {**settings, **data}, moves_aside, complete, said)
 
 
 def _meta(path: Path) -> dict[str, Any]:
@@ -200,22 +203,29 @@ def _setting_changes(config: JobConfig, saved: dict[str, Any] | None, subject: s
     return {name: [old, new] for name, old, new in changes}
 
 
+def _setting_lines(doing: str, changes: dict[str, list[Any]]) -> tuple[str, ...]:
+    """The warning for each allowed setting change: "<doing> with <field> changed from <old> to <new>"."""
+    return tuple(f"{doing} with {name} changed from {old!r} to {new!r} (checkpoint.allow_changes)"
+                 for name, (old, new) in changes.items())  # fmt: skip
+
+
 def _data_changes(config: JobConfig, path: Path, saved: dict[str, Any] | None,
-                  fingerprint: dict[str, Any] | None) -> dict[str, list[Any]]:  # fmt: skip
-    """{"data": [as saved, now]} when the data `fingerprint` differs from the one the checkpoint
-    recorded (`saved`) and `data` is in checkpoint.allow_changes; a `ConfigError` naming each changed
-    file and fact when it is not. Nothing to compare (a checkpoint saved before fingerprints): {}."""
+                  fingerprint: dict[str, Any] | None) -> tuple[dict[str, list[Any]], tuple[str, ...]]:  # fmt: skip
+    """({"data": [as saved, now]}, its warning naming each changed file and fact) when the data
+    `fingerprint` differs from the one the checkpoint recorded (`saved`) and `data` is in
+    checkpoint.allow_changes; a `ConfigError` naming them when it is not. Nothing to compare (a
+    checkpoint saved before fingerprints): ({}, ())."""
     changes = fingerprint_changes(saved, fingerprint) if saved and fingerprint is not None else []
     if not changes:
-        return {}
+        return {}, ()
     listed = "; ".join(changes)
     if "data" not in config.checkpoint.allow_changes:
         raise ConfigError(
             f"checkpoint.restore_from {str(path)!r} was saved with other data: {listed}; resume with the "
             "same data, or add data to checkpoint.allow_changes"
         )
-    log.warning("resuming with changed data (checkpoint.allow_changes data): %s", listed)
-    return {"data": [fingerprint_summary(saved), fingerprint_summary(fingerprint)]}
+    said = f"resuming with changed data (checkpoint.allow_changes data): {listed}"
+    return {"data": [fingerprint_summary(saved), fingerprint_summary(fingerprint)]}, (said,)
 
 
 def verify_launch(config: JobConfig, launch: Launch, *, fingerprint: dict[str, Any] | None = None,
@@ -230,10 +240,8 @@ def verify_launch(config: JobConfig, launch: Launch, *, fingerprint: dict[str, A
     if path != launch.path:
         launch = _launch_from(config, launch.restart_count, launch.source, path, fingerprint, train_iters,
                               moves_aside=launch.moves_aside)  # fmt: skip
-    doing = "resuming" if launch.path is not None else "starting the run again"
-    for name, (old, new) in launch.changes.items():
-        if name != "data":  # _data_changes said it, file by file, when it compared the fingerprints
-            log.warning("%s with %s changed from %r to %r (checkpoint.allow_changes)", doing, name, old, new)
+    for line in launch.said:
+        log.warning("%s", line)
     return launch
 
 

@@ -201,7 +201,7 @@ def _tiny(tmp_path: Path, corpus: Path, **checkpoint):
     )  # fmt: skip
 
 
-def test_a_resume_on_changed_data_is_refused_naming_the_file_unless_allowed(tmp_path):
+def test_a_resume_on_changed_data_is_refused_naming_the_file_unless_allowed(tmp_path, caplog):
     from fntrain.run.job import run_job
     from recipes import tiny_gpt
 
@@ -235,6 +235,12 @@ def test_a_resume_on_changed_data_is_refused_naming_the_file_unless_allowed(tmp_
 
     allowed = dataclasses.replace(longer, checkpoint=dataclasses.replace(
         longer.checkpoint, allow_changes=("train.train_iters", "data")))  # fmt: skip
-    assert run_job(allowed, tiny_gpt.spec).state.global_step == 3
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fntrain.run.launch"):
+        assert run_job(allowed, tiny_gpt.spec).state.global_step == 3
+    said = [r.getMessage() for r in caplog.records if r.name == "fntrain.run.launch"]
+    assert len(said) == 2, said  # each allowed change once, though both launch phases decide it
+    assert said[0] == "resuming with train.train_iters changed from 2 to 3 (checkpoint.allow_changes)"
+    assert said[1].startswith("resuming with changed data (checkpoint.allow_changes data): data.path: size 3000 -> 3600")
     metadata = json.loads((tmp_path / "run" / "run_metadata.json").read_text())
     assert set(metadata["allowed_changes"]) == {"train.train_iters", "data"}

@@ -159,15 +159,18 @@ def test_changed_data_is_refused_in_one_line_listing_every_change(tmp_path):
 
 
 def test_allowed_changed_data_is_one_warning_and_a_change_from_the_saved_summary_to_the_new(tmp_path, caplog):
+    """Phase 1 decides and says nothing; the launch holds the one warning (each changed fact) that
+    phase 2 logs."""
     run = config(tmp_path, restore_from="latest", allow_changes=("data",))
     checkpoint(run, 2, data={"dataset": {"samples": 10, "tokens": 5}})
     launch = decide_launch(run, 0, fingerprint={"dataset": {"samples": 11, "tokens": 6}}, train_iters=6)
     old, new = launch.changes["data"]
     assert old.startswith("0 files, 10 samples (digest ") and new.startswith("0 files, 11 samples (digest ")
     assert old != new
-    assert warnings_of(caplog) == [
-        "resuming with changed data (checkpoint.allow_changes data): samples 10 -> 11; tokens 5 -> 6"
-    ]
+    assert launch.said == (
+        "resuming with changed data (checkpoint.allow_changes data): samples 10 -> 11; tokens 5 -> 6",
+    )
+    assert warnings_of(caplog) == []
 
 
 def test_a_checkpoint_saved_before_fingerprints_resumes_any_data(tmp_path):
@@ -222,12 +225,13 @@ def test_phase_two_decides_a_fallback_by_the_same_rules_for_the_same_restart(tmp
     caplog.clear()
     verified = verify_launch(run, decided, fingerprint=now, train_iters=6)
     data = verified.changes.pop("data")
-    assert verified == Launch(1, "latest", older, {"seed": [7, 42]}, False, False)
-    assert data[0].startswith("0 files, 10 samples") and data[1].startswith("0 files, 11 samples")
-    assert warnings_of(caplog) == [
-        "resuming with changed data (checkpoint.allow_changes data): samples 10 -> 11",
+    said = (
         "resuming with seed changed from 7 to 42 (checkpoint.allow_changes)",
-    ]  # the data change is said once, file by file
+        "resuming with changed data (checkpoint.allow_changes data): samples 10 -> 11",
+    )  # the data change is said once, file by file
+    assert verified == Launch(1, "latest", older, {"seed": [7, 42]}, False, False, said)
+    assert data[0].startswith("0 files, 10 samples") and data[1].startswith("0 files, 11 samples")
+    assert warnings_of(caplog) == list(said)
 
 
 def test_phase_two_fallback_to_a_checkpoint_at_the_last_step_is_complete(tmp_path):
@@ -258,19 +262,17 @@ def test_an_allowed_change_is_one_warning_a_line_resuming_or_starting_again(tmp_
     (Path(run.run_dir) / "config.json").write_text(json.dumps(launching.config_to_dict(run)))
     again = dataclasses.replace(run, seed=7)
     decided = decide_launch(again, 0, train_iters=6)
-    assert decided == Launch(0, "auto", changes={"seed": [42, 7]})
-    caplog.clear()
+    said = ("starting the run again with seed changed from 42 to 7 (checkpoint.allow_changes)",)
+    assert decided == Launch(0, "auto", changes={"seed": [42, 7]}, said=said)
+    assert warnings_of(caplog) == []  # phase 1 says nothing: phase 2 says each change once
     assert verify_launch(again, decided, train_iters=6) == decided
-    assert warnings_of(caplog) == [
-        "starting the run again with seed changed from 42 to 7 (checkpoint.allow_changes)"
-    ]
+    assert warnings_of(caplog) == list(said)
     step = real_checkpoint(run, 2, seed=5)
     decided = decide_launch(again, 0, train_iters=6)
     caplog.clear()
-    assert verify_launch(again, decided, train_iters=6) == Launch(
-        0, "auto", step, {"seed": [5, 7]}, False, False
-    )
-    assert warnings_of(caplog) == ["resuming with seed changed from 5 to 7 (checkpoint.allow_changes)"]
+    said = ("resuming with seed changed from 5 to 7 (checkpoint.allow_changes)",)
+    assert verify_launch(again, decided, train_iters=6) == Launch(0, "auto", step, {"seed": [5, 7]}, False, False, said)
+    assert warnings_of(caplog) == list(said)
 
 
 def built(parts, *, pp_size: int = 1, device: str = "cpu") -> SimpleNamespace:
