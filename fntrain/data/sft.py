@@ -188,11 +188,11 @@ def _formats(data: SFTDataConfig) -> list[Format]:
 
 
 def _field(record: Mapping[str, Any], key: str, kind: type, where: str, data: SFTDataConfig) -> Any:
-    if key not in record:
-        setting = next((f for f in ("text_key", "prompt_key", "completion_key", "messages_key") if getattr(data, f) == key), "")
-        chosen = f"data.format {data.format!r} needs it" if data.format != "auto" else "its format needs it"
+    if key not in record:  # only under a fixed format: under auto, the format was chosen by its keys
+        setting = next(f for f in ("text_key", "prompt_key", "completion_key", "messages_key") if getattr(data, f) == key)
         raise ConfigError(
-            f"{where}: missing key {key!r} ({chosen}; the example has keys {sorted(record)}): check data.{setting}"
+            f"{where}: missing key {key!r} (data.format {data.format!r} needs it; the example has keys "
+            f"{sorted(record)}): check data.{setting}"
         )
     value = record[key]
     if not isinstance(value, kind):
