@@ -130,4 +130,21 @@ def test_running_out_of_data_is_logged_with_epoch_cursor_and_length(caplog):
     with caplog.at_level(logging.INFO, logger="fntrain.loop"):
         result, _ = recorded_run(n=2)
     assert result.state.global_step == 5
-    assert caplog.messages[0] == "epoch 0 ran out of data after 2 of 3 steps; ending the epoch"
+    assert caplog.messages == [  # the steps of the epoch (its cursor), not of the run
+        "epoch 0 ran out of data after 2 of 3 steps; ending the epoch",
+        "epoch 1 ran out of data after 2 of 3 steps; ending the epoch",
+    ]
+
+
+def test_data_that_ends_at_a_resumed_cursor_ends_the_epoch_quietly(caplog):
+    """Resumed at cursor 2 of a 4-step epoch whose data holds only 2 batches: the epoch ends there (no
+    'empty epoch' error: that is for an epoch that yields nothing from its start) and the run goes on."""
+    plan = RunPlan(train_iters=6, steps_per_epoch=4, epochs=3)
+    events = []
+    with caplog.at_level(logging.INFO, logger="fntrain.loop"):
+        result = train(TrainState(epoch=0, global_step=2, cursor=2), lambda s, b: {"loss": 1.0}, [],
+                       data=lambda epoch, cursor: Batches(epoch, cursor, 2, events), plan=plan)  # fmt: skip
+    assert result.state == TrainState(epoch=2, global_step=6, cursor=2)  # epoch 2 reaches train_iters
+    assert caplog.messages == [
+        f"epoch {epoch} ran out of data after 2 of 4 steps; ending the epoch" for epoch in (0, 1)
+    ]

@@ -67,3 +67,15 @@ def test_the_order_does_not_depend_on_the_global_rng():
     torch.rand(3)
     assert epoch_order(50, seed=7, epoch=1, shuffle=True).tolist() == first
     assert sorted(first) == list(range(50))
+
+
+@pytest.mark.parametrize("epoch, order_seed, stream_1_seed, order", [
+    (0, 5732826375231505755, 8008285204471158970, [7, 4, 2, 5, 1, 6, 0, 3]),
+    (1, 7829184764001561178, 8144561418073184113, [4, 5, 3, 0, 1, 7, 2, 6]),
+    (2, 5910823727984653262, 1650290129904687962, [2, 4, 6, 1, 5, 0, 7, 3]),
+])  # fmt: skip
+def test_each_epochs_seeds_and_order_stay_what_they_were(epoch, order_seed, stream_1_seed, order):
+    """Recorded values (seed 42): a run resumed by a later fntrain draws the same order in every epoch,
+    so a change to how (seed, epoch, stream) become a seed fails here, not silently on resume."""
+    assert epoch_seed(42, epoch) == order_seed and epoch_seed(42, epoch, 1) == stream_1_seed
+    assert epoch_order(8, seed=42, epoch=epoch, shuffle=True).tolist() == order

@@ -382,3 +382,13 @@ def test_ranks_check_each_file_once_and_remember_an_intact_checkpoint(saved, tmp
     assert collections.Counter(reads) == {name: 1 for name in read_manifest(path)["files"]}
     reads.clear()
     assert verified(path) is True and reads == []  # remembered as verified
+
+
+def test_a_size_only_check_never_vouches_for_the_contents(saved, tmp_path):
+    """`damage(contents=False)` reads no file, so it must not fill the cache `verified()` trusts: a data
+    file rewritten with other bytes of the same size is still found damaged afterwards."""
+    path = _copy(saved, tmp_path)
+    data = path / DATA
+    data.write_bytes(bytes(b ^ 0xFF for b in data.read_bytes()))  # same size, other contents
+    assert damage(path, contents=False) is None
+    assert verified(path) is False
