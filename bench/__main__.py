@@ -26,7 +26,9 @@ BENCHMARKS = [
     "bench.tokenize_throughput",  # against datasets.map; quick about 1 min, full (a 4.8 GiB corpus) about 10 min
     "bench.cp_overhead",  # 2 ranks under torchrun: about 30 s quick, 90 s full
     "bench.sampling",  # the tiny GPT's KV cache: about 25 s quick, 2 min full
+    "bench.sampler_batched",  # the batched sampler against generate, a Llama 4x256: about 15 s quick, 3 min full
     "bench.dpo",  # a Llama 4x256: about 1 min quick, 3 min full
+    "bench.grpo",  # against TRL's GRPOTrainer, a Llama 4x256: about 20 s quick, 3 min full
 ]
 
 

@@ -2,7 +2,7 @@
 
 The tiny GPT of recipes/tiny_gpt.py (4 blocks, d_model 128, 4 heads) with its context raised to 1024
 positions, so that 512 new tokens after an 8-token prompt never reach the window's end (past it both ways
-recompute the window: see fntrain.models.sampling). `fntrain.models.sampling.sample_tokens`, greedy, on
+recompute the window: see fntrain.sampling.decode). `fntrain.sampling.sample_tokens`, greedy, on
 CPU with one torch thread, alternates per round between four variants (`interleave`): 64 and 512 new
 tokens, with the model's cache (`cached`) and through a wrapper without one (`window`: the whole window
 through the model at every token, what sampling cost before the cache and what nanoGPT's sample.py does).
@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from bench.harness import Row, bench_main, interleave, paired_ratio_row, quiet
 from fntrain.models.gpt import ModelConfig, TinyGPT
-from fntrain.models.sampling import SampleSettings, sample_tokens
+from fntrain.sampling import SampleSettings, sample_tokens
 
 SHAPE = ModelConfig(context=1024, n_layer=4, n_head=4, d_model=128)
 PROMPT = torch.tensor(list(b"ROMEO:\n "))

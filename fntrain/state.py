@@ -56,6 +56,9 @@ class RunPlan:
     dp_size: int = 1
     lr_schedule_iters: int = 0
     sized: bool = True
+    steps_per_read: int = 1
+    """Optimizer steps each read batch serves: 1, or a generating objective's steps per generation batch
+    (the data yields each batch that many times; the step uses it once and then its own buffer)."""
 
     def __post_init__(self) -> None:
         if self.train_iters < 1:
@@ -104,16 +107,24 @@ def make_run_plan(
     dataset_len: int | None = None,
     drop_last: bool = True,
     lr_schedule_iters: int | None = None,
+    rows_per_read: int | None = None,
+    steps_per_read: int = 1,
 ) -> RunPlan:
     """The run plan implied by the run-length settings [S5]-[S8].
 
     Exactly one of `train_iters` / `train_samples` is set; `dataset_len=None` means an unsized
-    (streaming) dataset. Every error names the setting and its value.
+    (streaming) dataset. A generating objective reads `rows_per_read` rows at a time (every rank the
+    same rows), each read serving `steps_per_read` optimizer steps: an epoch is then
+    `dataset_len // rows_per_read` reads. Every error names the setting and its value.
     """
     micro_batches = micro_batches_per_step(global_batch_size, micro_batch_size, dp_size)
     train_iters = _train_iters(train_iters, train_samples, global_batch_size)
+    if dataset_len is not None and (type(dataset_len) is not int or dataset_len < 0):
+        raise ValueError(f"dataset_len must be a non-negative int, got {dataset_len!r}")
     if dataset_len is None:
         steps_per_epoch = train_iters
+    elif rows_per_read is not None:
+        steps_per_epoch = _generation_steps_per_epoch(dataset_len, rows_per_read, steps_per_read)
     else:
         steps_per_epoch = _sized_steps_per_epoch(
             dataset_len, micro_batch_size, dp_size, drop_last, micro_batches
@@ -135,6 +146,7 @@ def make_run_plan(
         dp_size=dp_size,
         lr_schedule_iters=lr_schedule_iters,
         sized=dataset_len is not None,
+        steps_per_read=steps_per_read,
     )
 
 
@@ -164,8 +176,6 @@ def _sized_steps_per_epoch(
     dataset_len: int, micro_batch_size: int, dp_size: int, drop_last: bool, micro_batches: int
 ) -> int:
     """Complete optimizer steps one epoch of a sized dataset gives (at least one, or a ValueError) [S7]."""
-    if type(dataset_len) is not int or dataset_len < 0:
-        raise ValueError(f"dataset_len must be a non-negative int, got {dataset_len!r}")
     batches = loader_length(dataset_len, micro_batch_size, dp_size, drop_last)
     steps_per_epoch = batches // micro_batches
     if steps_per_epoch < 1:
@@ -174,3 +184,15 @@ def _sized_steps_per_epoch(
             f"rank) must provide one complete optimizer step per epoch ({micro_batches} micro-batches)"
         )
     return steps_per_epoch
+
+
+def _generation_steps_per_epoch(dataset_len: int, rows_per_read: int, steps_per_read: int) -> int:
+    """Optimizer steps one epoch of a generating objective gives: whole generation batches of
+    `rows_per_read` prompts, each serving `steps_per_read` steps (at least one batch, or a ValueError)."""
+    reads = dataset_len // rows_per_read
+    if reads < 1:
+        raise ValueError(
+            f"the dataset ({dataset_len} prompts) must provide one complete generation batch per epoch "
+            f"({rows_per_read} prompts)"
+        )
+    return reads * steps_per_read

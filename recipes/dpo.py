@@ -77,20 +77,19 @@ class Config(ExportingJobConfig):
 
     def validate(self) -> None:
         super().validate()
-        self.dpo.validate("dpo")
         check_lora_parallel(self.lora, self.parallel.meta_init, tp_size=self.parallel.tp_size)
-        if self.train.loss_weighting != "mean":
-            raise ValueError("train.loss_weighting must be 'mean' for DPO (its loss is a mean over pairs), got "
-                             f"{self.train.loss_weighting!r}")  # fmt: skip
-        if self.dpo.needs_reference and self.dpo.reference == "adapter-off" and not self.lora.enabled:
-            raise ValueError("dpo.reference 'adapter-off' needs LoRA (lora.rank > 0): without an adapter "
-                             "the policy is no reference")  # fmt: skip
-        for name, size in (("pp_size", self.parallel.pp_size), ("cp_size", self.parallel.cp_size),
-                           ("ep_size", self.parallel.ep_size)):  # fmt: skip
-            if size != 1:
-                raise ValueError(f"parallel.{name} {size}: DPO runs on plain, ddp, fsdp2 and tp layouts only")
         require_validation(self, bool(self.data.val_path or self.data.val_fraction > 0),
                            "set data.val_path or data.val_fraction > 0")  # fmt: skip
+
+
+def check_objective(config: Config, dp_size: int) -> None:
+    """DPO's rules across sections: its loss is a mean over pairs, and an adapter-off reference needs LoRA."""
+    if config.train.loss_weighting != "mean":
+        raise ValueError("train.loss_weighting must be 'mean' for DPO (its loss is a mean over pairs), got "
+                         f"{config.train.loss_weighting!r}")  # fmt: skip
+    if config.dpo.needs_reference and config.dpo.reference == "adapter-off" and not config.lora.enabled:
+        raise ValueError("dpo.reference 'adapter-off' needs LoRA (lora.rank > 0): without an adapter "
+                         "the policy is no reference")  # fmt: skip
 
 
 def reference_model(config: Config) -> HFModelConfig | None:
@@ -176,7 +175,10 @@ spec = RecipeSpec(
     export=hf_causal_lm.export,
     tensor_parallel=hf_causal_lm.spec.tensor_parallel,
     objective=ObjectiveSpec(
+        name="dpo",
         build=build_objective,
+        check=check_objective,
+        parallel=("tp",),
         frozen_model=lambda config: causal_lm_from_config(ref) if (ref := reference_model(config)) else None,
         forward_only=lambda config: _reference_forward(config),
         rows_per_sample=2,  # a pair is laid out as its chosen and its rejected row

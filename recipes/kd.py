@@ -34,14 +34,6 @@ class Config(hf_causal_lm.Config):
     """Directory for the resolved config, metrics, logs, checkpoints and artifacts."""
     kd: KDConfig = field(default_factory=KDConfig)
 
-    def validate(self) -> None:
-        super().validate()
-        self.kd.validate("kd")
-        for name, size in (("pp_size", self.parallel.pp_size), ("cp_size", self.parallel.cp_size),
-                           ("ep_size", self.parallel.ep_size)):  # fmt: skip
-            if size != 1:
-                raise ValueError(f"parallel.{name} {size}: distillation runs on plain, ddp, fsdp2 and tp layouts only")
-
 
 def teacher_model(config: Config) -> HFModelConfig:
     """The teacher's model settings: kd.teacher_path, in kd.teacher_dtype (default: model.dtype)."""
@@ -65,7 +57,9 @@ spec = dataclasses.replace(
     config=Config,
     check=check,
     objective=ObjectiveSpec(
+        name="distillation",
         build=build_objective,
+        parallel=("tp",),
         frozen_model=lambda config: causal_lm_from_config(teacher_model(config)),
         forward_only=lambda config: causal_lm_from_config(teacher_model(config)),  # the teacher, every micro-batch
     ),

@@ -30,10 +30,10 @@ from fntrain.hooks.sample import SampleConfig
 from fntrain.models.gpt import ModelConfig, TinyGPT
 from fntrain.models.gpt2 import gpt2_conversion
 from fntrain.models.moe import loss_with_router_aux, moe_step_end
-from fntrain.models.sampling import SampleSettings, sample_tokens
 from fntrain.run.config import CheckpointConfig, JobConfig, RecipeSpec, TrainConfig
 from fntrain.runtime import PipelineSplit, build_seeded_model, pipeline_group, tensor_parallel_plan
 from fntrain.runtime.groups import data_parallel_group
+from fntrain.sampling import SampleSettings, sample_tokens
 from fntrain.step.optim import OptimizerConfig, ScheduleConfig
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
 """Runs recipes/dpo as `fntrain run dpo` does, with a per-step metrics recorder and an optional SIGKILL,
 for tests/test_dpo_resume.py (one process; the kill is tests/checkpoint/resume_driver.py's).
+`main(argv, "recipes.grpo")` runs another recipe module the same way (tests/grpo_resume_driver.py).
 
     python -m tests.dpo_resume_driver OUT_DIR KILL [recipe flags...]
 
@@ -18,12 +19,14 @@ from pathlib import Path
 from typing import Any
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], recipe_module: str = "recipes.dpo") -> None:
     out_dir, kill, recipe_args = Path(argv[0]), argv[1], argv[2:]
     point, _, at = kill.partition(":")
     kill_step = int(at) if at else -1
 
-    import recipes.dpo as recipe
+    import importlib
+
+    recipe = importlib.import_module(recipe_module)
     from fntrain.cli import run_recipe
     from fntrain.cli.config_file import parse_config_cli
     from fntrain.cli.errors import reporting

@@ -56,11 +56,12 @@ def inputs(tmp_path_factory) -> list[str]:
     ]  # fmt: skip
 
 
-def launch(run_dir: Path, kill: str, args: list[str], launch_env: dict[str, str]) -> subprocess.Popen:
-    """tests/dpo_resume_driver.py in its own session, its output in a file (see test_resume.ended)."""
+def launch(run_dir: Path, kill: str, args: list[str], launch_env: dict[str, str],
+           driver: str = "tests.dpo_resume_driver") -> subprocess.Popen:  # fmt: skip
+    """tests/dpo_resume_driver.py (or another `driver` module) in its own session, its output in a file
+    (see test_resume.ended)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    command = [launch_env["PYTHON_FORK"], "-m", "tests.dpo_resume_driver", str(run_dir), kill, *args,
-               "--run-dir", str(run_dir)]  # fmt: skip
+    command = [launch_env["PYTHON_FORK"], "-m", driver, str(run_dir), kill, *args, "--run-dir", str(run_dir)]
     output = tempfile.TemporaryFile(mode="w+")
     process = subprocess.Popen(command, cwd=ROOT, env=launch_env, stdout=output, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)  # fmt: skip

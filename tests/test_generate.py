@@ -157,3 +157,29 @@ def test_a_run_without_checkpoints_names_its_recipe_by_its_command_line(tmp_path
 
     (tmp_path / "run_metadata.json").write_text(json.dumps({"command": {"argv": argv, "cwd": "/work"}}))
     assert recorded_recipe(tmp_path) == recipe
+
+
+def test_tokens_stream_as_their_text_completes():
+    import io
+
+    from fntrain.models.generate import TokenStreamer
+
+    class Bytes:  # a tokenizer whose ids are UTF-8 bytes: a character may span several ids
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    out = io.StringIO()
+    streamer = TokenStreamer(Bytes(), out)
+    written = []
+    for byte in "aé".encode():
+        streamer.put([byte])
+        written.append(out.getvalue())
+    streamer.end()
+    assert written == ["a", "a", "aé"] and out.getvalue() == "aé\n"  # the half of é waits for its other half
+    out = io.StringIO()
+    streamer = TokenStreamer(Bytes(), out)
+    for byte in b"a\nb":
+        streamer.put([byte])
+    assert streamer.ids == [ord("b")]  # a line written is forgotten: decoding stays linear
+    streamer.end()
+    assert out.getvalue() == "a\nb\n"

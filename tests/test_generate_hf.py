@@ -84,7 +84,7 @@ def test_a_two_rank_fsdp2_checkpoint_loads_on_one_process(tmp_path, capsys):
     from safetensors.torch import load_file
 
     from fntrain.models.gpt import ModelConfig, TinyGPT
-    from fntrain.models.sampling import SampleSettings, sample_tokens
+    from fntrain.sampling import SampleSettings, sample_tokens
 
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Higher imports lower; a package imports within itself freely. Top-level modules are their own layer.
 LAYERS = {
-    "fntrain.state": 0, "fntrain.config": 0, "fntrain.mesh_layout": 0, "fntrain.stateful": 0,
-    "fntrain.loop": 1, "fntrain.runtime": 1, "fntrain.data": 1, "fntrain": 2,
+    "fntrain.state": 0, "fntrain.config": 0, "fntrain.mesh_layout": 0, "fntrain.stateful": 0, "fntrain.rewards": 0,
+    "fntrain.loop": 1, "fntrain.runtime": 1, "fntrain.data": 1, "fntrain.sampling": 1, "fntrain": 2,
     "fntrain.step": 2, "fntrain.checkpoint": 3,
     "fntrain.models": 4,
     "fntrain.hooks": 5,

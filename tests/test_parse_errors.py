@@ -50,10 +50,10 @@ CASES = [
     ("no-value", ["run", "tiny_gpt", "--seed"], "fntrain run: --seed needs a value (an integer)"),
     ("stray-word", ["run", "tiny_gpt", "extra"], "fntrain run: unexpected argument 'extra'"),
     ("no-recipe", ["run"],
-     "fntrain run: missing RECIPE (one of: dpo, hf_causal_lm, kd, tiny_gpt, vlm, or a path to a recipe .py file); "
+     "fntrain run: missing RECIPE (one of: dpo, grpo, hf_causal_lm, kd, tiny_gpt, vlm, or a path to a recipe .py file); "
      "fntrain run --help for usage"),
     ("flag-before-recipe", ["run", "--seed", "3"],
-     "fntrain run: missing RECIPE (one of: dpo, hf_causal_lm, kd, tiny_gpt, vlm, or a path to a recipe .py file); "
+     "fntrain run: missing RECIPE (one of: dpo, grpo, hf_causal_lm, kd, tiny_gpt, vlm, or a path to a recipe .py file); "
      "fntrain run --help for usage"),
     ("plan-type", ["plan", "tiny_gpt", "--world-size", "two"], "fntrain plan: --world-size expects an integer, got 'two'"),
     ("plan-typo", ["plan", "tiny_gpt", "--world-sise", "2"],

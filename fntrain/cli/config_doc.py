@@ -27,7 +27,7 @@ from fntrain.run.config import JobConfig
 
 __all__ = ["config_reference", "field_docstrings"]
 
-RECIPES = ("tiny_gpt", "hf_causal_lm", "vlm", "dpo", "kd")
+RECIPES = ("tiny_gpt", "hf_causal_lm", "vlm", "dpo", "kd", "grpo")
 
 
 @cache

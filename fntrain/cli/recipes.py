@@ -30,7 +30,7 @@ __all__ = [
 
 ENTRY_POINT_GROUP = "fntrain.recipes"
 _PACKAGES = ("fntrain_recipes", "recipes")  # installed name first; the checkout's `recipes/` second
-BUILT_IN = ("tiny_gpt", "hf_causal_lm", "vlm", "dpo", "kd")
+BUILT_IN = ("tiny_gpt", "hf_causal_lm", "vlm", "dpo", "kd", "grpo")
 
 
 class RecipeNotFound(LookupError):

@@ -147,10 +147,12 @@ def held_out_tail(items: list[Any], val_fraction: float, what: str) -> tuple[lis
     return items[:split], items[split:]
 
 
-def read_rows(path: str, field_name: str, columns: Sequence[str]) -> list[tuple[int | str, dict[str, Any]]]:
+def read_rows(
+    path: str, field_name: str, columns: Sequence[str] | None
+) -> list[tuple[int | str, dict[str, Any]]]:
     """Every row of a JSONL file (position: its line number) or of a table source (position: "row N",
-    0-based, as `datasets` indexes it; only `columns`, null cells left out), read in full; errors as
-    `read_jsonl_rows` / `fntrain.data.tables.read_table_rows`."""
+    0-based, as `datasets` indexes it; only `columns`, all of them when None, null cells left out), read
+    in full; errors as `read_jsonl_rows` / `fntrain.data.tables.read_table_rows`."""
     source = require_source(field_name, path)
     if is_table_source(source):
         return list(read_table_rows(path, field_name, columns))

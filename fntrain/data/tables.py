@@ -222,10 +222,13 @@ def read_piece(piece: TablePiece, columns: Sequence[str], batch_rows: int = 1024
         raise ConfigError(f"{piece.where} cannot be read ({_first_line(error)})") from None
 
 
-def read_table_rows(path: str, field_name: str, columns: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
+def read_table_rows(
+    path: str, field_name: str, columns: Sequence[str] | None
+) -> list[tuple[str, dict[str, Any]]]:
     """Every row of a table source as (its label, e.g. "row 0" or "b.parquet row 3" when the source has
-    several files; {column: value} for those of `columns` the table has, null cells left out), read in
-    full. A source with none of `columns` is a `ConfigError` naming them and the columns present."""
+    several files; {column: value} for those of `columns` the table has, every column when None, null
+    cells left out), read in full. A source with none of `columns` is a `ConfigError` naming them and the
+    columns present."""
     source = Path(path).expanduser()
     where = f"{field_name} {path!r}"
     files = table_files(source, where)
@@ -233,8 +236,8 @@ def read_table_rows(path: str, field_name: str, columns: Sequence[str]) -> list[
     for file in files:
         file_where = where if len(files) == 1 else f"{where} file {file.name!r}"
         present = table_columns(file, file_where)
-        wanted = [column for column in dict.fromkeys(columns) if column in present]
-        if not wanted:
+        wanted = list(present) if columns is None else [c for c in dict.fromkeys(columns) if c in present]
+        if not wanted and columns is not None:
             raise ConfigError(f"{file_where} has none of the columns {', '.join(map(repr, columns))} "
                               f"(columns: {', '.join(present)})")  # fmt: skip
         prefix = "" if len(files) == 1 else f"{file.name} "

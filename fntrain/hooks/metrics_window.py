@@ -9,8 +9,10 @@ on the device, and the metrics hook reads the result with its one transfer (CPU 
 host numbers instead: on the CPU a read is no sync, and cheaper than stacking). A window that grows long
 (nothing logs for `FOLD_AT` steps) is folded into sums, a device op but still no sync.
 
-An objective's metrics (names with a "/", e.g. DPO's "rewards/chosen": `make_train_step`'s loss
-metrics) are the plain mean over the window's steps, as TRL logs them, kept and reduced like the norms.
+Every other metric a step returns (an objective's, e.g. DPO's "rewards/chosen", GRPO's "reward" and
+"kl", a MoE's "moe/aux_loss") is the plain mean over the window's steps that report it, as TRL logs
+them, kept and reduced like the norms; only the step's own bookkeeping and running counts (`STEP_OWN`:
+the learning rate, the skip flag, GRPO's `num_tokens`) are the logging step's values.
 
 Steps whose update was skipped ("skipped" true: skip-non-finite mode) stay out of the means: their loss
 may be inf/NaN. The window's state (`window_state` / `load_window_state`, host numbers read at a
@@ -28,7 +30,8 @@ import torch
 from fntrain.runtime.collectives import exact_dtype
 
 __all__ = [
-    "FOLD_AT", "WEIGHT", "Window", "add_step", "window_means", "window_state", "load_window_state", "is_group_metric",
+    "FOLD_AT", "WEIGHT", "STEP_OWN", "Window", "add_step", "window_means", "window_state", "load_window_state",
+    "is_group_metric",
 ]  # fmt: skip
 
 WEIGHT = "loss_tokens"
@@ -60,9 +63,14 @@ class Window:
     names_of: int = -1  # ... found in a step of this many metrics
 
 
+STEP_OWN = ("loss", "grad_norm", WEIGHT, "lr", "skipped", "num_tokens", "consumed_tokens", "consumed_samples")
+"""The step's own metrics and running counts: the loss and norm have their own means, the rest are the
+logging step's (a rate it used, a flag, a count so far)."""
+
+
 def is_group_metric(name: str) -> bool:
-    """Whether a step metric is an objective's grouped metric ("rewards/chosen"), averaged over the window."""
-    return "/" in name
+    """Whether a step metric is averaged over the window's steps: all but the step's own (`STEP_OWN`)."""
+    return name not in STEP_OWN
 
 
 def add_step(window: Window, metrics: Mapping[str, Any]) -> None:

@@ -1,9 +1,9 @@
 """Progress bar: a tqdm bar on rank 0, advanced every step, its postfix refreshed on logging steps.
 
 The bar counts optimizer steps of the whole run: total = `train_iters`, initial = the global step the run
-starts from (a resumed run starts part-way). Its postfix (loss, grad_norm, lr, tokens/s, step time) comes
-from the metrics log's last record (`latest`, e.g. `MetricsLog.latest`: the progress hook goes after the
-metrics hook) and is refreshed only on the steps that record is made; on other steps the hook advances
+starts from (a resumed run starts part-way). Its postfix (loss, an RL run's reward, grad_norm, lr,
+tokens/s, step time) comes from the metrics log's last record (`latest`, e.g. `MetricsLog.latest`: the
+progress hook goes after the metrics hook) and is refreshed only on the steps that record is made; on other steps the hook advances
 the bar by one and reads nothing from the device. The bar opens at TRAIN_BEGIN and closes once, at
 TRAIN_END or ABORT. tqdm is imported when the hook is built on rank 0, never by `import fntrain`; without
 tqdm the hook warns once and shows no bar. While the bar is open, log records are routed through `tqdm.write` so they
@@ -56,6 +56,7 @@ class ProgressConfig:
 
 _POSTFIX = (
     ("loss", "loss", "{:.4f}"),
+    ("reward", "reward", "{:.3f}"),  # an RL objective's mean reward (GRPO)
     ("grad_norm", "grad_norm", "{:.3f}"),
     ("lr", "lr", "{:.3e}"),
     ("tokens_per_s", "tok/s", "{:.4g}"),
@@ -64,7 +65,7 @@ _POSTFIX = (
 
 
 def format_postfix(metrics: Mapping[str, Any]) -> str:
-    """The bar's postfix from a record: loss, grad_norm, lr (.3e), tokens/s, step time; absent ones skipped."""
+    """The bar's postfix from a record: loss, reward, grad_norm, lr (.3e), tokens/s, step time; absent ones skipped."""
     parts = []
     for name, label, form in _POSTFIX:
         value = metrics.get(name)

@@ -28,8 +28,8 @@ from fntrain.config import require_bool, require_int, require_str
 from fntrain.hooks.base import cadence, on, on_ranks, on_steps
 from fntrain.hooks.metrics_log import MetricsLog
 from fntrain.loop import Event, Hook
-from fntrain.models.sampling import SampleSettings
 from fntrain.runtime.runtime import Runtime
+from fntrain.sampling import SampleSettings
 from fntrain.state import TrainState
 
 __all__ = ["SampleConfig", "Sampler", "sample_hook", "SAMPLES_FILE"]

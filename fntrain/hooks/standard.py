@@ -35,7 +35,7 @@ from fntrain.hooks.metrics_log import metrics_log
 from fntrain.hooks.profiler import ProfilerConfig, check_profiler_config, profiler_hook
 from fntrain.hooks.progress import progress_hook, set_library_progress_bars
 from fntrain.hooks.sample import sample_hook
-from fntrain.hooks.standard_inputs import EarlyHooks, Factory, HookInputs, Wiring
+from fntrain.hooks.standard_inputs import EarlyHooks, Factory, HookFactory, HookInputs, Wiring
 from fntrain.hooks.throughput import throughput_meter
 from fntrain.hooks.watchdog import watchdog_hook
 from fntrain.loop import Hook
@@ -45,6 +45,7 @@ log = logging.getLogger("fntrain.hooks.evaluate")
 
 __all__ = [
     "EarlyHooks",
+    "HookFactory",
     "HookInputs",
     "Wiring",
     "STANDARD_FACTORIES",
@@ -177,7 +178,12 @@ def _profiler(inputs: HookInputs, wiring: Wiring) -> Hook | None:
 
 
 def _extra(inputs: HookInputs, wiring: Wiring) -> tuple[Hook, ...]:
-    return tuple(inputs.extra)
+    """The spec's and the objective's hooks, a `HookFactory` built here over the run's wiring."""
+    hooks = []
+    for extra in inputs.extra:
+        made = extra.make(inputs, wiring) if isinstance(extra, HookFactory) else extra
+        hooks.extend(() if made is None else made if isinstance(made, tuple) else (made,))
+    return tuple(hooks)
 
 
 def _checkpoint(inputs: HookInputs, wiring: Wiring) -> Hook | None:

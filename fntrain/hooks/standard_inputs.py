@@ -1,7 +1,7 @@
 """The records the standard hook list is built from and shares [S27]: `EarlyHooks` (the memory and
 profiler hooks built before the model), `HookInputs` (the job config and the built run), `Wiring` (what
-the hooks share: the metrics log, the throughput meter, the list itself) and `Factory`, the type of one
-entry of `STANDARD_FACTORIES`. Plain frozen records that build nothing; `fntrain.hooks.standard`, which
+the hooks share: the metrics log, the throughput meter, the list itself), `Factory`, the type of one
+entry of `STANDARD_FACTORIES`, and `HookFactory`, an extra hook built from them. Plain frozen records that build nothing; `fntrain.hooks.standard`, which
 re-exports them, builds the list.
 """
 
@@ -20,7 +20,7 @@ from fntrain.runtime import Runtime
 from fntrain.state import RunPlan
 from fntrain.step.components import Components
 
-__all__ = ["EarlyHooks", "HookInputs", "Wiring", "Factory"]
+__all__ = ["EarlyHooks", "HookInputs", "Wiring", "Factory", "HookFactory"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class HookInputs:
     extra_eval: Callable[[], Mapping[str, float]] | None = None  # more metrics per evaluation (every rank)
     run_config: dict[str, Any] | None = None  # the resolved config: trackers and checkpoints get it
     recipe: str | None = None  # the name that loads the recipe again: checkpoints record it
-    extra: Sequence[Hook] = ()  # the spec's hooks, just before the checkpoint hook
+    extra: Sequence[Any] = ()  # the spec's and the objective's hooks (or HookFactory records), before the checkpoint
     attempt: int = 0  # which launch of the run this is; tags each metrics record
     data_fingerprint: Mapping[str, Any] | None = None  # what the data was: every checkpoint records it
     restoring: bool = False  # the launch restores a checkpoint: its end is saved too (`saves_at_end`)
@@ -70,3 +70,11 @@ class Wiring:
 
 
 Factory = Callable[[HookInputs, Wiring], "Hook | tuple[Hook, ...] | None"]
+
+
+@dataclass(frozen=True)
+class HookFactory:
+    """An extra hook (a recipe's or an objective's) that needs what the standard hooks share, e.g. the
+    metrics log: `make(inputs, wiring)` builds it where the extra hooks go (None: no hook this run)."""
+
+    make: Factory

@@ -164,7 +164,8 @@ def throughput_meter(
 
 
 def _measured_flops(setup: _Setup) -> float | None:
-    """FLOPs per token: configured, given, or measured now by the given callable (a failure: None)."""
+    """FLOPs per token: configured, given, or measured now by the given callable (a failure, or a
+    callable that finds nothing to count on: None)."""
     config, given = setup.config, setup.flops_per_token
     if config.flops_per_token is not None:
         return float(config.flops_per_token)
@@ -174,10 +175,14 @@ def _measured_flops(setup: _Setup) -> float | None:
         return None
     started = time.perf_counter()
     try:
-        measured = float(given())
+        measured = given()
     except Exception as error:  # noqa: BLE001 - TFLOP/s are a nicety, never a failed run
         log.warning("throughput: measuring FLOPs per token failed (%r); no TFLOP/s or MFU", error)
         return None
+    if measured is None:  # nothing to count on (a generating objective's batches are prompts)
+        log.info("throughput: this run's batches give no FLOPs per token to measure; no TFLOP/s or MFU")
+        return None
+    measured = float(measured)
     log.info("throughput: %.4g training FLOPs per token (measured in %.2fs)",
              measured, time.perf_counter() - started)  # fmt: skip
     return measured

@@ -6,11 +6,14 @@
 
 `--num-samples N` draws N samples per prompt with seeds seed, seed+1, ...; each sample is printed after
 a header line (`--- sample 2/3 (seed 1235) ---`, with the prompt's number when there are several), then
-the prompt and the continuation as it is produced. The tiny GPT is sampled by
-`fntrain.models.sampling.sample_tokens` (its KV cache; draws from a generator seeded per sample);
-transformers models by their own `generate` (greedy at temperature 0, `do_sample` otherwise) after
-`torch.manual_seed(seed)`, with a `TextStreamer`. Both stop at the EOS id. Byte-level models (UTF-8 bytes as
-ids) print each character once its bytes are complete, undecodable bytes as U+FFFD.
+the prompt and the continuation as it is produced. Every model, the tiny GPT and transformers ones alike,
+is sampled by fntrain's sampler (`fntrain.sampling.decode`, over the model's KV cache), the one the GRPO
+rollout uses: each sample draws from its own generator seeded by --seed + its number, so the same seed
+gives the same text, independent of transformers' and torch's global random state (transformers' own
+`generate` is not called; at temperature 0 the tokens are its greedy ones). A sample stops at the EOS id:
+a transformers model's generation_config ones (it may name several), else the tokenizer's. Text streams as
+it completes; byte-level models (UTF-8 bytes as ids) print each character once its bytes are complete,
+undecodable bytes as U+FFFD.
 
 A prompt longer than the model's context loses its first tokens (one warning line on stderr): a
 transformers model keeps room for max_new_tokens within its positions, the tiny GPT slides its window.
@@ -29,9 +32,9 @@ import torch
 
 from fntrain.config import require_float, require_int, require_str
 from fntrain.models.load import TextAssets
-from fntrain.models.sampling import SampleSettings, model_context, sample_tokens
+from fntrain.sampling import SampleSettings, decode, model_context
 
-__all__ = ["GenerateOptions", "Sample", "generate", "read_prompts", "ByteStreamer", "DEFAULT_PROMPT"]
+__all__ = ["GenerateOptions", "Sample", "generate", "read_prompts", "ByteStreamer", "TokenStreamer", "DEFAULT_PROMPT"]
 
 log = logging.getLogger("fntrain.generate")
 
@@ -83,7 +86,7 @@ class GenerateOptions:
                                         else f"{flag} {path!r} is not a file")  # fmt: skip
         require_str("--recipe", self.recipe, optional=True, non_empty=True)
 
-    def settings(self, eos_id: int | None) -> SampleSettings:
+    def settings(self, eos_id: int | tuple[int, ...] | None) -> SampleSettings:
         return SampleSettings(self.max_new_tokens, self.temperature, self.top_k, self.top_p, eos_id)
 
 
@@ -112,7 +115,8 @@ def read_prompts(options: GenerateOptions) -> list[str]:
 
 class ByteStreamer:
     """Prints byte ids (0..255) as UTF-8 text as each character completes; ids beyond a byte (an EOS)
-    print nothing. Also a transformers streamer (`put` / `end`): its first `put`, the prompt, is skipped."""
+    print nothing. `put` takes ids (a list or a tensor); with `skip_first` its first `put` (a prompt) is
+    skipped."""
 
     def __init__(self, out: TextIO, skip_first: bool = False):
         self.out, self.skip = out, skip_first
@@ -167,59 +171,59 @@ def _fit(inputs: dict[str, torch.Tensor], keep: int | None, number: int) -> dict
     return {**inputs, "input_ids": inputs["input_ids"][:, -keep:]}
 
 
-def _sample_tiny(model: Any, inputs: dict, assets: TextAssets, options: GenerateOptions, seed: int,
-                 out: TextIO) -> list[int]:  # fmt: skip
-    """The tiny GPT (or any model that is no transformers one): `sample_tokens`, streamed."""
-    generator = torch.Generator().manual_seed(seed)
+class TokenStreamer:
+    """Prints token ids as text as it completes, with the tokenizer: the ids of the current line are
+    decoded and what is new is written, held back while it ends in an incomplete character (U+FFFD), as
+    transformers' TextStreamer does; a written newline starts a new line (decoding stays linear)."""
+
+    def __init__(self, tokenizer: Any, out: TextIO):
+        self.tokenizer, self.out = tokenizer, out
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def put(self, ids: list[int]) -> None:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            self._write(text)
+
+    def end(self) -> None:
+        self._write(self.tokenizer.decode(self.ids, skip_special_tokens=True) + "\n")
+
+    def _write(self, text: str) -> None:
+        self.out.write(text[self.printed :])
+        self.out.flush()
+        self.ids, self.printed = ([], 0) if text.endswith("\n") else (self.ids, len(text))
+
+
+def _eos(model: Any, assets: TextAssets) -> int | tuple[int, ...] | None:
+    """The ids that end a sample: a transformers model's generation_config.eos_token_id (one or several)
+    when it names one, else the tokenizer's (assets.eos_id)."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(configured, int):
+        return configured
+    if isinstance(configured, (list, tuple)) and configured:
+        return tuple(int(token) for token in configured)
+    return assets.eos_id
+
+
+def _sample(model: Any, inputs: dict, assets: TextAssets, options: GenerateOptions, seed: int,
+            out: TextIO) -> list[int]:  # fmt: skip
+    """One sample: `decode` of the prompt's one row, drawing from a generator seeded by `seed`, its
+    tokens streamed to `out` as they come (a VLM's pixel_values go into the first forward)."""
     device = next(model.parameters()).device
-    streamer = ByteStreamer(out) if assets.tokenizer is None else None
-    ids = []
-    for token in sample_tokens(
-        model, inputs["input_ids"][0].to(device), options.settings(assets.eos_id), generator
-    ):
-        ids.append(token)
-        if streamer is not None:
-            streamer.put([token])
-        else:
-            out.write(assets.tokenizer.decode([token], skip_special_tokens=True))
-            out.flush()
-    if streamer is not None:
-        streamer.end()
-    else:
-        out.write("\n")
-    return ids
+    streamer: Any = ByteStreamer(out) if assets.tokenizer is None else TokenStreamer(assets.tokenizer, out)
+    extra = {key: value.to(device) for key, value in inputs.items() if key != "input_ids"}
 
+    def stream(step: list[int | None]) -> None:
+        if step[0] is not None:
+            streamer.put([step[0]])
 
-def _sample_hf(model: Any, inputs: dict, assets: TextAssets, options: GenerateOptions, seed: int,
-               out: TextIO) -> list[int]:  # fmt: skip
-    """A transformers model: its own `generate`, streamed (TextStreamer or bytes)."""
-    from transformers import TextStreamer
-
-    device = next(model.parameters()).device
-    batch = {key: value.to(device) for key, value in inputs.items()}
-    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
-    if assets.tokenizer is None:
-        streamer: Any = ByteStreamer(out, skip_first=True)
-    else:
-        streamer = TextStreamer(assets.tokenizer, skip_prompt=True, skip_special_tokens=True)
-    kwargs: dict[str, Any] = {"max_new_tokens": options.max_new_tokens, "streamer": streamer}
-    if options.temperature == 0:
-        kwargs.update(do_sample=False)
-    else:
-        kwargs.update(
-            do_sample=True, temperature=options.temperature, top_k=options.top_k or 0, top_p=options.top_p
-        )
-    if getattr(model.generation_config, "eos_token_id", None) is None and assets.eos_id is not None:
-        kwargs["eos_token_id"] = assets.eos_id
-    if getattr(model.generation_config, "pad_token_id", None) is None:
-        pad = getattr(assets.tokenizer, "pad_token_id", None)
-        kwargs["pad_token_id"] = (
-            pad if pad is not None else (assets.eos_id if assets.eos_id is not None else 0)
-        )
-    torch.manual_seed(seed)  # transformers samples from the global RNG
-    with torch.no_grad():
-        output = model.generate(**batch, **kwargs)
-    return output[0, batch["input_ids"].shape[1] :].tolist()
+    decoded = decode(model, [inputs["input_ids"][0].tolist()], options.settings(_eos(model, assets)),
+                     [torch.Generator().manual_seed(seed)], device=device, on_tokens=stream,
+                     prefill_inputs=extra or None)  # fmt: skip
+    streamer.end()
+    return decoded.tokens[0]
 
 
 def _room(model: Any, options: GenerateOptions, hf: bool) -> int | None:
@@ -259,7 +263,6 @@ def generate(
                 out.write(f"--- {where}sample {number + 1}/{options.num_samples} (seed {seed}) ---\n")
             out.write(prompt)
             out.flush()
-            sample = _sample_hf if hf else _sample_tiny
-            ids = sample(model, inputs, assets, options, seed, out)
+            ids = _sample(model, inputs, assets, options, seed, out)
             samples.append(Sample(index, seed, prompt, tuple(ids), _decode(assets, ids)))
     return samples

@@ -10,9 +10,11 @@ GPT-2, which is how `fntrain.models.gpt2` exports it. The parameter names (`tok`
 `blocks.N.attn.q`, `blocks.N.mlp.0`, `head`, ...) are a file format: checkpoints, the GPT-2 export and the
 tensor- and pipeline-parallel plans of recipes/tiny_gpt.py name them.
 
-Sampling (fntrain.models.sampling) passes a `KVCache` so each new token costs one token's forward: the
-keys and values of the tokens already fed stay in preallocated buffers of `context` positions. Training
-never passes one, and its path is unchanged.
+Sampling (fntrain.sampling.decode) passes a `KVCache` so each new token costs one token's forward: the
+keys and values of the tokens already fed stay in preallocated buffers of `context` columns. A batch of
+prompts of different lengths is fed left-padded, with each row's own positions and a mask of its real
+tokens: the cache records which columns are real, and no token attends a padded one. Training never
+passes a cache, and its path is unchanged.
 """
 
 from __future__ import annotations
@@ -75,25 +77,30 @@ class ModelConfig:
 
 @dataclass
 class KVCache:
-    """The keys and values of the tokens fed so far, per block, in buffers of `context` positions
+    """The keys and values of the tokens fed so far, per block, in buffers of `context` columns
     (allocated at a block's first forward, in its dtype, device and local head count). `length` is the
-    number of positions filled, the position of the next token. Mutable on purpose: it is the one buffer a
+    number of columns filled, the column of the next token. Mutable on purpose: it is the one buffer a
     decode loop threads through `TinyGPT.forward(..., kv_cache=)`, which advances `length`. The learned
     position embedding ends at `context`: a full cache takes no more tokens (the sampler then recomputes
-    the window, see fntrain.models.sampling)."""
+    the window, see fntrain.sampling.decode).
+
+    A left-padded batch: `valid` [batch, context] records which filled columns hold real tokens (None:
+    every column fed so far is real). A padded key is attended by no query but its own column's, so
+    attention never sees a row with every key masked; what a padded column computes is never read."""
 
     context: int
     keys: list[torch.Tensor | None]
     values: list[torch.Tensor | None]
     length: int = 0
+    valid: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, n_layer: int, context: int) -> KVCache:
         return cls(context, [None] * n_layer, [None] * n_layer)
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes this forward's k, v [batch, heads, seq, head_dim] at positions [length, length + seq) of
-        `layer` and returns the keys and values of positions [0, length + seq)."""
+        """Writes this forward's k, v [batch, heads, seq, head_dim] at columns [length, length + seq) of
+        `layer` and returns the keys and values of columns [0, length + seq)."""
         end = self.length + k.size(2)
         if self.keys[layer] is None:
             shape = (k.size(0), k.size(1), self.context, k.size(3))
@@ -103,13 +110,28 @@ class KVCache:
         self.values[layer][:, :, self.length : end] = v
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
+    def take_mask(self, real: torch.Tensor | None, batch: int, seq: int, device: torch.device) -> None:
+        """Records which of the `seq` new columns are real tokens (`real` [batch, seq], nonzero: real;
+        None: all of them). Called once per forward, before the blocks extend the cache."""
+        if real is None and self.valid is None:
+            return
+        if self.valid is None:  # the first padded forward: every column before it was real
+            self.valid = torch.ones(batch, self.context, dtype=torch.bool, device=device)
+        self.valid[:, self.length : self.length + seq] = True if real is None else real.bool()
+
     def causal_mask(self, seq: int, device: torch.device) -> torch.Tensor | None:
-        """The boolean mask [seq, length + seq] of `seq` new queries over every cached key (True: may
-        attend); None where plain causal attention (an empty cache) or none (one query) is exact."""
-        if self.length == 0 or seq == 1:
+        """The boolean mask of `seq` new queries over every cached key (True: may attend): [seq,
+        length + seq] without padding, [batch, 1, seq, length + seq] with it (`valid`); None where plain
+        causal attention (an empty cache) or none (one query) is exact."""
+        end = self.length + seq
+        if self.valid is None and (self.length == 0 or seq == 1):
             return None
-        keys = torch.arange(self.length + seq, device=device)
-        return keys[None, :] <= (self.length + torch.arange(seq, device=device))[:, None]
+        keys = torch.arange(end, device=device)
+        queries = self.length + torch.arange(seq, device=device)
+        causal = keys[None, :] <= queries[:, None]
+        if self.valid is None:
+            return causal
+        return (causal & self.valid[:, None, None, :end]) | (keys[None, :] == queries[:, None])
 
 
 class CausalSelfAttention(nn.Module):
@@ -127,9 +149,9 @@ class CausalSelfAttention(nn.Module):
         batch, seq, _ = x.shape  # under tensor parallelism q, k, v hold this rank's heads only
         q, k, v = (p(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
         causal = attn_mask is None  # a boolean mask already holds causality (packed documents: block-diagonal)
-        if kv_cache is not None:  # decoding: the new queries attend over the cached positions too
-            k, v = kv_cache.extend(layer, k, v)
-            attn_mask, causal = kv_cache.causal_mask(seq, x.device), kv_cache.length == 0
+        if kv_cache is not None:  # decoding: the new queries attend over the cached columns too, by the
+            k, v = kv_cache.extend(layer, k, v)  # mask `TinyGPT._decode` built once (None: see causal_mask)
+            causal = attn_mask is None and kv_cache.length == 0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
                                            dropout_p=self.dropout if self.training else 0.0)  # fmt: skip
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
@@ -156,7 +178,7 @@ class Block(nn.Module):
         self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None, layer: int = 0
     ) -> torch.Tensor:
         h = self.ln1(x)
-        x = x + (self.attn(h, attn_mask) if kv_cache is None else self.attn(h, None, kv_cache, layer))
+        x = x + (self.attn(h, attn_mask) if kv_cache is None else self.attn(h, attn_mask, kv_cache, layer))
         h = self.ln2(x)
         return x + self.mlp(self.moe(h) if hasattr(self, "moe") else h)
 
@@ -199,9 +221,10 @@ class TinyGPT(nn.Module):
         at each document and a 4-D boolean `attention_mask` [batch, 1, seq, seq] (True: may attend) that
         keeps attention inside each document; a 2-D padding mask is ignored (attention stays causal).
         With `kv_cache` (from `new_kv_cache`) `input_ids` are the tokens after the cached ones, at positions
-        from `kv_cache.length` on (position_ids and attention_mask are ignored); the cache takes them in."""
+        `position_ids` ([batch, seq]; None: from `kv_cache.length` on) and with `attention_mask` [batch, seq]
+        marking the real tokens of a left-padded batch (None: all real); the cache takes them in."""
         if kv_cache is not None:
-            return self._decode(input_ids, kv_cache)
+            return self._decode(input_ids, kv_cache, position_ids, attention_mask)
         x = input_ids  # a pipeline stage after the first gets the previous stage's activations
         if self.tok is not None:
             if position_ids is None:
@@ -220,15 +243,25 @@ class TinyGPT(nn.Module):
             raise ValueError("a pipeline stage of the tiny GPT cannot decode with a KV cache: load the whole model")
         return KVCache.empty(len(self.blocks), self.cfg.context)
 
-    def _decode(self, input_ids: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+    def _decode(
+        self,
+        input_ids: torch.Tensor,
+        kv_cache: KVCache,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The forward of `input_ids` [batch, seq] after the cached tokens; advances the cache."""
         start, end = kv_cache.length, kv_cache.length + input_ids.size(1)
         if end > kv_cache.context:
             raise ValueError(f"the KV cache holds {kv_cache.context} positions (model.context): {start} cached + "
                              f"{input_ids.size(1)} new do not fit")  # fmt: skip
-        x = self.drop(self.tok(input_ids) + self.pos(torch.arange(start, end, device=input_ids.device)))
+        if position_ids is None:
+            position_ids = torch.arange(start, end, device=input_ids.device)
+        x = self.drop(self.tok(input_ids) + self.pos(position_ids))
+        kv_cache.take_mask(attention_mask, input_ids.size(0), input_ids.size(1), input_ids.device)
+        mask = kv_cache.causal_mask(input_ids.size(1), input_ids.device)
         for layer, block in enumerate(self.blocks):
-            x = block(x, None, kv_cache, layer)
+            x = block(x, mask, kv_cache, layer)
         kv_cache.length = end
         x = self.head(self.ln_f(x))
         return RouterOutput(x, mean_aux_loss(moe_layers(self))) if self.cfg.experts else x

@@ -198,6 +198,18 @@ def model_vocab_size(config: HFModelConfig) -> int | None:
     return vocab if isinstance(vocab, int) else None
 
 
+def model_max_positions(config: HFModelConfig) -> int | None:
+    """The positions the model attends over, from its config.json (`max_position_embeddings` or
+    `n_positions`, a multimodal config's text config first); None when it names none."""
+    saved = json.loads((Path(config.path).expanduser() / "config.json").read_text())
+    text = saved.get("text_config") or saved
+    for name in ("max_position_embeddings", "n_positions"):
+        value = text.get(name)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def check_packed_attention(config: HFModelConfig, packing: bool, prefix: str = "model") -> None:
     """A ValueError when packed data (`fntrain.data.sft`: a 4-D boolean block-diagonal mask) meets an
     attention kernel that would misread it: transformers hands a 4-D mask to the kernel as it is, and

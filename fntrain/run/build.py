@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from fntrain.data.pipeline import build_data
 from fntrain.data.settings import Batching
 from fntrain.hooks.standard import HookInputs, Wiring, wire_standard_hooks
 from fntrain.models.flops import measure_flops_per_token
-from fntrain.run.checks import Checked, dataset_len, full_model_on_meta
+from fntrain.run.checks import Checked, dataset_len, full_model_on_meta, generation_shape
 from fntrain.run.config import Built, JobConfig, RecipeSpec
 from fntrain.run.open import OpenedRun
 from fntrain.run.report import describe_start
@@ -35,6 +35,7 @@ from fntrain.runtime.precision import autocast_dtype, build_grad_scaler, loss_co
 from fntrain.step import StepSettings
 from fntrain.step.components import Components
 from fntrain.step.layouts import LaidOut, StepInputs, choose_layout
+from fntrain.step.objective import with_rollout
 from fntrain.step.optim import build_lr_schedule, build_optimizer
 
 __all__ = ["Assembled", "assemble", "build_job", "build_step", "job_hooks"]
@@ -77,8 +78,7 @@ def build_job(config: JobConfig, spec: RecipeSpec, runtime: Any, checked: Checke
     if callable(getattr(spec.loss, "bind_model", None)):
         spec.loss.bind_model(model)
     inputs, plan = checked.inputs, checked.plan
-    batching = Batching(config.train.micro_batch_size, plan.micro_batches, seed=config.seed,
-                        dp_rank=runtime.dp_rank, dp_size=runtime.dp_size)  # fmt: skip
+    batching = _batching(config, spec, runtime, plan)
     pin = config.loader.pin_memory and runtime.device.type != "cpu"  # pinned memory speeds accelerator copies only
     loader = dataclasses.replace(config.loader, pin_memory=pin)
     data = build_data(inputs.train_set, batching, loader, collate_fn=inputs.collate_fn)
@@ -95,14 +95,25 @@ def build_job(config: JobConfig, spec: RecipeSpec, runtime: Any, checked: Checke
         return built
     objective = spec.objective.build(config, built)  # may load its frozen model: after the trained one
     components = dataclasses.replace(components, loss_fn=objective.loss, forward=objective.forward)
-    return dataclasses.replace(built, components=components)
+    return dataclasses.replace(built, components=components, objective=objective)
+
+
+def _batching(config: JobConfig, spec: RecipeSpec, runtime: Any, plan: Any) -> Batching:
+    """What this rank reads per step: its share of each global batch, or, for a generating objective,
+    the whole generation batch of prompts (every rank the same rows, read once per `steps_per_read`)."""
+    generation = generation_shape(config, spec, runtime.dp_size)
+    if generation is not None:
+        return Batching(generation.prompts, 1, seed=config.seed, dp_rank=0, dp_size=1)
+    return Batching(config.train.micro_batch_size, plan.micro_batches, seed=config.seed,
+                    dp_rank=runtime.dp_rank, dp_size=runtime.dp_size)  # fmt: skip
 
 
 def build_step(built: Built, spec: RecipeSpec) -> LaidOut:
     """The run's layout, looked up once from the parallel settings (`fntrain.step.layouts`), built over
     the components: the train step and the evaluation's forward and loss. The step is wired to the
     runtime: its device, gradient-averaging size and group, the autocast dtype and loss context the
-    parallel settings imply, the grad scaler and the recipe's `step_end`."""
+    parallel settings imply, the grad scaler and the recipe's `step_end`; an objective's rollout phase
+    runs before it (`with_rollout`)."""
     config, runtime = built.config, built.runtime
     parallel, train = config.parallel, config.train
     settings = StepSettings(
@@ -115,7 +126,9 @@ def build_step(built: Built, spec: RecipeSpec) -> LaidOut:
         runtime, parallel, built.plan.micro_batches, pipeline=spec.pipeline,
         model_on_meta=lambda: full_model_on_meta(config, spec),
     )  # fmt: skip
-    return choose_layout(parallel).build(inputs)
+    laid_out = choose_layout(parallel).build(inputs)
+    rollout = built.objective.rollout if built.objective is not None else None
+    return dataclasses.replace(laid_out, step_fn=with_rollout(rollout, laid_out.step_fn))
 
 
 def _sample_micro_batch(built: Built) -> Any:
@@ -129,7 +142,7 @@ def _sample_micro_batch(built: Built) -> Any:
     return (built.collate_fn or default_collate)(samples)
 
 
-def _flops_per_token(built: Built, spec: RecipeSpec) -> Callable[[], float] | None:
+def _flops_per_token(built: Built, spec: RecipeSpec) -> Callable[[], float | None] | None:
     """FLOPs per token, counted when the throughput hook first needs them (at TRAIN_BEGIN) on a meta
     copy of the bare model with a real micro-batch: no memory, no device work. An objective's
     forward-only model (a reference, a teacher) adds its forward's FLOPs: the device does that work too."""
@@ -137,8 +150,10 @@ def _flops_per_token(built: Built, spec: RecipeSpec) -> Callable[[], float] | No
         return None
     forward_only = spec.objective.forward_only if spec.objective is not None else None
 
-    def measure() -> float:
+    def measure() -> float | None:
         sample = _sample_micro_batch(built)
+        if not isinstance(sample, Mapping):  # a generating objective's prompt rows: no model inputs to count on
+            return None
         flops = measure_flops_per_token(lambda: spec.model_factory(built.config), sample, loss_fn=spec.loss,
                                         forward=spec.forward)  # fmt: skip
         if forward_only is not None:
@@ -177,7 +192,7 @@ def job_hooks(built: Built, spec: RecipeSpec, step: LaidOut, checked: Checked, o
         extra_eval=spec.eval_metrics(config, built) if spec.eval_metrics else None,
         run_config=config_to_dict(config),
         recipe=recipe_reference(spec.config),
-        extra=list(spec.hooks(built)) if spec.hooks else (),
+        extra=[*(spec.hooks(built) if spec.hooks else ()), *(built.objective.hooks if built.objective else ())],
         attempt=opened.attempt,
         data_fingerprint=checked.fingerprint,
         restoring=checked.launch.resumes,

@@ -3,7 +3,8 @@ device work. Every failure is a `ConfigError` naming the field (the CLI prints i
 the flag, exit status 2), so a bad command leaves the run directory exactly as it found it.
 
     check_run(config, spec)        all of the below, in order; returns what phase 2 builds on
-        check_values               every section's value rules, once, and the batch shape over the ranks
+        check_values               every section's value rules, once, the objective's layouts and rules
+                                   (`fntrain.step.objective`), and the batch shape over the ranks
         check_launcher             a strategy that needs a process group is launched by torchrun
         layout.check               the layout's rules: what the recipe's model supports, which sizes
         layout.check_device        combine, the devices it runs on (`fntrain.step.layouts`)
@@ -47,11 +48,12 @@ from fntrain.runtime.materialize import build_on_meta
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import RunPlan, make_run_plan
 from fntrain.step.layouts import choose_layout
+from fntrain.step.objective import GenerationShape, check_objective, check_parallel
 
 __all__ = [
     "Inputs", "Checked", "check_run", "check_values", "check_launcher",
     "check_device_settings", "check_paths", "read_inputs",
-    "run_plan", "dataset_len", "full_model_on_meta",
+    "run_plan", "generation_shape", "dataset_len", "full_model_on_meta",
 ]  # fmt: skip
 
 # Errors a check raises about the user's settings or files; anything else is a bug and propagates.
@@ -86,7 +88,7 @@ def check_run(config: JobConfig, spec: RecipeSpec) -> Checked:
     """Phase 1 (see the module docstring); every user error is a `ConfigError`."""
     try:
         env = read_launch_env()
-        dp_size = check_values(config, env.world_size)
+        dp_size = check_values(config, env.world_size, spec.objective)
         check_launcher(config, env)
         layout = choose_layout(config.parallel)
         layout.check(config, spec, dp_size)
@@ -97,7 +99,7 @@ def check_run(config: JobConfig, spec: RecipeSpec) -> Checked:
         check_paths(config)
         inputs = read_inputs(config, spec)
         fingerprint = data_fingerprint(config, inputs.train_set)
-        plan = run_plan(config, dataset_len(inputs.train_set), dp_size)
+        plan = run_plan(config, dataset_len(inputs.train_set), dp_size, generation_shape(config, spec, dp_size))
         launch = decide_launch(config, env.restart_count, fingerprint=fingerprint, train_iters=plan.train_iters)
         check_windows(config, plan)
         if spec.check is not None:
@@ -114,10 +116,12 @@ def model_parallel_size(parallel: Any) -> int:
     return parallel.tp_size * parallel.pp_size * parallel.cp_size
 
 
-def check_values(config: JobConfig, world_size: int) -> int:
-    """Every section's value rules and the batch shape over `world_size` ranks; returns the
-    data-parallel size."""
+def check_values(config: JobConfig, world_size: int, objective: Any = None) -> int:
+    """Every section's value rules, the model-parallel sizes the recipe's objective (an `ObjectiveSpec`,
+    or None) runs under, the batch shape over `world_size` ranks, and the objective's own rules; returns
+    the data-parallel size."""
     config.validate()
+    check_parallel(config, objective)
     model_parallel = model_parallel_size(config.parallel)
     if world_size % model_parallel:
         raise ConfigError(f"world size {world_size} is not divisible by tp x pp x cp = {model_parallel}")
@@ -137,6 +141,7 @@ def check_values(config: JobConfig, world_size: int) -> int:
             f"train.global_batch_size ({train.global_batch_size}) must be divisible by "
             f"train.micro_batch_size ({train.micro_batch_size}) x data-parallel size ({dp_size}) = {per_step}"
         )
+    check_objective(config, objective, dp_size)
     return dp_size
 
 
@@ -228,15 +233,24 @@ def dataset_len(dataset: Any) -> int | None:
     return None if is_iterable_dataset(dataset) else len(dataset)
 
 
-def run_plan(config: JobConfig, train_len: int | None, dp_size: int) -> RunPlan:
-    """The run length and batch shape over `train_len` samples; data too small for one step is a
-    setting, not a bug."""
+def generation_shape(config: JobConfig, spec: RecipeSpec, dp_size: int) -> GenerationShape | None:
+    """How the recipe's objective reads prompts per generation batch (None: it reads batches)."""
+    objective = spec.objective
+    return objective.generation(config, dp_size) if objective is not None and objective.generation else None
+
+
+def run_plan(config: JobConfig, train_len: int | None, dp_size: int, generation: GenerationShape | None = None) -> RunPlan:
+    """The run length and batch shape over `train_len` samples (a generating objective's: over its
+    generation batches of prompts, each serving `generation.steps` steps); data too small for one step is
+    a setting, not a bug."""
     train = config.train
     try:
         return make_run_plan(
             global_batch_size=train.global_batch_size, micro_batch_size=train.micro_batch_size,
             dp_size=dp_size, train_iters=train.train_iters, train_samples=train.train_samples,
             dataset_len=train_len, lr_schedule_iters=config.schedule.lr_schedule_iters,
+            rows_per_read=generation.prompts if generation else None,
+            steps_per_read=generation.steps if generation else 1,
         )  # fmt: skip
     except ValueError as error:
         raise ConfigError(str(error)) from None

@@ -245,7 +245,7 @@ class RecipeSpec:
     - `eval_metrics(config, built)`: a function returning extra validation metrics (e.g. answer
       accuracy), called at every evaluation on every rank, beside the validation loss.
     - `sampler(config, built)`: text sampling for the samples during training (`--sample.*`): a
-      function (prompt, `fntrain.models.sampling.SampleSettings`, torch.Generator) -> the text the
+      function (prompt, `fntrain.sampling.SampleSettings`, torch.Generator) -> the text the
       built model writes after the prompt, drawing only from that generator; None: the recipe cannot
       sample (asking for samples is then a `ConfigError` naming the flag).
     - `hooks(built)`: extra hooks, run after the standard ones and before the checkpoint hook.
@@ -265,8 +265,9 @@ class RecipeSpec:
       (batch, heads, seq, dim) tensors and a whole-sequence mask, which `fntrain.step.context_parallel`
       splits; None: --parallel.cp-size must be 1.
     - `objective`: a step that minimises something else than `loss` (`fntrain.step.objective.ObjectiveSpec`:
-      DPO, distillation), its forward and loss built over the built model, with a frozen model of its
-      own; None: `forward` and `loss`.
+      DPO, distillation, GRPO): one entry with its rules, the layouts it runs on, how it reads its data,
+      and how its forward, loss, rollout phase and hooks are built over the built model; None: `forward`
+      and `loss`.
     """
 
     config: type
@@ -309,5 +310,6 @@ class Built:
     val_dataset: Any
     collate_fn: Any
     run_dir: Path
+    objective: Any = None  # the built `fntrain.step.objective.Objective` (None: the recipe's loss and forward)
 
 

@@ -29,9 +29,11 @@ from fntrain import loop
 from fntrain.checkpoint.layout import checkpoint_root
 from fntrain.config import ConfigError, inputs_optional
 from fntrain.data.pipeline import data_fn
+from fntrain.data.repeat import repeat_reads
 from fntrain.data.tokens import count_batch
 from fntrain.hooks.metrics_file import rewind_metrics
 from fntrain.hooks.metrics_log import MetricsLog
+from fntrain.hooks.sample import SAMPLES_FILE
 from fntrain.hooks.standard import early_hooks, memory_config, profiler_config
 from fntrain.loop import TrainResult
 from fntrain.plan.memory import plan_memory
@@ -42,6 +44,7 @@ from fntrain.run.checks import (
     check_run,
     check_values,
     dataset_len,
+    generation_shape,
     run_plan,
 )
 from fntrain.run.config import JobConfig, RecipeSpec
@@ -112,7 +115,7 @@ class Ready:
 def prepare(config: JobConfig, spec: RecipeSpec, runtime: Any, checked: Checked, early: Any, opened: OpenedRun,
             state: TrainState | None) -> Ready:  # fmt: skip
     """Assemble the run, verify and restore the launch's checkpoint (unless `state` is given) and rewind
-    the metrics log to the restored step."""
+    the metrics log and samples.jsonl to the restored step."""
     assembled = assemble(config, spec, runtime, checked, opened, early)
     built = assembled.built
     launch = Launch(checked.launch.restart_count)
@@ -124,6 +127,10 @@ def prepare(config: JobConfig, spec: RecipeSpec, runtime: Any, checked: Checked,
         moved = rewind_metrics(built.run_dir / config.metrics.jsonl_name, state.global_step)
         if moved:
             log.info("metrics: %d rows after step %d moved to the superseded log", moved, state.global_step)
+    if runtime.is_main:  # the samples of those steps (a rollout's, or --sample.*'s) are written again too
+        moved = rewind_metrics(built.run_dir / SAMPLES_FILE, state.global_step)
+        if moved:
+            log.info("samples: %d lines after step %d moved to the superseded log", moved, state.global_step)
     record_start(built.run_dir, runtime, state)
     return Ready(assembled, launch, state)
 
@@ -136,8 +143,10 @@ def train_and_export(config: JobConfig, ready: Ready) -> tuple[TrainResult, list
     if ready.launch.complete:
         log.warning("run already complete at step %d; nothing to do", state.global_step)
         return TrainResult(state, "completed", "already complete"), export(config, assembled.export, built, state)
-    result = loop.train(state, assembled.step.step_fn, assembled.wiring.hooks, data=data_fn(built.data),
-                        plan=built.plan, count_batch=count_batch)  # fmt: skip
+    data = repeat_reads(data_fn(built.data), built.plan.steps_per_read)  # a generation batch serves several steps
+    counted = built.objective.count_batch if built.objective and built.objective.count_batch else count_batch
+    result = loop.train(state, assembled.step.step_fn, assembled.wiring.hooks, data=data, plan=built.plan,
+                        count_batch=counted)  # fmt: skip
     return result, export(config, assembled.export, built, result.state) if completed(result) else []
 
 
@@ -177,7 +186,7 @@ def plan_job(config: JobConfig, spec: RecipeSpec, world_size: int = 1) -> dict[s
         raise ConfigError(f"--world-size must be a positive int, got {world_size!r}")
     config, notes = planned_strategy(config, world_size)
     with inputs_optional() as absent:
-        dp_size = check_values(config, world_size)
+        dp_size = check_values(config, world_size, spec.objective)
         choose_layout(config.parallel).check(config, spec, dp_size)  # not check_device: plans are made off the GPU too
     if absent:
         train_len, val_len = None, 0
@@ -203,7 +212,10 @@ def plan_job(config: JobConfig, spec: RecipeSpec, world_size: int = 1) -> dict[s
         device_type=config.runtime.device, dataset_len=train_len, profiler=profiler_config(config),
         memory=memory_config(config), checkpoint=checkpoint, restoring=requested_source(config) is not None,
     )  # fmt: skip
-    return describe_run_plan(run_plan(config, train_len, dp_size), inputs, extra)
+    if spec.objective is not None and spec.objective.plan is not None:
+        extra.update(spec.objective.plan(config, dp_size))
+    plan = run_plan(config, train_len, dp_size, generation_shape(config, spec, dp_size))
+    return describe_run_plan(plan, inputs, extra)
 
 
 def planned_strategy(config: JobConfig, world_size: int) -> tuple[JobConfig, list[str]]:

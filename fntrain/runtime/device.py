@@ -125,7 +125,8 @@ def set_device(device: torch.device) -> None:
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (no-op on cpu); called at teardown, never per step."""
+    """Wait for the device's queued work (no-op on cpu); called at teardown and to time a rollout's phases
+    (once per generation batch, where the sampler reads the device anyway), never per plain step."""
     module = device_module(device.type)
     if module is not None:
         module.synchronize(device)

@@ -21,10 +21,10 @@ from fntrain.hooks.sample import SampleConfig, check_sampling, generator_for, sa
 from fntrain.hooks.sinks import JsonlSink
 from fntrain.loop import Event, StepInfo
 from fntrain.models.gpt import ModelConfig, TinyGPT
-from fntrain.models.sampling import sample_tokens
 from fntrain.run.checks import check_run
 from fntrain.run.job import run_job
 from fntrain.runtime.runtime import Runtime
+from fntrain.sampling import sample_tokens
 from fntrain.state import TrainState
 from recipes import tiny_gpt
 from tests.hooks.drive import drive, torch_op_recorder

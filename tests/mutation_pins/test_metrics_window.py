@@ -32,6 +32,19 @@ def test_grouped_metrics_are_plain_means_over_their_steps():
     assert mw.is_group_metric("rewards/chosen") and not mw.is_group_metric("loss")
 
 
+def test_every_objective_metric_is_a_window_mean_but_the_steps_own_and_running_counts():
+    """GRPO's TRL names carry no "/" ("reward", "kl", "entropy"): they are window means like DPO's; the
+    learning rate, the skip flag and running counts (GRPO's num_tokens) are the logging step's own."""
+    steps = [{"loss": 1.0, "reward": 0.25, "kl": 1.0, "lr": 0.1, "num_tokens": 100},
+             {"loss": 1.0, "kl": 3.0, "lr": 0.2, "num_tokens": 100},
+             {"loss": 1.0, "reward": 0.75, "kl": 5.0, "lr": 0.3, "num_tokens": 180}]  # fmt: skip
+    assert window_means(fill(Window(), steps), reduced=False) == {"loss": 1.0, "reward": 0.5, "kl": 3.0}
+    assert [name for name in ("reward", "kl", "entropy", "time/train_s", "moe/aux_loss") if mw.is_group_metric(name)] \
+        == ["reward", "kl", "entropy", "time/train_s", "moe/aux_loss"]  # fmt: skip
+    assert not any(map(mw.is_group_metric, ("loss", "grad_norm", "loss_tokens", "lr", "skipped", "num_tokens",
+                                            "consumed_tokens", "consumed_samples")))  # fmt: skip
+
+
 def test_grouped_metrics_survive_a_fold(monkeypatch):
     monkeypatch.setattr(mw, "FOLD_AT", 2)
     window = fill(Window(), STEPS)

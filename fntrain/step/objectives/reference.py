@@ -1,7 +1,8 @@
-"""Where DPO's reference log-probs come from: three `reference(model, micro_batch)` functions.
+"""Where a reference model's log-probs come from: three `reference(model, micro_batch)` functions.
 
-Each returns the (2B,) float32 summed completion log-probs of the micro-batch's rows (chosen rows
-0..B-1, then rejected rows), computed without gradient:
+Each returns, computed without gradient, DPO's (2B,) float32 summed completion log-probs of the
+micro-batch's rows (chosen rows 0..B-1, then rejected rows), or with a `score` function of its own what
+that makes of the output (GRPO: per-token log-probs):
 
     frozen_reference(reference_model)        a frozen copy of the starting model, run every step
     adapter_off_reference()                  the policy itself with its LoRA adapter switched off
@@ -34,6 +35,7 @@ __all__ = [
 
 Forward = Callable[[torch.nn.Module, Mapping[str, Any]], Any]
 Reference = Callable[[torch.nn.Module, Mapping[str, Any]], torch.Tensor]
+Score = Callable[[Any, Mapping[str, Any]], torch.Tensor] | None
 
 
 @contextlib.contextmanager
@@ -53,15 +55,18 @@ def _summed_logps(output: Any, micro_batch: Mapping[str, Any]) -> torch.Tensor:
     return completion_logps(output_logits(output), micro_batch["labels"])[0]
 
 
-def frozen_reference(reference_model: torch.nn.Module, forward: Forward = default_forward) -> Reference:
+def frozen_reference(reference_model: torch.nn.Module, forward: Forward = default_forward,
+                     score: Score = None) -> Reference:  # fmt: skip
     """The reference log-probs from `reference_model` (a frozen copy of the starting model, plain or
     FSDP2-sharded): put in eval mode here and called under `torch.no_grad()`; the policy passed in is
-    not used."""
+    not used. `score(output, micro_batch)` turns the output into log-probs (default: DPO's summed
+    completion log-probs; GRPO passes its per-token ones)."""
     reference_model.eval()
+    score = score or _summed_logps
 
     def reference(model: torch.nn.Module, micro_batch: Mapping[str, Any]) -> torch.Tensor:
         with torch.no_grad():
-            return _summed_logps(forward(reference_model, micro_batch), micro_batch)
+            return score(forward(reference_model, micro_batch), micro_batch)
 
     return reference
 
@@ -82,13 +87,15 @@ def _find_peft_model(model: torch.nn.Module) -> Any:
     return found
 
 
-def adapter_off_reference(forward: Forward = default_forward) -> Reference:
+def adapter_off_reference(forward: Forward = default_forward, score: Score = None) -> Reference:
     """The reference log-probs from the policy itself with its LoRA adapter disabled (peft's
     `disable_adapter()`): the base model it started from, with no second copy in memory. Under DDP the
     wrapped module is called (no gradient-sync bookkeeping for a forward without backward); FSDP2
     shards in place, so its module is called as it is. The model is in eval mode for this forward
-    (no dropout, no activation checkpointing) and every module's training flag is restored after it."""
+    (no dropout, no activation checkpointing) and every module's training flag is restored after it.
+    `score` as for `frozen_reference`."""
     found: dict[int, Any] = {}  # id(model) -> its PeftModel: the module walk happens once per model
+    score = score or _summed_logps
 
     def reference(model: torch.nn.Module, micro_batch: Mapping[str, Any]) -> torch.Tensor:
         inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
@@ -96,7 +103,7 @@ def adapter_off_reference(forward: Forward = default_forward) -> Reference:
             found.clear()
             found[id(inner)] = _find_peft_model(inner)
         with torch.no_grad(), _eval_mode(inner), found[id(inner)].disable_adapter():
-            return _summed_logps(forward(inner, micro_batch), micro_batch)
+            return score(forward(inner, micro_batch), micro_batch)
 
     return reference
 
