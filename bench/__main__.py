@@ -29,6 +29,7 @@ BENCHMARKS = [
     "bench.sampler_batched",  # the batched sampler against generate, a Llama 4x256: about 15 s quick, 3 min full
     "bench.dpo",  # a Llama 4x256: about 1 min quick, 3 min full
     "bench.grpo",  # against TRL's GRPOTrainer, a Llama 4x256: about 20 s quick, 3 min full
+    "bench.peers",  # against TRL's SFTTrainer and DPOTrainer, whole runs in child processes: about 35 s quick, 8 min full
 ]
 
 

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from bench.harness import Row, Target, Timing, bench_main, interleave, paired_ratio_row, quiet
+from bench.hf_parts import llama, word_tokenizer, words
 
 SHAPE = dict(
     vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
@@ -69,10 +70,7 @@ def even_tokens(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
 
 
 def _model() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**SHAPE, bos_token_id=None, eos_token_id=None, pad_token_id=0))
+    return llama(SHAPE, bos_token_id=None, eos_token_id=None, pad_token_id=0)
 
 
 def _eos() -> int:
@@ -84,21 +82,14 @@ def _eos() -> int:
 def _tokenizer(eos: bool = True) -> Any:
     """Words t1, t2, ... as ids 1 to vocabulary - 1, <pad> 0, and <eos> `_eos()` (TRL needs an EOS id).
     Without `eos`, for the recipe (which refuses a tokenizer larger than the model), no EOS at all."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, **{f"t{i}": i for i in range(1, _eos())}, **({"<eos>": _eos()} if eos else {})}
-    words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    special = {"eos_token": "<eos>"} if eos else {}
-    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", **special)
+    return word_tokenizer(_eos(), eos_id=_eos() if eos else None)
 
 
 def _prompt_texts() -> list[str]:
     generator = torch.Generator().manual_seed(1)
     lengths = torch.linspace(SHORTEST, LONGEST, PROMPTS).round().long().tolist()
     prompts = [torch.randint(1, _eos(), (length,), generator=generator).tolist() for length in lengths]
-    return [" ".join(f"t{token}" for token in prompt) for prompt in prompts]
+    return [words(prompt) for prompt in prompts]
 
 
 def _grpo_config(completion: int) -> Any:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from fntrain.config import require_float, require_int, require_str
 from fntrain.data.sft import SFTDataConfig, build_sft_datasets
@@ -58,6 +58,9 @@ from fntrain.step.optim import OptimizerConfig, ScheduleConfig
 @dataclass(frozen=True)
 class DataConfig(SFTDataConfig):
     """JSONL examples (data.path), or token shards for continued pretraining (data.shards)."""
+
+    # the fields naming files the run reads: recorded by absolute path (fntrain.run.resolved)
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = (*SFTDataConfig.PATH_FIELDS, "shards")
 
     shards: str | None = None
     """Token-shard directory `fntrain tokenize` wrote with the model's tokenizer, instead of data.path: windows of max_length tokens, every token trained on (val_fraction: the held-out tail)."""

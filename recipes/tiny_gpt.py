@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -30,7 +30,8 @@ from fntrain.hooks.sample import SampleConfig
 from fntrain.models.gpt import ModelConfig, TinyGPT
 from fntrain.models.gpt2 import gpt2_conversion
 from fntrain.models.moe import loss_with_router_aux, moe_step_end
-from fntrain.run.config import CheckpointConfig, JobConfig, RecipeSpec, TrainConfig
+from fntrain.models.tokenizer_files import text_tokenizer
+from fntrain.run.config import CheckpointConfig, HFConversion, JobConfig, RecipeSpec, TrainConfig
 from fntrain.runtime import PipelineSplit, build_seeded_model, pipeline_group, tensor_parallel_plan
 from fntrain.runtime.groups import data_parallel_group
 from fntrain.sampling import SampleSettings, sample_tokens
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DataConfig:
     """Where the text comes from and how it is split."""
+
+    # the fields naming files the run reads: recorded by absolute path (fntrain.run.resolved)
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("path", "shards")
 
     path: str | None = None
     """Text file to train on (None: the bundled Shakespeare corpus, unless data.shards is set)."""
@@ -169,14 +173,21 @@ def _shards_eos(config: Config) -> int | None:
         return None
 
 
+def hf_tokenizer(config: Config) -> Any:
+    """What writes the GPT-2's tokenizer beside it: UTF-8 bytes (with the shards' EOS), or the tokenizer
+    the shards were written with; None when the shards or that tokenizer cannot be read from here."""
+    return text_tokenizer(config.data.shards)
+
+
 def export(config: Config, built: Any, state: Any) -> Path | None:
-    """<run_dir>/hf_model: a transformers GPT-2 (a MoE model has no GPT-2 counterpart: not written)."""
+    """<run_dir>/hf_model: a transformers GPT-2 and its tokenizer (a MoE model has no GPT-2 counterpart:
+    not written)."""
     if config.model.experts:
         log.info("model.experts %d: a mixture of experts is not a GPT-2, hf_model not written", config.model.experts)
         return None
     return export_converted(built.components.model, built.run_dir / "hf_model",
                             lambda full: hf_conversion(config, full),
-                            pipeline_group=pipeline_group(built.runtime))  # fmt: skip
+                            pipeline_group=pipeline_group(built.runtime), tokenizer=hf_tokenizer(config))  # fmt: skip
 
 
 def step_end(config: Config, built: Any) -> Any:
@@ -212,7 +223,7 @@ spec = RecipeSpec(
     dataset_sizes=dataset_sizes,
     tensor_parallel=TENSOR_PARALLEL,
     pipeline=PIPELINE,
-    hf_conversion=hf_conversion,
+    hf_conversion=HFConversion(hf_conversion, hf_tokenizer),
     attention_heads=lambda config: config.model.n_head,  # its attention is F.scaled_dot_product_attention
     export=export,
     step_end=step_end,

@@ -51,7 +51,8 @@ CORE_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "t
                 "fntrain.checkpoint", "fntrain.checkpoint.saver", "fntrain.cli.config_file", "fntrain.loop",
                 "recipes.tiny_gpt")  # fmt: skip
 # What the doc lines' commands import (the heavy ones: peft, the LLaVA and CLIP modules and mlflow take
-# 5-12 s each on two shared cores).
+# 5-12 s each on two shared cores); the recipes as an installed `fntrain` finds them by name
+# (`fntrain_recipes`, through the entry points: a user's shell has no checkout on its import path).
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
            "torch.distributed.tensor.parallel", "torch.distributed.pipelining", "torch.distributed.run",
            "tyro", "safetensors.torch", "transformers", "transformers.models.llama.modeling_llama",
@@ -59,7 +60,8 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.
            "transformers.models.clip.modeling_clip", "tokenizers", "peft", "PIL.Image", "pyarrow.parquet",
            "datasets", "matplotlib", "fntrain", "fntrain.cli", "fntrain.run.job",
            "fntrain.plan", "fntrain.checkpoint", "fntrain.models.hf", "fntrain.models.tiny_llama",
-           "recipes.tiny_gpt", "recipes.hf_causal_lm", "recipes.vlm")  # fmt: skip
+           "fntrain_recipes.tiny_gpt", "fntrain_recipes.hf_causal_lm", "fntrain_recipes.vlm", "fntrain_recipes.dpo",
+           "fntrain_recipes.kd", "fntrain_recipes.grpo")  # fmt: skip
 # What the Hugging Face recipe tests' launches import (no LLaVA, tracking or plotting modules).
 HF_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
               "torch.distributed.tensor.parallel", "torch.distributed.run", "tyro", "safetensors.torch",

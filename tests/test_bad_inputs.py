@@ -161,7 +161,8 @@ GOOD_RUN_CASES = [
     ("resume-bad-profiler-rank", ["--checkpoint.restore-from", "latest", "--profiler.enabled",
                                   "--profiler.rank-ids", "8"], "--profiler.rank-ids"),
     ("second-run-into-it", ["--checkpoint.restore-from", "none"], "already holds a run"),
-    ("rerun-with-other-settings", ["--seed", "7"], "--seed 42 -> 7"),
+    ("rerun-with-other-settings", ["--seed", "7"], "--seed 42 -> 7; resume with the same settings, or name each "
+     "field in --checkpoint.allow-changes; for a new run: --overwrite (which moves this one to"),
     ("overwrite-with-too-small-data", ["--overwrite", "--data.path", "{short}"], "optimizer step"),
     ("overwrite-with-missing-data", ["--overwrite", "--data.path", "{tmp}/missing.txt"], "missing.txt"),
     ("overwrite-with-bad-seed", ["--overwrite", "--seed", "-5"], "--seed"),
@@ -180,6 +181,53 @@ def test_a_bad_command_leaves_a_good_run_byte_identical(tmp_path, capsys, monkey
     argv = ["run", "tiny_gpt", "--run-dir", str(good), *SMALL, *[a.format(**files) for a in args]]
     expect_one_line(capsys, argv, needle)
     assert snapshot(good) == before
+
+
+def test_a_rerun_with_other_settings_names_both_ways_to_a_new_run_and_each_works(tmp_path, capsys, good_run):
+    """[issue 48] The refusal named resuming and allow-changes only; a user who wants a new run is told
+    --overwrite and another --run-dir, and either just works."""
+    good = tmp_path / "kept" / "good"  # alone in its parent: the snapshot sees its siblings
+    shutil.copytree(good_run, good)
+    before = snapshot(good)
+    argv = ["run", "tiny_gpt", "--run-dir", str(good), *SMALL, "--seed", "7"]
+    err = expect_one_line(capsys, argv, "--seed 42 -> 7")
+    assert "for a new run: --overwrite (which moves this one to " in err and err.endswith("or another --run-dir")
+    assert snapshot(good) == before
+    other = ["run", "tiny_gpt", "--run-dir", str(tmp_path / "other"), *SMALL, "--seed", "7"]
+    assert dispatch(other).outcome == "completed"
+    assert snapshot(good) == before
+    assert dispatch([*argv, "--overwrite"]).outcome == "completed"
+    assert len(list(good.parent.glob("good.replaced-*"))) == 1  # the old run, moved aside whole
+
+
+def test_another_runs_checkpoint_dir_is_refused_and_restore_from_is_the_way_out(tmp_path, capsys, good_run):
+    """[issue 48] A new run pointed at another run's checkpoints adopted them and wrote there: two run
+    directories shared one checkpoint directory. Refused in one line naming both, before any work;
+    --checkpoint.restore-from starts the new run from that checkpoint without writing into it."""
+    good = tmp_path / "kept" / "good"  # alone in its parent: the snapshot sees its siblings
+    shutil.copytree(good_run, good)
+    before = snapshot(good)
+    new = tmp_path / "new"
+    argv = ["run", "tiny_gpt", "--run-dir", str(new), *SMALL, "--checkpoint.dir", str(good / "checkpoints")]
+    err = expect_one_line(capsys, argv, f"--checkpoint.dir '{good / 'checkpoints'}' holds the checkpoints of the run in")
+    assert f"not of run_dir '{new}'" in err and "two run directories cannot share one checkpoint directory" in err
+    assert f"--checkpoint.restore-from '{good / 'checkpoints' / 'step_2'}' and no --checkpoint.dir" in err
+    assert not new.exists() and snapshot(good) == before
+    longer = ["--train.train-iters", "3", "--checkpoint.allow-changes", "train.train_iters"]
+    result = dispatch(["run", "tiny_gpt", "--run-dir", str(new), *SMALL, "--checkpoint.restore-from",
+                       str(good / "checkpoints" / "step_2"), *longer])  # fmt: skip
+    assert result.state.global_step == 3 and (new / "checkpoints" / "step_3").is_dir()
+    assert snapshot(good) == before
+    assert dispatch(["run", "tiny_gpt", "--run-dir", str(new), *SMALL, *longer]).outcome == "completed"  # its own
+
+
+def test_a_moved_or_copied_run_directory_keeps_its_checkpoints(tmp_path, good_run):
+    """Its checkpoints record the run directory they were written in; under the run directory they are
+    its own wherever it went (one run per directory holds, and a run directory travels)."""
+    moved = tmp_path / "moved"
+    shutil.copytree(good_run, moved)
+    longer = ["--train.train-iters", "3", "--checkpoint.allow-changes", "train.train_iters"]
+    assert dispatch(["run", "tiny_gpt", "--run-dir", str(moved), *SMALL, *longer]).state.global_step == 3
 
 
 def _hf_files(tmp: Path, hf_model: Path) -> dict[str, str]:
@@ -251,6 +299,41 @@ def test_a_vlm_run_of_a_text_only_model_is_one_line(tmp_path, capsys, hf_model):
                           "vision-language model (LLaVA-style, with a processor)")  # fmt: skip
     assert f"--model.path {files['hf']!r}" in err
     assert snapshot(tmp_path) == before
+
+
+@pytest.fixture(scope="module")
+def dpo_run(tmp_path_factory, hf_model) -> Path:
+    """A finished one-step DPO run of the tiny Llama, with its checkpoint."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("dpo")
+    rows = [{"prompt": "to be", "chosen": " or not", "rejected": " to be"}] * 4
+    data = write(root / "prefs.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    dispatch(["run", "dpo", "--run-dir", str(root / "run"), "--model.path", str(hf_model), "--data.path", data,
+              "--train.train-iters", "1", "--train.global-batch-size", "2", "--train.micro-batch-size", "2",
+              "--checkpoint.save-every", "1", "--progress.no-enabled"])  # fmt: skip
+    return root / "run"
+
+
+def test_a_checkpoint_of_another_recipe_is_one_line_naming_the_recipe_that_wrote_it(tmp_path, capsys, good_run,
+                                                                                    dpo_run):  # fmt: skip
+    """[issue 48] "unknown config key 'assets'", "data.path must be a string", and a MissingKeysError after
+    the model was built: each is one line naming the recipe that wrote the checkpoint, before any model
+    work, and the command without the wrong recipe works."""
+    dpo_step, tiny_step = dpo_run / "checkpoints" / "step_1", good_run / "checkpoints" / "step_2"
+    before = snapshot(dpo_run), snapshot(good_run)
+    expect_one_line(capsys, ["generate", str(dpo_step), "--recipe", "tiny_gpt", "--prompt", "to"],
+                    f"--recipe 'tiny_gpt': '{dpo_step}' was written by the dpo recipe; leave --recipe out to use it")
+    expect_one_line(capsys, ["generate", str(good_run), "--recipe", "dpo", "--prompt", "to"],
+                    f"--recipe 'dpo': '{tiny_step}' was written by the tiny_gpt recipe")
+    expect_one_line(capsys, ["export", str(dpo_step), "--format", "hf", str(tmp_path / "out"), "--recipe", "tiny_gpt"],
+                    "was written by the dpo recipe")  # fmt: skip
+    run = ["run", "tiny_gpt", "--run-dir", str(tmp_path / "run"), *SMALL, "--checkpoint.restore-from", str(dpo_step)]
+    err = expect_one_line(capsys, run, f"--checkpoint.restore-from '{dpo_step}' was written by the dpo recipe, not "
+                          "tiny_gpt: resume it with `fntrain run dpo`")  # fmt: skip
+    assert err.endswith("start a new tiny_gpt run from its weights with --checkpoint.weights-only")
+    assert list(tmp_path.iterdir()) == [] and (snapshot(dpo_run), snapshot(good_run)) == before
+    samples = dispatch(["generate", str(good_run), "--prompt", "to", "--max-new-tokens", "2"])  # the way out
+    assert len(samples) == 1
 
 
 def test_the_cases_cover_the_issue(tmp_path):

@@ -24,6 +24,14 @@ to be checked:
   weights, no device), in the same directory. Start-up is shared (tests/fork_server.py): the `fntrain`
   the lines find on PATH, and the Python torchrun starts its workers with, fork the command from one
   process that imported torch and transformers once;
+- slow tier, the shell: the one a user has after the README's set-up, its venv activated (`activated`:
+  what the venv's own `activate` script changes, nothing more; the fork server's `fntrain` and
+  `torchrun` stand for the venv's console scripts, with the venv's import path);
+- slow tier, learning: a line whose text promises its run learns carries a marker beside that text,
+  `<!-- learns: RUN_DIR METRIC falls|rises by MARGIN, ... -->` (hidden when rendered; the margin is about
+  half the smallest move measured over seeds). Such a line runs as written, unscaled (its few tens of
+  steps are what learning needs), and its run's metrics.jsonl must show each METRIC move from its first
+  logged value to its last by MARGIN or more (`learned`);
 - NOT_HERE lists, with the reason, what cannot run here at all (installs, GPUs, NPUs, several nodes, a
   model no line can make); what docs/guide.md shows is run, in order, by tests/test_guide.py.
 
@@ -34,15 +42,19 @@ uses (`checkout_files`): `configs/` and the public config.json files under `test
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+
+from fntrain.hooks.metrics_file import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -51,8 +63,12 @@ HELP = ("-h", "--help", "--help-all")
 # A command matching one of these cannot run on this machine: (pattern, reason).
 NOT_HERE = (
     (
-        r"^(python3? -m venv|\. \.venv/bin/activate|pip |\.venv/bin/pip )",
+        r"^(python3? -m venv|pip |\.venv/bin/pip )",
         "installs packages (CI runs the install lines)",
+    ),
+    (
+        r"^\. \.venv/bin/activate",
+        "activates the venv: every line here runs in the shell it leaves (activated)",
     ),
     (r"^\.venv/bin/python -m pytest", "the test suite itself"),
     (r"^\.venv/bin/python -m coverage", "the test suite itself, under coverage"),
@@ -72,6 +88,43 @@ GPU_OR_NODES = (  # 8 ranks: a GPU machine's line
 
 
 HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
+LEARNS = re.compile(r"<!-- learns: (\S+) (.+?) -->")
+MOVE = re.compile(r"^(\S+) (falls|rises) by ([0-9.]+)$")
+
+
+@dataclass(frozen=True)
+class Learns:
+    """A document's promise that the run in `run_dir` moves `metric` (`rises`, or falls) by `margin` or
+    more, from its first logged value to its last."""
+
+    file: str
+    run_dir: str
+    metric: str
+    rises: bool
+    margin: float
+
+
+def learning_promises(file: str, text: str) -> list[Learns]:
+    """The `<!-- learns: RUN_DIR METRIC falls|rises by MARGIN, ... -->` markers of one document."""
+    promises = []
+    for run_dir, moves in LEARNS.findall(text):
+        for move in moves.split(","):
+            match = MOVE.match(move.strip())
+            assert match, f"{file}: a learns marker reads METRIC falls|rises by MARGIN, got {move.strip()!r}"
+            promises.append(Learns(file, run_dir, match[1], match[2] == "rises", float(match[3])))
+    return promises
+
+
+def learned(promise: Learns, metrics: Path) -> str | None:
+    """None when the metrics log `metrics` shows `promise`'s move; else what it shows."""
+    values = [record[promise.metric] for record in read_records(metrics) if promise.metric in record]
+    if len(values) < 2:
+        return f"{promise.metric} logged {len(values)} time(s) in {metrics}: too few to show it move"
+    moved = (values[-1] - values[0]) * (1 if promise.rises else -1)
+    if moved >= promise.margin:
+        return None
+    way = "rises" if promise.rises else "falls"
+    return f"{promise.metric} {values[0]:.4g} -> {values[-1]:.4g}: the text says it {way} by {promise.margin} or more"
 
 
 @dataclass(frozen=True)
@@ -84,6 +137,16 @@ class DocCommand:
     line: int
     text: str
     raw: str = ""
+    learns: tuple[Learns, ...] = ()
+    """What its document promises its run shows (a `--run-dir` a learns marker names)."""
+
+    @property
+    def run_dir(self) -> str | None:
+        """The `--run-dir` of a run line (None: another line, or one that names none)."""
+        argv = self.argv
+        if "run" not in argv or "--run-dir" not in argv[:-1]:
+            return None
+        return argv[argv.index("--run-dir") + 1]
 
     @property
     def argv(self) -> list[str]:
@@ -97,10 +160,12 @@ class DocCommand:
 
 
 def doc_commands(paths=DOCS) -> list[DocCommand]:
-    """The shell commands of the fenced shell blocks of `paths`, in order."""
+    """The shell commands of the fenced shell blocks of `paths`, in order; a run line whose `--run-dir` a
+    learns marker of its document names carries those promises."""
     found = []
     for path in paths:
         name = str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name)
+        promises, start_of_file = learning_promises(name, path.read_text()), len(found)
         language, start, pending, raw, heredoc = None, 0, "", [], None
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if heredoc is not None:  # a heredoc's body, to its terminator: data, not commands
@@ -130,6 +195,9 @@ def doc_commands(paths=DOCS) -> list[DocCommand]:
             ).split(" && "):
                 if part.strip():
                     found.append(DocCommand(name, start, part.strip(), text))
+        for index in range(start_of_file, len(found)):
+            mine = tuple(promise for promise in promises if promise.run_dir == found[index].run_dir)
+            found[index] = replace(found[index], learns=mine) if mine else found[index]
     return found
 
 
@@ -214,14 +282,34 @@ def checkout_files(work: Path) -> Path:
     return work
 
 
+def activated(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` as the README's `. .venv/bin/activate` leaves a shell: what this Python's venv's own activate
+    script changes (its bin first on PATH, VIRTUAL_ENV, PYTHONHOME unset), nothing more; outside a venv,
+    this Python's bin first on PATH, as the venv's would be."""
+    script = Path(sys.prefix) / "bin" / "activate"
+    if sys.prefix == sys.base_prefix or not script.is_file():
+        return {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"}
+
+    def shell_after(line: str) -> dict[str, str]:
+        out = subprocess.run(["bash", "-c", f"{line}env -0"], env=dict(env), capture_output=True, check=True)
+        return dict(item.split("=", 1) for item in out.stdout.decode().split("\0") if "=" in item)
+
+    before, after = shell_after(""), shell_after(f". {shlex.quote(str(script))} && ")
+    kept = {name: value for name, value in env.items() if name in after or name not in before}
+    return {**kept, **{name: value for name, value in after.items() if before.get(name) != value}}
+
+
 def shell_env(home: Path, **extra: str) -> dict[str, str]:
-    """The environment a doc line runs in: this Python's `fntrain` and `python` first on PATH, the
-    checkout importable, HOME in the working directory, one torch thread (two documents run at once)."""
-    path = os.pathsep.join([str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]).rstrip(
-        os.pathsep
-    )
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "HOME": str(home), "WANDB_SILENT": "true",
-            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **extra}  # fmt: skip
+    """The environment a doc line runs in: the test's, with the venv activated as the README's set-up
+    leaves a user's shell (`activated`: its `fntrain`, `python` and `torchrun` first on PATH, nothing on
+    PYTHONPATH), HOME in the working directory, one torch thread (two documents run at once)."""
+    return {
+        **activated(os.environ),
+        "OMP_NUM_THREADS": "1",
+        "HOME": str(home),
+        "WANDB_SILENT": "true",
+        **extra,
+    }
 
 
 # A line that reads a run's files (its config.json) is not planned: its run is at the test's scale.
@@ -329,6 +417,106 @@ python3 -m venv .venv && fntrain --version
     assert ran[4] == "fntrain --version"  # the install before it is not run here
 
 
+def test_the_readme_activates_the_venv_before_a_line_uses_a_bare_command():
+    """A fresh shell finds `fntrain`, `python` and `torchrun` once the venv is active: the README's set-up
+    names `.venv/bin/...` until it activates the venv, once, and every line after uses the bare names."""
+    commands = doc_commands([ROOT / "README.md"])
+    first = [shlex.split(command.text)[0] for command in commands]
+    activate = commands.index(next(command for command in commands if command.text == ". .venv/bin/activate"))
+    bare = [index for index, word in enumerate(first) if word in ("fntrain", "python", "torchrun")]
+    assert bare and min(bare) > activate, [commands[index].text for index in bare if index < activate]
+    assert all(word.startswith(".venv/bin/") or word == "python3" for word in first[:activate])
+
+
+def test_the_lines_run_in_the_shell_the_readme_leaves_the_venv_activated():
+    """What activation changes (the venv's bin first on PATH, VIRTUAL_ENV) and the test's own settings
+    (HOME, one thread), nothing more: no checkout on PYTHONPATH."""
+    env = shell_env(Path("/h"))
+    changed = {"PATH", "VIRTUAL_ENV", "VIRTUAL_ENV_PROMPT", "PS1", "PYTHONHOME", "HOME", "OMP_NUM_THREADS",
+               "WANDB_SILENT"}  # fmt: skip
+    assert {name: value for name, value in env.items() if name not in changed} == {
+        name: value for name, value in os.environ.items() if name not in changed
+    }
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
+    assert env["PATH"].endswith(os.environ["PATH"])
+    if sys.prefix != sys.base_prefix:  # a venv: what its activate script sets
+        assert Path(env["VIRTUAL_ENV"]).resolve() == Path(sys.prefix).resolve()
+
+
+def test_a_learns_marker_runs_its_line_as_written_and_reads_its_metrics(tmp_path):
+    doc = tmp_path / "a.md"
+    doc.write_text("""```bash
+fntrain run dpo --model.path m --train.train-iters 40 --optim.lr 1e-3 --run-dir runs/d
+fntrain run dpo --model.path m --train.train-iters 40 --run-dir runs/other
+```
+The loss falls from 0.69 to about 0.3.
+<!-- learns: runs/d loss falls by 0.2, rewards/accuracies rises by 0.25 -->
+""")
+    learning, other = doc_commands([doc])
+    assert [(p.run_dir, p.metric, p.rises, p.margin) for p in learning.learns] == [
+        ("runs/d", "loss", False, 0.2), ("runs/d", "rewards/accuracies", True, 0.25)]  # fmt: skip
+    assert other.learns == () and "--train.train-iters 2" in tiny(other)
+    assert [text for _, text in bash_lines([learning], lambda command: True)] == [learning.raw]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(record) + "\n" for record in (
+        {"step": 10, "loss": 0.68, "rewards/accuracies": 0.6}, {"step": 10, "val_loss": 0.7},
+        {"step": 40, "loss": 0.45, "rewards/accuracies": 0.8})))  # fmt: skip
+    fell, rose = learning.learns
+    assert learned(fell, metrics) is None
+    assert learned(rose, metrics) == "rewards/accuracies 0.6 -> 0.8: the text says it rises by 0.25 or more"
+    assert learned(replace(fell, metric="kd/kl"), metrics).startswith("kd/kl logged 0 time(s)")
+    doc.write_text("<!-- learns: runs/d loss drops 0.2 -->")
+    with pytest.raises(AssertionError, match="METRIC falls|rises by MARGIN, got 'loss drops 0.2'"):
+        doc_commands([doc])
+
+
+def _number(argv: list[str], flag: str, default: int) -> int:
+    return int(argv[argv.index(flag) + 1]) if flag in argv else default
+
+
+# The learns markers' margins, about half the smallest move over five seeds (tiny-llama --seed 0-4 for
+# the DPO and KD lines, whose data is one batch, so their run seed changes nothing; the run's --seed
+# 42, 1-4 for GRPO), first logged value -> last, 2026-12-07:
+#   post_training dpo-colours  loss falls 0.30-0.41, rewards/accuracies rises 0.38-0.50
+#   post_training dpo-lora     loss falls 0.23-0.27, rewards/accuracies rises 0.28-0.53
+#   post_training teacher      loss falls 3.48-3.55; kd: loss falls 1.19-1.27, kd/kl 0.53-0.63, kd/ce 1.86-1.95
+#   post_training grpo-a       reward rises 0.24-0.39 (0.053-0.073 at step 10, 0.29-0.46 at step 40)
+#   README dpo                 loss falls 0.31-0.33
+# Post-training runs whose text does not promise learning: (run directory, why).
+WIRING_ONLY = {
+    "runs/grpo-math": "a tiny random model earns no reward there, as its text says: the wiring a real model uses",
+    "runs/grpo-lora": "4 steps showing LoRA, a KL reference and two passes per generation batch",
+    "runs/grpo-fsdp": "4 steps showing GRPO on 2 ranks under fsdp2",
+}
+
+
+def test_every_post_training_example_promises_what_it_shows_or_says_it_shows_wiring():
+    """A user who pastes a DPO, KD or GRPO example sees it learn (its learns marker) unless its text
+    says it only shows wiring (WIRING_ONLY); a promise names one single-process run line of its
+    document that logs its metrics more than once."""
+    commands = [command for command in doc_commands() if runs_here(command)]
+    post = [command for command in commands if command.argv[:2] == ["fntrain", "run"]
+            and (plan_argv(command) or ["plan", None])[1] in ("dpo", "kd", "grpo")]  # fmt: skip
+    assert len(post) >= 8
+    for command in post:
+        where = f"{command.file}:{command.line}: {command.text}"
+        assert command.learns or command.run_dir in WIRING_ONLY, (
+            f"{where}: promises nothing: add a learns marker"
+        )
+    for path in DOCS:
+        name = str(path.relative_to(ROOT))
+        for promise in learning_promises(name, path.read_text()):
+            lines = [command for command in commands if promise in command.learns]
+            assert len(lines) == 1, (
+                f"{name}: the learns marker of {promise.run_dir} names {len(lines)} run lines"
+            )
+            argv = lines[0].argv
+            assert not is_launcher(argv) and argv[0] == "fntrain", f"{name}: {lines[0].text}: one process"
+            assert _number(argv, "--train.train-iters", 0) // _number(argv, "--log-every", 10) >= 2, (
+                f"{name}: {lines[0].text}: logs its metrics fewer than twice: nothing to see move"
+            )
+
+
 def _needs_a_run(command: DocCommand) -> bool:
     return any(re.search(pattern, command.text) for pattern in NEEDS_A_RUN)
 
@@ -353,9 +541,9 @@ def tiny(command: DocCommand) -> str:
     """`command` at the slow tier's scale: the step counts, checkpoint cadences, `step_<N>` paths and
     sequence lengths it names divided (SCALED), a short run length when it names none, a smaller batch
     and model unless it names its own, a standalone torchrun rendezvous (no fixed port: two documents
-    run at once); a `--help` line as written."""
+    run at once); a `--help` line, and a line whose run promises to learn, as written."""
     argv = command.argv
-    if any(word in HELP for word in argv):
+    if any(word in HELP for word in argv) or command.learns:
         return command.text
     for index, word in enumerate(argv[:-1]):
         if word in SCALED and argv[index + 1].isdigit():
@@ -421,8 +609,8 @@ def document_steps(commands: list[DocCommand]) -> list[tuple[list[DocCommand], s
 def run_document(commands: list[DocCommand], work: Path, env: dict[str, str]) -> list[str]:
     """Run `commands` (one document's, all of them: a line runs as written only when all its parts run)
     at the slow tier's scale through bash, one line after the other in `work`, each recipe run planned
-    after its line (`document_steps`); the failures, one entry each (a failed line does not stop the
-    ones below)."""
+    after its line (`document_steps`), a run that promises to learn checked for it (`learned`); the
+    failures, one entry each (a failed line does not stop the ones below)."""
     failures = []
     for parts, text, planned in document_steps(commands):
         result = subprocess.run(
@@ -436,6 +624,10 @@ def run_document(commands: list[DocCommand], work: Path, env: dict[str, str]) ->
         elif not planned and any(trains_nothing(part, result.stdout + result.stderr) for part in parts):
             failures.append(f"{where}\n    trained nothing: its run directory holds this run already (the line "
                             "needs its own --run-dir)")  # fmt: skip
+        elif not planned:
+            for promise in (promise for part in parts for promise in part.learns):
+                if (shown := learned(promise, work / promise.run_dir / "metrics.jsonl")) is not None:
+                    failures.append(f"{where}\n    did not learn: {shown}")
     return failures
 
 

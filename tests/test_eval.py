@@ -71,3 +71,21 @@ def test_the_table_has_a_row_per_metric_and_the_task_list_is_parsed():
     assert [line.split() for line in lines[1:]] == [["tiny_mc", "acc", "0.6250", "0.1800"],
                                                     ["tiny_mc", "f1", "(strict)", "0.5000", "-"]]  # fmt: skip
     assert task_names(" a, b ,,a") == ["a", "b"]
+
+
+def test_recipe_names_the_recipe_that_rebuilds_a_checkpoint_as_for_generate(tmp_path, capsys, monkeypatch):
+    from fntrain.cli.commands import eval as eval_command
+    from fntrain.models.harness import EvalOptions
+
+    monkeypatch.chdir(tmp_path)
+    dispatch(["run", "tiny_gpt", "--run-dir", "run", "--model.n-layer", "1", "--model.n-head", "2",
+              "--model.d-model", "16", "--model.context", "32", "--train.train-iters", "1",
+              "--train.global-batch-size", "2", "--train.micro-batch-size", "2", "--checkpoint.save-every", "1",
+              "--evaluate.no-at-end", "--progress.no-enabled", "--sample.no-at-end"])  # fmt: skip
+    capsys.readouterr()
+    source = eval_command._resolve("run")
+    export = eval_command._export_plan("run", source, EvalOptions(tasks="x", recipe="tiny_gpt"))
+    assert export.convert is not None and export.tokenizer is not None  # a GPT-2 with its byte tokenizer
+    err = _refused(["run", "--tasks", "x", "--recipe", "nope"], capsys)  # before lm-eval's task index
+    assert "--recipe 'nope'" in err
+    assert not (tmp_path / "run" / "eval").exists()

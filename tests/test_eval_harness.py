@@ -1,8 +1,9 @@
 """`fntrain eval` through lm-eval (slow tier: lm-eval's imports take seconds). One test runs lm-eval's
 own command line and `fntrain eval` on the same tiny Llama directory and local multiple-choice task,
 and pins that both give the same accuracy and the same per-sample log-likelihoods; the same test then
-evaluates a tiny-GPT run directory (byte-level tokenizer) and checks the bad inputs that need lm-eval's
-task index.
+evaluates a tiny-GPT run directory made with relative paths from another directory (its byte-level
+tokenizer), runs lm-eval's own command line on that run's hf_model export (which carries the tokenizer)
+with the same log-likelihoods, and checks the bad inputs that need lm-eval's task index.
 
 Both sides index only the tasks of --include-path (lm-eval's TaskManager with include_defaults=False,
 in this process and in lm-eval's command line): the thousands of tasks lm-eval ships cost ~16 s of CPU
@@ -133,17 +134,35 @@ def test_fntrain_eval_gives_lm_evals_own_results(tmp_path, capsys, monkeypatch):
         "provide it")  # fmt: skip
     assert not (tmp_path / "bad").exists()
 
-    # a tiny-GPT run directory: its latest checkpoint, exported to a GPT-2 with a byte-level tokenizer
-    run_dir = tmp_path / "run"
-    dispatch(["run", "tiny_gpt", "--run-dir", str(run_dir), *SMALL])
+    # a tiny-GPT run directory made with relative paths (its token shards too), evaluated from another
+    # directory: its latest checkpoint, exported to a GPT-2 with its byte-level tokenizer (the shards' EOS)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    (work / "corpus.txt").write_text("the cat sat on the mat. one plus one is two.\n" * 40)
+    dispatch(["tokenize", "corpus.txt", "--output", "shards"])
+    dispatch(["run", "tiny_gpt", "--run-dir", "run", "--data.shards", "shards", *SMALL])
+    monkeypatch.chdir(tmp_path)
+    run_dir = work / "run"
     capsys.readouterr()
-    results = dispatch(["eval", str(run_dir), "--tasks", "tiny_mc", "--include-path", str(tasks), "--device", "cpu",
+    results = dispatch(["eval", "work/run", "--tasks", "tiny_mc", "--include-path", str(tasks), "--device", "cpu",
                         "--limit", "4"])  # fmt: skip
     capsys.readouterr()
     (written,) = (run_dir / "eval").iterdir()
     assert 0.0 <= results["results"]["tiny_mc"]["acc,none"] <= 1.0
     assert len((written / "samples_tiny_mc.jsonl").read_text().splitlines()) == 4
     assert {p.name for p in written.iterdir()} == {"results.json", "samples_tiny_mc.jsonl", "table.txt"}
+
+    # the run's own export carries that tokenizer: lm-eval's command line takes it as it is, with the same
+    # log-likelihoods (it holds the step-2 weights the latest checkpoint holds)
+    theirs = tmp_path / "theirs_gpt"
+    cli = subprocess.run([sys.executable, "-c", LM_EVAL_OWN_TASKS_ONLY, "--model", "hf", "--model_args",
+                          f"pretrained={run_dir / 'hf_model'}", "--tasks", "tiny_mc", "--include_path", str(tasks),
+                          "--device", "cpu", "--batch_size", "1", "--limit", "4", "--output_path", str(theirs),
+                          "--log_samples"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True, timeout=600)  # fmt: skip
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert _samples(next(theirs.rglob("samples_tiny_mc_*.jsonl"))) == _samples(written / "samples_tiny_mc.jsonl")
 
     # a damaged checkpoint named by path: the verified-checkpoint line
     step = run_dir / "checkpoints" / "step_2"

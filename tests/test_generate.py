@@ -183,3 +183,28 @@ def test_tokens_stream_as_their_text_completes():
     assert streamer.ids == [ord("b")]  # a line written is forgotten: decoding stays linear
     streamer.end()
     assert out.getvalue() == "a\nb\n"
+
+
+def test_generate_writes_the_text_the_run_sampled_at_that_checkpoint(run_dir, capsys):
+    """One sampling default (`fntrain.sampling.TEXT_DEFAULTS`) and seed for `fntrain generate` and the
+    samples during training: the step-2 checkpoint writes the run's step-2 sample from its prompt."""
+    (logged,) = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert (logged["step"], logged["prompt"]) == (2, "ROMEO:")  # tiny_gpt's default prompt, at the end
+    (sample,), _ = generate(capsys, str(run_dir / "checkpoints" / "step_2"), "--prompt", "ROMEO:",
+                            "--max-new-tokens", "64")  # fmt: skip  (the samples' length; defaults otherwise)
+    assert sample.seed == 1234 and len(sample.token_ids) == 64
+    assert sample.text == logged["text"]
+
+
+def test_the_exports_carry_their_tokenizer_and_load_in_transformers(run_dir, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    dispatch(["export", str(run_dir / "checkpoints"), "--format", "hf", str(tmp_path / "exported")])
+    greedy = ("--prompt", "ROMEO: é", "--temperature", "0", "--max-new-tokens", "12")
+    (expected,), _ = generate(capsys, str(run_dir), *greedy)
+    for directory in (run_dir / "hf_model", tmp_path / "exported"):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True)
+        assert tokenizer("ROMEO: é")["input_ids"] == list("ROMEO: é".encode())
+        assert tokenizer.eos_token_id is not None and model.config.vocab_size == 256
+        (sample,), out = generate(capsys, str(directory), *greedy)  # through the exported tokenizer
+        assert sample.token_ids == expected.token_ids and out.startswith("ROMEO: é")

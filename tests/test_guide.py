@@ -22,6 +22,7 @@ import pytest
 
 from tests.fork_server import HF_PRELOAD, started
 from tests.hf_helpers import CHATS, save_tiny_llama
+from tests.test_doc_commands import activated
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "guide.md"
@@ -114,8 +115,9 @@ def test_the_guide_runs_at_a_tiny_scale(tmp_path):
     data, corpus = _corpora(tmp_path)
     lines = [turn["content"] for chat in CHATS for turn in chat] * 4
     model = save_tiny_llama(tmp_path / "Llama-3.2-1B", lines, vocab_size=300, max_positions=128)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]), "OMP_NUM_THREADS": "1", "MODEL": str(model), "DATA": str(data),
-           "CORPUS": str(corpus), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # fmt: skip
+    # the shell the README's set-up leaves, its venv activated (tests/test_doc_commands.py's `activated`)
+    env = {**activated(os.environ), "OMP_NUM_THREADS": "1", "MODEL": str(model), "DATA": str(data),
+           "CORPUS": str(corpus)}  # fmt: skip
     commands = [tiny_command(command) for command in guide_commands()]
     with started(env, HF_PRELOAD) as launch_env:
         _run_the_guide(commands, work, launch_env, env)

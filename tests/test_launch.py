@@ -188,7 +188,12 @@ def test_requested_source_is_what_a_plan_and_a_launch_read_of_restore_from(tmp_p
 def test_the_hint_after_an_early_stop_names_only_what_will_work(tmp_path):
     from fntrain.run.finish import resume_hint
 
-    assert resume_hint(config(tmp_path)) == "no checkpoint was saved (set --checkpoint.save-every to make one)"
+    assert resume_hint(config(tmp_path, save_every=0)) == (
+        "no checkpoint was saved (set --checkpoint.save-every to make one)"
+    )
+    assert resume_hint(config(tmp_path)) == (  # saving every 100 steps, stopped before step 100
+        "no checkpoint was saved yet (--checkpoint.save-on-interrupt saves at a Ctrl-C)"
+    )
     checkpoint(config(tmp_path), 4)
     assert resume_hint(config(tmp_path)) == "run the same command again to resume from step_4"
     assert resume_hint(config(tmp_path, restore_from="none")) == (
@@ -197,3 +202,45 @@ def test_the_hint_after_an_early_stop_names_only_what_will_work(tmp_path):
     assert resume_hint(config(tmp_path, overwrite=True)) == (
         "resume from step_4 with --checkpoint.restore-from latest and without --overwrite"
     )
+
+
+def test_a_resume_compares_files_not_their_spellings(tmp_path, monkeypatch):
+    from fntrain.run.resolved import recorded_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text("To be, or not to be\n")
+    (tmp_path / "other.txt").write_text("Something else\n")
+    (tmp_path / "link.txt").symlink_to(tmp_path / "corpus.txt")
+    run = config(tmp_path)
+    run = dataclasses.replace(run, data=dataclasses.replace(run.data, path="corpus.txt"))
+    step = checkpoint(run, 3)
+    meta = json.loads((step / "meta.json").read_text())
+    meta["config"] = recorded_config(run)  # as a run records it: the file by its absolute path
+    assert meta["config"]["data"]["path"] == str(tmp_path / "corpus.txt")
+    (step / "meta.json").write_text(json.dumps(meta))
+    for spelling in ("corpus.txt", str(tmp_path / "corpus.txt"), "./corpus.txt", "link.txt"):
+        again = dataclasses.replace(run, data=dataclasses.replace(run.data, path=spelling))
+        assert decide_launch(again, 0, train_iters=6).changes == {}, spelling  # the same file: no change
+    other = dataclasses.replace(run, data=dataclasses.replace(run.data, path="other.txt"))
+    with pytest.raises(ConfigError, match=rf"`data.path` '{tmp_path}/corpus.txt' -> 'other.txt'"):
+        decide_launch(other, 0, train_iters=6)  # another file, named as the user typed it
+    allowed = dataclasses.replace(other, checkpoint=dataclasses.replace(other.checkpoint, allow_changes=("data.path",)))
+    assert decide_launch(allowed, 0, train_iters=6).changes == {"data.path": [str(tmp_path / "corpus.txt"), "other.txt"]}
+
+
+def test_a_recipe_is_the_same_whichever_package_or_spelling_recorded_it(tmp_path):
+    """A checkpoint records `recipe_reference`: the installed package's or a checkout's module, or a
+    file's resolved path. The same recipe compares equal however it was imported; another is named by
+    the label a user types; a recorded file that is no longer there (moved) cannot be compared."""
+    from fntrain.run.recipe_of import label_of, other_recipe, recipe_label
+
+    assert [recipe_label(r) for r in ("fntrain_recipes.dpo", "recipes.tiny_gpt", "my.recipes.sft")] == [
+        "dpo", "tiny_gpt", "my.recipes.sft"]  # fmt: skip
+    assert label_of(tiny_gpt.Config) == "tiny_gpt"
+    for same in ("fntrain_recipes.tiny_gpt", "recipes.tiny_gpt", "tiny_gpt", "tiny-gpt", None, ""):
+        assert other_recipe(same, tiny_gpt.Config) is None, same
+    assert other_recipe("fntrain_recipes.dpo", tiny_gpt.Config) == "dpo"
+    recipe_file = tmp_path / "my_gpt.py"
+    recipe_file.write_text("")
+    assert other_recipe(str(recipe_file), tiny_gpt.Config) == str(recipe_file)
+    assert other_recipe(str(tmp_path / "moved_away.py"), tiny_gpt.Config) is None

@@ -56,6 +56,8 @@ def test_torchruns_options_come_before_the_recipe_and_the_recipes_after_it():
         (["--nproc-per-node", "2"], "needs a RECIPE"),
         (["--nproc-per-node", "2", "--parallel.strategy", "ddp", "tiny_gpt"], "--parallel.strategy"),
         (["--nproc-per-node", "2", "-m", "tiny_gpt"], "--module is not for fntrain run"),
+        (["--nproc-per-node", "two", "tiny_gpt"], "--nproc-per-node must be a positive integer, or cpu, gpu or auto, got 'two'"),
+        (["--nproc-per-node=0", "tiny_gpt"], "--nproc-per-node must be a positive integer, .* got '0'"),
     ],
 )
 def test_a_bad_launcher_command_line_is_a_usage_error(args, message):
@@ -68,6 +70,18 @@ def test_fntrain_run_with_torchruns_options_and_no_recipe_exits_2_before_any_ran
         dispatch(["run", "--nproc-per-node", "2"])
     assert exited.value.code == 2
     assert capsys.readouterr().err.startswith("fntrain run: needs a RECIPE after torchrun's options")
+
+
+def test_a_bad_nproc_per_node_exits_2_in_one_line_before_any_rank_and_the_corrected_count_parses(tmp_path, capsys):
+    """[issue 48] `--nproc-per-node two` ended with the agent's failure, exit status 1."""
+    with pytest.raises(SystemExit) as exited:
+        dispatch(["run", "--nproc-per-node", "two", "tiny_gpt", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("fntrain run: --nproc-per-node must be a positive integer, or cpu, gpu or auto, got 'two'")
+    assert list(tmp_path.iterdir()) == []
+    options, recipe, _ = split_launch(["--nproc-per-node", "2", "tiny_gpt"])
+    assert (options.nproc_per_node, recipe) == ("2", "tiny_gpt")
 
 
 def _failures(*exits):
@@ -111,7 +125,7 @@ def test_the_first_failing_ranks_line_and_status_end_the_job():
 
 
 def test_a_signal_to_the_agent_ends_with_the_ranks_line_of_the_last_attempt():
-    interrupted = "run interrupted at step 12; 6,096 tokens; 4.9 s; final loss 5.051"
+    interrupted = "run interrupted at step 12; 6,096 tokens; 4.9 s; loss 5.051 (mean of steps 11-12)"
     records = [_record(0, 5, "an earlier attempt's line", 1, 1.0, attempt=0),
                _record(0, 7, interrupted, 130, 9.0, attempt=1), _record(1, 8, interrupted, 130, 9.1, attempt=1)]  # fmt: skip
     assert ending(records, signal_number=int(signal.SIGINT)) == Ending(interrupted, 130)

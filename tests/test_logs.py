@@ -68,3 +68,19 @@ def test_other_ranks_leave_warnings_to_rank_0_and_their_log_file(root_logger, mo
     assert "[rank 1] " in console and "a failure on rank 1" in console
     written = path.read_text()
     assert all(text in written for text in ("a warning every rank raises", "a setting warning", "a failure on rank 1"))
+
+
+def test_a_line_the_command_ends_with_is_logged_to_the_file_only(root_logger, monkeypatch, tmp_path, capsys):
+    """The summary of a run that did not finish is the command's last line (`say`): the console gets it
+    once, from the command, and the log file keeps it [issue 48: the interrupt summary was printed twice]."""
+    from fntrain.run.logs import FILE_ONLY, rank_logs
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    setup_console_logging()
+    with rank_logs(tmp_path, rank=0) as path:
+        logging.getLogger("fntrain.run.job").warning("run interrupted at step 3", extra=FILE_ONLY)
+        logging.getLogger("fntrain.run.job").warning("a warning for the console")
+    console = capsys.readouterr().err
+    assert "run interrupted at step 3" not in console and "a warning for the console" in console
+    assert "run interrupted at step 3" in path.read_text()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -229,7 +230,8 @@ def test_a_finished_run_says_so_and_ctrl_c_saves_at_the_next_boundary_exits_130_
     first = fntrain(tmp_path, "--run-dir", str(reference), "--checkpoint.save-every", "6")
     assert first.returncode == 0
     summary = [line for line in first.stderr.splitlines() if "run completed at step 6" in line]
-    assert len(summary) == 1 and "tokens" in summary[0] and "final loss" in summary[0]
+    assert len(summary) == 1 and "tokens" in summary[0]
+    assert re.search(r"; loss [\d.]+ \(step 6\);", summary[0])  # --log-every 1: step 6's own loss
     assert f"weights in {reference / 'hf_model'}, {reference / 'model.safetensors'}" in summary[0]
     again = fntrain(tmp_path, "--run-dir", str(reference), "--checkpoint.restore-from", "latest")
     assert again.returncode == 0 and "run already complete at step 6; nothing to do" in again.stderr
@@ -260,13 +262,15 @@ def test_a_finished_run_says_so_and_ctrl_c_saves_at_the_next_boundary_exits_130_
 
 
 def test_ctrl_c_without_saving_is_one_line_and_status_130(tmp_path):
-    """A plain Ctrl-C after the first step: the summary line, exit status 130, and the outcome recorded."""
+    """A plain Ctrl-C after the first step: the summary line, once [issue 48], exit status 130, and the
+    outcome recorded."""
     stopped = fntrain(tmp_path, "--run-dir", str(tmp_path / "run"), driver="sigint:0:2")
     assert stopped.returncode == 130 and "Traceback" not in stopped.stderr
     line = last_line(stopped)
-    assert line.startswith("run interrupted at step ") and line.endswith(
-        "no checkpoint was saved (set --checkpoint.save-every to make one)"
+    assert line.startswith("run interrupted at step ") and line.endswith(  # the recipe saves every 100 steps
+        "no checkpoint was saved yet (--checkpoint.save-on-interrupt saves at a Ctrl-C)"
     ), line
+    assert stopped.stderr.count("run interrupted at step") == 1, stopped.stderr[-3000:]
     metadata = json.loads((tmp_path / "run" / "run_metadata.json").read_text())
     assert metadata["outcome"] == "interrupted" and metadata["summary"] == line
 

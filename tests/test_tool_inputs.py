@@ -1,4 +1,4 @@
-"""Bad input to the standalone commands (`fntrain plot`, `tokenize`, `export`, and `--config` files),
+"""Bad input to the standalone commands (`fntrain plot`, `tokenize`, `export`, `eval`, and `--config` files),
 as a user types it: exit status 2, one line on stderr naming the file as typed and what is wrong, no
 traceback, and the disk left as it was (nothing created, an existing output untouched), so the
 corrected command just works."""
@@ -90,7 +90,7 @@ EXPORT_CASES = [
     ("out-is-a-file", ["export", "in/ckpt", "--format", "hf", "in/a-file"], "'in/a-file' exists and is not a directory"),
     ("out-under-a-file", ["export", "in/ckpt", "--format", "hf", "in/a-file/out"],
      "'in/a-file/out' cannot be created: 'in/a-file' is a file"),
-    ("out-not-empty", ["export", "in/ckpt", "--format", "hf", "in/run"], "'in/run' is not empty"),
+    ("out-not-empty", ["export", "in/ckpt", "--format", "hf", "in/run"], "'in/run' is not empty (pass --overwrite"),
     ("hf-dir-missing", ["export", "nowhere", "--format", "dcp", "out"], "Hugging Face directory 'nowhere' does not exist"),
     ("hf-dir-is-a-checkpoint", ["export", "in/ckpt/step_0", "--format", "dcp", "out"], "is an fntrain checkpoint"),
     ("dcp-out-is-a-file", ["export", "in/hf", "--format", "dcp", "in/a-file"], "'in/a-file' exists and is not a directory"),
@@ -105,7 +105,16 @@ CONFIG_CASES = [
     ("config-missing", ["plan", "tiny_gpt", "--config", "in/nope.toml"], "--config 'in/nope.toml' does not exist"),
 ]  # fmt: skip
 
-CASES = PLOT_CASES + TOKENIZE_CASES + EXPORT_CASES + CONFIG_CASES
+EVAL_CASES = [  # tyro's 5-13-line usage boxes before [issue 48]: one line, as every command's
+    ("eval-nothing", ["eval"], "missing required options SOURCE, --tasks"),
+    ("eval-no-tasks", ["eval", "in/hf"], "missing required option --tasks"),
+    ("eval-tasks-without-value", ["eval", "in/hf", "--tasks"], "--tasks needs a value"),
+    ("eval-limit-not-a-number", ["eval", "in/hf", "--tasks", "x", "--limit", "many"],
+     "--limit expects an integer (or None), got 'many'"),
+    ("eval-unknown-flag", ["eval", "in/hf", "--tasks", "x", "--task-list", "y"], "unknown flag --task-list"),
+]  # fmt: skip
+
+CASES = PLOT_CASES + TOKENIZE_CASES + EXPORT_CASES + CONFIG_CASES + EVAL_CASES
 
 
 @pytest.mark.parametrize("argv, needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -140,8 +149,9 @@ def test_a_failed_export_keeps_the_old_output_whole(inputs, capsys):
     assert dispatch(["export", "in/ckpt", "--format", "hf", "hf-out"]) == Path("hf-out")
     capsys.readouterr()
     before = snapshot(inputs)
-    expect_one_line(capsys, ["export", "in/ckpt", "--format", "hf", "hf-out"], "is not empty")
+    expect_one_line(capsys, ["export", "in/ckpt", "--format", "hf", "hf-out"], "is not empty (pass --overwrite")
     expect_one_line(
         capsys, ["export", "nowhere", "--format", "hf", "hf-out", "--overwrite"], "does not exist"
     )
     assert snapshot(inputs) == before
+    assert dispatch(["export", "in/ckpt", "--format", "hf", "hf-out", "--overwrite"]) == Path("hf-out")  # the way out

@@ -63,6 +63,7 @@ class PendingSave:
     ):
         self.root, self.path, self.state = Path(prepared.root), prepared.path, state
         self.keep_last, self.temporary, self.needed = options.keep_last, options.temporary, prepared.needed
+        self.keep_best = options.keep_best
         self._threads = tuple(threads)
         self._finished = threading.Event()
         self._error: BaseException | None = None
@@ -75,7 +76,8 @@ class PendingSave:
             failure = future.exception()
             problem = what_failed(failure) if failure is not None else None
             if problem is None:
-                problem = finalize(self.root, self.path, self.state, self.keep_last, self.temporary)
+                problem = finalize(self.root, self.path, self.state, self.keep_last, self.temporary,
+                                   self.keep_best)
             if problem is not None:
                 self._error = save_failure(self.root, self.path, self.state.global_step, problem,
                                            needed=self.needed, discard=_dist.rank() == 0)  # fmt: skip

@@ -91,12 +91,17 @@ def export_safetensors(
 
 
 def export_converted(
-    model: torch.nn.Module, out_dir: str | os.PathLike, convert: Conversion, *, pipeline_group: Any = None
+    model: torch.nn.Module,
+    out_dir: str | os.PathLike,
+    convert: Conversion,
+    *,
+    pipeline_group: Any = None,
+    tokenizer: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write `model` converted by `convert` to `out_dir`: model.safetensors and config.json (modes 0666
-    less the umask), the files `fntrain export --format hf` writes for the same conversion. A collective
-    under a process group (the full weights are gathered as for `full_model_state`); rank 0 writes.
-    Returns `out_dir`."""
+    less the umask), and the tokenizer files `tokenizer` writes into the directory (None: none), the
+    files `fntrain export --format hf` writes for the same conversion. A collective under a process
+    group (the full weights are gathered as for `full_model_state`); rank 0 writes. Returns `out_dir`."""
     from safetensors.torch import save_file
 
     full = full_model_state(model, pipeline_group)
@@ -109,6 +114,8 @@ def export_converted(
         save_file(contiguous, str(staging / "model.safetensors"), metadata={"format": "pt"})
         set_usual_mode(staging / "model.safetensors")
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer(staging)
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -74,8 +75,9 @@ def export_checkpoint(
     out: str | os.PathLike,
     options: ExportOptions,
     convert: Conversion | None = None,
+    tokenizer: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Convert `source` to `out` as `options.format` says (`convert`: as for `export_hf`); return the
+    """Convert `source` to `out` as `options.format` says (`convert`, `tokenizer`: as for `export_hf`); return the
     written directory. `out` appears only once complete; an OS error while writing (a full disk) says
     what is left: the previous `out` (with `overwrite`) or nothing."""
     options.validate("export")
@@ -89,6 +91,7 @@ def export_checkpoint(
                 model_dir=options.model_dir,
                 overwrite=options.overwrite,
                 convert=convert,
+                tokenizer=tokenizer,
             )
         return import_hf(
             source, out, step=options.step, dtype=DTYPES[options.dtype], overwrite=options.overwrite

@@ -18,7 +18,9 @@ one output file's tensors are ever in memory. Beside them:
   `hf_conversion` (tiny_gpt: a GPT-2; `fntrain export` finds the recipe the checkpoint's meta.json
   records, or `--recipe`) is written as that conversion says: the same config.json and tensors the run's
   own export writes, loadable by `from_pretrained` (the whole model is read at once then, as a
-  conversion may fuse tensors). For any other model (or `--recipe none`) a config.json of fntrain's
+  conversion may fuse tensors), with the tokenizer its `HFConversion.tokenizer` writes (tiny_gpt: its
+  bytes, or the tokenizer of its token shards), so `AutoTokenizer`, lm-eval and `fntrain generate` read
+  its text as the run did. For any other model (or `--recipe none`) a config.json of fntrain's
   own: `{"model_type": "fntrain", "fntrain_model": <the run config's "model"
   section>, "dtype": ..., "num_parameters": ...}` -- the recipe's own architecture, not a transformers
   one (rebuild tiny_gpt with `TinyGPT(ModelConfig(**config["fntrain_model"]))` and load the weights with
@@ -45,7 +47,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -296,13 +298,15 @@ def export_hf(
     model_dir: str | None = None,
     overwrite: bool = False,
     convert: Conversion | None = None,
+    tokenizer: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write the model weights of the fntrain checkpoint `checkpoint` (a step_<N>/ directory, or a
     checkpoint root: its newest intact checkpoint) to the Hugging Face directory `out` (see the module
     docstring). The checkpoint is verified first (a damaged one is a `CheckpointDamagedError` naming the
     file and the reason), and `out` appears only once complete (written beside it, then renamed).
     `convert` (a recipe's `hf_conversion` bound to its config) turns the model's full state dict into
-    a transformers model's config.json and tensors; None: the weights keep their names."""
+    a transformers model's config.json and tensors; None: the weights keep their names. `tokenizer`
+    writes the converted model's tokenizer files into the directory (a recipe's `HFConversion.tokenizer`)."""
     from fntrain.checkpoint.restorer import read_meta
 
     out = Path(out).expanduser()
@@ -327,6 +331,8 @@ def export_hf(
             _write_converted_config(staging, config, weights_dtype)
         else:
             _write_config(staging, source, meta.get("config") or {}, weights_dtype, num_parameters)
+        if tokenizer is not None:
+            tokenizer(staging)
         _write_provenance(staging, path, meta, tied, converted=convert is not None)
     log.info("exported %s to %s (%d file(s), %d tensors)", path, out, files, tensors)
     return out

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -89,7 +90,10 @@ class SaveTarget:
     scaler; `hooks` (a list, or a callable returning it): each stateful hook's `state_dict()`; `config`:
     the resolved run config (JSON-able); `recipe`: how `fntrain.cli.recipes.load_recipe` finds the
     recipe that wrote it (for `fntrain export`); `data`: the data's fingerprint
-    (`fntrain.data.fingerprint`); `device`: whose RNG state is saved (None: the model's).
+    (`fntrain.data.fingerprint`); `device`: whose RNG state is saved (None: the model's); `run_dir`: the
+    run directory the checkpoints belong to (recorded absolute, so that another run directory does not
+    adopt them); `val_loss(step)`: the validation loss evaluated at that step, or None (recorded for
+    retention's keep_best).
     """
 
     root: str | os.PathLike
@@ -99,18 +103,21 @@ class SaveTarget:
     recipe: str | None = None
     data: Mapping[str, Any] | None = None
     device: torch.device | str | None = None
+    run_dir: str | os.PathLike | None = None
+    val_loss: Callable[[int], float | None] | None = None
 
 
 @dataclass(frozen=True)
 class SaveOptions:
-    """How one save is written: `keep_last` > 0 deletes older complete checkpoints once it is complete;
-    `thread_count` writer threads per rank; `temporary`: deleted once a later checkpoint is complete;
-    `make_room`: see `_room_for`."""
+    """How one save is written: `keep_last` > 0 deletes older complete checkpoints once it is complete
+    (`keep_best`: not the one of the lowest recorded val_loss); `thread_count` writer threads per rank;
+    `temporary`: deleted once a later checkpoint is complete; `make_room`: see `_room_for`."""
 
     keep_last: int = 0
     thread_count: int = 1
     temporary: bool = False
     make_room: bool = False
+    keep_best: bool = False
 
 
 def app_state(components: Components, *, weights_only: bool = False) -> dict[str, Any]:
@@ -171,14 +178,14 @@ class Prepared:
 
 
 def _room_for(
-    root: Path, path: Path, tensors: dict[str, torch.Tensor], keep_last: int, make_room: bool
+    root: Path, path: Path, tensors: dict[str, torch.Tensor], options: SaveOptions
 ) -> tuple[int, str | None]:
     """Rank 0, before anything is written: (bytes needed, a problem or None). With `make_room` (and
     keep_last >= 2, so a good checkpoint always remains) a short disk first loses the oldest verified
     checkpoints that retention would delete after this save anyway; otherwise nothing is deleted."""
     needed, free, short = room_problem(root, tensors)
-    if short and make_room and keep_last >= 2:
-        removed = retain(root, keep_last - 1, protect=find_latest(root))
+    if short and options.make_room and options.keep_last >= 2:
+        removed = retain(root, options.keep_last - 1, protect=find_latest(root), keep_best=options.keep_best)
         if removed:
             log.warning("checkpoint.make_room: removed %s to make room for %s",
                         ", ".join(p.name for p in removed), path.name)  # fmt: skip
@@ -233,7 +240,7 @@ def prepare(target: SaveTarget, state: TrainState, options: SaveOptions, process
     if rank == 0:
         try:
             _clear_step_dir(path)
-            needed, problem = _room_for(Path(root), path, tensors, options.keep_last, options.make_room)
+            needed, problem = _room_for(Path(root), path, tensors, options)
             if problem is None:
                 path.mkdir(parents=True)
         except OSError as error:
@@ -267,7 +274,8 @@ def _write_json_parts(
         ]
     write_json_atomic(path / f"rank_{rank}.json", rank_state)
     if rank == 0:
-        described = {"recipe": target.recipe, "data": dict(target.data) if target.data is not None else None}
+        described = {"recipe": target.recipe, "data": dict(target.data) if target.data is not None else None,
+                     "run_dir": _absolute(target.run_dir), "val_loss": _val_loss(target, state.global_step)}
         write_json_atomic(
             path / "meta.json",
             {
@@ -287,6 +295,16 @@ def _write_json_parts(
         )
 
 
+def _absolute(path: str | os.PathLike | None) -> str | None:
+    return os.path.abspath(os.path.expanduser(os.fspath(path))) if path is not None else None
+
+
+def _val_loss(target: SaveTarget, step: int) -> float | None:
+    """The validation loss evaluated at `step` (None: not evaluated there, or not finite)."""
+    value = target.val_loss(step) if target.val_loss is not None else None
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
 def _tied_names(model: torch.nn.Module) -> list[list[str]]:
     """The names of each weight the model holds under several (a tied output head): a pipeline stage
     that holds it under another name than the one its optimizer state was saved under restores it."""
@@ -300,7 +318,8 @@ def writer(path: Path, thread_count: int) -> dcp.FileSystemWriter:
 
 
 def finalize(
-    root: str | os.PathLike, path: Path, state: TrainState, keep_last: int, temporary: bool = False
+    root: str | os.PathLike, path: Path, state: TrainState, keep_last: int, temporary: bool = False,
+    keep_best: bool = False,
 ) -> str | None:
     """Rank 0: the manifest (checksums of the written files), the completion marker (only once DCP's
     metadata exists), then `latest`, then the temporary checkpoints it supersedes, then retention.
@@ -324,7 +343,7 @@ def finalize(
         return what_failed(error)
     try:
         remove_superseded_temporary(root, path)
-        retain(root, keep_last, protect=path)
+        retain(root, keep_last, protect=path, keep_best=keep_best)
     except OSError as error:
         log.warning("checkpoint %s saved, but removing older checkpoints failed: %s", path,
                     what_failed(error))  # fmt: skip
@@ -362,7 +381,7 @@ def save(
     except _WRITE_ERRORS as error:  # every rank has it (DCP gathers the failures): no agreement needed
         problem = what_failed(error)
     raise_if_failed(root, path, state.global_step, problem, prepared.needed)
-    problem = finalize(root, path, state, options.keep_last, options.temporary)
+    problem = finalize(root, path, state, options.keep_last, options.temporary, options.keep_best)
     # every rank returns only once the checkpoint is marked complete, or raises with rank 0
     raise_if_failed(root, path, state.global_step, _dist.agree(problem, process_group), prepared.needed)
     return path

@@ -186,7 +186,7 @@ def check_out(out: Path, overwrite: bool) -> Path:
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"output {str(out)!r} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"output directory {str(out)!r} is not empty (pass overwrite to replace it)")
+        raise FileExistsError(f"output directory {str(out)!r} is not empty (pass --overwrite to replace it)")
     return existing_ancestor(out)
 
 

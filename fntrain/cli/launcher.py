@@ -90,7 +90,22 @@ def split_launch(args: Sequence[str]) -> tuple[argparse.Namespace, str, list[str
     recipe, rest = options.training_script, list(options.training_script_args)
     if recipe.startswith("-"):
         raise UsageError(f"unknown launcher option {recipe} (torchrun's options come before RECIPE)")
+    _check_nproc_per_node(options.nproc_per_node)
     return options, recipe, rest
+
+
+def _check_nproc_per_node(value: str) -> None:
+    """--nproc-per-node as torchrun reads it (a positive count, or cpu / gpu / xpu / auto), checked before
+    the agent starts: a bad one is a `UsageError` naming it, not the agent's failure."""
+    from torch.distributed.run import determine_local_world_size
+
+    try:
+        count = determine_local_world_size(value)
+    except ValueError as error:
+        reason = "" if "Unsupported" in str(error) else f" ({error})"  # cuda asked of a machine without it
+        raise UsageError(f"--nproc-per-node must be a positive integer, or cpu, gpu or auto, got {value!r}{reason}") from None
+    if count < 1:
+        raise UsageError(f"--nproc-per-node must be a positive integer, or cpu, gpu or auto, got {value!r}")
 
 
 def launch(options: argparse.Namespace, recipe_args: Sequence[str]) -> Ending:

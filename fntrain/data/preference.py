@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -64,6 +64,9 @@ TRUNCATION = ("keep_start", "error")
 @dataclass(frozen=True)
 class PreferenceDataConfig:
     """The preference pairs (JSONL or a table) for DPO and how they become chosen/rejected token sequences."""
+
+    # the fields naming files the run reads: recorded by absolute path (fntrain.run.resolved)
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("path", "val_path")
 
     path: str = ""
     """JSONL file (.jsonl or .jsonl.gz), one {"prompt", "chosen", "rejected"} object per line (strings, or a prompt of chat messages with chosen/rejected assistant messages); or a .parquet/.arrow file, a folder of them or a datasets.save_to_disk folder with those columns. Required."""

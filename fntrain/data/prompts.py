@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -54,6 +54,9 @@ _NOT_PASSED = ("prompt", "completion", "completion_ids")  # TRL leaves these col
 @dataclass(frozen=True)
 class PromptDataConfig:
     """The prompts (JSONL or a table) GRPO samples completions for, with the columns its rewards read."""
+
+    # the fields naming files the run reads: recorded by absolute path (fntrain.run.resolved)
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("path",)
 
     path: str = ""
     """JSONL file (.jsonl or .jsonl.gz), one {"prompt": ...} object per line with any other keys the reward functions read (e.g. "answer"); or a .parquet/.arrow file, a folder of them or a datasets.save_to_disk folder with those columns. Required."""

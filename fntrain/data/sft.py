@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
@@ -83,6 +83,9 @@ FORMATS = ("auto", "text", "prompt_completion", "chat")
 @dataclass(frozen=True)
 class SFTDataConfig:
     """The training data (JSONL or a table) and how it becomes token windows."""
+
+    # the fields naming files the run reads: recorded by absolute path (fntrain.run.resolved)
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("path", "val_path")
 
     path: str = ""
     """JSONL file (.jsonl or .jsonl.gz), one example per line: {"text"}, {"prompt", "completion"} or {"messages"}; or a .parquet/.arrow file, a folder of them or a datasets.save_to_disk folder, one example per row with those columns. Required."""

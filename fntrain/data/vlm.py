@@ -36,7 +36,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -66,6 +66,9 @@ log = logging.getLogger("fntrain.data.vlm")
 @dataclass(frozen=True)
 class VLMDataConfig:
     """The image + text training data (a JSONL file or a table, or the generated shapes set)."""
+
+    # the fields naming files the run reads: recorded by absolute path (fntrain.run.resolved)
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("path", "val_path")
 
     path: str = ""
     """JSONL file, one row per line: {"image", "messages"} or {"image", "prompt", "completion"}; image paths are relative to the file. Or a .parquet/.arrow file, a folder of them or a datasets.save_to_disk folder with those columns (images as paths, bytes or datasets.Image). Empty: the generated shapes question-answer set."""

@@ -96,7 +96,8 @@ def checkpoint_hook(
         preemption=preemption,
         clock=clock,
     )
-    options = SaveOptions(config.keep_last, config.thread_count, make_room=config.make_room)
+    options = SaveOptions(config.keep_last, config.thread_count, make_room=config.make_room,
+                          keep_best=config.keep_best)  # fmt: skip
     target = dataclasses.replace(target, device=runtime.device)
     writer = Writer(target, options, config.on_save_failure, agreement.restart_timer)
     distributed = runtime.world_size > 1 and runtime.backend is not None

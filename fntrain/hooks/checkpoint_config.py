@@ -27,8 +27,10 @@ class SaveConfig:
     """Save every K epochs, at the epoch's end (0: off)."""
     save_at_end: bool = True
     """When checkpointing is on (a cadence is set, or the run resumes from a checkpoint), also save after the last step if unsaved."""
-    keep_last: int = 0
-    """Keep the newest K complete checkpoints, delete older ones (0: keep all)."""
+    keep_last: int = 3
+    """Keep the newest K complete checkpoints, delete older ones, each deletion logged (0: keep all)."""
+    keep_best: bool = True
+    """With keep_last, also keep the checkpoint with the lowest val_loss (evaluated at its step), if any."""
     async_save: bool = False
     """Write checkpoints in the background (dcp.async_save); training waits only for the staging copy."""
     save_on_interrupt: bool = False
@@ -63,7 +65,8 @@ class SaveConfig:
             require_int(f"{prefix}.{name}", getattr(self, name), min=0)
         require_int(f"{prefix}.preempt_check_every", self.preempt_check_every, min=1)
         require_int(f"{prefix}.thread_count", self.thread_count, min=1)
-        for name in ("save_at_end", "async_save", "save_on_interrupt", "time_based_temporary", "make_room"):
+        for name in ("save_at_end", "keep_best", "async_save", "save_on_interrupt", "time_based_temporary",
+                     "make_room"):  # fmt: skip
             require_bool(f"{prefix}.{name}", getattr(self, name))
         require_float(f"{prefix}.abort_wait_s", self.abort_wait_s, min=0.0)
         require_float(f"{prefix}.save_every_minutes", self.save_every_minutes, min=0.0)

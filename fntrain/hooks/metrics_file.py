@@ -15,7 +15,7 @@ from fntrain.hooks.metrics_log import fold_summary
 
 __all__ = ["read_records", "rewind_metrics", "summarize_metrics"]
 
-_SUMMARY_KEYS = ("loss", "consumed_tokens", "val_loss", "best_val_loss", "best_val_step")
+_SUMMARY_KEYS = ("loss", "loss_steps", "consumed_tokens", "val_loss", "best_val_loss", "best_val_step")
 
 
 def _parsed(lines: list[str]) -> list[dict[str, Any] | None]:
@@ -64,10 +64,15 @@ def rewind_metrics(path: str | Path, step: int) -> int:
 
 
 def summarize_metrics(path: str | Path) -> dict[str, Any]:
-    """What a run's JSON-lines log says at its end: the last training loss and consumed tokens, the last
-    and the best validation loss (with its step, see `fold_summary`); keys are absent when the log has
-    no such record."""
+    """What a run's JSON-lines log says at its end: the last logged training loss and "loss_steps", the
+    (first, last) steps it is the mean of (those since the loss logged before it), the consumed tokens,
+    the last and the best validation loss (with its step, see `fold_summary`); keys are absent when the
+    log has no such record."""
     summary: dict[str, Any] = {}
+    logged = 0  # the step of the loss logged last: the next window starts after it
     for record in read_records(path):
         fold_summary(summary, record)
+        if "loss" in record:
+            step = record.get("step", logged + 1)
+            summary["loss_steps"], logged = (logged + 1, step), step
     return {key: summary[key] for key in _SUMMARY_KEYS if key in summary}

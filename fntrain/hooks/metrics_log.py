@@ -86,6 +86,7 @@ class MetricsLog:
         self._stopped = False  # stop() ran and no record came after it
         self._summary: dict[str, Any] = {}
         self._latest: dict[str, Any] = {}
+        self._last_of: dict[str, tuple[int, Any]] = {}  # name -> (step, value) of its newest record
 
     def write(self, step: int, epoch: int, metrics: Mapping[str, float]) -> None:
         """Write one record for `step` (a no-op on ranks other than 0)."""
@@ -101,6 +102,7 @@ class MetricsLog:
             sink.write(step, record)
         fold_summary(self._summary, record)
         self._latest = record
+        self._last_of.update((name, (step, value)) for name, value in record.items() if name not in RESERVED)
 
     def text(self, step: int, name: str, text: str) -> None:
         """Send a text at `step` (a sample the model wrote) to the sinks that take text, those with a
@@ -116,6 +118,10 @@ class MetricsLog:
     def latest(self) -> Mapping[str, Any]:
         """The last record written, with its "step" and "epoch" ({} before the first, and off rank 0)."""
         return self._latest
+
+    def last_value(self, name: str) -> tuple[int, Any] | None:
+        """(step, value) of the newest record that held `name` (None: none yet, and off rank 0)."""
+        return self._last_of.get(name)
 
     def log_config(self, config: Mapping[str, Any], tags: Mapping[str, str] | None = None) -> None:
         """Send the run's config and tags to every sink now (rank 0)."""

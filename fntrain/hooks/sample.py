@@ -3,9 +3,11 @@ after the last step (llm.c and nanoGPT print one every few hundred steps).
 
 At its steps the hook puts the model in eval mode, samples each prompt through the recipe's sampler
 (`RecipeSpec.sampler`: prompt, `SampleSettings`, generator -> text) under no_grad, then restores the
-model's mode. Draws come from the hook's own `torch.Generator`, seeded by (sample.seed, step); the global
-RNGs are forked around the call anyway (a recipe's sampler may use them), so a run's losses are bit for bit
-the same with and without samples. Each sample goes to the log (one line), to
+model's mode. Each prompt draws from a `torch.Generator` of its own seeded by sample.seed, with
+`fntrain generate`'s defaults (`fntrain.sampling.TEXT_DEFAULTS`), as `fntrain generate --seed` draws its
+first sample: the step's checkpoint writes the same text there. The global RNGs are forked around the
+call anyway (a recipe's sampler may use them), so a run's losses are bit for bit the same with and
+without samples. Each sample goes to the log (one line), to
 `<run_dir>/samples.jsonl` ({"step", "prompt", "text"}) and to the metric sinks that take text
 (TensorBoard, W&B, MLflow: `MetricsLog.text`). Rank 0 samples; a model whose parameters are sharded
 (FSDP2, tensor parallel) is sampled on every rank, the same draws everywhere, so the collectives of its
@@ -29,7 +31,7 @@ from fntrain.hooks.base import cadence, on, on_ranks, on_steps
 from fntrain.hooks.metrics_log import MetricsLog
 from fntrain.loop import Event, Hook
 from fntrain.runtime.runtime import Runtime
-from fntrain.sampling import SampleSettings
+from fntrain.sampling import TEXT_DEFAULTS, SampleSettings
 from fntrain.state import TrainState
 
 __all__ = ["SampleConfig", "Sampler", "sample_hook", "SAMPLES_FILE"]
@@ -52,12 +54,14 @@ class SampleConfig:
     """Prompts to continue, one sample each (none: no samples)."""
     max_new_tokens: int = 64
     """Tokens per sample at most."""
-    temperature: float = 0.8
-    """Softmax temperature (0: greedy)."""
-    top_k: int | None = 40
+    temperature: float = TEXT_DEFAULTS.temperature
+    """Softmax temperature (0: greedy); `fntrain generate`'s default too."""
+    top_k: int | None = TEXT_DEFAULTS.top_k
     """Draw among the k most likely tokens (None or 0: no cut)."""
+    top_p: float = TEXT_DEFAULTS.top_p
+    """Nucleus sampling: draw among the most likely tokens holding this much probability, in (0, 1]."""
     seed: int = 1234
-    """Seed of the samples' own generator, with the step: the global RNGs are never drawn from."""
+    """Seed of each prompt's own generator, as `fntrain generate --seed`'s: the global RNGs are never drawn from."""
     at_end: bool = True
     """Also sample after the run's last step (when there are prompts)."""
 
@@ -69,7 +73,7 @@ class SampleConfig:
             require_str(f"{prefix}.prompts[{index}]", prompt, non_empty=True)
         require_int(f"{prefix}.seed", self.seed, min=0, max=2**32 - 1)
         require_bool(f"{prefix}.at_end", self.at_end)
-        self.settings().validate(prefix)  # max_new_tokens, temperature, top_k
+        self.settings().validate(prefix)  # max_new_tokens, temperature, top_k, top_p
         if self.every and not self.prompts:
             raise ValueError(f"{prefix}.every {self.every} needs {prefix}.prompts (the text to continue)")
 
@@ -79,7 +83,7 @@ class SampleConfig:
         return bool(self.prompts) and bool(self.every or self.at_end)
 
     def settings(self) -> SampleSettings:
-        return SampleSettings(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k)
+        return SampleSettings(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
 
 
 def check_sampling(config: SampleConfig, has_sampler: bool, prefix: str = "sample") -> None:
@@ -90,9 +94,10 @@ def check_sampling(config: SampleConfig, has_sampler: bool, prefix: str = "sampl
         raise ValueError(f"{field}: this recipe cannot sample text (its spec has no sampler)")
 
 
-def generator_for(seed: int, step: int) -> torch.Generator:
-    """The samples' generator at `step`: its own stream for each (seed, step)."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+def generator_for(seed: int) -> torch.Generator:
+    """A sample's generator, fresh for each prompt at each step: the one `fntrain generate --seed` draws
+    its first sample from."""
+    return torch.Generator().manual_seed(seed)
 
 
 @dataclass(frozen=True)
@@ -111,11 +116,12 @@ def _sample_all(config: SampleConfig, target: _SampleTarget, step: int) -> list[
     model, device = target.model, target.runtime.device
     devices = [device] if device.type not in ("cpu", "meta") else []
     was_training = model.training
-    generator, settings = generator_for(config.seed, step), config.settings()
+    settings = config.settings()
     with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
         model.eval()
         try:
-            return [{"step": step, "prompt": prompt, "text": target.sampler(prompt, settings, generator)}
+            return [{"step": step, "prompt": prompt,
+                     "text": target.sampler(prompt, settings, generator_for(config.seed))}
                     for prompt in config.prompts]  # fmt: skip
         finally:
             model.train(was_training)

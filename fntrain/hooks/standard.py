@@ -187,14 +187,27 @@ def _extra(inputs: HookInputs, wiring: Wiring) -> tuple[Hook, ...]:
 
 
 def _checkpoint(inputs: HookInputs, wiring: Wiring) -> Hook | None:
-    """Saves the state of every stateful hook of the list (itself included) and `run_config`; handles
-    the preemption signals itself (a preemption ends the run with outcome "preempted")."""
+    """Saves the state of every stateful hook of the list (itself included) and `run_config`, with the
+    run directory and the validation loss of the step (the metrics log's, rank 0: the one that writes
+    meta.json and deletes); handles the preemption signals itself (a preemption ends the run with
+    outcome "preempted")."""
     config = inputs.config.checkpoint
     if not (config.enabled or config.save_on_interrupt or saves_at_end(config, inputs.restoring)):
         return None
     target = SaveTarget(checkpoint_root(config, inputs.run_dir), inputs.components, hooks=lambda: wiring.hooks,
-                        config=inputs.run_config, recipe=inputs.recipe, data=inputs.data_fingerprint)  # fmt: skip
+                        config=inputs.run_config, recipe=inputs.recipe, data=inputs.data_fingerprint,
+                        run_dir=inputs.run_dir, val_loss=_val_loss_at(wiring.writer))  # fmt: skip
     return checkpoint_hook(config, target, inputs.runtime, restoring=inputs.restoring)
+
+
+def _val_loss_at(writer: Any) -> Callable[[int], float | None]:
+    """step -> the val_loss the metrics log recorded at that step (None: no evaluation there)."""
+
+    def at(step: int) -> float | None:
+        last = writer.last_value("val_loss")
+        return last[1] if last is not None and last[0] == step else None
+
+    return at
 
 
 def _watchdog(inputs: HookInputs, wiring: Wiring) -> Hook | None:

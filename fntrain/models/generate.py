@@ -10,9 +10,12 @@ the prompt and the continuation as it is produced. Every model, the tiny GPT and
 is sampled by fntrain's sampler (`fntrain.sampling.decode`, over the model's KV cache), the one the GRPO
 rollout uses: each sample draws from its own generator seeded by --seed + its number, so the same seed
 gives the same text, independent of transformers' and torch's global random state (transformers' own
-`generate` is not called; at temperature 0 the tokens are its greedy ones). A sample stops at the EOS id:
-a transformers model's generation_config ones (it may name several), else the tokenizer's. Text streams as
-it completes; byte-level models (UTF-8 bytes as ids) print each character once its bytes are complete,
+`generate` is not called; at temperature 0 the tokens are its greedy ones). Unless told otherwise it
+draws as the samples during training do (`fntrain.sampling.TEXT_DEFAULTS`: temperature 0.8, no top-k or
+top-p cut), so a checkpoint's first sample for a prompt and seed is the text the run logged for that
+prompt and `--sample.seed` at the checkpoint's step (up to the shorter one's length). A sample stops at
+the EOS id: a transformers model's generation_config ones (it may name several), else the tokenizer's (a
+byte-level model's: its config's). Text streams as it completes; byte-level models (UTF-8 bytes as ids) print each character once its bytes are complete,
 undecodable bytes as U+FFFD.
 
 A prompt longer than the model's context loses its first tokens (one warning line on stderr): a
@@ -32,7 +35,7 @@ import torch
 
 from fntrain.config import require_float, require_int, require_str
 from fntrain.models.load import TextAssets
-from fntrain.sampling import SampleSettings, decode, model_context
+from fntrain.sampling import TEXT_DEFAULTS, SampleSettings, decode, model_context
 
 __all__ = ["GenerateOptions", "Sample", "generate", "read_prompts", "ByteStreamer", "TokenStreamer", "DEFAULT_PROMPT"]
 
@@ -51,16 +54,16 @@ class GenerateOptions:
     """A UTF-8 text file whose whole text is one more prompt (after the --prompt ones)."""
     max_new_tokens: int = 256
     """Tokens to generate per sample at most (fewer when the model writes its EOS)."""
-    temperature: float = 0.8
-    """Softmax temperature (0: greedy, the most likely token every step)."""
-    top_k: int | None = None
+    temperature: float = TEXT_DEFAULTS.temperature
+    """Softmax temperature (0: greedy, the most likely token every step); the samples during training's default too."""
+    top_k: int | None = TEXT_DEFAULTS.top_k
     """Draw only among the k most likely tokens (None or 0: no cut)."""
-    top_p: float = 1.0
+    top_p: float = TEXT_DEFAULTS.top_p
     """Nucleus sampling: draw among the most likely tokens holding this much probability, in (0, 1]."""
     num_samples: int = 1
     """Samples per prompt, with seeds seed, seed+1, ..."""
     seed: int = 1234
-    """Seed of the first sample: the same seed gives the same text (on the same device)."""
+    """Seed of the first sample: the same seed gives the same text (on the same device), the samples during training's with that --sample.seed too."""
     image: str | None = None
     """An image for a vision-language model (the vlm recipe's, or an HF one), read with Pillow."""
     device: str = "auto"

@@ -39,7 +39,6 @@ __all__ = [
     "evaluate",
     "results_table",
     "write_results",
-    "write_byte_tokenizer",
 ]
 
 MISSING_HINT = "fntrain eval needs lm-eval: pip install 'fntrain[eval]'"
@@ -65,6 +64,8 @@ class EvalOptions:
     """Where results go for an HF directory (<output>/<timestamp>/); a run's go to <run_dir>/eval/<timestamp>/ (None: ./eval_results)."""
     tokenizer: str | None = None
     """A local tokenizer directory, for a model directory that has none (a byte-level tiny GPT needs none)."""
+    recipe: str | None = None
+    """The recipe that rebuilds a run's or checkpoint's model, and its tokenizer, for lm-eval (None: the one the run recorded)."""
 
     def validate(self, prefix: str = "eval.") -> None:
         require_str(f"{prefix}tasks", self.tasks, non_empty=True)
@@ -83,6 +84,7 @@ class EvalOptions:
         require_str(f"{prefix}tokenizer", self.tokenizer, optional=True, non_empty=True)
         if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir():
             raise ValueError(f"{prefix}tokenizer {self.tokenizer!r} is not a directory")
+        require_str(f"{prefix}recipe", self.recipe, optional=True, non_empty=True)
 
 
 def task_names(tasks: str) -> list[str]:
@@ -198,42 +200,3 @@ def write_results(results: Mapping[str, Any], out_dir: Path) -> Path:
         (out_dir / f"samples_{task}.jsonl").write_text("".join(line + "\n" for line in lines))
     (out_dir / "table.txt").write_text(results_table(results) + "\n")
     return out_dir
-
-
-def write_byte_tokenizer(directory: Path, eos_id: int | None) -> None:
-    """Save a tokenizer to `directory` that maps UTF-8 bytes to ids 0..255, as the tiny GPT reads text,
-    in save_pretrained layout; its EOS is `eos_id` when the run's data has one (above 255), else byte 0.
-
-    Written here, not taken from a hub: it is GPT-2's byte-to-character table under a BPE without merges,
-    so every byte is one token whose id is the byte's value."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = _bytes_to_unicode()
-    vocab = {alphabet[byte]: byte for byte in range(256)}
-    eos = None
-    if eos_id is not None and eos_id >= 256:
-        eos = "<|endoftext|>"
-        vocab[eos] = eos_id
-    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    bpe.decoder = decoders.ByteLevel()
-    if eos is not None:
-        bpe.add_special_tokens([eos])
-    # lm-eval needs an end-of-text token (the prefix of an empty context) and a pad token (else it adds
-    # one past the model's vocabulary): without the data's EOS, byte 0 (NUL, absent from text) is both.
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=eos or alphabet[0], pad_token=alphabet[0])
-    tokenizer.save_pretrained(str(directory))
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table (what the ByteLevel pre-tokenizer emits)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {byte: chr(char) for byte, char in zip(printable, chars, strict=True)}

@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -149,6 +149,9 @@ def read_chat_template(value: str, field_name: str = "assets.chat_template") -> 
 class HFModelConfig:
     """The model to fine-tune: a local directory, never a Hub id."""
 
+    # the fields naming files the run reads: recorded by absolute path (fntrain.run.resolved)
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("path",)
+
     path: str = ""
     """Local model directory (config.json + *.safetensors, as save_pretrained writes it). Required."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
@@ -172,6 +175,9 @@ class HFModelConfig:
 @dataclass(frozen=True)
 class AssetsConfig:
     """Model assets: the tokenizer and its chat template."""
+
+    # the fields naming files the run reads: recorded by absolute path (fntrain.run.resolved)
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("tokenizer_path", "chat_template")
 
     tokenizer_path: str | None = None
     """Local tokenizer directory (None: model.path)."""

@@ -13,8 +13,9 @@ transformers (`AutoModelForCausalLM`, or `AutoModelForImageTextToText` for a con
 a LoRA adapter directory through peft's transformers integration). Nothing downloads.
 
 Tokens: the recipe's assets (`spec.build_assets(config)`: an HF tokenizer, a VLM processor); a tiny GPT
-reads UTF-8 bytes (or the tokenizer its token shards were written with). An HF directory without a
-tokenizer and a vocabulary of at most 257 ids (the tiny GPT exported as GPT-2) reads bytes too.
+reads UTF-8 bytes (or the tokenizer its token shards were written with). An HF directory reads its own
+tokenizer; one without a tokenizer and a vocabulary of at most 257 ids (a tiny GPT exported as GPT-2
+before exports carried their byte tokenizer) reads bytes. A byte-level model's EOS is its config's.
 """
 
 from __future__ import annotations
@@ -87,11 +88,14 @@ def _hf_dir_assets(directory: Path) -> TextAssets:
 
         processor = load_processor(directory)
         return TextAssets(processor.tokenizer, processor, processor.tokenizer.eos_token_id)
-    if any((directory / name).is_file() for name in _TOKENIZER_FILES):
-        return _tokenizer_assets(directory)
     vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
-    if isinstance(vocab, int) and vocab <= _BYTE_VOCAB:
-        eos = config.get("eos_token_id")
+    byte_level = isinstance(vocab, int) and vocab <= _BYTE_VOCAB
+    eos = config.get("eos_token_id")
+    if any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        assets = _tokenizer_assets(directory)
+        # a byte-level model's EOS is its config's: its tokenizer names byte 0 for lm-eval's sake
+        return dataclasses.replace(assets, eos_id=eos if isinstance(eos, int) else None) if byte_level else assets
+    if byte_level:
         return TextAssets(eos_id=eos if isinstance(eos, int) else None)
     raise FileNotFoundError(
         f"{str(directory)!r} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}) and its vocabulary "

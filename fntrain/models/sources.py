@@ -102,8 +102,8 @@ def _from_run_dir(source: str, path: Path, run_config: dict[str, Any]) -> ModelS
         return _from_checkpoint(str(root))
     if (path / "model.safetensors").is_file():
         return _from_export(source, path / "model.safetensors")
-    output_dir = run_config.get("output_dir")
-    for candidate in (Path(str(output_dir)).expanduser() if output_dir else None, path / "hf_model"):
+    output_dir = run_config.get("output_dir")  # a relative one lies under the run directory
+    for candidate in (path / Path(str(output_dir)).expanduser() if output_dir else None, path / "hf_model"):
         if candidate is not None and _is_hf_dir(candidate):
             return ModelSource("hf", candidate, run_config)
     raise FileNotFoundError(NO_EXPORT.format(source=source))

@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -79,6 +79,9 @@ _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values")
 @dataclass(frozen=True)
 class VLMModelConfig:
     """The image-text-to-text model: a local directory, or the tiny built-in LLaVA."""
+
+    # the fields naming files the run reads: recorded by absolute path (fntrain.run.resolved)
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("path", "cache_dir")
 
     path: str = ""
     """Local model directory (config.json + *.safetensors + the processor files, as save_pretrained writes them). Empty: the tiny built-in LLaVA, built on first use under cache_dir."""

@@ -145,9 +145,29 @@ def _checkpoint_rows(checkpoint: Mapping[str, Any]) -> Rows:
         text += " (temporary)" if checkpoint.get("time_based_temporary") else ""
     if checkpoint.get("keep_last"):
         text += f", keep last {checkpoint['keep_last']}"
+    if checkpoint.get("keep_last") and checkpoint.get("keep_best"):
+        text += " + the best by val_loss" + ("" if (checkpoint.get("disk") or {}).get("kept_best", True) else
+                                             " (none: no evaluation)")  # fmt: skip
     if checkpoint.get("dir"):
         text += f" -> {checkpoint['dir']}"
-    return [("checkpoint", text)]
+    rows = [("checkpoint", text)]
+    if checkpoint.get("disk"):
+        rows.extend(_disk_rows(checkpoint["disk"]))
+    return rows
+
+
+def _disk_rows(disk: Mapping[str, Any]) -> Rows:
+    """One checkpoint's size, and the most the run's checkpoints take at once (an estimate)."""
+    one = (f"~{format_bytes(disk['total'])} per checkpoint (weights {format_bytes(disk['weights'])}, "
+           f"{disk['optimizer']} state {format_bytes(disk['optimizer_state'])}, headers "
+           f"{format_bytes(disk.get('headers', 0))})")  # fmt: skip
+    if disk.get("at_once") is None:
+        most = "no limit: set --checkpoint.keep-last to bound it"
+    else:
+        most = f"at most ~{format_bytes(disk['at_once_bytes'])} ({disk['at_once']} at once)"
+    rows = [("  disk", f"{one}; {most}; an estimate (fntrain.plan.checkpoint_disk)")]
+    rows.extend(("  note", note) for note in disk.get("notes", []))
+    return rows
 
 
 def _profiler_rows(profiler: Mapping[str, Any], world: int) -> Rows:

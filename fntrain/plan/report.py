@@ -3,7 +3,8 @@
 `describe_run_plan(plan, inputs)` takes a `RunPlan` and a `PlanInputs` (the world, the parallel config
 and the hook configs a recipe carries: profiler, memory, checkpoint; any may be absent) and returns a
 JSON-ready dict: run length, batch shape, the device mesh (dims, a few ranks' coordinates and groups,
-the pipeline-stage leaders), the steps a fresh run checkpoints at, the profiler and memory windows in
+the pipeline-stage leaders), the steps a fresh run checkpoints at and the disk its checkpoints take
+(with `PlanInputs.checkpoint_bytes`: per checkpoint and at most at once), the profiler and memory windows in
 steps of this run, and which ranks record. A "memory_per_rank" entry of `extra`
 (`fntrain.plan.memory.plan_memory`) is rendered too. `fntrain.plan.render.format_run_plan(report)`
 renders it for a terminal. Nothing here imports torch.
@@ -45,6 +46,10 @@ class PlanInputs:
     """The checkpoint config (its `dir` already resolved): the steps a fresh run saves at."""
     restoring: bool = False
     """The run restores a checkpoint (checkpoint.restore_from): it also saves its final step."""
+    checkpoint_bytes: Mapping[str, Any] | None = None
+    """One checkpoint's size (`fntrain.plan.checkpoint_disk.checkpoint_bytes`; None: unknown)."""
+    evaluates: bool = False
+    """Evaluation runs: keep_best keeps the best checkpoint by val_loss beside the newest."""
 
 
 def checkpoint_steps(
@@ -199,6 +204,7 @@ def _checkpoint_section(config: Any, plan: RunPlan, restoring: bool) -> dict:
         "time_based_temporary",
         "save_epochs",
         "keep_last",
+        "keep_best",
         "async_save",
         "restore_from",
         "save_on_interrupt",
@@ -207,6 +213,20 @@ def _checkpoint_section(config: Any, plan: RunPlan, restoring: bool) -> dict:
         if hasattr(config, name):
             section[name] = getattr(config, name)
     return section
+
+
+def _disk(section: Mapping[str, Any], size: Mapping[str, Any], best: bool) -> dict[str, Any]:
+    """The checkpoints' disk: one checkpoint's bytes (`size`), how many exist at once at most (None:
+    unbounded, time-based saves without keep_last) and their bytes."""
+    from fntrain.plan.checkpoint_disk import checkpoints_at_once
+
+    keep_last = int(section.get("keep_last") or 0)
+    at_once = checkpoints_at_once(len(section["steps"]), keep_last, best and keep_last > 0,
+                                  timed=bool(section.get("save_every_minutes")))  # fmt: skip
+    disk = {**size, "at_once": at_once, "kept_best": best and keep_last > 0}
+    if at_once is not None:
+        disk["at_once_bytes"] = at_once * size["total"]
+    return disk
 
 
 def describe_run_plan(
@@ -233,7 +253,11 @@ def describe_run_plan(
     if inputs.parallel is not None:
         report["mesh"] = _mesh_section(inputs.parallel, world_size)
     if inputs.checkpoint is not None:
-        report["checkpoint"] = _checkpoint_section(inputs.checkpoint, plan, inputs.restoring)
+        section = _checkpoint_section(inputs.checkpoint, plan, inputs.restoring)
+        if inputs.checkpoint_bytes is not None and section["enabled"]:
+            keeps_best = bool(getattr(inputs.checkpoint, "keep_best", False)) and inputs.evaluates
+            section["disk"] = _disk(section, inputs.checkpoint_bytes, keeps_best)
+        report["checkpoint"] = section
     if inputs.profiler is not None:
         report["profiler"] = _profiler_section(
             inputs.profiler,

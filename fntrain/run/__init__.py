@@ -11,7 +11,7 @@
 
 Beside them: directory.py (one run per directory), metadata.py (run_metadata.json), logs.py
 (per-rank logs), report.py (the start-of-run lines), resolved.py (config.json and the recipe reference
-a run records). Config files, recipe lookup, plots and the config docs are the CLI's (`fntrain.cli`).
+a run records), recipe_of.py (a checkpoint of another recipe, refused by name). Config files, recipe lookup, plots and the config docs are the CLI's (`fntrain.cli`).
 
 Importing this package imports nothing heavy: the CLI reads config files without torch.
 """

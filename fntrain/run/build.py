@@ -29,7 +29,7 @@ from fntrain.run.checks import Checked, dataset_len, full_model_on_meta, generat
 from fntrain.run.config import Built, JobConfig, RecipeSpec
 from fntrain.run.open import OpenedRun
 from fntrain.run.report import describe_start
-from fntrain.run.resolved import config_to_dict, recipe_reference, write_config
+from fntrain.run.resolved import recipe_reference, recorded_config, write_config
 from fntrain.runtime.groups import data_parallel_group, gradient_group_size
 from fntrain.runtime.precision import autocast_dtype, build_grad_scaler, loss_context
 from fntrain.step import StepSettings
@@ -190,7 +190,7 @@ def job_hooks(built: Built, spec: RecipeSpec, step: LaidOut, checked: Checked, o
         dp_group=data_parallel_group(built.runtime),
         flops_per_token=_flops_per_token(built, spec),
         extra_eval=spec.eval_metrics(config, built) if spec.eval_metrics else None,
-        run_config=config_to_dict(config),
+        run_config=recorded_config(config),
         recipe=recipe_reference(spec.config),
         extra=[*(spec.hooks(built) if spec.hooks else ()), *(built.objective.hooks if built.objective else ())],
         attempt=opened.attempt,

@@ -41,7 +41,7 @@ from fntrain.step.optim import OptimizerConfig, ScheduleConfig
 
 __all__ = [
     "TrainConfig", "CheckpointConfig", "JobConfig", "ExportingJobConfig", "require_validation", "config_fields",
-    "RecipeSpec", "Built",
+    "HFConversion", "RecipeSpec", "Built",
 ]  # fmt: skip
 
 # ----------------------------------------------------------------------------- configuration
@@ -87,6 +87,9 @@ class TrainConfig:
 class CheckpointConfig(SaveConfig):
     """When to save and restore checkpoints: the hook's saving fields (`SaveConfig`) and the run's resume
     and export policy."""
+
+    # the fields naming files the run reads: recorded by absolute path (fntrain.run.resolved)
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("dir",)
 
     restore_from: str = "auto"
     """auto: rerunning a command in its run_dir resumes its newest checkpoint (or says the run is complete), a new run_dir starts fresh; latest: the same, warning when there is none; none: never resume; or a checkpoint path."""
@@ -222,6 +225,18 @@ def config_fields(config_cls: type) -> list[str]:
 
 
 @dataclass(frozen=True)
+class HFConversion:
+    """A recipe's own model as a transformers one. `model(config, state_dict)`: (config.json's dict,
+    tensors under the transformers names) of the model's full state dict. `tokenizer(config)`: what
+    writes that model's tokenizer files into a directory (tiny_gpt: its bytes, or its token shards'
+    tokenizer), so an export loads in transformers and lm-eval with its text; None (or a `tokenizer`
+    returning None) when the run's files name none that can be read."""
+
+    model: Callable[[Any, Mapping[str, Any]], tuple[dict[str, Any], dict[str, Any]]]
+    tokenizer: Callable[[Any], Callable[[Path], None] | None] | None = None
+
+
+@dataclass(frozen=True)
 class RecipeSpec:
     """What a recipe knows and the job does not; every callable takes the recipe's config first.
 
@@ -238,10 +253,10 @@ class RecipeSpec:
     - `dataset_sizes(config)`: (train, validation) sample counts without reading the data, for plans.
     - `export(config, built, state)`: write the trained model after a run that was not preempted
       (besides `<run_dir>/model.safetensors`, written when checkpoint.export is set).
-    - `hf_conversion(config, state_dict)`: the recipe's own model as a transformers one: (config.json's
-      dict, tensors under the transformers names) of the model's full state dict. `fntrain export
-      --format hf` applies it to a checkpoint of this recipe (None: the model's own names and an
-      fntrain config.json); a recipe's `export` uses it too, so both write the same model.
+    - `hf_conversion`: the recipe's own model as a transformers one (`HFConversion`: its weights and
+      config, and its tokenizer). `fntrain export --format hf` applies it to a checkpoint of this recipe
+      (None: the model's own names and an fntrain config.json); a recipe's `export` uses it too, so
+      both write the same model.
     - `eval_metrics(config, built)`: a function returning extra validation metrics (e.g. answer
       accuracy), called at every evaluation on every rank, beside the validation loss.
     - `sampler(config, built)`: text sampling for the samples during training (`--sample.*`): a
@@ -280,7 +295,7 @@ class RecipeSpec:
     model_factory: Callable[[Any], Any] | None = None
     dataset_sizes: Callable[[Any], tuple[int, int]] | None = None
     export: Callable[[Any, Built, TrainState], Any] | None = None
-    hf_conversion: Callable[[Any, Mapping[str, Any]], tuple[dict[str, Any], dict[str, Any]]] | None = None
+    hf_conversion: HFConversion | None = None
     eval_metrics: Callable[[Any, Built], Callable[[], Mapping[str, float]]] | None = None
     hooks: Callable[[Built], Sequence[Hook]] | None = None
     step_end: Callable[[Any, Built], Callable[[], Mapping[str, Any]] | None] | None = None

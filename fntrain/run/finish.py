@@ -30,6 +30,7 @@ from fntrain.hooks.metrics_log import MetricsLog
 from fntrain.loop import TrainResult
 from fntrain.run.config import Built, JobConfig
 from fntrain.run.launch import requested_source
+from fntrain.run.logs import FILE_ONLY
 from fntrain.run.metadata import record_outcome
 from fntrain.runtime.groups import pipeline_group
 from fntrain.state import TrainState
@@ -70,15 +71,17 @@ def export(config: JobConfig, recipe_export: Any, built: Built, state: TrainStat
 
 def summary_line(config: JobConfig, outcome: str, step: int | None, seconds: float, *,
                  exported: list[str] = (), ending: str = "") -> str:  # fmt: skip
-    """One line saying how the run ended: steps, tokens, wall time, losses, where the weights went (or
-    `ending`: how to go on)."""
+    """One line saying how the run ended: steps, tokens, wall time, the last logged loss and the steps it
+    is the mean of, the best validation loss, where the weights went (or `ending`: how to go on)."""
     facts = summarize_metrics(Path(config.run_dir).expanduser() / config.metrics.jsonl_name)
     parts = [f"run {outcome} at step {step}" if step is not None else f"run {outcome} before its first step"]
     if "consumed_tokens" in facts:
         parts.append(f"{facts['consumed_tokens']:,} tokens")
     parts.append(f"{seconds:.1f} s")
-    if "loss" in facts:
-        parts.append(f"final loss {facts['loss']:.4g}")
+    if "loss" in facts:  # the last metrics line's `loss`, named for what it is: a mean over its window
+        first, last = facts["loss_steps"]
+        window = f"step {last}" if first == last else f"mean of steps {first}-{last}"
+        parts.append(f"loss {facts['loss']:.4g} ({window})")
     if "best_val_loss" in facts:
         parts.append(f"best val_loss {facts['best_val_loss']:.4g} (step {facts['best_val_step']})")
     if exported:
@@ -92,6 +95,8 @@ def resume_hint(config: JobConfig) -> str:
     """How to go on after a run that stopped early: only an action that will work (resuming needs a
     complete checkpoint; a rerun of the same command resumes unless checkpoint.restore_from is none)."""
     latest = find_latest(checkpoint_root(config.checkpoint, config.run_dir))
+    if latest is None and config.checkpoint.enabled:  # stopped before the first save was due
+        return "no checkpoint was saved yet (--checkpoint.save-on-interrupt saves at a Ctrl-C)"
     if latest is None:
         return "no checkpoint was saved (set --checkpoint.save-every to make one)"
     if requested_source(config) in ("latest", "auto"):
@@ -103,9 +108,14 @@ def resume_hint(config: JobConfig) -> str:
 def record_end(config: JobConfig, runtime: Any, writer: MetricsLog | None, outcome: str, summary: str,
                started: float, **details: Any) -> None:  # fmt: skip
     """The summary line on the main rank's log, the trackers' end of the story (the run's metrics log
-    `writer`, None when the run failed before building it), and the outcome in run_metadata.json."""
+    `writer`, None when the run failed before building it), and the outcome in run_metadata.json. A run
+    that did not finish ends the command with a line of its own (the CLI's, `fntrain.cli.final_line`):
+    its summary goes to the log file, not the console too."""
     if runtime.is_main:
-        (log.info if outcome in ("completed", "stopped") else log.warning)("%s", summary)
+        if outcome in ("completed", "stopped"):
+            log.info("%s", summary)
+        else:
+            log.warning("%s", summary, extra=FILE_ONLY)
     if writer is not None:
         writer.summary({"outcome": outcome, "wall_s": round(time.monotonic() - started, 1),
                         "exported": ", ".join(details.get("exported") or ())})  # fmt: skip

@@ -36,6 +36,7 @@ from fntrain.hooks.metrics_log import MetricsLog
 from fntrain.hooks.sample import SAMPLES_FILE
 from fntrain.hooks.standard import early_hooks, memory_config, profiler_config
 from fntrain.loop import TrainResult
+from fntrain.plan.checkpoint_disk import checkpoint_size
 from fntrain.plan.memory import plan_memory
 from fntrain.plan.report import PlanInputs, describe_run_plan
 from fntrain.run.build import Assembled, assemble
@@ -201,7 +202,8 @@ def plan_job(config: JobConfig, spec: RecipeSpec, world_size: int = 1) -> dict[s
              "data_read": not absent, "notes": notes}  # fmt: skip
     # Built on the meta device (no weights, no device), for the model families with a tensor-parallel
     # plan or a pipeline split: the layouts the estimate knows (a VLM's factory may write its model).
-    if spec.model_factory is not None and (spec.tensor_parallel is not None or spec.pipeline is not None):
+    on_meta = spec.model_factory is not None and (spec.tensor_parallel is not None or spec.pipeline is not None)
+    if on_meta:
         try:
             extra["memory_per_rank"] = plan_memory(config, spec.model_factory, world_size, spec.objective)
         except (ValueError, NotImplementedError, OSError) as error:  # a model it cannot count on meta
@@ -215,6 +217,13 @@ def plan_job(config: JobConfig, spec: RecipeSpec, world_size: int = 1) -> dict[s
     if spec.objective is not None and spec.objective.plan is not None:
         extra.update(spec.objective.plan(config, dp_size))
     plan = run_plan(config, train_len, dp_size, generation_shape(config, spec, dp_size))
+    if on_meta:  # the checkpoints' disk, from the model's size (built on meta, as the memory estimate)
+        evaluates = val_len > 0 and config.evaluate.resolved(True, plan.train_iters).enabled
+        try:
+            inputs = dataclasses.replace(inputs, checkpoint_bytes=checkpoint_size(config, spec.model_factory),
+                                         evaluates=evaluates)  # fmt: skip
+        except (ValueError, NotImplementedError, OSError):  # a model it cannot count on meta: no disk line
+            pass
     return describe_run_plan(plan, inputs, extra)
 
 

@@ -31,11 +31,12 @@ from fntrain.checkpoint import find_latest, read_meta
 from fntrain.checkpoint.layout import MARKER, checkpoint_root
 from fntrain.checkpoint.restorer import NAMED_DAMAGED_HINT, resolve_source, restore
 from fntrain.checkpoint.verify import CheckpointDamagedError, damage
-from fntrain.config import ConfigError
+from fntrain.config import ConfigError, flatten
 from fntrain.data.fingerprint import fingerprint_changes, fingerprint_summary
 from fntrain.run.config import JobConfig
 from fntrain.run.directory import aside_name, config_changes, holds_run
-from fntrain.run.resolved import config_to_dict
+from fntrain.run.recipe_of import label_of, other_recipe
+from fntrain.run.resolved import config_to_dict, path_fields, recorded_config, same_file
 from fntrain.state import TrainState
 
 __all__ = ["Launch", "requested_source", "decide_launch", "verify_launch", "restore_launch"]
@@ -85,6 +86,7 @@ def decide_launch(config: JobConfig, restart_count: int, *, fingerprint: dict[st
     with no complete checkpoint yet, settings that differ from the run directory's config.json."""
     checkpoint = config.checkpoint
     root = checkpoint_root(checkpoint, config.run_dir)
+    _refuse_shared_root(config, root)
     found = holds_run(config.run_dir, root)
     source = requested_source(config, restart_count)
     if found and source is None and not config.overwrite:
@@ -107,10 +109,32 @@ def _again_in_place(config: JobConfig, restart_count: int, source: str) -> Launc
     aside = str(aside_name(config.run_dir))
     changes = _setting_changes(
         config, saved, f"run_dir {config.run_dir!r} holds a run (no complete checkpoint yet) with other settings",
-        f"rerun with the same settings, name each field in checkpoint.allow_changes, or start over with "
-        f"`overwrite` (which moves the old run to {aside!r})",
+        f"rerun with the same settings, name each field in checkpoint.allow_changes, or start a new run: "
+        f"`overwrite` (which moves the old run to {aside!r}) or another `run_dir`",
     )  # fmt: skip
     return Launch(restart_count, source, changes=changes, said=_setting_lines("starting the run again", changes))
+
+
+def _refuse_shared_root(config: JobConfig, root: Path) -> None:
+    """One run per checkpoint directory: a checkpoint.dir outside run_dir whose newest checkpoint records
+    another run directory that still exists (two run directories would write into one) is a
+    `ConfigError` naming both and the ways out. A root inside run_dir is the run directory's own (a
+    moved or copied run keeps its checkpoints), and so is one whose recorded run directory is gone."""
+    latest = find_latest(root)
+    if latest is None:
+        return
+    run_dir = Path(config.run_dir).expanduser().resolve()
+    if root.resolve().is_relative_to(run_dir):
+        return
+    owner = _meta(latest).get("run_dir")
+    if not isinstance(owner, str) or not Path(owner).is_dir() or Path(owner).resolve() == run_dir:
+        return
+    raise ConfigError(
+        f"checkpoint.dir {str(config.checkpoint.dir)!r} holds the checkpoints of the run in {owner!r}, not of "
+        f"run_dir {config.run_dir!r}: two run directories cannot share one checkpoint directory; resume that "
+        f"run with `run_dir` {owner!r}, or start a new run from its checkpoint without writing there: "
+        f"checkpoint.restore_from {str(latest)!r} and no checkpoint.dir (its own: <run_dir>/checkpoints)"
+    )
 
 
 def _run_config(run_dir: str) -> dict[str, Any] | None:
@@ -169,13 +193,41 @@ def _launch_from(config: JobConfig, restart_count: int, source: str, path: Path 
     if path is None:
         return Launch(restart_count, source, moves_aside=moves_aside)
     meta = _meta(path) if not config.checkpoint.weights_only else {}
+    _refuse_other_recipe(config, source, path, meta.get("recipe"))
     settings = _setting_changes(config, meta.get("config"), f"checkpoint.restore_from {str(path)!r} belongs to a "
-                                "run with other settings")  # fmt: skip
+                                "run with other settings", _resume_ways_out(config, source))  # fmt: skip
     data, data_said = _data_changes(config, path, meta.get("data"), fingerprint)
     step = int((meta.get("train_state") or {}).get("global_step", 0))
     complete = train_iters is not None and step >= train_iters > 0
     said = _setting_lines("resuming", settings) + data_said
     return Launch(restart_count, source, path, {**settings, **data}, moves_aside, complete, said)
+
+
+def _resume_ways_out(config: JobConfig, source: str) -> str:
+    """What a refused resume can do instead: the same settings, the changes named, or, for the run
+    directory's own checkpoint, a new run (--overwrite, or another run_dir); for a named checkpoint, a
+    new run from its weights."""
+    if source in ("latest", "auto"):
+        aside = str(aside_name(config.run_dir))
+        return (f"{_RESUME_WAYS_OUT}; for a new run: `overwrite` (which moves this one to {aside!r}) or "
+                "another `run_dir`")  # fmt: skip
+    return f"{_RESUME_WAYS_OUT}; for a new run from its weights: checkpoint.weights_only"
+
+
+def _refuse_other_recipe(config: JobConfig, source: str, path: Path, recorded: Any) -> None:
+    """A `ConfigError` for a checkpoint another recipe wrote (its config and weights are not this
+    recipe's), naming that recipe, before any model work."""
+    other = other_recipe(recorded, type(config))
+    if other is None:
+        return
+    this = label_of(type(config))
+    if source in ("latest", "auto"):
+        ways_out = (f"run it with `fntrain run {other}`, or start a new run here with `overwrite` or another "
+                    "`run_dir`")  # fmt: skip
+    else:
+        ways_out = (f"resume it with `fntrain run {other}`, or, if its model is this recipe's too, start a new "
+                    f"{this} run from its weights with checkpoint.weights_only")  # fmt: skip
+    raise ConfigError(f"checkpoint.restore_from {str(path)!r} was written by the {other} recipe, not {this}: {ways_out}")
 
 
 def _meta(path: Path) -> dict[str, Any]:
@@ -190,12 +242,17 @@ def _setting_changes(config: JobConfig, saved: dict[str, Any] | None, subject: s
                      ways_out: str = _RESUME_WAYS_OUT) -> dict[str, list[Any]]:  # fmt: skip
     """The setting changes continuing the run whose resolved config was `saved` (a checkpoint's, or the
     run directory's config.json) brings, allowed by checkpoint.allow_changes; any other change of a
-    field that changes the numbers is a `ConfigError`: "<subject>: <each change>; <ways_out>"."""
+    field that changes the numbers is a `ConfigError`: "<subject>: <each change>; <ways_out>". A path
+    field naming the same file another way (relative, absolute, through a link) is no change; a change
+    shows the new value as the user spelled it."""
     if not saved:
         return {}
     allowed = {name.replace("-", "_") for name in config.checkpoint.allow_changes}
     allowed.discard("data")  # the data itself, compared by its fingerprint (_data_changes)
-    changes = config_changes(saved, config_to_dict(config), free=config.FREE_FIELDS)
+    paths, spelled = set(path_fields(config)), flatten(config_to_dict(config))
+    changes = [(name, old, spelled.get(name, new))
+               for name, old, new in config_changes(saved, recorded_config(config), free=config.FREE_FIELDS)
+               if not (name in paths and same_file(old, new))]  # fmt: skip
     refused = [(name, old, new) for name, old, new in changes if name not in allowed]
     if refused:
         listed = "; ".join(f"`{name}` {old!r} -> {new!r}" for name, old, new in refused)

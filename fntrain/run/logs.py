@@ -11,7 +11,8 @@
 - Console (stderr): rank 0 shows INFO and above; the other ranks only ERROR and above. Rank 0 prints
   the run's warnings once (the setting and data warnings of phases 1 and 2 are the same on every
   rank); each rank's warnings, rank 0's included, are in its log file, and an error on any rank is
-  on the console.
+  on the console. A record logged with `extra=FILE_ONLY` skips the console: a line the command prints
+  itself as its last (a run's ending, `fntrain.cli.final_line.say`) is not shown twice.
 - Files: `<run_dir>/logs/rank_<r>.log`, appended to (a restarted job adds to the same file, after a
   line marking the launch), INFO and above from every logger, Python warnings included once
   `setup_console_logging` routed them into logging. An exception that ends the `rank_logs` block is
@@ -32,6 +33,7 @@ from pathlib import Path
 
 __all__ = [
     "FORMAT",
+    "FILE_ONLY",
     "RankFormatter",
     "launch_rank",
     "launch_world_size",
@@ -41,6 +43,7 @@ __all__ = [
 ]
 
 FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+FILE_ONLY = {"fntrain_file_only": True}  # `log.info(..., extra=FILE_ONLY)`: the log files, not the console
 log = logging.getLogger("fntrain.run.logs")
 
 
@@ -78,7 +81,11 @@ class RankFormatter(logging.Formatter):
 
 
 class _ConsoleHandler(logging.StreamHandler):
-    """The console handler `setup_console_logging` installs (recognised when called again)."""
+    """The console handler `setup_console_logging` installs (recognised when called again); it leaves
+    out the records logged with `extra=FILE_ONLY`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "fntrain_file_only", False) and bool(super().filter(record))
 
 
 def setup_console_logging(rank: int | None = None, *, level: int = logging.INFO) -> logging.Handler:

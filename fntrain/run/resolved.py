@@ -3,6 +3,12 @@
 recipe (`recipe` in meta.json). Reading config files back (`--config`) is the CLI's
 (`fntrain.cli.config_file`); this module only writes.
 
+The files a run reads are recorded by where they are, not by how they were spelled: each field a config
+section lists in its `PATH_FIELDS` (`data.path`, `model.path`, ...) is recorded absolute when it names
+a file or directory (`recorded_config`), so `fntrain eval`, `generate`, `export` and a resume read the
+record back from any directory; the config itself keeps the user's spelling for messages and logs, and
+a resume compares such fields as files (`same_file`), not as strings.
+
 TOML has no null: `dump_toml` comments out a None whose default is None and spells any other None
 "None", and says so at the top of the file; `fntrain.cli.config_file` reads both back to the same config.
 """
@@ -21,7 +27,7 @@ from typing import Any
 
 __all__ = [
     "NONE_STRING", "FILE_MODULE_PREFIX", "config_to_dict", "dump_toml", "class_defaults", "write_config",
-    "recipe_reference",
+    "recipe_reference", "path_fields", "recorded_config", "same_file",
 ]  # fmt: skip
 
 NONE_STRING = "None"  # how an absent value is spelled where a format has no null (TOML; tyro's CLI too)
@@ -47,6 +53,47 @@ def config_to_dict(config: Any) -> dict[str, Any]:
         return value
 
     return plain(config)
+
+
+def path_fields(config: Any, prefix: str = "") -> list[str]:
+    """The dotted names of the fields of `config` (and its sections, recursively) that name files or
+    directories the run reads, relative to the working directory: each section's `PATH_FIELDS`."""
+    names = [f"{prefix}{name}" for name in getattr(type(config), "PATH_FIELDS", ())]
+    for item in dataclasses.fields(config):
+        value = getattr(config, item.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            names.extend(path_fields(value, f"{prefix}{item.name}."))
+    return names
+
+
+def recorded_config(config: Any) -> dict[str, Any]:
+    """The config as a run records it: `config_to_dict`, with each of its `path_fields` that names an
+    existing file or directory made absolute (`~` expanded), so the record reads back from any
+    directory; a value that names nothing here (unset, a Jinja template's text) is kept as written."""
+    data = config_to_dict(config)
+    for name in path_fields(config):
+        *sections, leaf = name.split(".")
+        holder = data
+        for section in sections:
+            holder = holder.get(section) if isinstance(holder, dict) else None
+        value = holder.get(leaf) if isinstance(holder, dict) else None
+        if isinstance(value, str) and value and os.path.exists(os.path.expanduser(value)):
+            holder[leaf] = os.path.abspath(os.path.expanduser(value))
+    return data
+
+
+def same_file(recorded: Any, given: Any) -> bool:
+    """Whether two spellings of a path field name the same file or directory (a relative one read from
+    the working directory): the same absolute path, or one file reached two ways (a link)."""
+    if not (isinstance(recorded, str) and isinstance(given, str) and recorded and given):
+        return False
+    first, second = os.path.expanduser(recorded), os.path.expanduser(given)
+    if os.path.abspath(first) == os.path.abspath(second):
+        return True
+    try:
+        return os.path.samefile(first, second)
+    except OSError:  # either is gone: nothing says they are one
+        return False
 
 
 _MISSING = object()
@@ -132,11 +179,12 @@ def class_defaults(config: Any) -> dict[str, Any] | None:
 def write_config(
     config: Any, run_dir: str | os.PathLike[str], *, formats: Sequence[str] = ("json",)
 ) -> list[Path]:
-    """Write the resolved config into `run_dir` as config.json (and/or config.toml); every file it
-    writes reads back with `fntrain.cli.config_file.load_config` to an equal config."""
+    """Write the resolved config into `run_dir` as config.json (and/or config.toml), as the run records
+    it (`recorded_config`: its files by absolute path); every file it writes reads back with
+    `fntrain.cli.config_file.load_config` to an equal config, the same files named absolutely."""
     run_dir = Path(run_dir).expanduser()
     run_dir.mkdir(parents=True, exist_ok=True)
-    data = config_to_dict(config)
+    data = recorded_config(config)
     written = []
     for fmt in formats:
         if fmt == "json":

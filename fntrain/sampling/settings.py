@@ -1,5 +1,6 @@
 """How the new tokens of a sequence are drawn: one frozen record the sampler, `fntrain generate`, the
-samples hook and the GRPO rollout share."""
+samples hook and the GRPO rollout share, and the one default `fntrain generate` and the samples during
+training (`--sample.*`) draw text with (`TEXT_DEFAULTS`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 from fntrain.config import require_float, require_int, require_int_list
 
-__all__ = ["SampleSettings", "eos_ids"]
+__all__ = ["SampleSettings", "TEXT_DEFAULTS", "eos_ids"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,12 @@ class SampleSettings:
                 raise ValueError(f"{prefix}.eos_id must name at least one id (or be None), got ()")
         elif self.eos_id is not None:
             require_int(f"{prefix}.eos_id", self.eos_id, min=0)
+
+
+TEXT_DEFAULTS = SampleSettings(temperature=0.8, top_k=None, top_p=1.0)
+"""How `fntrain generate` and the samples during training draw text unless told otherwise: softmax
+temperature 0.8 over the whole vocabulary (no top-k, no nucleus cut). One default for both, so the same
+checkpoint, prompt and seed write the same text through either."""
 
 
 def eos_ids(settings: SampleSettings) -> frozenset[int]:

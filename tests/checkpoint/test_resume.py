@@ -268,6 +268,7 @@ def fsdp_args(
         "--train.global-batch-size", "8", "--train.micro-batch-size", "2", "--train.train-iters", str(steps),
         "--log-every", "0",
         "--checkpoint.save-every", "4", "--checkpoint.save-epochs", "1", "--checkpoint.restore-from", restore,
+        "--checkpoint.keep-last", "0",  # every checkpoint kept: later tests restore the early ones
         "--parallel.strategy", strategy,
     ]  # fmt: skip
 

@@ -43,7 +43,9 @@ class Clock:
 
 
 def run(tmp_path: Path, steps: int, per_step: float = 25.0, **fields) -> list[int]:
-    """Drive the hook for `steps` steps of `per_step` seconds; return the complete checkpoints' steps."""
+    """Drive the hook for `steps` steps of `per_step` seconds; return the complete checkpoints' steps
+    (every one kept unless `keep_last` says otherwise: these tests pin when saves happen)."""
+    fields.setdefault("keep_last", 0)
     clock = Clock(per_step)
     hooks: list = []
     hooks.append(

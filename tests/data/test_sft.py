@@ -456,3 +456,13 @@ def test_padding_goes_to_the_longest_row_rounded_up_to_eight_by_default():
     assert make_sft_collate(0, max_length=20, pad_to="longest")(samples(5, 11))["input_ids"].shape == (2, 11)
     with pytest.raises(ValueError, match="data.pad_multiple"):
         dataclasses.replace(data, pad_multiple=0).validate()
+
+
+def test_the_files_sft_data_reads_are_recorded_by_absolute_path(tmp_path, monkeypatch):
+    from fntrain.run.resolved import recorded_config
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("train.jsonl", "val.jsonl"):
+        (tmp_path / name).write_text("")
+    recorded = recorded_config(SFTDataConfig(path="train.jsonl", val_path="./val.jsonl"))
+    assert (recorded["path"], recorded["val_path"]) == (str(tmp_path / "train.jsonl"), str(tmp_path / "val.jsonl"))

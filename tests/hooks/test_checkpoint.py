@@ -82,7 +82,7 @@ def test_end_save_skipped_when_last_step_was_saved(tmp_path):
 
 
 def test_save_epochs_and_no_duplicate_with_step_cadence(tmp_path):
-    hook, _ = make(tmp_path, save_every=2, save_epochs=1, save_at_end=False)
+    hook, _ = make(tmp_path, save_every=2, save_epochs=1, save_at_end=False, keep_last=0)  # every save kept
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     # epoch 0 ends at step 4, which save_every already saved
     state = drive(hook, 4, info=INFO, begin=False, end=None)

@@ -85,15 +85,29 @@ def test_samples_at_the_cadence_and_the_end_go_to_the_log_the_file_and_text_sink
 
 def test_a_sample_draws_from_its_own_generator_only_and_restores_the_mode(tmp_path):
     model = small_model()
-    config = SampleConfig(every=1, prompts=("ab",), max_new_tokens=6, temperature=1.0, top_k=None)
+    config = SampleConfig(every=1, prompts=("ab", "ab"), max_new_tokens=6, temperature=1.0, seed=5)
     hook = sample_hook(config, gpt_sampler(model), model, Runtime(), tmp_path, last_step=2)
     torch.manual_seed(11)
     before = torch.get_rng_state()
     drive(hook, 2)
     assert torch.equal(torch.get_rng_state(), before)
     assert model.training
-    expected = gpt_sampler(model.eval())("ab", config.settings(), generator_for(config.seed, 2))
-    assert read_samples(tmp_path)[-1]["text"] == expected  # the step's own generator: reproducible
+    # each prompt draws afresh from a generator seeded by sample.seed alone, the one `fntrain generate
+    # --seed` draws its first sample from: the same prompt writes the same text at every step of an
+    # unchanged model, and twice in one step
+    expected = gpt_sampler(model.eval())("ab", config.settings(), torch.Generator().manual_seed(5))
+    assert [r["text"] for r in read_samples(tmp_path)] == [expected] * 4
+    assert generator_for(5).initial_seed() == 5
+
+
+def test_the_samples_draw_with_fntrain_generates_defaults():
+    from fntrain.models.generate import GenerateOptions
+    from fntrain.sampling import TEXT_DEFAULTS
+
+    sample, generate = SampleConfig(), GenerateOptions()
+    drawn = [(o.temperature, o.top_k, o.top_p) for o in (sample, generate, TEXT_DEFAULTS)]
+    assert drawn == [(0.8, None, 1.0)] * 3 and sample.seed == generate.seed
+    assert sample.settings().top_p == 1.0 and SampleConfig(top_p=0.5).settings().top_p == 0.5
 
 
 def test_a_sampler_that_uses_the_global_rng_leaves_it_as_it_was(tmp_path):
@@ -148,6 +162,7 @@ def test_at_end_alone_samples_once_after_the_last_step(tmp_path):
         (SampleConfig(max_new_tokens=0), "sample.max_new_tokens must be >= 1, got 0"),
         (SampleConfig(temperature=-0.5), "sample.temperature must be >= 0.0, got -0.5"),
         (SampleConfig(top_k=-1), "sample.top_k must be >= 0, got -1"),
+        (SampleConfig(top_p=0.0), "sample.top_p must be in (0, 1], got 0.0"),
         (SampleConfig(at_end=1), "sample.at_end must be a bool, got 1"),
     ],
 )

@@ -97,12 +97,14 @@ def test_only_a_notice_makes_a_run_not_completed(outcome, done):
 
 
 def test_the_summary_line_says_steps_tokens_time_losses_and_where_the_weights_went(tmp_path):
+    """Its loss is the last metrics line's `loss` (not `loss_last`), said as the mean of the steps since
+    the loss logged before it."""
     run = config(tmp_path)
     metrics(run, {"step": 2, "loss": 3.0, "consumed_tokens": 500},
-            {"step": 4, "val_loss": 2.25}, {"step": 6, "loss": 1.234567, "consumed_tokens": 1234567, "val_loss": 2.5})  # fmt: skip
+            {"step": 4, "val_loss": 2.25}, {"step": 6, "loss": 1.234567, "loss_last": 0.5, "consumed_tokens": 1234567, "val_loss": 2.5})  # fmt: skip
     line = summary_line(run, "completed", 6, 12.34, exported=["/w/hf_model", "/w/model.safetensors"],
                         ending="not shown when weights were written")  # fmt: skip
-    assert line == ("run completed at step 6; 1,234,567 tokens; 12.3 s; final loss 1.235; "
+    assert line == ("run completed at step 6; 1,234,567 tokens; 12.3 s; loss 1.235 (mean of steps 3-6); "
                     "best val_loss 2.25 (step 4); weights in /w/hf_model, /w/model.safetensors")  # fmt: skip
 
 
@@ -114,7 +116,7 @@ def test_a_run_without_records_says_only_its_step_time_and_ending(tmp_path):
     assert summary_line(run, "completed", 3, 1.0) == "run completed at step 3; 1.0 s"
     metrics(run, {"step": 1, "loss": 2.0})
     assert summary_line(run, "preempted", 1, 2.0, ending="run the same command again") == (
-        "run preempted at step 1; 2.0 s; final loss 2; run the same command again"
+        "run preempted at step 1; 2.0 s; loss 2 (step 1); run the same command again"
     )
 
 

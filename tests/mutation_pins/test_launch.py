@@ -95,7 +95,8 @@ def test_a_rerun_in_place_with_other_settings_is_refused_in_one_line(tmp_path):
     assert re.fullmatch(
         re.escape(f"run_dir {run.run_dir!r} holds a run (no complete checkpoint yet) with other settings: `seed` "
                   "42 -> 7; rerun with the same settings, name each field in checkpoint.allow_changes, or start "
-                  f"over with `overwrite` (which moves the old run to '{run.run_dir}") + ASIDE + re.escape("')"),
+                  f"a new run: `overwrite` (which moves the old run to '{run.run_dir}") + ASIDE +
+        re.escape("') or another `run_dir`"),
         str(raised.value),
     )  # fmt: skip
 
@@ -113,11 +114,14 @@ def test_changed_settings_are_listed_each_in_one_line_naming_the_checkpoint(tmp_
     step = checkpoint(run, 2, seed=7, log_every=1, train=dataclasses.replace(run.train, micro_batch_size=8))
     with pytest.raises(ConfigError) as raised:
         decide_launch(run, 0, train_iters=6)
-    assert str(raised.value) == (
+    assert str(raised.value).startswith(
         f"checkpoint.restore_from {str(step)!r} belongs to a run with other settings: `seed` 7 -> 42; "
         "`train.micro_batch_size` 8 -> 16; resume with the same settings, or name each field in "
-        "checkpoint.allow_changes"
-    )  # log_every is free: never listed
+        f"checkpoint.allow_changes; for a new run: `overwrite` (which moves this one to '{run.run_dir}"
+    ) and str(raised.value).endswith("') or another `run_dir`")  # log_every is free: never listed
+    assert launching._resume_ways_out(run, str(step)).endswith(  # a named checkpoint: a new run takes its weights
+        "checkpoint.allow_changes; for a new run from its weights: checkpoint.weights_only"
+    )
 
 
 def test_allow_changes_takes_fields_as_written_on_the_command_line(tmp_path):

@@ -68,8 +68,8 @@ def test_retain_logs_what_it_removes_and_ignores_a_negative_keep_last(tmp_path, 
     with caplog.at_level(logging.INFO, logger="fntrain.checkpoint"):
         assert [p.name for p in retain(tmp_path, 1)] == ["step_1", "step_2"]
     assert caplog.messages == [
-        f"removed old checkpoint {step_dir(tmp_path, 1)} (keep_last=1)",
-        f"removed old checkpoint {step_dir(tmp_path, 2)} (keep_last=1)",
+        f"removed old checkpoint {step_dir(tmp_path, 1)} (keep_last=1: not among the newest 1)",
+        f"removed old checkpoint {step_dir(tmp_path, 2)} (keep_last=1: not among the newest 1)",
     ]
 
 
@@ -176,7 +176,7 @@ def test_a_removal_that_fails_part_way_leaves_no_half_checkpoint_and_says_what_i
     assert names(tmp_path) == ["step_1.removing", "step_2"]
     assert list_checkpoints(tmp_path) == [step_dir(tmp_path, 2)]
     assert caplog.messages == [
-        f"old checkpoint {step_dir(tmp_path, 1)} (keep_last=1) was only partly deleted: "
+        f"old checkpoint {step_dir(tmp_path, 1)} (keep_last=1: not among the newest 1) was only partly deleted: "
         f"{tmp_path / 'step_1.removing'} is left ({OSError('device busy')!r})"
     ]
 

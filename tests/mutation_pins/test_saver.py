@@ -179,7 +179,7 @@ def test_failed_clean_up_after_a_complete_save_is_a_warning_and_the_checkpoint_s
     parts = toy.components()
     save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1))
 
-    def fails(root, keep_last, protect=None):
+    def fails(root, keep_last, protect=None, keep_best=False):
         raise PermissionError(13, "Permission denied", str(root))
 
     monkeypatch.setattr(saver_module, "retain", fails)

@@ -4,16 +4,16 @@ the `eval` extra; `fntrain.models.harness`).
 SOURCE is a Hugging Face causal-LM directory, a run directory (its latest verified checkpoint) or a
 checkpoint (a step_<N>/ or a checkpoint root). A run's or checkpoint's weights are exported to a
 temporary Hugging Face directory first, as `fntrain export --format hf` writes them (the tiny GPT as a
-GPT-2), and removed afterwards. The byte-level tiny GPT has no tokenizer file: it gets one that maps
-each UTF-8 byte to its id, as the recipe reads text. Results (lm-eval's JSON, per-sample records and a
-table) go to <run_dir>/eval/<timestamp>/ for a run or checkpoint, else to <--output>/<timestamp>/;
-the table is printed. Every bad input is one line before any model is loaded or file written.
+GPT-2, with the tokenizer it reads text with: UTF-8 bytes, or its token shards'), and removed
+afterwards; `--recipe` names the recipe that rebuilds it when the run recorded none or another, as for
+`fntrain generate`. Results (lm-eval's JSON, per-sample records and a table) go to
+<run_dir>/eval/<timestamp>/ for a run or checkpoint, else to <--output>/<timestamp>/; the table is
+printed. Every bad input is one line before any model is loaded or file written.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fntrain.cli.errors import CommandError
+from fntrain.cli.parse import parse
 from fntrain.config import as_flags, first_line
 
 __all__ = ["command"]
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _WEIGHTS = ("*.safetensors", "*.bin", "*.safetensors.index.json")
 
 
@@ -56,12 +56,12 @@ def command(args: list[str]) -> Any:
         ],
         frozen=True,
     )
-    parsed = tyro.cli(command_cls, args=args, prog="fntrain eval", description=__doc__.split("\n\n")[0])
+    parsed = parse(command_cls, args, prog="fntrain eval", description=__doc__.split("\n\n")[0])  # one-line errors
     options = parsed.options
     try:
         _check_options(options)
         source = _resolve(parsed.source)
-        tokenizer_plan = _tokenizer_plan(parsed.source, source, options)
+        export = _export_plan(parsed.source, source, options)
         manager = harness.task_manager(options)  # tens of seconds: once per command
         tasks = harness.load_tasks(manager, options)
     except (ValueError, OSError, KeyError) as error:  # a bad flag, source or task: no traceback
@@ -69,7 +69,7 @@ def command(args: list[str]) -> Any:
     out_dir = _out_dir(source, options)
     with tempfile.TemporaryDirectory(prefix="fntrain-eval-") as scratch:
         try:
-            hf_dir = _hf_dir(source, Path(scratch) / "hf", tokenizer_plan)
+            hf_dir = _hf_dir(source, Path(scratch) / "hf", export)
         except (ValueError, OSError, KeyError) as error:  # a model with no HF counterpart (a MoE tiny GPT)
             raise CommandError(first_line(error)) from error
         results = harness.evaluate(hf_dir, tasks, manager, options)
@@ -115,67 +115,48 @@ def _resolve(source: str) -> _Source:
 
 
 @dataclass(frozen=True)
-class _TokenizerPlan:
-    """How the evaluated directory gets its tokenizer: it has one (nothing to do), bytes (written,
-    with `eos_id`), or the files of `directory` copied in."""
+class _Export:
+    """How a checkpoint becomes the HF directory lm-eval loads, as `fntrain export --format hf` writes
+    it: the recipe's conversion and the writer of its tokenizer (None: the weights' own names; an HF
+    model's export copies its model directory's tokenizer files)."""
 
-    kind: str  # "own" | "bytes" | "copy"
-    eos_id: int | None = None
-    directory: Path | None = None
+    convert: Any = None
+    tokenizer: Any = None
 
 
-def _tokenizer_plan(given: str, source: _Source, options: Any) -> _TokenizerPlan:
-    """The tokenizer the model is evaluated with, decided before any model work: --tokenizer, the HF
-    directory's own, the run's model directory's, the tiny GPT's bytes, or the shards' tokenizer; a
-    ValueError naming what is missing when there is none."""
-    if options.tokenizer is not None:
-        return _TokenizerPlan("own")  # lm-eval takes it as model_args tokenizer=
+def _export_plan(given: str, source: _Source, options: Any) -> _Export:
+    """The export of a checkpoint SOURCE, and where the evaluated model's tokenizer comes from, decided
+    before any model work: --tokenizer, the HF directory's own, the recipe's (`--recipe`, else the one
+    the checkpoint records: tiny_gpt's bytes or its shards' tokenizer), or the run's model directory's;
+    a ValueError naming what is missing when there is none."""
+    from fntrain.checkpoint.export_options import ExportOptions
+    from fntrain.cli.commands.export import _hf_conversion
+    from fntrain.models.tokenizer_files import TOKENIZER_FILES, has_tokenizer
+
     if source.hf_dir is not None:
-        if _has_tokenizer(source.hf_dir):
-            return _TokenizerPlan("own")
-        raise ValueError(f"SOURCE {given!r} holds no tokenizer ({', '.join(_TOKENIZER_FILES)}): pass --tokenizer DIR")
+        if options.tokenizer is None and not has_tokenizer(source.hf_dir):
+            raise ValueError(f"SOURCE {given!r} holds no tokenizer ({', '.join(TOKENIZER_FILES)}): pass --tokenizer DIR")
+        return _Export()
+    convert, tokenizer = _hf_conversion(str(source.checkpoint), None, ExportOptions(format="hf", recipe=options.recipe))
+    if options.tokenizer is not None or tokenizer is not None:  # lm-eval takes --tokenizer as model_args tokenizer=
+        return _Export(convert, tokenizer)
     config = source.meta.get("config") or {}
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
     assets = config.get("assets") if isinstance(config.get("assets"), dict) else {}
     for directory in (assets.get("tokenizer_path"), model.get("path")):
-        if directory and _has_tokenizer(Path(str(directory)).expanduser()):
-            return _TokenizerPlan("own")  # the export copies the model directory's tokenizer files
-    if str(source.meta.get("recipe") or "").rpartition(".")[2] == "tiny_gpt":  # tiny_gpt or fntrain_recipes.tiny_gpt
-        data = config.get("data") if isinstance(config.get("data"), dict) else {}
-        if not data.get("shards"):
-            return _TokenizerPlan("bytes")
-        from fntrain.data.shard_index import read_index
-
-        index = read_index(data["shards"])
-        if index.tokenizer == "bytes":
-            return _TokenizerPlan("bytes", eos_id=index.eos_id)
-        if _has_tokenizer(Path(str(index.tokenizer)).expanduser()):
-            return _TokenizerPlan("copy", directory=Path(str(index.tokenizer)).expanduser())
+        if convert is None and directory and has_tokenizer(Path(str(directory)).expanduser()):
+            return _Export()  # the export copies the model directory's tokenizer files
     raise ValueError(f"SOURCE {given!r}: the run records no tokenizer this command can find: pass --tokenizer DIR")
 
 
-def _has_tokenizer(directory: Path) -> bool:
-    return directory.is_dir() and any((directory / name).is_file() for name in _TOKENIZER_FILES)
-
-
-def _hf_dir(source: _Source, scratch: Path, plan: _TokenizerPlan) -> Path:
+def _hf_dir(source: _Source, scratch: Path, export: _Export) -> Path:
     """The HF directory lm-eval loads: SOURCE's own, or the checkpoint exported to `scratch` as
-    `fntrain export --format hf` writes it, with the tokenizer `plan` says."""
+    `fntrain export --format hf` writes it, with its tokenizer."""
     if source.hf_dir is not None:
         return source.hf_dir
     from fntrain.checkpoint.export_options import ExportOptions, export_checkpoint
-    from fntrain.cli.commands.export import _hf_conversion
-    from fntrain.models import harness
 
-    options = ExportOptions(format="hf")
-    convert = _hf_conversion(str(source.checkpoint), str(scratch), options)
-    export_checkpoint(source.checkpoint, scratch, options, convert)
-    if plan.kind == "bytes":
-        harness.write_byte_tokenizer(scratch, plan.eos_id)
-    elif plan.kind == "copy" and plan.directory is not None:
-        for name in plan.directory.iterdir():
-            if name.is_file() and (name.name.startswith(("tokenizer", "special_tokens")) or name.name in _TOKENIZER_FILES):
-                shutil.copy2(name, scratch / name.name)
+    export_checkpoint(source.checkpoint, scratch, ExportOptions(format="hf"), export.convert, export.tokenizer)
     return scratch
 
 

@@ -15,6 +15,7 @@ from fntrain.cli.errors import CommandError
 from fntrain.cli.parse import parse
 from fntrain.cli.recipes import RecipeNotFound, load_recipe
 from fntrain.config import first_line
+from fntrain.run.recipe_of import other_recipe
 
 __all__ = ["command"]
 
@@ -107,4 +108,8 @@ def _recipe_config(source: Any, recipe_flag: str | None) -> tuple[Any, Any]:
     except RecipeNotFound as error:
         where = "--recipe" if recipe_flag else f"the recipe {str(source.path)!r} records,"
         raise ValueError(f"{where} {name!r}: {error}") from None
+    other = other_recipe(source.recipe, recipe.config_cls) if recipe_flag else None
+    if other is not None:  # its config and weights are another recipe's
+        raise ValueError(f"--recipe {name!r}: {str(source.path)!r} was written by the {other} recipe; leave "
+                         "--recipe out to use it")  # fmt: skip
     return recipe.spec, config_from_dict(recipe.config_cls, source.run_config or {})

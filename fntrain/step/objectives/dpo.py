@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,9 @@ _SMOOTHED = ("robust", "simpo")  # the loss types whose formula reads label_smoo
 @dataclass(frozen=True)
 class DPOConfig:
     """Preference tuning (DPO and variants), numbers as TRL 1.16's."""
+
+    # the fields naming files the run reads: recorded by absolute path (fntrain.run.resolved)
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("reference_path",)
 
     beta: float = 0.1
     """How far the policy may move from the reference (the temperature of the implicit reward); IPO's τ; SimPO's reward scale. > 0."""

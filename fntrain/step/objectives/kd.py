@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,9 @@ _TEACHER_DTYPES = ("float32", "bfloat16", "float16", "auto")
 @dataclass(frozen=True)
 class KDConfig:
     """Knowledge distillation from a frozen teacher with the student's vocabulary."""
+
+    # the fields naming files the run reads: recorded by absolute path (fntrain.run.resolved)
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("teacher_path",)
 
     ratio: float = 0.5
     """Weight of the distillation term, in [0, 1]: loss = (1 - ratio) * cross-entropy + ratio * KL (0: plain fine-tuning, 1: distillation only)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from fntrain.config import (
     require_bool,
@@ -34,6 +34,9 @@ _FUNCTION_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 @dataclass(frozen=True)
 class GRPOConfig:
     """Online RL with verifiable rewards (GRPO, Dr. GRPO, DAPO), numbers as TRL 1.16's GRPOTrainer."""
+
+    # the fields naming files the run reads: recorded by absolute path (fntrain.run.resolved)
+    PATH_FIELDS: ClassVar[tuple[str, ...]] = ("reference_path",)
 
     reward_funcs: tuple[str, ...] = ()
     """Reward functions as module:function (TRL's signature: fn(prompts, completions, completion_ids, **columns) -> list of float or None), e.g. fntrain.rewards:math_accuracy. Required."""
