@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["TrainState", "RunPlan", "make_run_plan", "micro_batches_per_step"]
+__all__ = ["TrainState", "RunPlan", "GenerationShape", "make_run_plan", "micro_batches_per_step"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +73,21 @@ class RunPlan:
         return max(0, min(self.steps_per_epoch - state.cursor, self.train_iters - state.global_step))
 
 
+@dataclass(frozen=True, slots=True)
+class GenerationShape:
+    """How a generating objective reads its data: `prompts` rows per generation batch (every rank reads
+    the same rows; each makes its share of the completions), each batch serving `steps` optimizer steps."""
+
+    prompts: int
+    steps: int
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "steps"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"GenerationShape.{name} must be a positive int, got {value!r}")
+
+
 def micro_batches_per_step(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
     """global_batch_size / (micro_batch_size * dp_size), exactly, or a ValueError naming all three [S5]."""
     for name, value in (
@@ -107,15 +122,14 @@ def make_run_plan(
     dataset_len: int | None = None,
     drop_last: bool = True,
     lr_schedule_iters: int | None = None,
-    rows_per_read: int | None = None,
-    steps_per_read: int = 1,
+    generation: GenerationShape | None = None,
 ) -> RunPlan:
     """The run plan implied by the run-length settings [S5]-[S8].
 
     Exactly one of `train_iters` / `train_samples` is set; `dataset_len=None` means an unsized
-    (streaming) dataset. A generating objective reads `rows_per_read` rows at a time (every rank the
-    same rows), each read serving `steps_per_read` optimizer steps: an epoch is then
-    `dataset_len // rows_per_read` reads. Every error names the setting and its value.
+    (streaming) dataset. A generating objective reads `generation.prompts` rows at a time (every rank
+    the same rows), each read serving `generation.steps` optimizer steps: an epoch is then
+    `dataset_len // generation.prompts` reads. Every error names the setting and its value.
     """
     micro_batches = micro_batches_per_step(global_batch_size, micro_batch_size, dp_size)
     train_iters = _train_iters(train_iters, train_samples, global_batch_size)
@@ -123,8 +137,8 @@ def make_run_plan(
         raise ValueError(f"dataset_len must be a non-negative int, got {dataset_len!r}")
     if dataset_len is None:
         steps_per_epoch = train_iters
-    elif rows_per_read is not None:
-        steps_per_epoch = _generation_steps_per_epoch(dataset_len, rows_per_read, steps_per_read)
+    elif generation is not None:
+        steps_per_epoch = _generation_steps_per_epoch(dataset_len, generation)
     else:
         steps_per_epoch = _sized_steps_per_epoch(
             dataset_len, micro_batch_size, dp_size, drop_last, micro_batches
@@ -146,7 +160,7 @@ def make_run_plan(
         dp_size=dp_size,
         lr_schedule_iters=lr_schedule_iters,
         sized=dataset_len is not None,
-        steps_per_read=steps_per_read,
+        steps_per_read=generation.steps if generation is not None else 1,
     )
 
 
@@ -186,13 +200,13 @@ def _sized_steps_per_epoch(
     return steps_per_epoch
 
 
-def _generation_steps_per_epoch(dataset_len: int, rows_per_read: int, steps_per_read: int) -> int:
-    """Optimizer steps one epoch of a generating objective gives: whole generation batches of
-    `rows_per_read` prompts, each serving `steps_per_read` steps (at least one batch, or a ValueError)."""
-    reads = dataset_len // rows_per_read
+def _generation_steps_per_epoch(dataset_len: int, generation: GenerationShape) -> int:
+    """Optimizer steps one epoch of a generating objective gives: its whole generation batches, each
+    serving `generation.steps` steps (at least one batch, or a ValueError)."""
+    reads = dataset_len // generation.prompts
     if reads < 1:
         raise ValueError(
             f"the dataset ({dataset_len} prompts) must provide one complete generation batch per epoch "
-            f"({rows_per_read} prompts)"
+            f"({generation.prompts} prompts)"
         )
-    return reads * steps_per_read
+    return reads * generation.steps

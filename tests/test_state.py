@@ -5,7 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from fntrain.state import RunPlan, TrainState, loader_length, make_run_plan, micro_batches_per_step
+from fntrain.state import (
+    GenerationShape,
+    RunPlan,
+    TrainState,
+    loader_length,
+    make_run_plan,
+    micro_batches_per_step,
+)
 
 
 def test_train_state_is_frozen_and_transitions_are_pure():
@@ -114,9 +121,10 @@ def test_a_generating_objective_plans_whole_generation_batches_each_serving_seve
     """GRPO reads `rows_per_read` prompts per generation batch (every rank the same rows), each batch
     serving `steps_per_read` optimizer steps: an epoch is the dataset's whole batches times that."""
     plan = make_run_plan(global_batch_size=8, micro_batch_size=4, dp_size=2, train_iters=20, dataset_len=10,
-                         rows_per_read=4, steps_per_read=3)  # fmt: skip
+                         generation=GenerationShape(prompts=4, steps=3))  # fmt: skip
     assert (plan.steps_per_epoch, plan.epochs, plan.steps_per_read, plan.micro_batches) == (6, 4, 3, 1)
     assert make_run_plan(global_batch_size=8, micro_batch_size=4, train_iters=2, dataset_len=10).steps_per_read == 1
     with pytest.raises(ValueError, match=r"^the dataset \(3 prompts\) must provide one complete generation batch per "
                                          r"epoch \(4 prompts\)$"):  # fmt: skip
-        make_run_plan(global_batch_size=8, micro_batch_size=4, train_iters=2, dataset_len=3, rows_per_read=4)
+        make_run_plan(global_batch_size=8, micro_batch_size=4, train_iters=2, dataset_len=3,
+                      generation=GenerationShape(prompts=4, steps=1))

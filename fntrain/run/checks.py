@@ -46,9 +46,9 @@ from fntrain.runtime.groups import hsdp_shape
 from fntrain.runtime.launch import LaunchEnv, read_launch_env
 from fntrain.runtime.materialize import build_on_meta
 from fntrain.runtime.runtime import Runtime
-from fntrain.state import RunPlan, make_run_plan
+from fntrain.state import GenerationShape, RunPlan, make_run_plan
 from fntrain.step.layouts import choose_layout
-from fntrain.step.objective import GenerationShape, check_objective, check_parallel
+from fntrain.step.objective import check_objective, check_parallel
 
 __all__ = [
     "Inputs", "Checked", "check_run", "check_values", "check_launcher",
@@ -248,9 +248,7 @@ def run_plan(config: JobConfig, train_len: int | None, dp_size: int, generation:
         return make_run_plan(
             global_batch_size=train.global_batch_size, micro_batch_size=train.micro_batch_size,
             dp_size=dp_size, train_iters=train.train_iters, train_samples=train.train_samples,
-            dataset_len=train_len, lr_schedule_iters=config.schedule.lr_schedule_iters,
-            rows_per_read=generation.prompts if generation else None,
-            steps_per_read=generation.steps if generation else 1,
+            dataset_len=train_len, lr_schedule_iters=config.schedule.lr_schedule_iters, generation=generation,
         )  # fmt: skip
     except ValueError as error:
         raise ConfigError(str(error)) from None

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fntrain.config import ConfigError
+from fntrain.state import GenerationShape
 
 __all__ = ["Objective", "ObjectiveSpec", "GenerationShape", "RolloutStep", "PARALLEL_SIZES", "check_parallel",
            "check_objective", "with_rollout"]  # fmt: skip
@@ -62,21 +63,6 @@ class Objective:
     rollout: RolloutStep | None = None
     hooks: tuple[Any, ...] = ()
     count_batch: Callable[[Any], tuple[Any, int]] | None = None
-
-
-@dataclass(frozen=True)
-class GenerationShape:
-    """How a generating objective reads its data: `prompts` rows per generation batch (every rank reads
-    the same rows; each makes its share of the completions), each batch serving `steps` optimizer steps."""
-
-    prompts: int
-    steps: int
-
-    def __post_init__(self) -> None:
-        for name in ("prompts", "steps"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"GenerationShape.{name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)
