@@ -6,7 +6,7 @@
 Each section is a function `section(report)` that adds rows with `report.add(section, measure, value,
 goal, ok)`; a section that cannot run here (no CUDA) says so and is skipped, and sections not started
 before `--budget-s` is spent are skipped with that reason. Progress goes to stderr; stdout gets the one
-table. CI runs the sections on CPU (tests/test_gpu_check.py), where they skip.
+table. CI runs the sections on CPU (tests/bench/test_gpu_check.py), where they skip.
 """
 
 from __future__ import annotations

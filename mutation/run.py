@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the modules and their test files, run nothing")
     parser.add_argument("--max-children", type=int, default=1, help="mutants tested at once (default 1)")
     parser.add_argument("--baseline", action="store_true",
-                        help="run without tests/mutation_pins and record it as the module's first run")
+                        help="run without the module's pin file (tests/.../test_<stem>_pins.py) and record it as the module's first run")
     parser.add_argument("--survivors", action="store_true",
                         help="test only the open survivors of the module's last run again (after new pins)")
     parser.add_argument("--render", action="store_true", help="rewrite RESULTS.md from results.json only")

@@ -2,8 +2,9 @@
 
 mutmut runs only these files for a module (and, inside them, only the tests that reach the mutated
 function: it records that while running them once unmutated), so one module's run fits the 2-core
-machine. `tests/mutation_pins/test_<stem>.py` joins a module's list by itself when it exists: that is
-where the tests written to kill a surviving mutant live. `goal` is the issue's target score (0.9 for the
+machine. The module's pin file joins its list by itself when it exists: `tests/<the module's folder under
+fntrain/>/test_<stem>_pins.py` (`pin_file`), beside the module's other tests, is where the tests written to
+kill a surviving mutant live. `goal` is the issue's target score (0.9 for the
 modules a wrong number or a lost file hurts most, 0.8 elsewhere).
 """
 
@@ -13,7 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PINS = "tests/mutation_pins"
+
+
+def pin_file(module: str) -> str:
+    """Where the pins of `module` live: `fntrain/checkpoint/retention.py` -> `tests/checkpoint/test_retention_pins.py`,
+    `fntrain/loop.py` -> `tests/test_loop_pins.py`."""
+    path = Path(module).relative_to("fntrain")
+    return (Path("tests") / path.parent / f"test_{path.stem}_pins.py").as_posix()
 
 
 @dataclass(frozen=True)
@@ -27,8 +34,10 @@ class Target:
 
     def test_files(self, pins: bool = True) -> tuple[str, ...]:
         """The listed test files plus, unless `pins` is false, the module's pin file when there is one."""
-        pin = f"{PINS}/test_{Path(self.module).stem}.py"
-        return (*self.tests, pin) if pins and (ROOT / pin).exists() else self.tests
+        pin = pin_file(self.module)
+        if not pins or pin in self.tests or not (ROOT / pin).exists():
+            return self.tests
+        return (*self.tests, pin)
 
 
 def _t(module: str, *tests: str, goal: float = 0.8, skip: tuple[str, ...] = ()) -> Target:
@@ -78,11 +87,11 @@ TARGETS = {
                "tests/data/test_pipeline.py::test_workers_give_identical_batches_and_leave_no_process_or_global_rng_draw",
                "tests/data/test_position_pins.py::test_each_data_parallel_rank_of_a_job_reads_its_own_shard",
            )),
-        _t("fntrain/step/train_step.py", "tests/test_step.py", goal=0.9),
-        _t("fntrain/step/layouts.py", "tests/test_layouts.py", "tests/test_step.py", goal=0.9),
-        _t("fntrain/run/launch.py", "tests/test_launch.py", goal=0.9),
+        _t("fntrain/step/train_step.py", "tests/step/test_train_step.py", goal=0.9),
+        _t("fntrain/step/layouts.py", "tests/step/test_layouts.py", "tests/step/test_train_step.py", goal=0.9),
+        _t("fntrain/run/launch.py", "tests/run/test_launch.py", goal=0.9),
         _t("fntrain/stateful.py", "tests/hooks/test_standard.py"),
-        _t("fntrain/step/optim.py", "tests/test_step.py"),
+        _t("fntrain/step/optim.py", "tests/step/test_train_step.py"),
         _t("fntrain/data/stream.py", "tests/data/test_pipeline.py"),
         # Left out: the check that stop()'s timeout warning points at its caller (stacklevel; the trampoline adds a frame).
         _t("fntrain/data/prefetch.py", "tests/data/test_prefetch.py", skip=(
@@ -95,11 +104,11 @@ TARGETS = {
         _t("fntrain/data/fingerprint.py", "tests/data/test_fingerprint.py"),
         _t("fntrain/checkpoint/layout.py", "tests/checkpoint/test_layout.py"),
         _t("fntrain/checkpoint/rng.py", "tests/checkpoint/test_rng.py"),
-        _t("fntrain/run/checks.py", "tests/test_job.py"),
-        _t("fntrain/run/open.py", "tests/test_run_transaction.py"),
-        _t("fntrain/run/finish.py", "tests/test_launch.py"),
+        _t("fntrain/run/checks.py", "tests/run/test_job.py"),
+        _t("fntrain/run/open.py", "tests/run/test_transaction.py"),
+        _t("fntrain/run/finish.py", "tests/run/test_launch.py"),
         _t("fntrain/hooks/metrics.py", "tests/hooks/test_metrics.py"),
-        _t("fntrain/hooks/checkpoint.py", "tests/hooks/test_checkpoint.py", "tests/hooks/test_checkpoint_pins.py"),
+        _t("fntrain/hooks/checkpoint.py", "tests/hooks/test_checkpoint.py", "tests/hooks/test_checkpoint_edges.py"),
         _t("fntrain/hooks/evaluate.py", "tests/hooks/test_evaluate.py"),
         _t("fntrain/hooks/throughput.py", "tests/hooks/test_throughput.py"),
         _t("fntrain/hooks/preemption.py", "tests/hooks/test_preemption.py", "tests/hooks/test_preemption_groups.py"),

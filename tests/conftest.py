@@ -41,12 +41,27 @@ def _root_logger_as_found():
 def fork_env():
     """The environment to launch `python -m MODULE` commands with (`fork_env["PYTHON_FORK"]` in place of
     `sys.executable`, and this environment or a copy): each command is a fork of one server per test
-    process that imported torch and fntrain once (tests/fork_server.py), started when a test first asks.
+    process that imported torch and fntrain once (tests/helpers/fork_server.py), started when a test first asks.
     Commands get one torch thread (the server's, sized at its import). A command that must start a
     fresh interpreter (what an import costs or pulls in, a hash seed) uses `sys.executable`."""
-    from tests.fork_server import started
+    from tests.helpers.fork_server import started
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     with started(env) as launch_env:
         yield launch_env
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-rank gloo default group whose collective timeout (the run's --runtime.timeout-s) is 77 s: a
+    hook told of more ranks runs its multi-rank paths over it, and a group it makes can be checked for
+    the run's timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=77))  # fmt: skip
+    yield
+    dist.destroy_process_group()

@@ -18,7 +18,7 @@ from torch import nn
 from fntrain.checkpoint.hf_load import hf_checkpoint_keys, hf_weights, load_hf_weights
 from fntrain.runtime.materialize import build_model
 from fntrain.runtime.runtime import Runtime
-from tests.test_hf_recipe import tiny_hf_model  # noqa: F401 - a fixture of the recipe tests
+from tests.recipes.test_hf_causal_lm import tiny_hf_model  # noqa: F401 - a fixture of the recipe tests
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -171,7 +171,7 @@ def test_recipe_meta_init_trains_exactly_like_the_transformers_load(tiny_hf_mode
     from fntrain.run.job import run_job
     from fntrain.runtime.parallel import ParallelConfig
     from recipes import hf_causal_lm as hf
-    from tests.test_hf_recipe import _config
+    from tests.recipes.test_hf_causal_lm import _config
 
     model_dir, data_path = tiny_hf_model
     losses = {}

@@ -119,7 +119,7 @@ def torchrun(
     extra: tuple[str, ...] = (),
     fresh: bool = False,
 ) -> subprocess.CompletedProcess:
-    """tests/fault_driver.py under torchrun (2 DDP ranks, c10d rendezvous): torchrun's options `agent`,
+    """tests/run/fault_driver.py under torchrun (2 DDP ranks, c10d rendezvous): torchrun's options `agent`,
     the recipe's `extra`; `fresh`: new interpreters, not forks of the preloaded one (a SIGSTOPped rank
     must be the process torchrun stops and kills, not a fork behind its launcher)."""
     port = free_port()
@@ -128,7 +128,7 @@ def torchrun(
         python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
         "--max-restarts", str(restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
         "--rdzv-id", f"restart{port}", *agent,
-        "-m", "tests.fault_driver", str(run_dir), fault, "--run-dir", str(run_dir),
+        "-m", "tests.run.fault_driver", str(run_dir), fault, "--run-dir", str(run_dir),
         "--model.n-layer", "1", "--model.d-model", "32", "--model.n-head", "2", "--model.context", "32",
         "--model.dropout", "0.1",
         "--train.global-batch-size", "8", "--train.micro-batch-size", "2", "--train.train-iters", str(STEPS),
@@ -146,7 +146,7 @@ def torchrun(
 
 
 # The slow tests' torchrun and its workers are forks of one process that imported torch and fntrain once
-# (tests/fork_server.py), set up for the module by `python` below.
+# (tests/helpers/fork_server.py), set up for the module by `python` below.
 PYTHON: dict[str, object] = {}
 
 

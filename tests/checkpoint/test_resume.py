@@ -10,7 +10,7 @@ and its resume matches too.
 The default tier has one quick case; every kill point in turn (sync and async saves), 2-rank FSDP2 and
 DDP, a 2-stage pipeline and resharding (saved by 2 ranks, restored by 1) are in the slow tier
 (`-m slow`). Runs go through tests/checkpoint/resume_driver.py, launched through a preloaded Python
-(tests/fork_server.py: each launch a fork of one process that imported torch and fntrain once, so
+(tests/helpers/fork_server.py: each launch a fork of one process that imported torch and fntrain once, so
 that ~40 launches do not each pay the imports); torchrun's workers come through it too.
 """
 

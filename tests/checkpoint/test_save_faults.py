@@ -5,7 +5,7 @@ The full disk is a write shim (`full_disk`): every file opened for writing under
 whose name matches raises ENOSPC (or another errno) once its writes pass a byte budget, at the lowest
 level both DCP (pathlib's open) and fntrain's JSON writes (builtins.open) go through. A simulated
 capacity (`capacity`) stands in for a small filesystem's free space. The same faults on a real
-size-limited tmpfs are in tests/test_full_disk.py (slow tier)."""
+size-limited tmpfs are in tests/checkpoint/test_full_disk.py (slow tier)."""
 
 from __future__ import annotations
 

@@ -122,7 +122,7 @@ def _first_epoch(config, spec, rank: int, world: int) -> list[int]:
 
 
 def test_each_data_parallel_rank_of_a_job_reads_its_own_shard(tmp_path):
-    from tests.test_job import ToyLM, spec, toy
+    from tests.run.test_job import ToyLM, spec, toy
 
     # The model is beside the point (and a 2-rank DDP needs a process group): a bare one.
     spec = dataclasses.replace(spec, build_model=lambda config, runtime: ToyLM(config.model))

@@ -30,7 +30,7 @@ from fntrain.data.sft import (
 from fntrain.data.sft_collate import make_sft_collate
 from fntrain.data.tokens import count_loss_tokens, loss_targets
 from fntrain.step import default_forward
-from tests.hf_helpers import CHATS, TEMPLATE
+from tests.helpers.hf import CHATS, TEMPLATE
 
 
 class CharTokenizer:

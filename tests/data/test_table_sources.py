@@ -20,7 +20,7 @@ from fntrain.data.files import count_rows, read_rows, require_source  # noqa: E4
 from fntrain.data.sft import SFTDataConfig, build_sft_datasets  # noqa: E402
 from fntrain.data.vlm import VLMDataConfig, _load_images, build_vlm_datasets  # noqa: E402
 from tests.data.test_sft import CharTokenizer, assets_of  # noqa: E402
-from tests.hf_helpers import CHATS  # noqa: E402
+from tests.helpers.hf import CHATS  # noqa: E402
 
 ROWS = [{"question": f"Q{n}?", "answer": f" A{n}."} for n in range(6)]
 
@@ -108,7 +108,7 @@ def _snapshot(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
-    from tests.hf_helpers import save_tiny_llama
+    from tests.helpers.hf import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("hf") / "model", ["to be or not to be"] * 8, vocab_size=300,
                            max_positions=64)  # fmt: skip

@@ -21,7 +21,7 @@ from fntrain.data.vlm import (
     transform_vlm_example,
     vlm_prompt,
 )
-from tests.vlm_helpers import TINY, tiny_processor
+from tests.helpers.vlm import TINY, tiny_processor
 
 
 @pytest.fixture(scope="module")

@@ -185,7 +185,7 @@ def free_port() -> int:
 
 @pytest.mark.slow
 def test_two_ranks_one_stalled_both_dump_stacks_and_exit(tmp_path):
-    """Rank 1 sleeps 60 s inside step 4 (tests/fault_driver.py); rank 0 blocks in its next collective.
+    """Rank 1 sleeps 60 s inside step 4 (tests/run/fault_driver.py); rank 0 blocks in its next collective.
     Both watchdogs fire after ~3 s of silence, each rank writes its stacks, and the workers exit with
     the watchdog's status (124), long before the collective timeout (300 s) or the stall's end."""
     corpus = tmp_path / "corpus.txt"
@@ -195,7 +195,7 @@ def test_two_ranks_one_stalled_both_dump_stacks_and_exit(tmp_path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"hang{port}",
-        "-m", "tests.fault_driver", str(run_dir), "stall:1:4:60", "--run-dir", str(run_dir),
+        "-m", "tests.run.fault_driver", str(run_dir), "stall:1:4:60", "--run-dir", str(run_dir),
         "--model.n-layer", "1", "--model.d-model", "32", "--model.n-head", "2", "--model.context", "32",
         "--train.global-batch-size", "8", "--train.micro-batch-size", "2", "--train.train-iters", "12",
         "--log-every", "0", "--data.path", str(corpus), "--parallel.strategy", "ddp",

@@ -28,7 +28,7 @@ from fntrain.models.hf import (
 from fntrain.models.hf_config import AssetsConfig, HFModelConfig, check_packed_attention, require_local_dir
 from fntrain.runtime import Runtime
 from fntrain.runtime.parallel import ParallelConfig
-from tests.hf_helpers import TEMPLATE, save_tiny_llama
+from tests.helpers.hf import TEMPLATE, save_tiny_llama
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")

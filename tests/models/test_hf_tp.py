@@ -21,7 +21,7 @@ from fntrain.models.hf_tp import (
     resolve_tp_plan,
     tp_styles,
 )
-from tests.fork_server import HF_PRELOAD, started
+from tests.helpers.fork_server import HF_PRELOAD, started
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYER_PLAN = {
@@ -207,7 +207,7 @@ def _env() -> dict[str, str]:
 
 
 # What the workers import, once: torchrun's agent and both workers fork from a process that imported
-# torch and transformers (tests/fork_server.py), instead of each importing them (most of this test's cost).
+# torch and transformers (tests/helpers/fork_server.py), instead of each importing them (most of this test's cost).
 PRELOAD = (*HF_PRELOAD, "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen3.modeling_qwen3",
            "transformers.models.phi3.modeling_phi3", "fntrain.models.hf_tp", "tests.models.hf_tp_worker")  # fmt: skip
 

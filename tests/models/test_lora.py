@@ -135,7 +135,7 @@ def test_lora_targets_take_a_built_model_and_name_the_field_given():
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    from tests.hf_helpers import CHATS, save_tiny_llama
+    from tests.helpers.hf import CHATS, save_tiny_llama
 
     root = tmp_path_factory.mktemp("lora")
     text = (ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_text()[:40_000]

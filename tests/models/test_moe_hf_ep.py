@@ -2,7 +2,7 @@
 Mixtral, built from tiny configs) made ep-aware keep transformers' forward while `ep_group` is None,
 and over a 1-rank gloo ep group (sharded by `shard_experts`) give transformers' logits, router loss and
 gradients; unsupported layouts and the recipe's bad ep settings are refused. Two ranks through
-hf_causal_lm: tests/test_moe_hf_distributed.py (slow tier)."""
+hf_causal_lm: tests/models/test_moe_hf_distributed.py (slow tier)."""
 
 from __future__ import annotations
 

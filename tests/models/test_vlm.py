@@ -32,7 +32,7 @@ from fntrain.models.vlm import (
 from fntrain.runtime import Runtime
 from fntrain.runtime.parallel import ParallelConfig
 from fntrain.step import causal_lm_loss
-from tests.vlm_helpers import TINY, tiny_model_dir
+from tests.helpers.vlm import TINY, tiny_model_dir
 
 CPU = Runtime(rank=0, world_size=1, device=torch.device("cpu"))
 

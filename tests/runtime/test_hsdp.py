@@ -1,7 +1,7 @@
 """HSDP (issue 12, item 3): `--parallel.replicate R` lays the data-parallel ranks out as a 2-D mesh
 (R replicas x dp/R shards) that fully_shard shards over; R must divide the data-parallel size. Validation
 here; 2 ranks (replicate 2, shard 1) matching DDP under torchrun in the slow tier, every launch forked
-from one preloaded Python (tests/preloaded_launch.py)."""
+from one preloaded Python (tests/helpers/preloaded_launch.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from fntrain.runtime.groups import hsdp_shape
 from fntrain.runtime.parallel import ParallelConfig, parallelize
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime
-from tests import preloaded_launch
+from tests.helpers import preloaded_launch
 
 
 def test_replicate_must_be_a_positive_int():
@@ -60,7 +60,7 @@ def test_parallelize_rejects_replicate_without_an_hsdp_runtime_mesh(one_rank_env
 @pytest.fixture(scope="module")
 def python(fork_env):
     """The slow tests' launches (torchrun's workers too) fork from one Python that imported torch and
-    fntrain (tests/preloaded_launch.py): their imports cost more than their steps."""
+    fntrain (tests/helpers/preloaded_launch.py): their imports cost more than their steps."""
     return preloaded_launch.through(fork_env)
 
 

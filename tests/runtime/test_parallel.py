@@ -1,6 +1,6 @@
 """parallelize (§5) [S21]: none / DDP / FSDP2 (per block, then the root) with mixed precision,
 activation checkpointing and compile; unsupported degrees rejected clearly. The DDP/FSDP2 cases run on
-a real 1-rank gloo group in-process (2-rank equivalence lives in tests/test_distributed.py)."""
+a real 1-rank gloo group in-process (2-rank equivalence lives in tests/runtime/test_distributed.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 schedule over a 1-rank gloo group): the forward-only evaluation schedule (one per micro-batch shape)
 and its loss, position ids fed to the first stage, a tied copy left out of the global gradient norm,
 no norm when neither clipping nor skipping needs one, and `pipeline_layout`'s stage, schedule and tie
-groups (which ranks share a tie, from the mesh). Several stages: tests/test_model_parallel.py (slow)."""
+groups (which ranks share a tie, from the mesh). Several stages: tests/runtime/test_model_parallel.py (slow)."""
 
 from __future__ import annotations
 

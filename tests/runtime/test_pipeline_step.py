@@ -1,7 +1,7 @@
 """`make_pipeline_step` as a plain function call: a one-stage pipeline (a real torch schedule over a
 1-rank gloo group) takes exactly the steps `make_train_step` takes (token-weighted loss over uneven
 masks, clipping, the order of optimizer and schedulers), in both schedules; bad micro-batches are
-refused with the step named. Several stages, tied weights and layouts are in tests/test_model_parallel.py
+refused with the step named. Several stages, tied weights and layouts are in tests/runtime/test_model_parallel.py
 (torchrun, slow tier)."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 gives every parameter the DTensor placement its style names (colwise/rowwise/embedding/output, the rest
 replicated), keeps tied weights tied, and leaves the forward, the loss (vocabulary-parallel or gathered)
 and every gradient equal to the untouched model's; tied weights split differently are refused. Several
-tp ranks are in tests/test_model_parallel.py (torchrun, slow tier)."""
+tp ranks are in tests/runtime/test_model_parallel.py (torchrun, slow tier)."""
 
 from __future__ import annotations
 
