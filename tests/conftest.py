@@ -65,3 +65,40 @@ def one_rank_group(tmp_path):
                             timeout=datetime.timedelta(seconds=77))  # fmt: skip
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def python(fork_env):
+    """The module's launches through the fork server (tests/helpers/preloaded_launch.py): torchrun's agent
+    and workers too fork from one Python that imported torch and fntrain, whose imports cost more than a
+    tiny run's steps."""
+    from tests.helpers import preloaded_launch
+
+    return preloaded_launch.through(fork_env)
+
+
+@pytest.fixture(scope="module")
+def module_launches_forked(request, fork_env):
+    """Fills the test module's `PYTHON` record (`executable`, `env`: what its launch helpers start commands
+    with) with the fork server's for the module's tests, and empties it after."""
+    record = request.module.PYTHON
+    record.update(executable=fork_env["PYTHON_FORK"], env=dict(fork_env))
+    yield
+    record.clear()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """The bundled corpus's first 1700 bytes: a tiny GPT run of the slow tests gets 6 steps per epoch of it, so
+    12 steps cross an epoch boundary."""
+    path = tmp_path_factory.mktemp("corpus") / "small.txt"
+    path.write_bytes((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:1700])
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_llava_dir(tmp_path_factory) -> Path:
+    """The tiny LLaVA of tests/helpers/vlm.py, built once per test session and process."""
+    from tests.helpers.vlm import tiny_model_dir
+
+    return tiny_model_dir(str(tmp_path_factory.getbasetemp() / "vlm_cache"))

@@ -9,7 +9,7 @@ from fntrain import Event, RunPlan, StepInfo, StopTraining, TrainState, train
 from fntrain.hooks.base import every, hook_states, load_hook_states, on, on_ranks, stateful
 
 
-class Recorder:
+class HookRecorder:
     """A hook that records (event, state, info)."""
 
     def __init__(self):
@@ -48,7 +48,7 @@ class Data:
         return gen()
 
 
-def run(state=None, plan=None, step=None, hooks=(), data=None, **kw):
+def run_loop(state=None, plan=None, step=None, hooks=(), data=None, **kw):
     plan = plan or RunPlan(train_iters=5, steps_per_epoch=3, epochs=2)
     data = data or Data(3)
     seen = []
@@ -62,8 +62,8 @@ def run(state=None, plan=None, step=None, hooks=(), data=None, **kw):
 
 
 def test_event_order_over_two_epochs():
-    rec = Recorder()
-    final, seen, _ = run(hooks=[rec])
+    rec = HookRecorder()
+    final, seen, _ = run_loop(hooks=[rec])
     assert final == TrainState(epoch=1, global_step=5, cursor=2)
     assert seen == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
     assert rec.events() == [
@@ -84,8 +84,8 @@ def test_hooks_run_in_list_order_and_step_end_gets_step_info():
     order = []
     first = lambda e, s, i: order.append(("first", e))  # noqa: E731
     second = lambda e, s, i: order.append(("second", e))  # noqa: E731
-    rec = Recorder()
-    run(hooks=[first, second, rec], count_batch=lambda batch: (7, 2), clock=iter(range(100)).__next__)
+    rec = HookRecorder()
+    run_loop(hooks=[first, second, rec], count_batch=lambda batch: (7, 2), clock=iter(range(100)).__next__)
     assert order[:2] == [("first", Event.TRAIN_BEGIN), ("second", Event.TRAIN_BEGIN)]
     infos = [i for e, _, i in rec.calls if e is Event.STEP_END]
     assert all(isinstance(i, StepInfo) for i in infos)
@@ -96,15 +96,15 @@ def test_hooks_run_in_list_order_and_step_end_gets_step_info():
 
 def test_metrics_pass_through_untouched():
     sentinel = object()
-    rec = Recorder()
-    run(step=lambda s, b: {"loss": sentinel}, hooks=[rec])
+    rec = HookRecorder()
+    run_loop(step=lambda s, b: {"loss": sentinel}, hooks=[rec])
     assert next(i for e, _, i in rec.calls if e is Event.STEP_END).metrics["loss"] is sentinel
 
 
 def test_out_of_data_ends_epoch_without_advancing_or_dangling_step_begin():
-    rec = Recorder()
+    rec = HookRecorder()
     data = Data(3, short_epochs={0: 2})
-    final, seen, _ = run(hooks=[rec], data=data)
+    final, seen, _ = run_loop(hooks=[rec], data=data)
     assert seen == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
     assert final == TrainState(epoch=2, global_step=5, cursor=0)  # epoch 1 completed all 3 steps
     names = [c[0] for c in rec.events()]
@@ -115,16 +115,16 @@ def test_out_of_data_ends_epoch_without_advancing_or_dangling_step_begin():
 
 
 def test_empty_epoch_from_the_start_is_an_error_not_an_endless_loop():
-    rec = Recorder()
+    rec = HookRecorder()
     with pytest.raises(RuntimeError, match="yielded no batch"):
-        run(hooks=[rec], data=Data(0))
+        run_loop(hooks=[rec], data=Data(0))
     assert rec.calls[-1][0] is Event.ABORT
 
 
 @pytest.mark.parametrize("where", ["step", "hook", "data"])
 def test_failure_aborts_every_hook_closes_data_and_reraises_same_object(where):
     error = ValueError("boom")
-    rec, late = Recorder(), Recorder()
+    rec, late = HookRecorder(), HookRecorder()
 
     def step(state, batch):
         if where == "step" and state.global_step == 1:
@@ -137,7 +137,7 @@ def test_failure_aborts_every_hook_closes_data_and_reraises_same_object(where):
 
     data = Data(3, fail_at=(0, 1) if where == "data" else None)
     with pytest.raises(BaseException) as caught:
-        run(step=step, hooks=[rec, bad_hook, late], data=data)
+        run_loop(step=step, hooks=[rec, bad_hook, late], data=data)
     if where == "data":
         assert isinstance(caught.value, OSError)
     else:
@@ -151,7 +151,7 @@ def test_failure_aborts_every_hook_closes_data_and_reraises_same_object(where):
 
 def test_abort_reaches_hook_whose_train_begin_failed_and_hook_errors_do_not_hide_original():
     original = KeyError("begin failed")
-    rec = Recorder()
+    rec = HookRecorder()
 
     def fails_at_begin(event, state, info):
         if event is Event.TRAIN_BEGIN:
@@ -160,30 +160,30 @@ def test_abort_reaches_hook_whose_train_begin_failed_and_hook_errors_do_not_hide
             raise RuntimeError("abort handler broke")
 
     with pytest.raises(KeyError) as caught:
-        run(hooks=[fails_at_begin, rec])
+        run_loop(hooks=[fails_at_begin, rec])
     assert caught.value is original
     assert [e for e, _, _ in rec.calls] == [Event.ABORT]  # never began, still told
 
 
 def test_keyboard_interrupt_is_a_failure_like_any_other():
-    rec = Recorder()
+    rec = HookRecorder()
 
     def step(state, batch):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run(step=step, hooks=[rec])
+        run_loop(step=step, hooks=[rec])
     assert rec.calls[-1][0] is Event.ABORT and isinstance(rec.calls[-1][2], KeyboardInterrupt)
 
 
 def test_stop_training_ends_cleanly_with_train_end():
-    rec = Recorder()
+    rec = HookRecorder()
 
     def stopper(event, state, info):
         if event is Event.STEP_END and state.global_step == 2:
             raise StopTraining
 
-    final, seen, data = run(hooks=[stopper, rec])
+    final, seen, data = run_loop(hooks=[stopper, rec])
     assert final.global_step == 2
     assert rec.calls[-1][0] is Event.TRAIN_END
     assert Event.ABORT not in [e for e, _, _ in rec.calls]
@@ -193,14 +193,14 @@ def test_stop_training_ends_cleanly_with_train_end():
 def test_epoch_end_sees_finished_epoch_and_counter_advances_after():
     seen_epochs = []
     hook = on(Event.EPOCH_END, lambda s, i: seen_epochs.append(s.epoch))
-    final, _, _ = run(plan=RunPlan(train_iters=6, steps_per_epoch=3, epochs=2), hooks=[hook])
+    final, _, _ = run_loop(plan=RunPlan(train_iters=6, steps_per_epoch=3, epochs=2), hooks=[hook])
     assert seen_epochs == [0, 1]
     assert final == TrainState(epoch=2, global_step=6, cursor=0)
 
 
 def collect(state, plan, per_epoch=3):
-    rec = Recorder()
-    final, seen, _ = run(state=state, plan=plan, hooks=[rec], data=Data(per_epoch))
+    rec = HookRecorder()
+    final, seen, _ = run_loop(state=state, plan=plan, hooks=[rec], data=Data(per_epoch))
     return final, seen, rec
 
 
@@ -233,8 +233,8 @@ def test_already_finished_state_runs_nothing():
 
 
 def test_every_gates_step_events_only():
-    rec = Recorder()
-    run(plan=RunPlan(train_iters=6, steps_per_epoch=6, epochs=1), data=Data(6), hooks=[every(3, rec)])
+    rec = HookRecorder()
+    run_loop(plan=RunPlan(train_iters=6, steps_per_epoch=6, epochs=1), data=Data(6), hooks=[every(3, rec)])
     steps = [(e.name, s.global_step) for e, s, _ in rec.calls if e in (Event.STEP_BEGIN, Event.STEP_END)]
     assert steps == [("STEP_BEGIN", 2), ("STEP_END", 3), ("STEP_BEGIN", 5), ("STEP_END", 6)]
     assert rec.calls[0][0] is Event.TRAIN_BEGIN and rec.calls[-1][0] is Event.TRAIN_END
@@ -243,7 +243,7 @@ def test_every_gates_step_events_only():
 
 
 def test_on_ranks_selects_and_keeps_state_protocol():
-    rec = Recorder()
+    rec = HookRecorder()
     assert on_ranks({0}, 0, rec) is rec
     skipped = on_ranks({0}, 1, rec)
     skipped(Event.TRAIN_BEGIN, TrainState(), None)
@@ -259,9 +259,9 @@ def test_stateful_hooks_round_trip_through_combinators():
 
     hook = stateful("counter", count, lambda: dict(counter), lambda d: counter.update(d))
     gated = every(2, hook)
-    run(hooks=[gated])
+    run_loop(hooks=[gated])
     assert counter["n"] == 2  # steps 2 and 4 of 5
-    saved = hook_states([gated, Recorder()])
+    saved = hook_states([gated, HookRecorder()])
     assert saved == {"counter": {"n": 2}}
     counter["n"] = 0
     assert load_hook_states([gated], saved) == []

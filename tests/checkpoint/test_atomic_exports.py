@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import json
 import os
 import re
@@ -26,17 +25,12 @@ from fntrain.hooks import checkpoint_writes
 from fntrain.run.config import CheckpointConfig
 from fntrain.state import TrainState
 from fntrain.step.components import Components
+from tests.helpers.files import file_hashes
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def snapshot(root: Path) -> dict[str, str]:
-    """Every file under `root` (hidden ones too) -> its sha256."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*")
-            if p.is_file()}  # fmt: skip
-
-
-def leftovers(root: Path) -> list[str]:
+def export_leftovers(root: Path) -> list[str]:
     return [p.name for p in root.rglob("*") if ".tmp-" in p.name or ".old-" in p.name]
 
 
@@ -74,18 +68,18 @@ def test_a_replaced_directory_is_the_old_one_until_the_new_one_is_complete(tmp_p
         (staging / "config.json").write_text("old")
         (staging / "model-00001-of-00002.safetensors").write_text("old shard")
     (out / "README.md").write_text("the user's notes")
-    before = snapshot(tmp_path)
+    before = file_hashes(tmp_path)
     with pytest.raises(OSError, match="No space left") as caught, replaced_dir(out) as staging:
         (staging / "config.json").write_text("new")
         raise OSError(errno.ENOSPC, "No space left on device")
-    assert snapshot(tmp_path) == before and leftovers(tmp_path) == []
+    assert file_hashes(tmp_path) == before and export_leftovers(tmp_path) == []
     assert unwritten(caught.value).path == out and unwritten(caught.value).previous_kept
     with replaced_dir(out) as staging:
         (staging / "config.json").write_text("new")
         (staging / "model.safetensors").write_text("new weights")
     # the user's file is carried over; the old export's own files (its stale shard) are not
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
-    assert (out / "config.json").read_text() == "new" and leftovers(tmp_path) == []
+    assert (out / "config.json").read_text() == "new" and export_leftovers(tmp_path) == []
 
 
 def test_an_output_dir_whose_parent_takes_no_new_entry_is_written_inside_it(tmp_path, monkeypatch):
@@ -110,18 +104,18 @@ def test_an_output_dir_whose_parent_takes_no_new_entry_is_written_inside_it(tmp_
         (staging / "config.json").write_text("new")
         (staging / "model.safetensors").write_text("new weights")
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
-    assert leftovers(tmp_path) == []
+    assert export_leftovers(tmp_path) == []
 
 
 def test_model_safetensors_keeps_the_previous_file_when_a_write_fails(tmp_path, monkeypatch):
     path = tmp_path / "model.safetensors"
     export.export_safetensors(Tiny(0), path)
-    before = snapshot(tmp_path)
+    before = file_hashes(tmp_path)
     with monkeypatch.context() as patched:
         patched.setattr(safetensors.torch, "save_file", _half_then_full(safetensors.torch.save_file))
         with pytest.raises(OSError, match="No space left"):
             export.export_safetensors(Tiny(1), path)
-    assert snapshot(tmp_path) == before and leftovers(tmp_path) == []
+    assert file_hashes(tmp_path) == before and export_leftovers(tmp_path) == []
     export.export_safetensors(Tiny(1), path)  # and a write that succeeds replaces it
     assert torch.equal(safetensors.torch.load_file(path)["lin.weight"], Tiny(1).lin.weight.detach())
 
@@ -162,10 +156,10 @@ def test_save_hf_model_leaves_the_previous_export_when_the_weights_fail(tmp_path
     runtime = Runtime()
     out = tmp_path / "hf_model"
     save_hf_model(_FakeHF(fail=False), assets, out, runtime)
-    before = snapshot(tmp_path)
+    before = file_hashes(tmp_path)
     with pytest.raises(OSError, match="No space left"):
         save_hf_model(_FakeHF(fail=True), assets, out, runtime)
-    assert snapshot(tmp_path) == before and leftovers(tmp_path) == []
+    assert file_hashes(tmp_path) == before and export_leftovers(tmp_path) == []
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
 
 
@@ -175,28 +169,28 @@ def test_fntrain_export_overwrite_keeps_the_old_output_when_it_fails(tmp_path, m
     save(SaveTarget(tmp_path / "ckpt", Components(model=Tiny(), loss_fn=None, optimizers=())),
          TrainState(global_step=3))  # fmt: skip
     out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
-    before = snapshot(tmp_path / "hf")
+    before = file_hashes(tmp_path / "hf")
     monkeypatch.setattr(safetensors.torch, "save_file", _half_then_full(safetensors.torch.save_file))
     with pytest.raises(OSError, match="No space left"):
         export_hf(tmp_path / "ckpt", out, overwrite=True)
-    assert snapshot(tmp_path / "hf") == before and leftovers(tmp_path) == []
+    assert file_hashes(tmp_path / "hf") == before and export_leftovers(tmp_path) == []
     with pytest.raises(SystemExit):
         dispatch(["export", str(tmp_path / "ckpt"), "--format", "hf", str(out), "--overwrite", "--recipe", "none"])
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"fntrain export: [Errno 28] No space left on device while writing {str(out)!r}; the previous "
         f"{str(out)!r} is kept"
     )
-    assert snapshot(tmp_path / "hf") == before and leftovers(tmp_path) == []
+    assert file_hashes(tmp_path / "hf") == before and export_leftovers(tmp_path) == []
     with pytest.raises(SystemExit):
         dispatch(["export", str(tmp_path / "ckpt"), "--format", "hf", str(tmp_path / "new" / "hf"), "--recipe", "none"])
     assert capsys.readouterr().err.strip().endswith("; nothing was written")
-    assert not (tmp_path / "new").exists() and leftovers(tmp_path) == []
+    assert not (tmp_path / "new").exists() and export_leftovers(tmp_path) == []
 
 
 # ----------------------------------------------------------------------------- a run's line
 
 
-def _tiny(tmp_path: Path, **checkpoint):
+def tiny_export_config(tmp_path: Path, **checkpoint):
     from fntrain.hooks.evaluate import EvaluateConfig
     from fntrain.hooks.progress import ProgressConfig
     from recipes import tiny_gpt
@@ -217,7 +211,7 @@ def _tiny(tmp_path: Path, **checkpoint):
 def test_a_run_whose_export_fails_says_what_is_kept_and_what_is_lost(tmp_path, full_disk):
     from fntrain.run.job import RunAborted, run_job
 
-    spec, config = _tiny(tmp_path, save_every=3)
+    spec, config = tiny_export_config(tmp_path, save_every=3)
     with pytest.raises(RunAborted) as caught:
         run_job(config, spec)
     line = caught.value.line
@@ -225,13 +219,13 @@ def test_a_run_whose_export_fails_says_what_is_kept_and_what_is_lost(tmp_path, f
     assert line.startswith("run failed at step 6 exporting hf_model: OSError: No space left on device; "), line
     assert "; the checkpoints (newest step_6) are kept, the export was not written; full traceback in " in line
     run_dir = tmp_path / "run"
-    assert not (run_dir / "hf_model").exists() and leftovers(run_dir) == []
+    assert not (run_dir / "hf_model").exists() and export_leftovers(run_dir) == []
 
 
 def test_without_a_checkpoint_the_line_says_the_steps_are_lost(tmp_path, full_disk):
     from fntrain.run.job import RunAborted, run_job
 
-    spec, config = _tiny(tmp_path, save_every=0, save_at_end=False)
+    spec, config = tiny_export_config(tmp_path, save_every=0, save_at_end=False)
     with pytest.raises(RunAborted) as caught:
         run_job(config, spec)
     assert re.search(r"^run failed at step 6 exporting hf_model: OSError: .*; the export was not written; no "
@@ -243,7 +237,7 @@ def test_a_failed_save_names_the_step_it_was_saving(tmp_path, monkeypatch):
     from fntrain.checkpoint import CheckpointSaveError
     from fntrain.run.job import RunAborted, run_job
 
-    spec, config = _tiny(tmp_path, save_every=2)
+    spec, config = tiny_export_config(tmp_path, save_every=2)
     real_save = checkpoint_writes.save
 
     def fails_at_4(target, state, *args, **kwargs):

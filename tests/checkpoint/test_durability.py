@@ -42,7 +42,7 @@ needs_proc = pytest.mark.skipif(not PROC_FD.is_dir(), reason="names an fd throug
 # ----------------------------------------------------------------------------- a recording file system
 
 
-class Recorder:
+class FileOpRecorder:
     """os.fsync / os.replace / os.rename, recorded in call order as (kind, path[, target]) with
     resolved paths (an fsync is named by the file its descriptor points at), then done for real."""
 
@@ -104,7 +104,7 @@ def test_data_files_are_fsynced_before_the_marker_and_latest(tmp_path, monkeypat
     """Every tensor file and DCP's metadata reach the disk before `COMPLETE` and `latest` are written:
     a power loss after the marker must never leave a complete-looking checkpoint with lost data."""
     root = tmp_path.resolve()
-    record = Recorder(monkeypatch)
+    record = FileOpRecorder(monkeypatch)
     path = _save(root, 3, asynchronous)
     marker = record.index("replace", path / MARKER)
     latest = record.index("replace", root / LATEST)
@@ -127,7 +127,7 @@ def test_json_files_marker_and_latest_are_fsynced_before_and_after_their_replace
     so a power loss leaves the old file or the whole new one, never an empty `COMPLETE` or `latest`; and
     the marker's directory entry is durable before `latest` names it."""
     root = tmp_path.resolve()
-    record = Recorder(monkeypatch)
+    record = FileOpRecorder(monkeypatch)
     path = _save(root, 3, asynchronous)
     for target in (path / "meta.json", path / "rank_0.json", path / MANIFEST, path / MARKER, root / LATEST):
         at = record.index("replace", target)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fntrain.checkpoint import list_checkpoints
+from tests.helpers.commands import last_line
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -36,7 +37,7 @@ def _can_mount(tmp_path: Path) -> bool:
     return subprocess.run(["unshare", "-rm", "sh", "-c", command], capture_output=True).returncode == 0
 
 
-def run(tmp_path: Path, run_dir: Path, *args: str, size: int | None = None, driver: str | None = None,
+def run_on_tmpfs(tmp_path: Path, run_dir: Path, *args: str, size: int | None = None, driver: str | None = None,
         ) -> subprocess.CompletedProcess:  # fmt: skip
     """`fntrain run tiny_gpt` (or the fault driver) with the checkpoints on a `size`-byte tmpfs (None: the
     plain disk). The tmpfs lives only as long as the namespace: what it held at the end is copied to
@@ -64,7 +65,7 @@ def run(tmp_path: Path, run_dir: Path, *args: str, size: int | None = None, driv
 
 def checkpoint_size(tmp_path: Path) -> int:
     measured = tmp_path / "measured"
-    result = run(tmp_path, measured)
+    result = run_on_tmpfs(tmp_path, measured)
     assert result.returncode == 0, result.stderr[-3000:]
     step = measured / "checkpoints" / "step_3"
     return sum(f.stat().st_size for f in step.rglob("*") if f.is_file())
@@ -78,16 +79,12 @@ def one_checkpoint(tmp_path):
     return checkpoint_size(tmp_path)
 
 
-def last_line(result: subprocess.CompletedProcess) -> str:
-    return result.stderr.strip().splitlines()[-1]
-
-
 @pytest.mark.slow
 def test_a_full_disk_inside_dcp_is_one_line_and_keeps_the_good_checkpoint(tmp_path, one_checkpoint):
     run_dir = tmp_path / "run"
     # Room for step_3 and a part of step_6: the write itself hits ENOSPC (the check before it is
     # switched off by the fault driver, as where free space cannot be known in advance).
-    result = run(tmp_path, run_dir, size=int(one_checkpoint * 1.6), driver="nospacecheck")
+    result = run_on_tmpfs(tmp_path, run_dir, size=int(one_checkpoint * 1.6), driver="nospacecheck")
     line = last_line(result)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "CheckpointSaveError: checkpoint step_6 not saved: " in line, line
@@ -103,7 +100,7 @@ def test_a_full_disk_inside_dcp_is_one_line_and_keeps_the_good_checkpoint(tmp_pa
 @pytest.mark.slow
 def test_a_save_that_will_not_fit_is_refused_early_and_the_run_resumes(tmp_path, one_checkpoint):
     run_dir = tmp_path / "run"
-    result = run(tmp_path, run_dir, size=int(one_checkpoint * 1.6))
+    result = run_on_tmpfs(tmp_path, run_dir, size=int(one_checkpoint * 1.6))
     line = last_line(result)
     assert result.returncode == 1, result.stderr[-3000:]
     assert (
@@ -115,7 +112,7 @@ def test_a_save_that_will_not_fit_is_refused_early_and_the_run_resumes(tmp_path,
     # given room (what the tmpfs held, moved to the real disk), the run resumes from step_3
     for entry in held.iterdir():
         shutil.move(str(entry), str(run_dir / "checkpoints" / entry.name))
-    again = run(tmp_path, run_dir, "--checkpoint.restore-from", "latest")
+    again = run_on_tmpfs(tmp_path, run_dir, "--checkpoint.restore-from", "latest")
     assert again.returncode == 0, again.stderr[-3000:]
     assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_3", "step_6", "step_9"]
 
@@ -123,7 +120,7 @@ def test_a_save_that_will_not_fit_is_refused_early_and_the_run_resumes(tmp_path,
 @pytest.mark.slow
 def test_continue_and_make_room_on_a_small_disk(tmp_path, one_checkpoint):
     run_dir = tmp_path / "run"
-    kept = run(tmp_path, run_dir, "--checkpoint.on-save-failure", "continue", size=int(one_checkpoint * 1.6))
+    kept = run_on_tmpfs(tmp_path, run_dir, "--checkpoint.on-save-failure", "continue", size=int(one_checkpoint * 1.6))
     assert kept.returncode == 0, kept.stderr[-3000:]
     warnings = [line for line in kept.stderr.splitlines() if "not saved" in line]
     assert "step_6 not saved" in warnings[0] and "step_9 not saved" in warnings[1]  # each cadence warns
@@ -134,7 +131,7 @@ def test_continue_and_make_room_on_a_small_disk(tmp_path, one_checkpoint):
     assert all("training goes on" in line and "step_3 is the newest good" in line for line in warnings)
 
     roomy = tmp_path / "roomy"
-    made = run(tmp_path, roomy, "--checkpoint.keep-last", "2", "--checkpoint.make-room",
+    made = run_on_tmpfs(tmp_path, roomy, "--checkpoint.keep-last", "2", "--checkpoint.make-room",
                size=int(one_checkpoint * 2.6))  # fmt: skip
     assert made.returncode == 0, made.stderr[-3000:]
     assert "checkpoint.make_room: removed step_3 to make room for step_9" in made.stderr
@@ -150,7 +147,7 @@ def test_a_full_disk_at_the_export_keeps_the_previous_export_and_says_so(tmp_pat
     if not _can_mount(tmp_path):
         pytest.skip("cannot mount a tmpfs in a user namespace here (unshare -rm)")
     run_dir = tmp_path / "run"
-    done = run(tmp_path, run_dir, "--model.d-model", "64")
+    done = run_on_tmpfs(tmp_path, run_dir, "--model.d-model", "64")
     assert done.returncode == 0, done.stderr[-3000:]
     (run_dir / "model.safetensors").unlink()  # only hf_model is there to be replaced
     before = {p.relative_to(run_dir / "hf_model"): p.read_bytes() for p in (run_dir / "hf_model").rglob("*") if p.is_file()}

@@ -37,7 +37,7 @@ def tiny_components(seed: int = 0) -> Components:
 
 
 @pytest.fixture
-def checkpoint(tmp_path) -> tuple[Path, Components]:
+def checkpoint_and_components(tmp_path) -> tuple[Path, Components]:
     components = tiny_components()
     root = tmp_path / "checkpoints"
     save(SaveTarget(root, components, config=config_to_dict(Config(model=MODEL))), STATE)
@@ -58,8 +58,8 @@ def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_round_trip_dcp_hf_dcp_leaves_weights_equal(checkpoint, tmp_path):
-    root, components = checkpoint
+def test_round_trip_dcp_hf_dcp_leaves_weights_equal(checkpoint_and_components, tmp_path):
+    root, components = checkpoint_and_components
     hf_dir = export_hf(root, tmp_path / "hf", max_shard_size=20_000)  # the root: its latest checkpoint
     files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
     assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
@@ -92,8 +92,8 @@ def test_round_trip_dcp_hf_dcp_leaves_weights_equal(checkpoint, tmp_path):
     assert fresh.model.head.weight is fresh.model.tok.weight
 
 
-def test_tiny_gpt_config_describes_its_own_architecture(checkpoint, tmp_path):
-    root, components = checkpoint
+def test_tiny_gpt_config_describes_its_own_architecture(checkpoint_and_components, tmp_path):
+    root, components = checkpoint_and_components
     hf_dir = export_hf(root / "step_7", tmp_path / "hf")
     assert sorted(p.name for p in hf_dir.iterdir()) == sorted(["config.json", SAFE_WEIGHTS, PROVENANCE])
     config = json.loads((hf_dir / "config.json").read_text())
@@ -109,8 +109,8 @@ def test_tiny_gpt_config_describes_its_own_architecture(checkpoint, tmp_path):
     assert provenance["tied"] == {} and provenance["run_config"]["model"] == config_to_dict(MODEL)
 
 
-def test_dtype_cast_and_step_override(checkpoint, tmp_path):
-    root, components = checkpoint
+def test_dtype_cast_and_step_override(checkpoint_and_components, tmp_path):
+    root, components = checkpoint_and_components
     hf_dir = export_checkpoint(root, tmp_path / "hf", ExportOptions(format="hf", dtype="bfloat16"))
     tensors = hf_tensors(hf_dir)
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
@@ -121,8 +121,8 @@ def test_dtype_cast_and_step_override(checkpoint, tmp_path):
     assert torch.equal(dcp_model_tensors(back)["model.tok.weight"], weight.to(torch.bfloat16).float())
 
 
-def test_outputs_are_never_overwritten_silently_and_sources_are_checked(checkpoint, tmp_path):
-    root, _ = checkpoint
+def test_outputs_are_never_overwritten_silently_and_sources_are_checked(checkpoint_and_components, tmp_path):
+    root, _ = checkpoint_and_components
     hf_dir = export_hf(root, tmp_path / "hf")
     with pytest.raises(FileExistsError, match="not empty"):
         export_hf(root, hf_dir)
@@ -151,10 +151,10 @@ def test_sizes_and_options_are_validated():
         ExportOptions(max_shard_size="0").validate()
 
 
-def test_fntrain_export_command(checkpoint, tmp_path, capsys):
+def test_fntrain_export_command(checkpoint_and_components, tmp_path, capsys):
     from fntrain.cli import dispatch
 
-    root, components = checkpoint
+    root, components = checkpoint_and_components
     out = dispatch(["export", str(root), "--format", "hf", str(tmp_path / "hf"), "--max-shard-size", "30KB"])
     assert out == tmp_path / "hf" and str(out) in capsys.readouterr().out
     assert (out / SAFE_INDEX).is_file()
@@ -275,10 +275,10 @@ def test_a_tiny_gpt_checkpoint_exports_as_the_runs_own_gpt2(tiny_gpt_run, tmp_pa
     assert is_complete(back)
 
 
-def test_export_names_a_recipe_that_does_not_load(checkpoint, tmp_path, capsys):
+def test_export_names_a_recipe_that_does_not_load(checkpoint_and_components, tmp_path, capsys):
     from fntrain.cli import dispatch
 
-    root, _ = checkpoint
+    root, _ = checkpoint_and_components
     with pytest.raises(SystemExit) as exit_info:
         dispatch(["export", str(root), "--format", "hf", str(tmp_path / "hf"), "--recipe", "no_such_recipe"])
     err = capsys.readouterr().err

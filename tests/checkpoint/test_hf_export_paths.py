@@ -28,7 +28,7 @@ from tests.checkpoint.test_hf_export import dcp_model_tensors
 STATE = TrainState(epoch=0, global_step=3, cursor=1)
 
 
-def components(model: torch.nn.Module) -> Components:
+def model_components(model: torch.nn.Module) -> Components:
     return Components(model=model, loss_fn=lambda out, batch: out, optimizers=())
 
 
@@ -48,7 +48,7 @@ def llama_run(tmp_path):
     tokenizer_dir.mkdir()
     (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 32}))
     run_config = {"model": {"path": str(model_dir)}, "assets": {"tokenizer_path": str(tokenizer_dir)}}
-    save(SaveTarget(tmp_path / "ckpt", components(model), config=run_config), STATE)
+    save(SaveTarget(tmp_path / "ckpt", model_components(model), config=run_config), STATE)
     return tmp_path / "ckpt", model_dir, tokenizer_dir, model
 
 
@@ -104,7 +104,7 @@ class Counter(torch.nn.Module):
 
 def test_integer_tensors_keep_their_dtype_and_do_not_set_the_weights_dtype(tmp_path):
     model = Counter()
-    save(SaveTarget(tmp_path / "ckpt", components(model), config={"model": {"width": 3}}), STATE)
+    save(SaveTarget(tmp_path / "ckpt", model_components(model), config={"model": {"width": 3}}), STATE)
     out = export_hf(tmp_path / "ckpt", tmp_path / "hf", dtype=torch.float16)
     weights = load_file(out / SAFE_WEIGHTS)
     assert weights["seen"].dtype == torch.int64 and torch.equal(weights["seen"], torch.arange(4))
@@ -115,7 +115,7 @@ def test_integer_tensors_keep_their_dtype_and_do_not_set_the_weights_dtype(tmp_p
 
 def test_bad_sources_and_outputs_name_themselves(tmp_path):
     model = Counter()
-    save(SaveTarget(tmp_path / "run" / "checkpoints", components(model)), STATE)
+    save(SaveTarget(tmp_path / "run" / "checkpoints", model_components(model)), STATE)
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileExistsError, match=r"output '.*file' exists and is not a directory"):
         export_hf(tmp_path / "run" / "checkpoints", tmp_path / "file")
@@ -134,7 +134,7 @@ def test_bad_sources_and_outputs_name_themselves(tmp_path):
 
 
 def test_a_failed_export_leaves_no_output_and_no_staging(tmp_path, monkeypatch):
-    save(SaveTarget(tmp_path / "ckpt", components(Counter())), STATE)
+    save(SaveTarget(tmp_path / "ckpt", model_components(Counter())), STATE)
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "old.txt").write_text("kept")
 

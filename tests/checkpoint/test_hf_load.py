@@ -23,7 +23,7 @@ from tests.recipes.test_hf_causal_lm import tiny_hf_model  # noqa: F401 - a fixt
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class TiedLM(nn.Module):
+class TiedNormLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(10, 4)
@@ -34,9 +34,9 @@ class TiedLM(nn.Module):
         self.register_buffer("steps", torch.zeros(()))  # persistent, absent from the files
 
 
-def reference() -> TiedLM:
+def reference_tied_lm() -> TiedNormLM:
     torch.manual_seed(0)
-    model = TiedLM()
+    model = TiedNormLM()
     with torch.no_grad():
         model.norm.weight.uniform_()
         model.norm.bias.uniform_()
@@ -59,10 +59,10 @@ def stored(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_meta_build_then_load_gives_the_saved_weights_across_files(tmp_path):
-    expected = reference()
+    expected = reference_tied_lm()
     directory = write_hf_dir(tmp_path / "hf", stored(expected), files=2)
     assert set(hf_checkpoint_keys(directory)) == {"embed.weight", "norm.weight", "norm.bias"}
-    model = build_model(TiedLM, Runtime(), "none", fill=hf_weights(directory))
+    model = build_model(TiedNormLM, Runtime(), "none", fill=hf_weights(directory))
     for name, tensor in stored(expected).items():
         assert torch.equal(model.state_dict()[name], tensor), name
     assert model.head.weight is model.embed.weight  # the tie survives and is loaded through embed
@@ -71,40 +71,40 @@ def test_meta_build_then_load_gives_the_saved_weights_across_files(tmp_path):
 
 
 def test_a_bf16_checkpoint_loads_into_fp32_weights(tmp_path):
-    tensors = {name: t.to(torch.bfloat16) for name, t in stored(reference()).items()}
-    model = build_model(TiedLM, Runtime(), "none", fill=hf_weights(write_hf_dir(tmp_path / "hf", tensors)))
+    tensors = {name: t.to(torch.bfloat16) for name, t in stored(reference_tied_lm()).items()}
+    model = build_model(TiedNormLM, Runtime(), "none", fill=hf_weights(write_hf_dir(tmp_path / "hf", tensors)))
     assert model.embed.weight.dtype == torch.float32
     assert torch.equal(model.embed.weight, tensors["embed.weight"].float())
 
 
 def test_missing_parameters_are_named(tmp_path):
-    tensors = stored(reference())
+    tensors = stored(reference_tied_lm())
     del tensors["norm.bias"]
     with pytest.raises(KeyError, match=r"lacks parameters: norm\.bias"):
-        load_hf_weights(TiedLM(), write_hf_dir(tmp_path / "hf", tensors))
+        load_hf_weights(TiedNormLM(), write_hf_dir(tmp_path / "hf", tensors))
 
 
 def test_a_shape_mismatch_is_named(tmp_path):
-    tensors = stored(reference())
+    tensors = stored(reference_tied_lm())
     tensors["norm.weight"] = torch.ones(5)
     with pytest.raises(ValueError, match=r"norm\.weight: .* shape \(5,\), the model \(4,\)"):
-        load_hf_weights(TiedLM(), write_hf_dir(tmp_path / "hf", tensors))
+        load_hf_weights(TiedNormLM(), write_hf_dir(tmp_path / "hf", tensors))
 
 
 def test_unexpected_tensors_are_reported_and_no_files_is_an_error(tmp_path, caplog):
-    tensors = {**stored(reference()), "extra.weight": torch.ones(2)}
-    load_hf_weights(TiedLM(), write_hf_dir(tmp_path / "hf", tensors))
+    tensors = {**stored(reference_tied_lm()), "extra.weight": torch.ones(2)}
+    load_hf_weights(TiedNormLM(), write_hf_dir(tmp_path / "hf", tensors))
     assert "extra.weight" in caplog.text
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
-        load_hf_weights(TiedLM(), tmp_path / "empty")
+        load_hf_weights(TiedNormLM(), tmp_path / "empty")
 
 
 # ----------------------------------------------------------------------------- slow: transformers, 2 ranks
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> Path:
+def sharded_tied_llama(tmp_path_factory) -> Path:
     """A tiny Llama with tied embeddings, saved by save_pretrained in several safetensors files."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -126,7 +126,7 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_two_rank_fsdp2_load_gives_transformers_logits_and_reads_only_local_rows(tiny_llama, tmp_path):
+def test_two_rank_fsdp2_load_gives_transformers_logits_and_reads_only_local_rows(sharded_tied_llama, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from tests.checkpoint.hf_load_worker import INPUT_IDS
@@ -138,13 +138,13 @@ def test_two_rank_fsdp2_load_gives_transformers_logits_and_reads_only_local_rows
     env.update(PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        "-m", "tests.checkpoint.hf_load_worker", str(tiny_llama), str(out),
+        "-m", "tests.checkpoint.hf_load_worker", str(sharded_tied_llama), str(out),
     ]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     loaded = torch.load(out)
 
-    reference_model = AutoModelForCausalLM.from_pretrained(tiny_llama, local_files_only=True).eval()
+    reference_model = AutoModelForCausalLM.from_pretrained(sharded_tied_llama, local_files_only=True).eval()
     with torch.no_grad():
         expected = reference_model(input_ids=INPUT_IDS).logits
     torch.testing.assert_close(loaded["logits"], expected, rtol=1e-5, atol=1e-5)
@@ -152,7 +152,7 @@ def test_two_rank_fsdp2_load_gives_transformers_logits_and_reads_only_local_rows
     assert loaded["local_numel"] * 2 == loaded["global_numel"]
 
     # Each rank asked the files for its own rows only; together they read every stored element once.
-    stored_numel = {name: shape.numel() for name, (shape, _) in hf_checkpoint_keys(tiny_llama).items()}
+    stored_numel = {name: shape.numel() for name, (shape, _) in hf_checkpoint_keys(sharded_tied_llama).items()}
     per_rank = [sum(torch.Size(lengths).numel() for _, _, lengths in reads) for reads in loaded["reads"]]
     assert sum(per_rank) == sum(stored_numel.values())
     assert all(count < sum(stored_numel.values()) for count in per_rank)
@@ -171,14 +171,14 @@ def test_recipe_meta_init_trains_exactly_like_the_transformers_load(tiny_hf_mode
     from fntrain.run.job import run_job
     from fntrain.runtime.parallel import ParallelConfig
     from recipes import hf_causal_lm as hf
-    from tests.recipes.test_hf_causal_lm import _config
+    from tests.recipes.test_hf_causal_lm import hf_run_config
 
     model_dir, data_path = tiny_hf_model
     losses = {}
     for meta_init in (False, True):
         run_dir = tmp_path / f"meta_{meta_init}"
         config = dataclasses.replace(
-            _config(model_dir, data_path, run_dir), parallel=ParallelConfig(meta_init=meta_init)
+            hf_run_config(model_dir, data_path, run_dir), parallel=ParallelConfig(meta_init=meta_init)
         )
         if meta_init:  # the meta path never loads through from_pretrained
             monkeypatch.setattr(

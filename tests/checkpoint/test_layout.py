@@ -27,7 +27,7 @@ from fntrain.checkpoint.retention import retain
 from fntrain.checkpoint.verify import write_manifest
 
 
-def make(root, step, *, metadata=True, marker=True):
+def make_step_dir(root, step, *, metadata=True, marker=True):
     path = step_dir(root, step)
     path.mkdir(parents=True)
     (path / "__0_0.distcp").write_bytes(b"data")
@@ -48,23 +48,23 @@ def test_step_dir_names():
 
 
 def test_complete_needs_metadata_and_marker(tmp_path):
-    assert is_complete(make(tmp_path, 1))
-    assert not is_complete(make(tmp_path, 2, marker=False))
-    assert not is_complete(make(tmp_path, 3, metadata=False))
+    assert is_complete(make_step_dir(tmp_path, 1))
+    assert not is_complete(make_step_dir(tmp_path, 2, marker=False))
+    assert not is_complete(make_step_dir(tmp_path, 3, metadata=False))
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_1"]
 
 
 def test_latest_follows_a_pointer_to_a_complete_checkpoint(tmp_path):
-    make(tmp_path, 4)
-    make(tmp_path, 8)
+    make_step_dir(tmp_path, 4)
+    make_step_dir(tmp_path, 8)
     write_latest(tmp_path, step_dir(tmp_path, 4))
     assert find_latest(tmp_path) == step_dir(tmp_path, 4)  # the pointer wins over a higher step
 
 
 def test_latest_falls_back_to_highest_complete(tmp_path):
-    make(tmp_path, 4)
-    make(tmp_path, 10)
-    make(tmp_path, 12, marker=False)  # a crashed save: ignored
+    make_step_dir(tmp_path, 4)
+    make_step_dir(tmp_path, 10)
+    make_step_dir(tmp_path, 12, marker=False)  # a crashed save: ignored
     (tmp_path / LATEST).write_text("step_12\n")  # a pointer to an incomplete checkpoint
     assert find_latest(tmp_path) == step_dir(tmp_path, 10)
     (tmp_path / LATEST).write_text("../../etc\n")  # never followed outside the root
@@ -75,12 +75,12 @@ def test_latest_falls_back_to_highest_complete(tmp_path):
 
 def test_latest_is_none_without_checkpoints(tmp_path):
     assert find_latest(tmp_path / "missing") is None
-    make(tmp_path, 3, marker=False)
+    make_step_dir(tmp_path, 3, marker=False)
     assert find_latest(tmp_path) is None
 
 
 def test_marker_refused_before_dcp_metadata(tmp_path):
-    path = make(tmp_path, 5, metadata=False, marker=False)
+    path = make_step_dir(tmp_path, 5, metadata=False, marker=False)
     with pytest.raises(RuntimeError, match="metadata"):
         write_marker(path, {"step": 5})
     assert not (path / MARKER).exists()
@@ -91,20 +91,20 @@ def test_marker_refused_before_dcp_metadata(tmp_path):
 
 
 def test_latest_pointer_refuses_incomplete_and_replaces_atomically(tmp_path):
-    partial = make(tmp_path, 7, marker=False)
+    partial = make_step_dir(tmp_path, 7, marker=False)
     with pytest.raises(RuntimeError, match="not a complete checkpoint"):
         write_latest(tmp_path, partial)
     assert not (tmp_path / LATEST).exists()
-    write_latest(tmp_path, make(tmp_path, 3))
-    write_latest(tmp_path, make(tmp_path, 6))
+    write_latest(tmp_path, make_step_dir(tmp_path, 3))
+    write_latest(tmp_path, make_step_dir(tmp_path, 6))
     assert (tmp_path / LATEST).read_text() == "step_6\n"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp file left
 
 
 def test_retention_keeps_newest_complete_and_partials(tmp_path):
     for step in (2, 4, 6, 8):
-        make(tmp_path, step)
-    make(tmp_path, 10, marker=False)  # maybe an async save in flight: never touched by retention
+        make_step_dir(tmp_path, step)
+    make_step_dir(tmp_path, 10, marker=False)  # maybe an async save in flight: never touched by retention
     removed = retain(tmp_path, 2)
     assert [p.name for p in removed] == ["step_2", "step_4"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10", "step_6", "step_8"]
@@ -116,16 +116,16 @@ def test_retention_keeps_newest_complete_and_partials(tmp_path):
 def test_retention_never_removes_the_checkpoint_just_saved(tmp_path):
     """Resumed from step 4 of a run that had gone on to 12: saving step 8 again must not lose it."""
     for step in (4, 8, 12):
-        make(tmp_path, step)
+        make_step_dir(tmp_path, step)
     removed = retain(tmp_path, 1, protect=step_dir(tmp_path, 8))
     assert sorted(p.name for p in removed) == ["step_4"]
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_8", "step_12"]
 
 
 def test_clean_partial_moves_incomplete_aside_never_deletes(tmp_path):
-    make(tmp_path, 1)
-    make(tmp_path, 2, marker=False)
-    make(tmp_path, 3, metadata=False, marker=False)
+    make_step_dir(tmp_path, 1)
+    make_step_dir(tmp_path, 2, marker=False)
+    make_step_dir(tmp_path, 3, metadata=False, marker=False)
     (tmp_path / "step_3.incomplete").mkdir()  # set aside by an earlier restore: the name is taken
     step_dir(tmp_path, 4).mkdir()  # empty: nothing to keep
     (tmp_path / f".{LATEST}.tmp-123").write_text("step_3")
@@ -141,7 +141,7 @@ def test_clean_partial_moves_incomplete_aside_never_deletes(tmp_path):
 
 def test_candidates_follow_the_pointer_then_older_steps(tmp_path):
     for step in (2, 4, 6, 8):
-        make(tmp_path, step)
+        make_step_dir(tmp_path, step)
     assert [p.name for p in candidates(tmp_path)] == ["step_8", "step_6", "step_4", "step_2"]
     write_latest(tmp_path, step_dir(tmp_path, 4))  # resumed behind a longer attempt: 6 and 8 are not tried
     assert [p.name for p in candidates(tmp_path)] == ["step_4", "step_2"]
@@ -149,13 +149,13 @@ def test_candidates_follow_the_pointer_then_older_steps(tmp_path):
 
 def test_retention_never_counts_or_deletes_what_it_cannot_verify(tmp_path, caplog):
     for step in (2, 4, 6, 8, 10):
-        make(tmp_path, step)
+        make_step_dir(tmp_path, step)
     (step_dir(tmp_path, 10) / "__0_0.distcp").write_bytes(b"da")  # truncated
     (step_dir(tmp_path, 8) / "__0_0.distcp").write_bytes(b"DATA")  # changed, same size
     legacy = step_dir(tmp_path, 6)
     (legacy / "manifest.json").unlink()  # saved by an older fntrain: cannot be verified
-    make(tmp_path, 12, marker=False)  # maybe an async save in flight
-    removed = retain(tmp_path, 2, protect=make(tmp_path, 14))
+    make_step_dir(tmp_path, 12, marker=False)  # maybe an async save in flight
+    removed = retain(tmp_path, 2, protect=make_step_dir(tmp_path, 14))
     assert [p.name for p in removed] == ["step_2"]  # 14 (just saved) and 4 are the newest verified two
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "step_10.damaged", "step_12", "step_14", "step_4", "step_6", "step_8.damaged",

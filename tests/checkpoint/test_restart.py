@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ from fntrain import TrainState
 from fntrain.checkpoint import SaveTarget, find_latest, resolve_source, restore, save, step_dir
 from fntrain.runtime.restart import RESTART_HINT, attempt_store, note_restart_hint
 from tests.checkpoint import toy
+from tests.helpers.ports import free_port
+from tests.helpers.runs import recorded_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,12 +96,6 @@ def test_restart_hint_for_a_restarted_worker_of_several_nodes():
 # ----------------------------------------------------------------------------- torchrun --max-restarts
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 STEPS = 10
 FLOOR_S = 6.0  # the frozen-rank job's watchdog limit (grace_s 0: no start-up grace); production keeps 600 s
 POLL_S = 0.25
@@ -110,7 +105,7 @@ WATCHDOG = ["--watchdog.floor-s", str(FLOOR_S), "--watchdog.grace-s", "0", "--wa
             "--watchdog.factor", "1"]  # fmt: skip
 
 
-def torchrun(
+def torchrun_restarting(
     run_dir: Path,
     fault: str,
     corpus: Path,
@@ -146,43 +141,24 @@ def torchrun(
 
 
 # The slow tests' torchrun and its workers are forks of one process that imported torch and fntrain once
-# (tests/helpers/fork_server.py), set up for the module by `python` below.
+# (tests/helpers/fork_server.py), set up for the module by the `module_launches_forked` fixture (tests/conftest.py).
 PYTHON: dict[str, object] = {}
 
 
 @pytest.fixture(scope="module")
-def python(fork_env):
-    PYTHON.update(executable=fork_env["PYTHON_FORK"], env=fork_env)
-    yield
-    PYTHON.clear()
-
-
-def losses(run_dir: Path) -> list[tuple[int, str]]:
-    words = (run_dir / "losses.txt").read_text().split()
-    return [(int(step), value) for step, value in zip(words[::2], words[1::2], strict=True)]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_bytes((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:1700])
-    return path
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus, python) -> Path:
+def uninterrupted_run(tmp_path_factory, corpus, module_launches_forked) -> Path:
     """The uninterrupted run both restarted jobs must end as (the watchdog settings change no step)."""
     run_dir = tmp_path_factory.mktemp("reference")
-    result = torchrun(run_dir, "none", corpus, restarts=0)
+    result = torchrun_restarting(run_dir, "none", corpus, restarts=0)
     assert result.returncode == 0, result.stderr[-4000:]
     return run_dir
 
 
-def assert_same_run(reference: Path, run_dir: Path) -> None:
+def assert_same_run_after_restart(reference: Path, run_dir: Path) -> None:
     """Rank 0 recorded every step exactly once (the restarted job resumed from step 4's checkpoint after
     a fault at step 5, before step 5 completed anywhere), each loss and the final weights equal to the
     reference's."""
-    expected, recorded = dict(losses(reference)), losses(run_dir)
+    expected, recorded = dict(recorded_losses(reference)), recorded_losses(run_dir)
     assert sorted(expected) == list(range(1, STEPS + 1))
     assert [step for step, _ in recorded] == list(range(1, STEPS + 1)), recorded
     assert all(value == expected[step] for step, value in recorded), "losses differ from the reference"
@@ -191,13 +167,13 @@ def assert_same_run(reference: Path, run_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_torchrun_restart_after_a_crash_on_rank_1_matches_an_uninterrupted_run(tmp_path, corpus, reference):
+def test_torchrun_restart_after_a_crash_on_rank_1_matches_an_uninterrupted_run(tmp_path, corpus, uninterrupted_run):
     run_dir = tmp_path / "run"
-    result = torchrun(run_dir, "crash:1:5", corpus, restarts=1)
+    result = torchrun_restarting(run_dir, "crash:1:5", corpus, restarts=1)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert "injected crash on rank 1 at step 5" in output  # it did crash, and torchrun restarted it
-    assert_same_run(reference, run_dir)
+    assert_same_run_after_restart(uninterrupted_run, run_dir)
 
     metadata = json.loads((run_dir / "run_metadata.json").read_text())
     assert metadata["restart_count"] == 1 and [
@@ -210,11 +186,11 @@ def test_torchrun_restart_after_a_crash_on_rank_1_matches_an_uninterrupted_run(t
 
 @pytest.mark.slow
 def test_a_frozen_worker_is_found_by_the_healthy_rank_restarted_and_resumed_bitwise(
-    tmp_path, corpus, reference
+    tmp_path, corpus, uninterrupted_run
 ):
     run_dir = tmp_path / "run"
     started = time.monotonic()
-    result = torchrun(
+    result = torchrun_restarting(
         run_dir, "sigstop:1:5", corpus, restarts=2, agent=("--shutdown-timeout", "5"), extra=tuple(WATCHDOG),
         fresh=True,
     )  # fmt: skip
@@ -237,6 +213,6 @@ def test_a_frozen_worker_is_found_by_the_healthy_rank_restarted_and_resumed_bitw
     assert marker["rank"] == 0 and "inside step 5" in marker["reason"]
 
     # torchrun restarted the job, which resumed from step 4's checkpoint, bit for bit.
-    assert_same_run(reference, run_dir)
+    assert_same_run_after_restart(uninterrupted_run, run_dir)
     metadata = json.loads((run_dir / "run_metadata.json").read_text())
     assert metadata["restart_count"] >= 1 and metadata["launches"][-1]["start_step"] == 4

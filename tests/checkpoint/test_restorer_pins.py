@@ -31,11 +31,11 @@ from tests.checkpoint import toy
 DATA = "__0_0.distcp"
 
 
-def ours(caplog) -> list[tuple[int, str]]:
+def restorer_logs(caplog) -> list[tuple[int, str]]:
     return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "fntrain.checkpoint"]
 
 
-def truncate(path) -> None:
+def truncate_data(path) -> None:
     blob = (path / DATA).read_bytes()
     (path / DATA).write_bytes(blob[: len(blob) // 2])
 
@@ -82,12 +82,12 @@ def test_a_checkpoint_root_named_by_path_means_its_newest_intact_one_left_in_pla
     toy.two_checkpoints(tmp_path)
     (tmp_path / LATEST).unlink()  # found from the step directories alone
     assert resolve_source(tmp_path) == step_dir(tmp_path, 4)
-    truncate(step_dir(tmp_path, 4))
+    truncate_data(step_dir(tmp_path, 4))
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
         assert resolve_source(tmp_path) == step_dir(tmp_path, 2)
-    assert ours(caplog) == [(logging.WARNING, f"skipping damaged checkpoint {step_dir(tmp_path, 4)}/{DATA}: "
-                             + ours(caplog)[0][1].split(f"{DATA}: ", 1)[1])]  # fmt: skip
-    assert ours(caplog)[0][1].endswith("(trying step_2)")
+    assert restorer_logs(caplog) == [(logging.WARNING, f"skipping damaged checkpoint {step_dir(tmp_path, 4)}/{DATA}: "
+                             + restorer_logs(caplog)[0][1].split(f"{DATA}: ", 1)[1])]  # fmt: skip
+    assert restorer_logs(caplog)[0][1].endswith("(trying step_2)")
     assert (
         step_dir(tmp_path, 4).is_dir() and not (tmp_path / LATEST).exists()
     )  # not the run's root: untouched
@@ -96,12 +96,12 @@ def test_a_checkpoint_root_named_by_path_means_its_newest_intact_one_left_in_pla
 def test_latest_passes_over_damage_with_one_warning_each_and_says_when_none_is_left(tmp_path, caplog):
     toy.two_checkpoints(tmp_path)
     for step in (2, 4):
-        truncate(step_dir(tmp_path, step))
+        truncate_data(step_dir(tmp_path, step))
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
         with pytest.raises(CheckpointDamagedError) as raised:
             restore("latest", toy.components(), root=tmp_path)
     assert str(raised.value).endswith("; no intact checkpoint to restore (2 damaged)")
-    first, second = (message for _, message in ours(caplog))
+    first, second = (message for _, message in restorer_logs(caplog))
     assert first.startswith(f"skipping damaged checkpoint {step_dir(tmp_path, 4)}/{DATA}: truncated")
     assert first.endswith("(moved aside to step_4.damaged; trying step_2)")
     assert second.endswith("(moved aside to step_2.damaged; no older checkpoint to try)")
@@ -114,7 +114,7 @@ def test_latest_passes_over_damage_with_one_warning_each_and_says_when_none_is_l
     assert [str(w.message) for w in said] == [
         f"no complete checkpoint under {tmp_path}; starting fresh{note}"
     ]
-    assert ours(caplog)[-1] == (logging.WARNING, f"restore auto: no complete checkpoint under {tmp_path}; "
+    assert restorer_logs(caplog)[-1] == (logging.WARNING, f"restore auto: no complete checkpoint under {tmp_path}; "
                                 f"starting fresh{note}")  # fmt: skip
 
 
@@ -123,14 +123,14 @@ def test_auto_on_an_empty_root_logs_a_quiet_fresh_start(tmp_path, caplog):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert restore("auto", toy.components(), root=tmp_path) == TrainState()
-    assert ours(caplog) == [
+    assert restorer_logs(caplog) == [
         (logging.INFO, f"restore auto: no complete checkpoint under {tmp_path}; starting fresh")
     ]
 
 
 def test_a_damaged_checkpoint_that_cannot_be_moved_aside_is_still_skipped(tmp_path, caplog, monkeypatch):
     toy.two_checkpoints(tmp_path)
-    truncate(step_dir(tmp_path, 4))
+    truncate_data(step_dir(tmp_path, 4))
 
     def refuse(path, suffix):
         raise PermissionError(13, "Permission denied")
@@ -138,7 +138,7 @@ def test_a_damaged_checkpoint_that_cannot_be_moved_aside_is_still_skipped(tmp_pa
     monkeypatch.setattr(restorer_module, "move_aside", refuse)
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
         assert restore("latest", toy.components(), root=tmp_path) == TrainState(0, 2, 2)
-    (message,) = (m for _, m in ours(caplog))
+    (message,) = (m for _, m in restorer_logs(caplog))
     assert message.endswith("(could not move it aside ([Errno 13] Permission denied); trying step_2)")
     assert (tmp_path / LATEST).read_text() == "step_2\n"  # the pointer names what was restored
 
@@ -149,7 +149,7 @@ def test_a_named_checkpoint_clears_the_roots_partials_and_a_damaged_one_says_wha
     (tmp_path / "step_9" / DATA).write_bytes(b"partial")
     assert resolve_source(step_dir(tmp_path, 2), tmp_path) == step_dir(tmp_path, 2)
     assert (tmp_path / "step_9.incomplete" / DATA).is_file()
-    truncate(step_dir(tmp_path, 2))
+    truncate_data(step_dir(tmp_path, 2))
     with pytest.raises(CheckpointDamagedError) as raised:
         resolve_source(step_dir(tmp_path, 2), tmp_path)
     assert str(raised.value).endswith('; restore another checkpoint ("latest" skips damaged ones)')
@@ -168,7 +168,7 @@ def test_restore_logs_what_it_restored_and_what_differs_from_the_save(tmp_path, 
     with caplog.at_level(logging.INFO, logger="fntrain.checkpoint"):
         state = restore(path, toy.components(), hooks=lambda: [hook, newcomer, other])
     assert state == TrainState(1, 5, 2)
-    assert ours(caplog) == [
+    assert restorer_logs(caplog) == [
         (logging.WARNING, f"checkpoint {path} has no manifest (saved by an older fntrain): its file sizes and "
                           "metadata were checked, its contents could not be verified"),
         (logging.WARNING, f"checkpoint {path} was saved by 2 rank(s), restoring on 1"),
@@ -200,7 +200,7 @@ def test_another_rank_without_its_own_file_keeps_its_rng_and_takes_rank_zeros_ho
     assert (
         logging.WARNING,
         f"checkpoint {path} has no RNG state for rank 1; its RNG keeps the seeded state",
-    ) in ours(caplog)
+    ) in restorer_logs(caplog)
 
 
 def test_weights_only_restores_the_model_alone_and_says_so(tmp_path, caplog):
@@ -212,7 +212,7 @@ def test_weights_only_restores_the_model_alone_and_says_so(tmp_path, caplog):
         assert restore(path, fresh, weights_only=True) == TrainState()
     assert toy.same_weights(fresh, parts) and not fresh.optimizers[0].state
     assert fresh.schedulers[0].last_epoch == 0
-    assert ours(caplog)[-1] == (
+    assert restorer_logs(caplog)[-1] == (
         logging.INFO,
         f"restored model weights from {path} (weights only; training starts at step 0)",
     )
@@ -281,18 +281,18 @@ def group_of_one(monkeypatch):
 
 def test_under_a_process_group_latest_passes_over_damage_as_alone(tmp_path, group_of_one, caplog):
     toy.two_checkpoints(tmp_path)
-    truncate(step_dir(tmp_path, 4))
+    truncate_data(step_dir(tmp_path, 4))
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
         assert restore("latest", toy.components(), root=tmp_path) == TrainState(0, 2, 2)
     assert len(group_of_one) == 1  # the plan went through the broadcast
     assert (tmp_path / "step_4.damaged").is_dir() and (tmp_path / LATEST).read_text() == "step_2\n"
-    (message,) = (m for _, m in ours(caplog))
+    (message,) = (m for _, m in restorer_logs(caplog))
     assert message.endswith("(moved aside to step_4.damaged; trying step_2)")
 
 
 def test_under_a_process_group_a_named_damaged_checkpoint_is_refused_as_alone(tmp_path, group_of_one):
     toy.two_checkpoints(tmp_path)
-    truncate(step_dir(tmp_path, 4))
+    truncate_data(step_dir(tmp_path, 4))
     with pytest.raises(CheckpointDamagedError) as raised:
         restore(step_dir(tmp_path, 4), toy.components(), root=tmp_path)
     assert str(raised.value).endswith(restorer_module.NAMED_DAMAGED_HINT)
@@ -305,7 +305,7 @@ def test_under_a_process_group_an_empty_root_says_fresh_start_as_alone(tmp_path,
     assert [str(w.message) for w in said] == [f"no complete checkpoint under {tmp_path}; starting fresh"]
     with caplog.at_level(logging.INFO, logger="fntrain.checkpoint"):
         assert restore("auto", toy.components(), root=tmp_path) == TrainState()
-    assert ours(caplog) == [(logging.INFO, f"restore auto: no complete checkpoint under {tmp_path}; starting fresh")]
+    assert restorer_logs(caplog) == [(logging.INFO, f"restore auto: no complete checkpoint under {tmp_path}; starting fresh")]
 
 
 def test_another_rank_resolves_rank_zeros_plan_or_says_rank_zeros_error(tmp_path, group_of_one, monkeypatch):
@@ -329,13 +329,13 @@ def test_latest_tries_the_next_older_checkpoint_and_names_the_newest_damage(tmp_
     parts = toy.components()
     for step in (2, 4, 6):
         save(SaveTarget(tmp_path, parts), TrainState(0, step, step))
-    truncate(step_dir(tmp_path, 6))
+    truncate_data(step_dir(tmp_path, 6))
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
         assert restore("latest", toy.components(), root=tmp_path) == TrainState(0, 4, 4)
-    (message,) = (m for _, m in ours(caplog))
+    (message,) = (m for _, m in restorer_logs(caplog))
     assert message.endswith("(moved aside to step_6.damaged; trying step_4)")
     for step in (2, 4):
-        truncate(step_dir(tmp_path, step))
+        truncate_data(step_dir(tmp_path, step))
     with pytest.raises(CheckpointDamagedError) as raised:
         restore("latest", toy.components(), root=tmp_path)
     assert str(raised.value).startswith(f"damaged checkpoint: {step_dir(tmp_path, 4)}/{DATA}: truncated")
@@ -364,7 +364,7 @@ def test_a_checkpoint_without_a_world_size_counts_as_one_rank(tmp_path, caplog):
     (path / MANIFEST).unlink()  # its files are then checked by size, not checksum
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
         restore(path, toy.components())
-    assert not any("rank(s), restoring on" in m for _, m in ours(caplog))
+    assert not any("rank(s), restoring on" in m for _, m in restorer_logs(caplog))
 
 
 def test_a_model_without_parameters_restores_its_rng_and_buffers(tmp_path):
@@ -437,7 +437,7 @@ def test_a_pipeline_stage_gets_each_of_its_parameters_saved_optimizer_state_quie
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert restore(path, stage, model_part=True) == TrainState(0, 1, 1)
-    assert ours(caplog) == []
+    assert restorer_logs(caplog) == []
     weights = whole.model.state_dict()
     assert all(torch.equal(value, weights[key]) for key, value in stage.model.state_dict().items())
 
@@ -460,7 +460,7 @@ def test_model_keys_the_model_lacks_are_one_warning_naming_them_unless_it_is_a_s
     expected = [] if kwargs else [
         (logging.WARNING, f"checkpoint {path} has model keys the model does not: extra.bias, extra.weight (ignored)")
     ]
-    assert ours(caplog) == expected
+    assert restorer_logs(caplog) == expected
 
 
 @pytest.mark.parametrize("tied_listed", [True, False], ids=["tied-listed", "older-meta-without-tied"])
@@ -545,7 +545,7 @@ def test_a_checkpoint_without_any_rank_file_restores_with_fresh_rng_and_hooks(tm
     box["n"] = 0
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
         assert restore(path, toy.components(), hooks=[hook], verified=True) == TrainState(0, 3, 3)
-    assert box == {"n": 0} and ours(caplog) == [
+    assert box == {"n": 0} and restorer_logs(caplog) == [
         (logging.WARNING, f"checkpoint {path} has no RNG state for rank 0; its RNG keeps the seeded state"),
         (logging.WARNING, f"checkpoint {path} has no state for hook(s) counter; they start fresh"),
     ]
@@ -595,12 +595,12 @@ def test_under_a_process_group_a_root_named_by_path_leaves_its_damage_in_place(
     monkeypatch.chdir(tmp_path)
     root = tmp_path / "runs"
     toy.two_checkpoints(root)
-    truncate(step_dir(root, 4))
+    truncate_data(step_dir(root, 4))
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
         assert resolve_source(root) == step_dir(root, 2)
     assert step_dir(root, 4).is_dir() and (root / LATEST).read_text() == "step_4\n"
     assert [p.name for p in tmp_path.iterdir()] == ["runs"]  # no pointer written anywhere else
-    (message,) = (m for _, m in ours(caplog))
+    (message,) = (m for _, m in restorer_logs(caplog))
     assert message.endswith("(trying step_2)") and "moved aside" not in message
 
 

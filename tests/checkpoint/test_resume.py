@@ -29,11 +29,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fntrain.checkpoint import find_latest, is_complete, read_meta
 from fntrain.checkpoint.layout import LATEST
+from tests.helpers.runs import exported_weights, recorded_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -60,25 +60,10 @@ def env() -> dict[str, str]:
     return out
 
 
-# The preloaded Python's launcher and environment (set for the module by `python` below): every launch
+# The preloaded Python's launcher and environment (set for the module by the `module_launches_forked` fixture, tests/conftest.py): every launch
 # goes through it.
 PYTHON: dict[str, object] = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def python(fork_env):
-    PYTHON.update(executable=fork_env["PYTHON_FORK"], env=dict(fork_env))
-    yield
-    PYTHON.clear()
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """A corpus small enough for 6 steps per epoch, so 12 steps cross an epoch boundary."""
-    text = (ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:1700]
-    path = tmp_path_factory.mktemp("corpus") / "small.txt"
-    path.write_bytes(text)
-    return path
+pytestmark = pytest.mark.usefixtures("module_launches_forked")
 
 
 def launch(run_dir: Path, kill: str, args: list[str], corpus: Path, *, ranks: int = 1) -> subprocess.Popen:
@@ -129,15 +114,6 @@ def finish(process: subprocess.Popen, *, killed: bool, timeout: float = 240) -> 
         assert process.returncode == 0, output[-6000:]
 
 
-def losses(run_dir: Path) -> list[tuple[int, str]]:
-    lines = (run_dir / "losses.txt").read_text().split()
-    return [(int(step), value) for step, value in zip(lines[::2], lines[1::2], strict=True)]
-
-
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "model.safetensors")
-
-
 def assert_latest_is_complete(run_dir: Path) -> None:
     root = run_dir / "checkpoints"
     pointer = root / LATEST
@@ -147,14 +123,14 @@ def assert_latest_is_complete(run_dir: Path) -> None:
     assert found is None or is_complete(found)
 
 
-def assert_same_run(reference: Path, run_dir: Path) -> None:
-    expected = dict(losses(reference))
+def assert_same_losses_and_weights(reference: Path, run_dir: Path) -> None:
+    expected = dict(recorded_losses(reference))
     assert sorted(expected) == list(range(1, STEPS + 1))
-    recorded = losses(run_dir)
+    recorded = recorded_losses(run_dir)
     assert {step for step, _ in recorded} == set(expected)
     mismatches = [(step, value, expected[step]) for step, value in recorded if value != expected[step]]
     assert not mismatches, f"losses differ from the uninterrupted run: {mismatches}"
-    want, got = weights(reference), weights(run_dir)
+    want, got = exported_weights(reference), exported_weights(run_dir)
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k]) for k in want), "final weights differ"
 
@@ -167,7 +143,7 @@ PREEMPT = ["--checkpoint.preempt-check-every", "2"]
 def preempted(run_dir: Path, at: int, args: list[str], corpus: Path, ranks: int) -> None:
     """SIGTERM to the last rank at step `at` (odd): every rank agrees to save the step they stop at and
     stop cleanly, exiting with the documented status 143 (torchrun then reports the workers' 143)."""
-    earlier = len(losses(run_dir)) if (run_dir / "losses.txt").exists() else 0
+    earlier = len(recorded_losses(run_dir)) if (run_dir / "losses.txt").exists() else 0
     process = launch(run_dir, f"preempt:{at}", args, corpus, ranks=ranks)
     output = ended(process)
     if ranks == 1:
@@ -175,7 +151,7 @@ def preempted(run_dir: Path, at: int, args: list[str], corpus: Path, ranks: int)
     else:
         assert process.returncode != 0 and output.count("exitcode  : 143") == 2, output[-3000:]
     stop = at if ranks == 1 else at + 1
-    assert max(step for step, _ in losses(run_dir)[earlier:]) == stop  # the last step this launch ran
+    assert max(step for step, _ in recorded_losses(run_dir)[earlier:]) == stop  # the last step this launch ran
     assert read_meta(find_latest(run_dir / "checkpoints"))["train_state"]["global_step"] == stop
 
 
@@ -209,7 +185,7 @@ def test_sigkill_inside_a_step_resumes_bit_for_bit(tmp_path, corpus):
         {"epoch": 0, "global_step": 4, "cursor": 4},
     )
     finish(launch(tmp_path / "run", "none", args, corpus), killed=False)
-    assert_same_run(tmp_path / "reference", tmp_path / "run")
+    assert_same_losses_and_weights(tmp_path / "reference", tmp_path / "run")
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     aside = [name for name in saved if re.fullmatch(r"step_\d+\.incomplete(\.\d+)?", name)]
     # keep_last 2; a partial left by the kill (step 6's background write) was moved aside, not deleted
@@ -256,8 +232,8 @@ def test_every_kill_point_and_a_preemption_in_turn_resume_bit_for_bit(tmp_path, 
     """The reference runs without the preemption check: checking for notices changes no step."""
     args = [*COMMON, *WORKERS, *PREEMPT] + (["--checkpoint.async-save"] if mode == "async" else [])
     kill_and_resume(tmp_path, list(KILL_CHAIN), args, corpus)
-    assert_same_run(uninterrupted(COMMON), tmp_path)
-    assert len(losses(tmp_path)) > STEPS  # the kills cost steps that the resumes redid
+    assert_same_losses_and_weights(uninterrupted(COMMON), tmp_path)
+    assert len(recorded_losses(tmp_path)) > STEPS  # the kills cost steps that the resumes redid
 
 
 def fsdp_args(
@@ -285,7 +261,7 @@ def test_two_ranks_killed_or_preempted_resume_bit_for_bit(tmp_path, corpus, unin
     run_dir = tmp_path / "run"
     args = [*fsdp_args(strategy=strategy), *WORKERS, "--checkpoint.async-save", *PREEMPT]
     kill_and_resume(run_dir, kills, args, corpus, ranks=2)
-    assert_same_run(uninterrupted(fsdp_args(strategy=strategy), ranks=2), run_dir)
+    assert_same_losses_and_weights(uninterrupted(fsdp_args(strategy=strategy), ranks=2), run_dir)
     step = find_latest(run_dir / "checkpoints")
     assert read_meta(step)["world_size"] == 2
     for rank in (0, 1):  # each rank saved its own RNG and hook states
@@ -310,17 +286,17 @@ def test_resharding_two_ranks_to_one(tmp_path, corpus):
     one = tmp_path / "one"
     shorter = ["--checkpoint.allow-changes", "train.train_iters"]  # it ends at the restored step
     finish(launch(one, "none", [*fsdp_args(8, str(checkpoint), "none", 0.0), *shorter], corpus), killed=False)
-    got = weights(one)
+    got = exported_weights(one)
     assert saved.keys() == got.keys() and all(torch.equal(saved[k], got[k]) for k in saved)
     assert (one / "losses.txt").read_text() == ""  # restored at its last step: nothing re-run, not re-saved
     assert not (one / "checkpoints").exists()
 
     on = tmp_path / "on"
     finish(launch(on, "none", fsdp_args(STEPS, str(checkpoint), "none", 0.0), corpus), killed=False)
-    want, got = weights(two), weights(on)  # the 2-rank run went on from step 8 too
+    want, got = exported_weights(two), exported_weights(on)  # the 2-rank run went on from step 8 too
     assert want.keys() == got.keys()
     assert all(torch.allclose(want[k], got[k], rtol=1e-4, atol=1e-5) for k in want)
-    assert min(step for step, _ in losses(on)) == 9
+    assert min(step for step, _ in recorded_losses(on)) == 9
 
 
 @pytest.mark.slow
@@ -333,6 +309,6 @@ def test_pipeline_kill_and_resume(tmp_path, corpus, uninterrupted):
     run_dir = tmp_path / "run"
     args = [*fsdp_args(strategy="none"), *pipeline, *WORKERS, "--checkpoint.async-save"]
     kill_and_resume(run_dir, ["optimizer:5", "marker:8"], args, corpus, ranks=2)
-    assert_same_run(uninterrupted([*fsdp_args(strategy="none"), *pipeline], ranks=2), run_dir)
+    assert_same_losses_and_weights(uninterrupted([*fsdp_args(strategy="none"), *pipeline], ranks=2), run_dir)
     meta = read_meta(find_latest(run_dir / "checkpoints"))
     assert meta["world_size"] == 2 and meta["config"]["parallel"]["pp_size"] == 2

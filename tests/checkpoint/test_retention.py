@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from fntrain.checkpoint import SaveTarget, list_checkpoints, read_meta, step_dir
+from fntrain.checkpoint import SaveTarget, read_meta, step_dir
 from fntrain.checkpoint.layout import DCP_METADATA, MARKER
 from fntrain.checkpoint.retention import retain, val_loss_of
 from fntrain.checkpoint.verify import write_manifest
@@ -18,12 +18,13 @@ from fntrain.loop import StepInfo
 from fntrain.run.config import CheckpointConfig
 from fntrain.runtime.runtime import Runtime
 from tests.checkpoint import toy
+from tests.helpers.checkpoints import saved_steps
 from tests.hooks.drive import drive
 
 LOSSES = {2: 1.0, 4: 3.0, 6: 2.0, 8: 2.5}  # evaluated every other step; step 2 is the best
 
 
-def make(root, step, val_loss=None):
+def make_scored_step_dir(root, step, val_loss=None):
     path = step_dir(root, step)
     path.mkdir(parents=True)
     (path / "__0_0.distcp").write_bytes(b"data")
@@ -32,10 +33,6 @@ def make(root, step, val_loss=None):
     write_manifest(path)
     (path / MARKER).write_text("{}")
     return path
-
-
-def steps(root) -> list[int]:
-    return [int(p.name.split("_")[1]) for p in list_checkpoints(root)]
 
 
 def test_the_default_is_the_newest_three_and_the_best():
@@ -52,7 +49,7 @@ def test_a_run_keeps_the_newest_three_and_the_best_and_says_what_it_deleted(tmp_
     hooks.append(hook)
     with caplog.at_level(logging.INFO, logger="fntrain.checkpoint"):
         drive(hook, 9, info=StepInfo({"loss": 0.0}))
-    assert steps(tmp_path) == [2, 7, 8, 9]
+    assert saved_steps(tmp_path) == [2, 7, 8, 9]
     assert read_meta(step_dir(tmp_path, 2))["val_loss"] == 1.0 and read_meta(step_dir(tmp_path, 9))["val_loss"] is None
     removed = [m for m in caplog.messages if m.startswith("removed")]
     assert removed[0] == f"removed old checkpoint {step_dir(tmp_path, 1)} (keep_last=3: not among the newest 3)"
@@ -64,32 +61,32 @@ def test_a_run_keeps_the_newest_three_and_the_best_and_says_what_it_deleted(tmp_
 
 def test_retain_keeps_the_lowest_recorded_val_loss_and_the_newest_of_equals(tmp_path):
     for step, loss in ((1, 2.0), (2, 0.5), (3, None), (4, 0.5), (5, 3.0), (6, None), (7, None)):
-        make(tmp_path, step, loss)
+        make_scored_step_dir(tmp_path, step, loss)
     removed = retain(tmp_path, 2, keep_best=True)
     assert [p.name for p in removed] == ["step_1", "step_2", "step_3", "step_5"]
-    assert steps(tmp_path) == [4, 6, 7]
+    assert saved_steps(tmp_path) == [4, 6, 7]
 
 
 def test_without_keep_best_or_any_evaluation_only_the_newest_stay(tmp_path):
     for step in (1, 2, 3, 4):
-        make(tmp_path, step, 1.0 / step if step < 3 else None)
+        make_scored_step_dir(tmp_path, step, 1.0 / step if step < 3 else None)
     assert retain(tmp_path, 2) == [step_dir(tmp_path, 1), step_dir(tmp_path, 2)]
     for step in (5, 6):
-        make(tmp_path, step, None)
+        make_scored_step_dir(tmp_path, step, None)
     assert [p.name for p in retain(tmp_path, 1, keep_best=True)] == ["step_3", "step_4", "step_5"]
 
 
 def test_the_checkpoint_just_saved_and_the_best_both_stay(tmp_path):
     """Resumed from step 3 of a run that had reached 4: step 3 (latest) stays, and so does the best."""
     for step, loss in ((1, 0.9), (2, 0.1), (3, 0.8), (4, 0.7)):
-        make(tmp_path, step, loss)
+        make_scored_step_dir(tmp_path, step, loss)
     assert retain(tmp_path, 1, protect=step_dir(tmp_path, 3), keep_best=True) == [step_dir(tmp_path, 1)]
-    assert steps(tmp_path) == [2, 3, 4]
+    assert saved_steps(tmp_path) == [2, 3, 4]
 
 
 def test_a_damaged_best_is_moved_aside_not_kept_as_best(tmp_path):
     for step, loss in ((1, 0.1), (2, 0.9), (3, 0.8)):
-        make(tmp_path, step, loss)
+        make_scored_step_dir(tmp_path, step, loss)
     (step_dir(tmp_path, 1) / "__0_0.distcp").write_bytes(b"DATA")
     assert retain(tmp_path, 1, keep_best=True) == [step_dir(tmp_path, 2)]  # step 3: the newest and best left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1.damaged", "step_3"]

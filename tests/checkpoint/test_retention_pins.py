@@ -15,7 +15,7 @@ from fntrain.checkpoint.retention import remove_superseded_temporary, retain
 from fntrain.checkpoint.verify import write_manifest
 
 
-def make(root, step, *, temporary=False, marker=True):
+def make_manifested_step_dir(root, step, *, temporary=False, marker=True):
     path = step_dir(root, step)
     path.mkdir(parents=True)
     (path / "__0_0.distcp").write_bytes(b"data")
@@ -31,11 +31,11 @@ def names(root):
 
 
 def test_a_complete_checkpoint_supersedes_older_temporary_ones_only(tmp_path, caplog):
-    make(tmp_path, 2, temporary=True)
-    make(tmp_path, 3)  # permanent: stays
-    make(tmp_path, 4, temporary=True)
-    newest = make(tmp_path, 6, temporary=True)  # the one just completed: never removed itself
-    make(tmp_path, 8, temporary=True)  # a higher step (an earlier attempt): not superseded
+    make_manifested_step_dir(tmp_path, 2, temporary=True)
+    make_manifested_step_dir(tmp_path, 3)  # permanent: stays
+    make_manifested_step_dir(tmp_path, 4, temporary=True)
+    newest = make_manifested_step_dir(tmp_path, 6, temporary=True)  # the one just completed: never removed itself
+    make_manifested_step_dir(tmp_path, 8, temporary=True)  # a higher step (an earlier attempt): not superseded
     with caplog.at_level(logging.INFO, logger="fntrain.checkpoint"):
         removed = remove_superseded_temporary(tmp_path, newest)
     assert [p.name for p in removed] == ["step_2", "step_4"]
@@ -44,17 +44,17 @@ def test_a_complete_checkpoint_supersedes_older_temporary_ones_only(tmp_path, ca
 
 
 def test_nothing_is_superseded_by_an_incomplete_or_unnamed_checkpoint(tmp_path):
-    make(tmp_path, 2, temporary=True)
-    assert remove_superseded_temporary(tmp_path, make(tmp_path, 5, marker=False)) == []
+    make_manifested_step_dir(tmp_path, 2, temporary=True)
+    assert remove_superseded_temporary(tmp_path, make_manifested_step_dir(tmp_path, 5, marker=False)) == []
     assert remove_superseded_temporary(tmp_path, tmp_path / "export") == []
     assert names(tmp_path) == ["step_2", "step_5"]
 
 
 def test_a_damaged_temporary_checkpoint_is_moved_aside_not_deleted(tmp_path, caplog):
-    old = make(tmp_path, 2, temporary=True)
+    old = make_manifested_step_dir(tmp_path, 2, temporary=True)
     (old / "__0_0.distcp").write_bytes(b"da")
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
-        assert remove_superseded_temporary(tmp_path, make(tmp_path, 4)) == []
+        assert remove_superseded_temporary(tmp_path, make_manifested_step_dir(tmp_path, 4)) == []
     assert names(tmp_path) == ["step_2.damaged", "step_4"]
     message = caplog.messages[0]
     assert message.startswith(f"checkpoint {old} is damaged (") and "truncated" in message
@@ -63,7 +63,7 @@ def test_a_damaged_temporary_checkpoint_is_moved_aside_not_deleted(tmp_path, cap
 
 def test_retain_logs_what_it_removes_and_ignores_a_negative_keep_last(tmp_path, caplog):
     for step in (1, 2, 3):
-        make(tmp_path, step)
+        make_manifested_step_dir(tmp_path, step)
     assert retain(tmp_path, -1) == []
     with caplog.at_level(logging.INFO, logger="fntrain.checkpoint"):
         assert [p.name for p in retain(tmp_path, 1)] == ["step_1", "step_2"]
@@ -75,7 +75,7 @@ def test_retain_logs_what_it_removes_and_ignores_a_negative_keep_last(tmp_path, 
 
 def test_a_checkpoint_that_cannot_be_verified_is_kept_with_a_warning(tmp_path, caplog, monkeypatch):
     for step in (1, 2):
-        make(tmp_path, step)
+        make_manifested_step_dir(tmp_path, step)
 
     def broken(path):
         raise PermissionError("no read")
@@ -91,7 +91,7 @@ def test_a_checkpoint_that_cannot_be_verified_is_kept_with_a_warning(tmp_path, c
 
 def test_a_checkpoint_without_manifest_is_kept_and_said_so(tmp_path, caplog):
     for step in (1, 2):
-        make(tmp_path, step)
+        make_manifested_step_dir(tmp_path, step)
     (step_dir(tmp_path, 1) / "manifest.json").unlink()
     with caplog.at_level(logging.INFO, logger="fntrain.checkpoint"):
         assert retain(tmp_path, 1) == []
@@ -101,7 +101,7 @@ def test_a_checkpoint_without_manifest_is_kept_and_said_so(tmp_path, caplog):
 
 def test_a_damaged_checkpoint_that_cannot_be_moved_is_kept_with_a_warning(tmp_path, caplog, monkeypatch):
     for step in (1, 2):
-        make(tmp_path, step)
+        make_manifested_step_dir(tmp_path, step)
     (step_dir(tmp_path, 1) / "__0_0.distcp").write_bytes(b"DATA")
 
     def refuse(path, suffix):
@@ -121,14 +121,14 @@ def test_a_damaged_checkpoint_that_cannot_be_moved_is_kept_with_a_warning(tmp_pa
 @pytest.mark.parametrize("keep", [1, 2])
 def test_retain_returns_the_removed_oldest_first(tmp_path, keep):
     for step in (1, 2, 3, 4):
-        make(tmp_path, step)
+        make_manifested_step_dir(tmp_path, step)
     removed = retain(tmp_path, keep)
     assert removed == [step_dir(tmp_path, s) for s in range(1, 5 - keep)]
 
 
 def test_step_0_is_superseded_and_the_newest_is_never_removed_however_it_is_spelled(tmp_path, monkeypatch):
-    make(tmp_path, 0, temporary=True)
-    make(tmp_path, 1, temporary=True)
+    make_manifested_step_dir(tmp_path, 0, temporary=True)
+    make_manifested_step_dir(tmp_path, 1, temporary=True)
     monkeypatch.chdir(tmp_path)
     removed = remove_superseded_temporary(tmp_path, "step_1")  # relative: not equal to the listed path
     assert removed == [step_dir(tmp_path, 0)]
@@ -138,7 +138,7 @@ def test_step_0_is_superseded_and_the_newest_is_never_removed_however_it_is_spel
 def test_the_protected_checkpoint_counts_once_toward_keep_last(tmp_path):
     """Resumed from step 8 of a run that had reached 12: 12 and 8 are the two kept, 4 goes."""
     for step in (4, 8, 12):
-        make(tmp_path, step)
+        make_manifested_step_dir(tmp_path, step)
     assert retain(tmp_path, 2, protect=step_dir(tmp_path, 8)) == [step_dir(tmp_path, 4)]
 
 
@@ -146,7 +146,7 @@ def test_a_checkpoint_that_cannot_be_deleted_does_not_stop_the_run(tmp_path, mon
     import os
 
     for step in (1, 2, 3):
-        make(tmp_path, step, temporary=True)
+        make_manifested_step_dir(tmp_path, step, temporary=True)
     unlink = os.unlink
 
     def refuse(path, *args, **kwargs):  # a file the file system will not let go of
@@ -161,7 +161,7 @@ def test_a_checkpoint_that_cannot_be_deleted_does_not_stop_the_run(tmp_path, mon
 
 def test_a_removal_that_fails_part_way_leaves_no_half_checkpoint_and_says_what_is_left(tmp_path, caplog, monkeypatch):
     for step in (1, 2):
-        make(tmp_path, step)
+        make_manifested_step_dir(tmp_path, step)
     real_rmtree = retention.shutil.rmtree
 
     def fail_after_one_file(path, *args, **kwargs):
@@ -182,8 +182,8 @@ def test_a_removal_that_fails_part_way_leaves_no_half_checkpoint_and_says_what_i
 
 
 def test_a_checkpoint_that_cannot_be_renamed_for_removal_is_kept_and_not_reported_removed(tmp_path, caplog, monkeypatch):
-    make(tmp_path, 2, temporary=True)
-    newest = make(tmp_path, 4)
+    make_manifested_step_dir(tmp_path, 2, temporary=True)
+    newest = make_manifested_step_dir(tmp_path, 4)
 
     def refuse(path, suffix):
         raise OSError("read-only file system")
@@ -200,7 +200,7 @@ def test_a_checkpoint_that_cannot_be_renamed_for_removal_is_kept_and_not_reporte
 
 def test_a_damaged_newest_checkpoint_that_cannot_be_moved_never_counts_as_one_kept(tmp_path, caplog, monkeypatch):
     for step in (1, 2):
-        make(tmp_path, step)
+        make_manifested_step_dir(tmp_path, step)
     (step_dir(tmp_path, 2) / "__0_0.distcp").write_bytes(b"DATA")  # the newest is damaged
     real_move_aside = retention.move_aside
 

@@ -12,7 +12,7 @@ import torch
 from fntrain.checkpoint.rng import rng_state, set_rng_state
 
 
-def draws() -> tuple:
+def global_rng_draws() -> tuple:
     return (
         random.random(),
         random.gauss(0, 1),
@@ -29,12 +29,12 @@ def test_round_trip_through_json_replays_every_generator():
     random.gauss(0, 1)  # leaves a cached gaussian in python's state
     np.random.randn()  # and numpy's
     saved = json.loads(json.dumps(rng_state("cpu")))
-    expected = draws()
+    expected = global_rng_draws()
     random.seed(99)
     np.random.seed(99)
     torch.manual_seed(99)
     set_rng_state(saved, "cpu")
-    assert draws() == expected
+    assert global_rng_draws() == expected
 
 
 def test_no_device_entry_on_cpu():

@@ -4,7 +4,7 @@ async; the free-space check before a save; what the hook does next (checkpoint.o
 The full disk is a write shim (`full_disk`): every file opened for writing under the checkpoint root
 whose name matches raises ENOSPC (or another errno) once its writes pass a byte budget, at the lowest
 level both DCP (pathlib's open) and fntrain's JSON writes (builtins.open) go through. A simulated
-capacity (`capacity`) stands in for a small filesystem's free space. The same faults on a real
+capacity (`fake_disk_capacity`, tests/helpers/checkpoints.py) stands in for a small filesystem's free space. The same faults on a real
 size-limited tmpfs are in tests/checkpoint/test_full_disk.py (slow tier)."""
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from fntrain.loop import Event
 from fntrain.run.config import CheckpointConfig
 from fntrain.runtime.runtime import Runtime
 from tests.checkpoint import toy
+from tests.helpers.checkpoints import bytes_under, fake_disk_capacity, saved_steps
 
 INFO = StepInfo({"loss": 0.0})
 
@@ -102,21 +103,7 @@ class FullDisk:
         return self.root.absolute() in path.parents and fnmatch.fnmatch(path.name, self.pattern)
 
 
-def capacity(monkeypatch, root: Path, total: int) -> None:
-    """The checkpoint filesystem holds `total` bytes: free space is that minus what `root` holds."""
-
-    def free(path):
-        used = sum(f.stat().st_size for f in Path(root).rglob("*") if f.is_file())
-        return max(0, total - used)
-
-    monkeypatch.setattr(space, "free_bytes", free)
-
-
-def size_of(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def leftovers(root: Path) -> list[str]:
+def partial_step_dirs(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith("step_") and not p.name[5:].isdigit())
 
 
@@ -136,7 +123,7 @@ def test_a_full_disk_at_any_file_of_a_save_is_one_line_and_loses_nothing(tmp_pat
     assert "No space left on device" in line or "the filesystem is full" in line or "ENOSPC" in line, line
     assert " free" in line and f"step_3 is the newest good checkpoint in {tmp_path}" in line
     assert caught.value.step == 6
-    assert not step_dir(tmp_path, 6).exists() and leftovers(tmp_path) == []  # no partial under any name
+    assert not step_dir(tmp_path, 6).exists() and partial_step_dirs(tmp_path) == []  # no partial under any name
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_3"]
     assert (tmp_path / LATEST).read_text().strip() == "step_3" and find_latest(tmp_path).name == "step_3"
 
@@ -174,8 +161,8 @@ def test_the_os_error_is_found_under_dcp_and_a_partial_that_cannot_be_removed_mo
 def test_a_save_that_will_not_fit_is_refused_before_writing_anything(tmp_path, monkeypatch, caplog):
     parts = toy.components()
     first = save(SaveTarget(tmp_path, parts), TrainState(0, 3, 3))
-    one = size_of(first)
-    capacity(monkeypatch, tmp_path, int(one * 1.5))
+    one = bytes_under(first)
+    fake_disk_capacity(monkeypatch, tmp_path, int(one * 1.5))
     written: list[str] = []
     real = builtins.open
     monkeypatch.setattr(
@@ -194,8 +181,8 @@ def test_a_save_that_will_not_fit_is_refused_before_writing_anything(tmp_path, m
 
 def test_a_nearly_full_disk_is_said_early(tmp_path, monkeypatch, caplog):
     parts = toy.components()
-    one = size_of(save(SaveTarget(tmp_path, parts), TrainState(0, 3, 3)))
-    capacity(monkeypatch, tmp_path, int(one * 2.6))  # room for this save, not for the one after it
+    one = bytes_under(save(SaveTarget(tmp_path, parts), TrainState(0, 3, 3)))
+    fake_disk_capacity(monkeypatch, tmp_path, int(one * 2.6))  # room for this save, not for the one after it
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
         save(SaveTarget(tmp_path, parts), TrainState(0, 6, 6))
     assert (
@@ -210,15 +197,15 @@ def test_needed_bytes_counts_the_state_before_the_first_save(tmp_path):
 
     tensors, _ = split(app_state(parts))
     estimate = space.needed_bytes(tmp_path, tensors)
-    written = size_of(save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1)))
+    written = bytes_under(save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1)))
     assert written <= estimate < 2 * written  # errs towards caution, by headers only
 
 
 def test_make_room_deletes_only_what_keep_last_would_and_only_when_allowed(tmp_path, monkeypatch):
     parts = toy.components()
-    one = size_of(save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1)))
+    one = bytes_under(save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1)))
     save(SaveTarget(tmp_path, parts), TrainState(0, 2, 2), SaveOptions(keep_last=2))
-    capacity(monkeypatch, tmp_path, int(one * 2.5))
+    fake_disk_capacity(monkeypatch, tmp_path, int(one * 2.5))
     with pytest.raises(CheckpointSaveError, match="not enough free space"):
         save(SaveTarget(tmp_path, parts), TrainState(0, 3, 3), SaveOptions(keep_last=2))  # not allowed: both verified ones stay
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_1", "step_2"]
@@ -254,7 +241,7 @@ def test_a_failed_async_completion_is_a_failed_save(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- the hook
 
 
-def make(tmp_path, **fields):
+def make_recording_hook(tmp_path, **fields):
     hooks: list = []
     config = CheckpointConfig(**fields)
     target = SaveTarget(tmp_path, toy.components(), hooks=lambda: hooks, config={"k": 1},
@@ -264,7 +251,7 @@ def make(tmp_path, **fields):
     return hook
 
 
-def steps(hook, state: TrainState, count: int) -> TrainState:
+def advance_steps(hook, state: TrainState, count: int) -> TrainState:
     for _ in range(count):
         hook(Event.STEP_BEGIN, state, None)
         state = state.after_step()
@@ -272,29 +259,25 @@ def steps(hook, state: TrainState, count: int) -> TrainState:
     return state
 
 
-def saved(tmp_path) -> list[int]:
-    return [int(p.name.split("_")[1]) for p in list_checkpoints(tmp_path)]
-
-
 def test_stop_is_the_default_and_raises_the_line_at_the_failed_save(tmp_path, monkeypatch):
-    hook = make(tmp_path, save_every=3)
+    hook = make_recording_hook(tmp_path, save_every=3)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
-    state = steps(hook, TrainState(), 3)
+    state = advance_steps(hook, TrainState(), 3)
     FullDisk(monkeypatch, tmp_path, "*.distcp")
     with pytest.raises(CheckpointSaveError, match="checkpoint step_6 not saved.*step_3 is the newest good"):
-        steps(hook, state, 3)
+        advance_steps(hook, state, 3)
     hook(Event.ABORT, state, RuntimeError("the loop passes it on"))
-    assert saved(tmp_path) == [3] and leftovers(tmp_path) == []
+    assert saved_steps(tmp_path) == [3] and partial_step_dirs(tmp_path) == []
 
 
 def test_continue_warns_on_each_failure_and_tries_again_at_the_next_cadence(tmp_path, monkeypatch, caplog):
-    hook = make(tmp_path, save_every=2, on_save_failure="continue")
+    hook = make_recording_hook(tmp_path, save_every=2, on_save_failure="continue")
     hook(Event.TRAIN_BEGIN, TrainState(), None)
-    state = steps(hook, TrainState(), 2)
+    state = advance_steps(hook, TrainState(), 2)
     disk = FullDisk(monkeypatch, tmp_path, "*.distcp", times=2)  # saves at 4 and 6 fail, 8 works
     with caplog.at_level(logging.WARNING, logger="fntrain.hooks.checkpoint"):
-        state = steps(hook, state, 6)
-    assert disk.times == 0 and saved(tmp_path) == [2, 8]
+        state = advance_steps(hook, state, 6)
+    assert disk.times == 0 and saved_steps(tmp_path) == [2, 8]
     failures = [r.getMessage() for r in caplog.records if "not saved" in r.getMessage()]
     assert len(failures) == 2 and "step_4 not saved" in failures[0] and "step_6 not saved" in failures[1]
     assert all("training goes on" in line and "step_2 is the newest good" in line for line in failures)
@@ -303,12 +286,12 @@ def test_continue_warns_on_each_failure_and_tries_again_at_the_next_cadence(tmp_
 
 
 def test_continue_retries_an_unsaved_last_step_at_the_end(tmp_path, monkeypatch):
-    hook = make(tmp_path, save_every=2, on_save_failure="continue")
+    hook = make_recording_hook(tmp_path, save_every=2, on_save_failure="continue")
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     FullDisk(monkeypatch, tmp_path, "*.distcp", times=1)
-    state = steps(hook, TrainState(), 2)  # step 2's save fails
+    state = advance_steps(hook, TrainState(), 2)  # step 2's save fails
     hook(Event.TRAIN_END, state, None)  # the end tries step 2 again, and it works
-    assert saved(tmp_path) == [2]
+    assert saved_steps(tmp_path) == [2]
 
 
 def _recording_async(monkeypatch) -> list:
@@ -325,32 +308,32 @@ def _recording_async(monkeypatch) -> list:
 
 def test_a_failed_async_save_surfaces_at_the_next_step_boundary(tmp_path, monkeypatch):
     started = _recording_async(monkeypatch)
-    hook = make(tmp_path, save_every=2, async_save=True)
+    hook = make_recording_hook(tmp_path, save_every=2, async_save=True)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     FullDisk(monkeypatch, tmp_path, "*.distcp")
-    state = steps(hook, TrainState(), 2)
+    state = advance_steps(hook, TrainState(), 2)
     assert started and started[0].wait(60)  # the background write has failed by now
     with pytest.raises(CheckpointSaveError, match="checkpoint step_2 not saved"):
         hook(Event.STEP_BEGIN, state, None)  # the very next boundary, not the end of the run
     hook(Event.ABORT, state, RuntimeError("passed on"))
-    assert saved(tmp_path) == [] and leftovers(tmp_path) == [] and not step_dir(tmp_path, 2).exists()
+    assert saved_steps(tmp_path) == [] and partial_step_dirs(tmp_path) == [] and not step_dir(tmp_path, 2).exists()
 
 
 def test_a_failed_async_save_under_continue_warns_at_the_next_boundary(tmp_path, monkeypatch, caplog):
     started = _recording_async(monkeypatch)
-    hook = make(tmp_path, save_every=2, async_save=True, on_save_failure="continue")
+    hook = make_recording_hook(tmp_path, save_every=2, async_save=True, on_save_failure="continue")
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     FullDisk(monkeypatch, tmp_path, "*.distcp", times=1)
-    state = steps(hook, TrainState(), 2)
+    state = advance_steps(hook, TrainState(), 2)
     assert started[0].wait(60)
     with caplog.at_level(logging.WARNING, logger="fntrain.hooks.checkpoint"):
         hook(Event.STEP_BEGIN, state, None)
     assert "checkpoint step_2 not saved" in caplog.text and "training goes on" in caplog.text
     state = state.after_step()
     hook(Event.STEP_END, state, INFO)
-    state = steps(hook, state, 1)  # step 4: saved in the background
+    state = advance_steps(hook, state, 1)  # step 4: saved in the background
     hook(Event.TRAIN_END, state, None)
-    assert saved(tmp_path) == [4]
+    assert saved_steps(tmp_path) == [4]
 
 
 def test_on_save_failure_is_checked():
@@ -364,12 +347,12 @@ def test_on_save_failure_is_checked():
 
 
 def test_a_run_resumed_without_a_cadence_still_saves_its_new_end(tmp_path):
-    hook = make(tmp_path, restore_from="latest")  # e.g. extended with allow_changes train.train_iters
+    hook = make_recording_hook(tmp_path, restore_from="latest")  # e.g. extended with allow_changes train.train_iters
     start = TrainState(0, 4, 4)
     hook(Event.TRAIN_BEGIN, start, None)
-    state = steps(hook, start, 2)
+    state = advance_steps(hook, start, 2)
     hook(Event.TRAIN_END, state, None)
-    assert saved(tmp_path) == [6]
+    assert saved_steps(tmp_path) == [6]
     assert not saves_at_end(CheckpointConfig(), restoring=False) and saves_at_end(CheckpointConfig(), restoring=True)
     assert not saves_at_end(CheckpointConfig(save_at_end=False), restoring=True)
 
@@ -377,7 +360,7 @@ def test_a_run_resumed_without_a_cadence_still_saves_its_new_end(tmp_path):
 # ----------------------------------------------------------------------------- through a run
 
 
-def _tiny(tmp_path, **checkpoint):
+def tiny_save_config(tmp_path, **checkpoint):
     from fntrain.hooks.evaluate import EvaluateConfig
     from fntrain.hooks.progress import ProgressConfig
     from recipes import tiny_gpt
@@ -400,7 +383,7 @@ def _tiny(tmp_path, **checkpoint):
 def test_a_run_stopped_by_a_full_disk_says_what_is_good_and_resumes(tmp_path, monkeypatch):
     from fntrain.run.job import RunAborted, run_job
 
-    recipe, config = _tiny(tmp_path, save_every=3)
+    recipe, config = tiny_save_config(tmp_path, save_every=3)
     root = tmp_path / "run" / "checkpoints"
     real_save = checkpoint_module.save
 
@@ -419,26 +402,26 @@ def test_a_run_stopped_by_a_full_disk_says_what_is_good_and_resumes(tmp_path, mo
     assert "step_3 is the newest good checkpoint" in line
     metadata = json.loads((tmp_path / "run" / "run_metadata.json").read_text())
     assert metadata["outcome"] == "failed" and "step_6 not saved" in metadata["error"]
-    assert saved(root) == [3] and leftovers(root) == []
+    assert saved_steps(root) == [3] and partial_step_dirs(root) == []
     monkeypatch.setattr(checkpoint_module, "save", real_save)
     resumed = run_job(dataclasses.replace(config, checkpoint=CheckpointConfig(save_every=3, restore_from="latest")),
                       recipe.spec)  # fmt: skip
-    assert resumed.state.global_step == 8 and saved(root) == [3, 6, 8]
+    assert resumed.state.global_step == 8 and saved_steps(root) == [3, 6, 8]
 
 
 def test_extending_a_finished_run_saves_its_new_end(tmp_path):
     from fntrain.run.job import run_job
 
-    recipe, config = _tiny(tmp_path, save_every=4)
+    recipe, config = tiny_save_config(tmp_path, save_every=4)
     run_job(config, recipe.spec)
     root = tmp_path / "run" / "checkpoints"
-    assert saved(root) == [4, 8]
+    assert saved_steps(root) == [4, 8]
     longer = dataclasses.replace(
         config, train=dataclasses.replace(config.train, train_iters=10),
         checkpoint=CheckpointConfig(restore_from="latest", allow_changes=("train.train_iters",)),
     )  # fmt: skip
     assert run_job(longer, recipe.spec).state.global_step == 10
-    assert saved(root) == [4, 8, 10]
+    assert saved_steps(root) == [4, 8, 10]
 
 
 def test_the_plan_lists_the_end_save_of_a_resumed_run():
@@ -462,7 +445,8 @@ def test_two_ranks_fail_a_save_together_when_one_ranks_disk_is_full(tmp_path):
     import subprocess
     import sys
 
-    from tests.checkpoint.test_verify import ROOT, free_port
+    from tests.checkpoint.test_verify import ROOT
+    from tests.helpers.ports import free_port
 
     port, processes = free_port(), []
     for rank in (0, 1):

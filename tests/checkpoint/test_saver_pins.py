@@ -31,6 +31,7 @@ from fntrain.hooks.base import stateful
 from fntrain.state import TrainState
 from fntrain.step.components import Components
 from tests.checkpoint import toy
+from tests.helpers.checkpoints import bytes_under, fake_disk_capacity
 
 
 def test_meta_rank_file_and_marker_say_what_was_saved(tmp_path):
@@ -111,50 +112,38 @@ def test_a_leftover_step_directory_is_replaced_removed_or_moved_aside(tmp_path, 
         save(SaveTarget(tmp_path, parts), TrainState(0, 2, 2))
     assert f"moved the incomplete checkpoint directory {path} aside to step_2.incomplete" in caplog.messages
     assert (tmp_path / "step_2.incomplete" / DCP_METADATA).is_file() and is_complete(path)
-    assert ours(caplog)[-1] == f"checkpoint saved: {path}"
+    assert saver_logs(caplog)[-1] == f"checkpoint saved: {path}"
 
 
-def ours(caplog) -> list[str]:
+def saver_logs(caplog) -> list[str]:
     """The checkpoint code's log lines (DCP logs its own events at DEBUG)."""
     return [record.getMessage() for record in caplog.records if record.name == "fntrain.checkpoint"]
 
 
-def capacity(monkeypatch, root, total):
-    def free(path):
-        used = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
-        return max(0, total - used)
-
-    monkeypatch.setattr(space, "free_bytes", free)
-
-
-def size_of(path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def test_short_disk_warnings_name_the_sizes_and_what_make_room_removed(tmp_path, monkeypatch, caplog):
     parts = toy.components()
-    one = size_of(save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1)))
+    one = bytes_under(save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1)))
     save(SaveTarget(tmp_path, parts), TrainState(0, 2, 2))
-    capacity(monkeypatch, tmp_path, int(one * 3.5))  # 1.5 saves free: this one fits, the next would not
+    fake_disk_capacity(monkeypatch, tmp_path, int(one * 3.5))  # 1.5 saves free: this one fits, the next would not
     free, needed = space.free_bytes(tmp_path), space.needed_bytes(tmp_path, {})  # the previous save's size
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
         save(SaveTarget(tmp_path, parts), TrainState(0, 3, 3), SaveOptions(keep_last=3))
-    assert ours(caplog) == [
+    assert saver_logs(caplog) == [
         f"checkpoint filesystem nearly full: {space.human_bytes(free)} free, step_3 needs "
         f"~{space.human_bytes(needed)}; the save after it will not fit unless space is freed"
     ]
     caplog.clear()
-    capacity(monkeypatch, tmp_path, int(one * 3.5))  # no room for step_4 until step_1 goes
+    fake_disk_capacity(monkeypatch, tmp_path, int(one * 3.5))  # no room for step_4 until step_1 goes
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
         save(SaveTarget(tmp_path, parts), TrainState(0, 4, 4), SaveOptions(keep_last=3, make_room=True))
-    assert ours(caplog)[0] == "checkpoint.make_room: removed step_1 to make room for step_4"
+    assert saver_logs(caplog)[0] == "checkpoint.make_room: removed step_1 to make room for step_4"
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_3", "step_4"]
     caplog.clear()
     used = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
-    capacity(monkeypatch, tmp_path, used + 2 * space.needed_bytes(tmp_path, {}))  # room for exactly two more
+    fake_disk_capacity(monkeypatch, tmp_path, used + 2 * space.needed_bytes(tmp_path, {}))  # room for exactly two more
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
         save(SaveTarget(tmp_path, parts), TrainState(0, 5, 5))
-    assert ours(caplog) == []
+    assert saver_logs(caplog) == []
 
 
 def test_a_save_into_a_root_that_does_not_exist_yet_is_checked_against_its_parent(tmp_path, monkeypatch):
@@ -186,7 +175,7 @@ def test_failed_clean_up_after_a_complete_save_is_a_warning_and_the_checkpoint_s
     with caplog.at_level(logging.INFO, logger="fntrain.checkpoint"):
         path = save(SaveTarget(tmp_path, parts), TrainState(0, 2, 2), SaveOptions(keep_last=1))
     assert is_complete(path) and find_latest(tmp_path) == path
-    *_, warning, saved = ours(caplog)
+    *_, warning, saved = saver_logs(caplog)
     assert warning.startswith(f"checkpoint {path} saved, but removing older checkpoints failed: ")
     assert "Permission denied" in warning and saved == f"checkpoint saved: {path}"
 
@@ -364,22 +353,22 @@ def test_make_room_never_removes_the_checkpoint_latest_names_and_lists_each_it_r
     tmp_path, monkeypatch, caplog
 ):
     parts = toy.components()
-    one = size_of(save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1)))
+    one = bytes_under(save(SaveTarget(tmp_path, parts), TrainState(0, 1, 1)))
     for step in (2, 3):
         save(SaveTarget(tmp_path, parts), TrainState(0, step, step), SaveOptions(keep_last=5))
     (tmp_path / LATEST).write_text("step_1\n")  # e.g. a run resumed from step_1 by path
-    capacity(monkeypatch, tmp_path, int(one * 3.5))  # room for step_4 once one checkpoint goes
+    fake_disk_capacity(monkeypatch, tmp_path, int(one * 3.5))  # room for step_4 once one checkpoint goes
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
         save(SaveTarget(tmp_path, parts), TrainState(0, 4, 4), SaveOptions(keep_last=2, make_room=True))
-    assert ours(caplog)[0] == "checkpoint.make_room: removed step_2 to make room for step_4"
+    assert saver_logs(caplog)[0] == "checkpoint.make_room: removed step_2 to make room for step_4"
     monkeypatch.undo()
     for step in (5, 6):
         save(SaveTarget(tmp_path, parts), TrainState(0, step, step), SaveOptions(keep_last=5))
     caplog.clear()
-    capacity(monkeypatch, tmp_path, int(one * 4.5))  # four checkpoints: two must go
+    fake_disk_capacity(monkeypatch, tmp_path, int(one * 4.5))  # four checkpoints: two must go
     with caplog.at_level(logging.WARNING, logger="fntrain.checkpoint"):
         save(SaveTarget(tmp_path, parts), TrainState(0, 7, 7), SaveOptions(keep_last=3, make_room=True))
-    assert ours(caplog)[0] == "checkpoint.make_room: removed step_3, step_4 to make room for step_7"
+    assert saver_logs(caplog)[0] == "checkpoint.make_room: removed step_3, step_4 to make room for step_7"
 
 
 @pytest.mark.parametrize("rank, world", [(0, 1), (1, 2)])

@@ -4,7 +4,6 @@ alone; optionally temporary, each deleted once a newer checkpoint is complete (n
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 from pathlib import Path
 
@@ -15,7 +14,6 @@ from fntrain.checkpoint import (
     SaveOptions,
     SaveTarget,
     is_temporary,
-    list_checkpoints,
     read_meta,
     remove_superseded_temporary,
     save,
@@ -27,12 +25,14 @@ from fntrain.loop import Event
 from fntrain.run.config import CheckpointConfig
 from fntrain.runtime.runtime import Runtime
 from tests.checkpoint import toy
+from tests.helpers.checkpoints import saved_steps
+from tests.helpers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 INFO = StepInfo({"loss": 0.0})
 
 
-class Clock:
+class StepClock:
     """Seconds; each step advances it by `per_step`."""
 
     def __init__(self, per_step: float) -> None:
@@ -42,11 +42,11 @@ class Clock:
         return self.now
 
 
-def run(tmp_path: Path, steps: int, per_step: float = 25.0, **fields) -> list[int]:
+def timed_saves(tmp_path: Path, steps: int, per_step: float = 25.0, **fields) -> list[int]:
     """Drive the hook for `steps` steps of `per_step` seconds; return the complete checkpoints' steps
     (every one kept unless `keep_last` says otherwise: these tests pin when saves happen)."""
     fields.setdefault("keep_last", 0)
-    clock = Clock(per_step)
+    clock = StepClock(per_step)
     hooks: list = []
     hooks.append(
         checkpoint_hook(CheckpointConfig(**fields), SaveTarget(tmp_path, toy.components(), hooks=lambda: hooks), Runtime(), clock=clock)
@@ -59,11 +59,7 @@ def run(tmp_path: Path, steps: int, per_step: float = 25.0, **fields) -> list[in
         state = state.after_step()
         hook(Event.STEP_END, state, INFO)
     hook(Event.TRAIN_END, state, None)
-    return saved(tmp_path)
-
-
-def saved(root: Path) -> list[int]:
-    return [int(p.name.split("_")[1]) for p in list_checkpoints(root)]
+    return saved_steps(tmp_path)
 
 
 def test_config_fields_are_validated():
@@ -76,20 +72,20 @@ def test_config_fields_are_validated():
 
 def test_saves_every_n_minutes_of_the_clock(tmp_path):
     # 25 s steps, 1 minute: due after steps 3 (75 s), 6 (150 s, 75 s after the last save), 9; then the end.
-    assert run(tmp_path, 10, save_every_minutes=1.0) == [3, 6, 9, 10]
+    assert timed_saves(tmp_path, 10, save_every_minutes=1.0) == [3, 6, 9, 10]
     assert not any(is_temporary(step_dir(tmp_path, step)) for step in (3, 6, 9, 10))
 
 
 def test_any_save_restarts_the_timer(tmp_path):
     # save_every 4 saves steps 4 and 8; the timer then counts from them: 3 (75 s), 4, 7 (75 s after 4), 8.
-    assert run(tmp_path, 8, save_every=4, save_every_minutes=1.0, save_at_end=False) == [3, 4, 7, 8]
+    assert timed_saves(tmp_path, 8, save_every=4, save_every_minutes=1.0, save_at_end=False) == [3, 4, 7, 8]
 
 
 def test_temporary_time_based_checkpoints_are_removed_once_superseded(tmp_path):
-    assert run(tmp_path / "a", 8, save_every=4, save_every_minutes=1.0, time_based_temporary=True) == [4, 8]
+    assert timed_saves(tmp_path / "a", 8, save_every=4, save_every_minutes=1.0, time_based_temporary=True) == [4, 8]
     # The newest complete checkpoint is never removed, temporary or not: stopped after step 7 (time-based).
     root = tmp_path / "b"
-    assert run(
+    assert timed_saves(
         root, 7, save_every=4, save_every_minutes=1.0, time_based_temporary=True, save_at_end=False
     ) == [4, 7]
     assert is_temporary(step_dir(root, 7)) and not is_temporary(step_dir(root, 4))
@@ -98,7 +94,7 @@ def test_temporary_time_based_checkpoints_are_removed_once_superseded(tmp_path):
 
 
 def test_async_temporary_saves_are_removed_by_the_completion_of_the_next(tmp_path):
-    steps = run(
+    steps = timed_saves(
         tmp_path, 10, save_every=5, save_every_minutes=1.0, time_based_temporary=True, async_save=True
     )
     assert steps == [5, 10]
@@ -109,19 +105,13 @@ def test_removal_spares_the_newest_and_later_steps(tmp_path):
     for step, temporary in ((2, True), (4, False), (6, True), (9, True)):
         save(SaveTarget(tmp_path, parts), TrainState(0, step, step), SaveOptions(temporary=temporary))
     # Each save removed the temporary ones below it: 2 went when 4 completed, 6 when 9 completed.
-    assert saved(tmp_path) == [4, 9]
+    assert saved_steps(tmp_path) == [4, 9]
     save(
         SaveTarget(tmp_path, parts), TrainState(0, 3, 3), SaveOptions(temporary=False)
     )  # a run resumed from an older step
-    assert saved(tmp_path) == [3, 4, 9]  # step 9 (temporary, but above step 3) stays
+    assert saved_steps(tmp_path) == [3, 4, 9]  # step 9 (temporary, but above step 3) stays
     assert remove_superseded_temporary(tmp_path, step_dir(tmp_path, 9)) == []  # never itself
     assert remove_superseded_temporary(tmp_path, tmp_path / "step_99") == []  # not a complete checkpoint
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_two_ranks_follow_rank_0s_clock_and_any_ranks_preemption(tmp_path, fork_env):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +37,7 @@ from fntrain.checkpoint.verify import damage, read_manifest, verified
 from fntrain.config import ConfigError
 from fntrain.state import TrainState
 from tests.checkpoint import toy
+from tests.helpers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = "__0_0.distcp"
@@ -292,12 +292,6 @@ def test_a_hook_run_with_async_saves_leaves_no_thread(tmp_path):
 
 
 # ----------------------------------------------------------------------------- slow: two ranks
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow

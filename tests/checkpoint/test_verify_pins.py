@@ -20,18 +20,18 @@ DATA = "__0_0.distcp"
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved_checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     return save(SaveTarget(root, toy.components()), TrainState(0, 1, 1))
 
 
 @pytest.fixture
-def legacy(saved, tmp_path):
+def legacy(saved_checkpoint, tmp_path):
     """A copy of the saved checkpoint without its manifest (saved by an older fntrain)."""
     import shutil
 
-    path = tmp_path / saved.name
-    shutil.copytree(saved, path)
+    path = tmp_path / saved_checkpoint.name
+    shutil.copytree(saved_checkpoint, path)
     (path / MANIFEST).unlink()
     return path
 
@@ -74,11 +74,11 @@ def test_legacy_json_files(legacy):
     assert damage(legacy) == Damage(legacy, "meta.json", "missing")
 
 
-def test_manifest_checks_name_file_and_numbers(saved, tmp_path):
+def test_manifest_checks_name_file_and_numbers(saved_checkpoint, tmp_path):
     import shutil
 
-    path = tmp_path / saved.name
-    shutil.copytree(saved, path)
+    path = tmp_path / saved_checkpoint.name
+    shutil.copytree(saved_checkpoint, path)
     size, crc = checksum(path / DATA)
     assert read_manifest(path)["files"][DATA] == {"size": size, "crc32": crc}
     with open(path / DATA, "ab") as handle:
@@ -172,35 +172,35 @@ def _each_entry(change):
     ],
     ids=["list", "algorithm", "no-crc", "no-size", "entry-not-object"],
 )
-def test_a_manifest_this_fntrain_does_not_know_is_named_damage(saved, tmp_path, edit):
-    path = _copy(saved, tmp_path)
+def test_a_manifest_this_fntrain_does_not_know_is_named_damage(saved_checkpoint, tmp_path, edit):
+    path = _copy(saved_checkpoint, tmp_path)
     manifest = json.loads((path / MANIFEST).read_text())
     (path / MANIFEST).write_text(json.dumps(edit(manifest)))
     assert damage(path) == Damage(path, MANIFEST, NOT_A_MANIFEST)
     assert verified(path) is False
 
 
-def test_damage_names_the_directory_the_marker_and_the_manifest(saved, tmp_path):
+def test_damage_names_the_directory_the_marker_and_the_manifest(saved_checkpoint, tmp_path):
     from fntrain.checkpoint.layout import MARKER
 
     (tmp_path / "a_file").write_text("x")
     assert damage(tmp_path / "a_file") == Damage(tmp_path / "a_file", "", "not a directory")
     assert damage(tmp_path / "nowhere") == Damage(tmp_path / "nowhere", "", "not a directory")
-    path = _copy(saved, tmp_path)
+    path = _copy(saved_checkpoint, tmp_path)
     (path / MARKER).unlink()
     assert damage(path) == Damage(path, MARKER, "missing (an interrupted save?)")
     assert str(damage(path)) == f"{path / MARKER}: missing (an interrupted save?)"
-    path = _copy(saved, tmp_path, "unparsable")
+    path = _copy(saved_checkpoint, tmp_path, "unparsable")
     (path / MANIFEST).write_text("{")
     found = damage(path)
     assert (found.path, found.file) == (path, MANIFEST) and found.reason.startswith("unreadable (")
 
 
-def test_a_listed_file_missing_or_unreadable_is_named_in_its_directory(saved, tmp_path):
-    path = _copy(saved, tmp_path)
+def test_a_listed_file_missing_or_unreadable_is_named_in_its_directory(saved_checkpoint, tmp_path):
+    path = _copy(saved_checkpoint, tmp_path)
     (path / DATA).unlink()
     assert damage(path) == Damage(path, DATA, "missing")
-    path = _copy(saved, tmp_path, "odd")
+    path = _copy(saved_checkpoint, tmp_path, "odd")
     (path / "sub").mkdir()
     manifest = json.loads((path / MANIFEST).read_text())
     manifest["files"]["sub"] = {"size": (path / "sub").stat().st_size, "crc32": "0"}  # stat works, read not
@@ -253,12 +253,12 @@ def test_legacy_file_holding_only_empty_tensors_may_be_empty(legacy, monkeypatch
     assert damage(legacy) is None
 
 
-def test_the_damaged_error_is_one_line_naming_file_and_reason(saved):
+def test_the_damaged_error_is_one_line_naming_file_and_reason(saved_checkpoint):
     from fntrain.checkpoint.verify import CheckpointDamagedError
 
-    found = Damage(saved, DATA, "missing")
+    found = Damage(saved_checkpoint, DATA, "missing")
     error = CheckpointDamagedError(found)
-    assert str(error) == f"damaged checkpoint: {saved / DATA}: missing" and error.damage == found
+    assert str(error) == f"damaged checkpoint: {saved_checkpoint / DATA}: missing" and error.damage == found
     assert str(CheckpointDamagedError(found, "; see --resume")).endswith("missing; see --resume")
 
 
@@ -295,12 +295,12 @@ def test_a_checkpoint_just_written_is_trusted_without_reading_it_again(tmp_path,
     assert verified(path) is False and DATA in reads
 
 
-def test_a_checkpoint_once_verified_is_not_read_again(saved, tmp_path, reads):
-    path = _copy(saved, tmp_path)
+def test_a_checkpoint_once_verified_is_not_read_again(saved_checkpoint, tmp_path, reads):
+    path = _copy(saved_checkpoint, tmp_path)
     assert verified(path) is True and len(reads) == 4  # a copy: its files are read once
     reads.clear()
     assert verified(path) is True and reads == []
-    path = _copy(saved, tmp_path, "by-damage")
+    path = _copy(saved_checkpoint, tmp_path, "by-damage")
     assert damage(path) is None
     reads.clear()
     assert verified(path) is True and reads == []
@@ -341,18 +341,18 @@ def _flip(file):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_every_rank_agrees_on_what_damage_names_whichever_rank_found_it(saved, tmp_path, monkeypatch, world):
+def test_every_rank_agrees_on_what_damage_names_whichever_rank_found_it(saved_checkpoint, tmp_path, monkeypatch, world):
     """Two damaged files, in every pair: all ranks answer what `damage(path)` answers (the first file in
     the checkpoint's order), even when the rank that found it found it after another rank found its own."""
     import itertools
 
     from fntrain.checkpoint.verify import verify_collectively
 
-    names = sorted(read_manifest(saved)["files"])
+    names = sorted(read_manifest(saved_checkpoint)["files"])
     assert len(names) == 4
     ranks = _ranks(monkeypatch, world)
     for pair in itertools.combinations(names, 2):
-        path = _copy(saved, tmp_path, "-".join(name.strip(".") for name in pair))
+        path = _copy(saved_checkpoint, tmp_path, "-".join(name.strip(".") for name in pair))
         for name in pair:
             _flip(path / name)
         expected = damage(path)
@@ -371,12 +371,12 @@ def test_ranks_agree_on_a_legacy_checkpoint_as_damage_does(legacy, monkeypatch):
     assert ranks.run(lambda: verify_collectively(legacy, GROUP)) == [expected, expected]
 
 
-def test_ranks_check_each_file_once_and_remember_an_intact_checkpoint(saved, tmp_path, monkeypatch, reads):
+def test_ranks_check_each_file_once_and_remember_an_intact_checkpoint(saved_checkpoint, tmp_path, monkeypatch, reads):
     import collections
 
     from fntrain.checkpoint.verify import verify_collectively
 
-    path = _copy(saved, tmp_path)
+    path = _copy(saved_checkpoint, tmp_path)
     ranks = _ranks(monkeypatch, 2)
     assert ranks.run(lambda: verify_collectively(path, GROUP)) == [None, None]
     assert collections.Counter(reads) == {name: 1 for name in read_manifest(path)["files"]}
@@ -384,10 +384,10 @@ def test_ranks_check_each_file_once_and_remember_an_intact_checkpoint(saved, tmp
     assert verified(path) is True and reads == []  # remembered as verified
 
 
-def test_a_size_only_check_never_vouches_for_the_contents(saved, tmp_path):
+def test_a_size_only_check_never_vouches_for_the_contents(saved_checkpoint, tmp_path):
     """`damage(contents=False)` reads no file, so it must not fill the cache `verified()` trusts: a data
     file rewritten with other bytes of the same size is still found damaged afterwards."""
-    path = _copy(saved, tmp_path)
+    path = _copy(saved_checkpoint, tmp_path)
     data = path / DATA
     data.write_bytes(bytes(b ^ 0xFF for b in data.read_bytes()))  # same size, other contents
     assert damage(path, contents=False) is None

@@ -7,7 +7,6 @@ finished tiny-GPT run with checkpoints (copied per test), `{hf}` a tiny Hugging 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import sys
@@ -16,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from fntrain.cli import dispatch
+from tests.helpers.commands import expect_one_line
+from tests.helpers.files import file_hashes_and_siblings, write_file
 
 SMALL = [
     "--model.n-layer", "1", "--model.n-head", "2", "--model.d-model", "16", "--model.context", "16",
@@ -33,23 +34,11 @@ def good_run(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf_model(tmp_path_factory) -> Path:
+def tiny_llama_dir(tmp_path_factory) -> Path:
     from tests.helpers.hf import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("hf") / "model", ["to be or not to be"] * 8, vocab_size=300,
                            max_positions=64)  # fmt: skip
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every file under `root` (and `root`'s siblings' names): path -> content hash."""
-    files = {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
-    return {**files, "..": ",".join(sorted(p.name for p in root.parent.iterdir()))}
-
-
-def write(path: Path, data: str | bytes) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data if isinstance(data, bytes) else data.encode())
-    return str(path)
 
 
 # (id, extra args after `run tiny_gpt --run-dir {tmp}/run`, what the line must contain)
@@ -119,37 +108,26 @@ def _files(tmp: Path) -> dict[str, str]:
     shards = tmp / "garbage-shards"
     return {
         "tmp": str(tmp),
-        "empty": write(tmp / "inputs" / "empty.txt", b""),
-        "short": write(tmp / "inputs" / "short.txt", "to be or not to be, that is the question\n"),
-        "garbage_shards": (write(shards / "index.json", "garbage, not an index"), str(shards))[1],
-        "afile": write(tmp / "inputs" / "a-file", "not a directory"),
-        "bad_toml": write(tmp / "inputs" / "bad.toml", "[train\ntrain_iters = 3\n"),
-        "bad_yaml": write(tmp / "inputs" / "bad.yaml", "train:\n  train_iters: [3\n  seed: 1\n"),
-        "binary": write(tmp / "inputs" / "binary.toml", bytes(range(256)) * 4),
-        "unknown_key": write(tmp / "inputs" / "unknown.toml", "[train]\nbogus = 3\n"),
-        "wrong_type": write(tmp / "inputs" / "wrong.toml", '[train]\ntrain_iters = "many"\n'),
+        "empty": write_file(tmp / "inputs" / "empty.txt", b""),
+        "short": write_file(tmp / "inputs" / "short.txt", "to be or not to be, that is the question\n"),
+        "garbage_shards": (write_file(shards / "index.json", "garbage, not an index"), str(shards))[1],
+        "afile": write_file(tmp / "inputs" / "a-file", "not a directory"),
+        "bad_toml": write_file(tmp / "inputs" / "bad.toml", "[train\ntrain_iters = 3\n"),
+        "bad_yaml": write_file(tmp / "inputs" / "bad.yaml", "train:\n  train_iters: [3\n  seed: 1\n"),
+        "binary": write_file(tmp / "inputs" / "binary.toml", bytes(range(256)) * 4),
+        "unknown_key": write_file(tmp / "inputs" / "unknown.toml", "[train]\nbogus = 3\n"),
+        "wrong_type": write_file(tmp / "inputs" / "wrong.toml", '[train]\ntrain_iters = "many"\n'),
     }
-
-
-def expect_one_line(capsys, argv: list[str], needle: str, code: int = 2) -> str:
-    """Run `fntrain ARGV`: it exits `code` with one line on stderr containing `needle`, no traceback."""
-    with pytest.raises(SystemExit) as exited:
-        dispatch(argv)
-    err = capsys.readouterr().err.strip()
-    assert exited.value.code == code, err
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    assert needle in err, err
-    return err
 
 
 @pytest.mark.parametrize("args, needle", [case[1:] for case in TINY_CASES], ids=[case[0] for case in TINY_CASES])
 def test_a_bad_setting_is_one_line_and_creates_nothing(tmp_path, capsys, args, needle):
     pytest.importorskip("yaml")
     files = _files(tmp_path / "in")
-    before = snapshot(tmp_path)
+    before = file_hashes_and_siblings(tmp_path)
     argv = ["run", "tiny_gpt", "--run-dir", str(tmp_path / "run"), *SMALL, *[a.format(**files) for a in args]]
     expect_one_line(capsys, argv, needle)
-    assert snapshot(tmp_path) == before
+    assert file_hashes_and_siblings(tmp_path) == before
 
 
 GOOD_RUN_CASES = [
@@ -177,10 +155,10 @@ def test_a_bad_command_leaves_a_good_run_byte_identical(tmp_path, capsys, monkey
     good = tmp_path / "good"
     shutil.copytree(good_run, good)
     files = {**_files(tmp_path / "in"), "good": str(good)}
-    before = snapshot(good)
+    before = file_hashes_and_siblings(good)
     argv = ["run", "tiny_gpt", "--run-dir", str(good), *SMALL, *[a.format(**files) for a in args]]
     expect_one_line(capsys, argv, needle)
-    assert snapshot(good) == before
+    assert file_hashes_and_siblings(good) == before
 
 
 def test_a_rerun_with_other_settings_names_both_ways_to_a_new_run_and_each_works(tmp_path, capsys, good_run):
@@ -188,14 +166,14 @@ def test_a_rerun_with_other_settings_names_both_ways_to_a_new_run_and_each_works
     --overwrite and another --run-dir, and either just works."""
     good = tmp_path / "kept" / "good"  # alone in its parent: the snapshot sees its siblings
     shutil.copytree(good_run, good)
-    before = snapshot(good)
+    before = file_hashes_and_siblings(good)
     argv = ["run", "tiny_gpt", "--run-dir", str(good), *SMALL, "--seed", "7"]
     err = expect_one_line(capsys, argv, "--seed 42 -> 7")
     assert "for a new run: --overwrite (which moves this one to " in err and err.endswith("or another --run-dir")
-    assert snapshot(good) == before
+    assert file_hashes_and_siblings(good) == before
     other = ["run", "tiny_gpt", "--run-dir", str(tmp_path / "other"), *SMALL, "--seed", "7"]
     assert dispatch(other).outcome == "completed"
-    assert snapshot(good) == before
+    assert file_hashes_and_siblings(good) == before
     assert dispatch([*argv, "--overwrite"]).outcome == "completed"
     assert len(list(good.parent.glob("good.replaced-*"))) == 1  # the old run, moved aside whole
 
@@ -206,18 +184,18 @@ def test_another_runs_checkpoint_dir_is_refused_and_restore_from_is_the_way_out(
     --checkpoint.restore-from starts the new run from that checkpoint without writing into it."""
     good = tmp_path / "kept" / "good"  # alone in its parent: the snapshot sees its siblings
     shutil.copytree(good_run, good)
-    before = snapshot(good)
+    before = file_hashes_and_siblings(good)
     new = tmp_path / "new"
     argv = ["run", "tiny_gpt", "--run-dir", str(new), *SMALL, "--checkpoint.dir", str(good / "checkpoints")]
     err = expect_one_line(capsys, argv, f"--checkpoint.dir '{good / 'checkpoints'}' holds the checkpoints of the run in")
     assert f"not of run_dir '{new}'" in err and "two run directories cannot share one checkpoint directory" in err
     assert f"--checkpoint.restore-from '{good / 'checkpoints' / 'step_2'}' and no --checkpoint.dir" in err
-    assert not new.exists() and snapshot(good) == before
+    assert not new.exists() and file_hashes_and_siblings(good) == before
     longer = ["--train.train-iters", "3", "--checkpoint.allow-changes", "train.train_iters"]
     result = dispatch(["run", "tiny_gpt", "--run-dir", str(new), *SMALL, "--checkpoint.restore-from",
                        str(good / "checkpoints" / "step_2"), *longer])  # fmt: skip
     assert result.state.global_step == 3 and (new / "checkpoints" / "step_3").is_dir()
-    assert snapshot(good) == before
+    assert file_hashes_and_siblings(good) == before
     assert dispatch(["run", "tiny_gpt", "--run-dir", str(new), *SMALL, *longer]).outcome == "completed"  # its own
 
 
@@ -239,20 +217,20 @@ def _hf_files(tmp: Path, hf_model: Path) -> dict[str, str]:
         "tmp": str(tmp),
         "hf": str(hf_model),
         "no_tokenizer": str(no_tokenizer),
-        "good_jsonl": write(tmp / "good.jsonl", jsonl),
-        "bad_json": write(tmp / "bad.jsonl", jsonl[: len(jsonl) // 2] + "{not json\n" + jsonl),
-        "empty_jsonl": write(tmp / "empty.jsonl", ""),
-        "not_json": write(tmp / "prose.jsonl", "It was the best of times.\nIt was the worst of times.\n"),
-        "no_field": write(tmp / "nofield.jsonl", '{"title": "x"}\n' * 4),
-        "afile": write(tmp / "out-file", "a file"),
-        "qa_jsonl": write(tmp / "qa.jsonl", '{"question": "to be", "answer": " or not"}\n' * 4),
+        "good_jsonl": write_file(tmp / "good.jsonl", jsonl),
+        "bad_json": write_file(tmp / "bad.jsonl", jsonl[: len(jsonl) // 2] + "{not json\n" + jsonl),
+        "empty_jsonl": write_file(tmp / "empty.jsonl", ""),
+        "not_json": write_file(tmp / "prose.jsonl", "It was the best of times.\nIt was the worst of times.\n"),
+        "no_field": write_file(tmp / "nofield.jsonl", '{"title": "x"}\n' * 4),
+        "afile": write_file(tmp / "out-file", "a file"),
+        "qa_jsonl": write_file(tmp / "qa.jsonl", '{"question": "to be", "answer": " or not"}\n' * 4),
         # config.json alone decides the kind (the weights file only has to be there)
-        "vlm_dir": (write(tmp / "llava" / "config.json", json.dumps(
+        "vlm_dir": (write_file(tmp / "llava" / "config.json", json.dumps(
             {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava"})),
-            write(tmp / "llava" / "model.safetensors", b""), str(tmp / "llava"))[2],
-        "bert_dir": (write(tmp / "bert" / "config.json", json.dumps(
+            write_file(tmp / "llava" / "model.safetensors", b""), str(tmp / "llava"))[2],
+        "bert_dir": (write_file(tmp / "bert" / "config.json", json.dumps(
             {"architectures": ["BertForMaskedLM"], "model_type": "bert"})),
-            write(tmp / "bert" / "model.safetensors", b""), str(tmp / "bert"))[2],
+            write_file(tmp / "bert" / "model.safetensors", b""), str(tmp / "bert"))[2],
     }
 
 
@@ -276,39 +254,39 @@ HF_CASES = [
 
 
 @pytest.mark.parametrize("args, needle", [c[1:] for c in HF_CASES], ids=[c[0] for c in HF_CASES])
-def test_a_bad_hf_input_is_one_line_and_creates_nothing(tmp_path, capsys, hf_model, args, needle):
+def test_a_bad_hf_input_is_one_line_and_creates_nothing(tmp_path, capsys, tiny_llama_dir, args, needle):
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    files = _hf_files(tmp_path / "in", hf_model)
-    before = snapshot(tmp_path)
+    files = _hf_files(tmp_path / "in", tiny_llama_dir)
+    before = file_hashes_and_siblings(tmp_path)
     argv = ["run", "hf_causal_lm", "--run-dir", str(tmp_path / "run"), "--model.path", files["hf"],
             "--data.path", files["good_jsonl"], "--train.train-iters", "2", "--train.global-batch-size", "2",
             "--train.micro-batch-size", "2", "--progress.no-enabled", *[a.format(**files) for a in args]]  # fmt: skip
     expect_one_line(capsys, argv, needle)
-    assert snapshot(tmp_path) == before
+    assert file_hashes_and_siblings(tmp_path) == before
 
 
-def test_a_vlm_run_of_a_text_only_model_is_one_line(tmp_path, capsys, hf_model):
+def test_a_vlm_run_of_a_text_only_model_is_one_line(tmp_path, capsys, tiny_llama_dir):
     """Every recipe given a model of the wrong kind says so in one line, before any work."""
     pytest.importorskip("transformers")
-    files = _hf_files(tmp_path / "in", hf_model)
-    before = snapshot(tmp_path)
+    files = _hf_files(tmp_path / "in", tiny_llama_dir)
+    before = file_hashes_and_siblings(tmp_path)
     argv = ["run", "vlm", "--run-dir", str(tmp_path / "run"), "--model.path", files["hf"], "--data.path",
             files["good_jsonl"], "--data.val-fraction", "0.25", "--model.cache-dir", str(tmp_path / "cache")]  # fmt: skip
     err = expect_one_line(capsys, argv, "is a text-only causal LM (LlamaForCausalLM): the vlm recipe needs a "
                           "vision-language model (LLaVA-style, with a processor)")  # fmt: skip
     assert f"--model.path {files['hf']!r}" in err
-    assert snapshot(tmp_path) == before
+    assert file_hashes_and_siblings(tmp_path) == before
 
 
 @pytest.fixture(scope="module")
-def dpo_run(tmp_path_factory, hf_model) -> Path:
+def dpo_run(tmp_path_factory, tiny_llama_dir) -> Path:
     """A finished one-step DPO run of the tiny Llama, with its checkpoint."""
     pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("dpo")
     rows = [{"prompt": "to be", "chosen": " or not", "rejected": " to be"}] * 4
-    data = write(root / "prefs.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
-    dispatch(["run", "dpo", "--run-dir", str(root / "run"), "--model.path", str(hf_model), "--data.path", data,
+    data = write_file(root / "prefs.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    dispatch(["run", "dpo", "--run-dir", str(root / "run"), "--model.path", str(tiny_llama_dir), "--data.path", data,
               "--train.train-iters", "1", "--train.global-batch-size", "2", "--train.micro-batch-size", "2",
               "--checkpoint.save-every", "1", "--progress.no-enabled"])  # fmt: skip
     return root / "run"
@@ -320,7 +298,7 @@ def test_a_checkpoint_of_another_recipe_is_one_line_naming_the_recipe_that_wrote
     the model was built: each is one line naming the recipe that wrote the checkpoint, before any model
     work, and the command without the wrong recipe works."""
     dpo_step, tiny_step = dpo_run / "checkpoints" / "step_1", good_run / "checkpoints" / "step_2"
-    before = snapshot(dpo_run), snapshot(good_run)
+    before = file_hashes_and_siblings(dpo_run), file_hashes_and_siblings(good_run)
     expect_one_line(capsys, ["generate", str(dpo_step), "--recipe", "tiny_gpt", "--prompt", "to"],
                     f"--recipe 'tiny_gpt': '{dpo_step}' was written by the dpo recipe; leave --recipe out to use it")
     expect_one_line(capsys, ["generate", str(good_run), "--recipe", "dpo", "--prompt", "to"],
@@ -331,7 +309,7 @@ def test_a_checkpoint_of_another_recipe_is_one_line_naming_the_recipe_that_wrote
     err = expect_one_line(capsys, run, f"--checkpoint.restore-from '{dpo_step}' was written by the dpo recipe, not "
                           "tiny_gpt: resume it with `fntrain run dpo`")  # fmt: skip
     assert err.endswith("start a new tiny_gpt run from its weights with --checkpoint.weights-only")
-    assert list(tmp_path.iterdir()) == [] and (snapshot(dpo_run), snapshot(good_run)) == before
+    assert list(tmp_path.iterdir()) == [] and (file_hashes_and_siblings(dpo_run), file_hashes_and_siblings(good_run)) == before
     samples = dispatch(["generate", str(good_run), "--prompt", "to", "--max-new-tokens", "2"])  # the way out
     assert len(samples) == 1
 

@@ -55,7 +55,7 @@ class Outer:
     other: Inner = field(default_factory=lambda: Inner(steps=5))
 
 
-def write(tmp_path, name: str, text: str):
+def write_config_file(tmp_path, name: str, text: str):
     path = tmp_path / name
     path.write_text(text)
     return path
@@ -65,7 +65,7 @@ def write(tmp_path, name: str, text: str):
 
 
 def test_toml_seeds_fields_and_keeps_unset_defaults(tmp_path):
-    path = write(
+    path = write_config_file(
         tmp_path,
         "c.toml",
         'name = "exp"\nenabled = true\n[inner]\nsteps = 3\nlr = 1\nbetas = [0.8, 0.9]\nkind = "linear"\n'
@@ -80,36 +80,36 @@ def test_toml_seeds_fields_and_keeps_unset_defaults(tmp_path):
 
 
 def test_nested_table_merges_into_a_non_trivial_default(tmp_path):
-    path = write(tmp_path, "c.toml", "[other]\nlr = 0.5\n")
+    path = write_config_file(tmp_path, "c.toml", "[other]\nlr = 0.5\n")
     assert load_config(Outer, path).other == Inner(steps=5, lr=0.5)
 
 
 def test_yaml_and_json_with_null(tmp_path):
-    yaml_path = write(tmp_path, "c.yaml", "name: y\ninner:\n  steps: null\n  path: /data\n")
-    json_path = write(tmp_path, "c.json", json.dumps({"inner": {"steps": None, "kind": "linear"}}))
+    yaml_path = write_config_file(tmp_path, "c.yaml", "name: y\ninner:\n  steps: null\n  path: /data\n")
+    json_path = write_config_file(tmp_path, "c.json", json.dumps({"inner": {"steps": None, "kind": "linear"}}))
     assert load_config(Outer, yaml_path).inner == Inner(steps=None, path="/data")
     assert load_config(Outer, json_path).inner == Inner(steps=None, kind="linear")
 
 
 def test_toml_spells_none_as_a_string_and_accepts_hyphenated_keys(tmp_path):
-    path = write(tmp_path, "c.toml", '[inner]\nsteps = "None"\n')
+    path = write_config_file(tmp_path, "c.toml", '[inner]\nsteps = "None"\n')
     assert load_config(Outer, path).inner.steps is None
     assert config_from_dict(Outer, {"inner": {"steps": 4}}).inner.steps == 4
     assert config_from_dict(Inner, {"steps": 7, "lr": 2}) == Inner(steps=7, lr=2.0)
     assert config_from_dict(Outer, {"other": {"steps": 1}}, base=Outer(name="b")).name == "b"
-    hyphen = write(tmp_path, "h.toml", "[inner]\nwarmup-iters = 4\n")
+    hyphen = write_config_file(tmp_path, "h.toml", "[inner]\nwarmup-iters = 4\n")
     assert load_config(Outer, hyphen).inner.warmup_iters == 4
 
 
 def test_later_files_override_earlier_ones(tmp_path):
-    first = write(tmp_path, "a.toml", 'name = "a"\n[inner]\nsteps = 1\nlr = 0.1\n')
-    second = write(tmp_path, "b.json", json.dumps({"inner": {"steps": 2}}))
+    first = write_config_file(tmp_path, "a.toml", 'name = "a"\n[inner]\nsteps = 1\nlr = 0.1\n')
+    second = write_config_file(tmp_path, "b.json", json.dumps({"inner": {"steps": 2}}))
     config = load_config(Outer, first, second)
     assert (config.name, config.inner.steps, config.inner.lr) == ("a", 2, 0.1)
 
 
 def test_empty_yaml_is_all_defaults(tmp_path):
-    assert load_config(Outer, write(tmp_path, "e.yml", "")) == Outer()
+    assert load_config(Outer, write_config_file(tmp_path, "e.yml", "")) == Outer()
 
 
 # ----------------------------------------------------------------------------- errors name the field
@@ -142,10 +142,10 @@ def test_bad_keys_and_types_name_the_dotted_field(data, error, words):
 
 
 def test_file_errors_name_the_file_and_the_field(tmp_path):
-    path = write(tmp_path, "bad.toml", "[inner]\nsteps = 'many'\n")
+    path = write_config_file(tmp_path, "bad.toml", "[inner]\nsteps = 'many'\n")
     with pytest.raises(TypeError, match=r"bad\.toml.*inner\.steps must be an int, got 'many'"):
         load_config(Outer, path)
-    unknown = write(tmp_path, "unknown.yaml", "inner:\n  nope: 1\n")
+    unknown = write_config_file(tmp_path, "unknown.yaml", "inner:\n  nope: 1\n")
     with pytest.raises(ValueError, match=r"unknown\.yaml.*'inner\.nope'"):
         load_config(Outer, unknown)
 
@@ -154,14 +154,14 @@ def test_unreadable_files(tmp_path, monkeypatch):
     with pytest.raises(ConfigFileError, match="--config '.*missing.toml' does not exist"):
         load_config(Outer, tmp_path / "missing.toml")
     with pytest.raises(ConfigFileError, match="unknown format '.ini'"):
-        read_config_file(write(tmp_path, "c.ini", "x=1"))
+        read_config_file(write_config_file(tmp_path, "c.ini", "x=1"))
     with pytest.raises(ConfigFileError, match=r"c\.toml' line 1: Invalid value \(column 8\)"):
-        read_config_file(write(tmp_path, "c.toml", "name = \n"))
+        read_config_file(write_config_file(tmp_path, "c.toml", "name = \n"))
     with pytest.raises(ConfigFileError, match="table of fields"):
-        read_config_file(write(tmp_path, "c.json", "[1, 2]"))
+        read_config_file(write_config_file(tmp_path, "c.json", "[1, 2]"))
     monkeypatch.setitem(sys.modules, "yaml", None)  # PyYAML not installed
     with pytest.raises(ConfigFileError, match=r"fntrain\[yaml\]"):
-        read_config_file(write(tmp_path, "c.yaml", "name: x\n"))
+        read_config_file(write_config_file(tmp_path, "c.yaml", "name: x\n"))
 
 
 @pytest.mark.parametrize(
@@ -224,7 +224,7 @@ def test_toml_comments_out_nones_that_are_defaults_and_reads_back_the_same(tmp_p
     assert "# path = None" in text and 'steps = "None"' in text and 'path = "None"' not in text
     assert text.startswith("# TOML has no null")
     assert "path" not in tomllib.loads(text)["inner"]
-    assert load_config(Outer, write(tmp_path, "c.toml", text)) == config
+    assert load_config(Outer, write_config_file(tmp_path, "c.toml", text)) == config
     assert dump_toml({"a": 1}, {"a": 1}) == "a = 1\n"  # nothing None: no note
 
 
@@ -234,7 +234,7 @@ def test_fntrain_config_toml_reads_back_and_spells_no_default_none(tmp_path, cap
 
     text = dispatch(["config", "recipes.hf_causal_lm"])
     assert '= "None"' not in text and "# output_dir = None" in text
-    path = write(tmp_path, "c.toml", text)
+    path = write_config_file(tmp_path, "c.toml", text)
     assert load_config(hf_causal_lm.Config, path) == hf_causal_lm.Config()
 
 
@@ -262,7 +262,7 @@ def test_split_config_args():
 
 
 def test_cli_flags_override_the_file(tmp_path):
-    path = write(tmp_path, "c.toml", 'name = "file"\n[inner]\nsteps = 3\nlr = 0.5\n')
+    path = write_config_file(tmp_path, "c.toml", 'name = "file"\n[inner]\nsteps = 3\nlr = 0.5\n')
     config = parse_config_cli(Outer, ["--config", str(path), "--inner.steps", "9"])
     assert (config.name, config.inner.steps, config.inner.lr) == ("file", 9, 0.5)
     assert parse_config_cli(Outer, []) == Outer()

@@ -239,7 +239,7 @@ spec = dataclasses.replace(tiny_spec, hooks=hooks)
 
 
 @pytest.fixture(scope="module")
-def python(fork_env):
+def launcher_python(fork_env):
     """The Python the slow tests launch `fntrain run` and torchrun with: tests/helpers/fork_server.py's
     launcher (the agent a fork of one process that imported torch once), and the environment to run
     them with. The ranks stay fresh interpreters (no PYTHON_EXEC): the launcher matches a rank's last
@@ -254,30 +254,30 @@ def _fntrain(python, cwd: Path, *args: str, timeout: float = 240) -> subprocess.
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
-def _losses(run_dir: Path) -> list[tuple[int, float]]:
+def logged_losses(run_dir: Path) -> list[tuple[int, float]]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [(row["step"], row["loss"]) for row in rows if "loss" in row]
 
 
 @pytest.mark.slow
-def test_the_launcher_trains_as_torchrun_does_and_a_bad_setting_is_one_line(tmp_path, python):
+def test_the_launcher_trains_as_torchrun_does_and_a_bad_setting_is_one_line(tmp_path, launcher_python):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:4000])
     common = ["tiny_gpt", *TINY, "--data.path", str(corpus), "--train.train-iters", "3"]
-    launched = _fntrain(python, tmp_path, "--nproc-per-node", "2", *common, "--run-dir", "launched")
+    launched = _fntrain(launcher_python, tmp_path, "--nproc-per-node", "2", *common, "--run-dir", "launched")
     assert launched.returncode == 0, launched.stderr[-3000:]
-    plain = subprocess.run([python[0], "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    plain = subprocess.run([launcher_python[0], "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                             "-m", "fntrain", "run", *common, "--run-dir", "plain"],
-                           cwd=tmp_path, env=python[1], capture_output=True, text=True, timeout=240)  # fmt: skip
+                           cwd=tmp_path, env=launcher_python[1], capture_output=True, text=True, timeout=240)  # fmt: skip
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert (
-        _losses(tmp_path / "launched") == _losses(tmp_path / "plain")
-        and len(_losses(tmp_path / "plain")) == 3
+        logged_losses(tmp_path / "launched") == logged_losses(tmp_path / "plain")
+        and len(logged_losses(tmp_path / "plain")) == 3
     )
     assert "OMP_NUM_THREADS" not in launched.stderr and "elastic" not in launched.stderr  # the agent is quiet
 
     bad = _fntrain(
-        python,
+        launcher_python,
         tmp_path,
         "--nproc-per-node",
         "2",
@@ -295,12 +295,12 @@ def test_the_launcher_trains_as_torchrun_does_and_a_bad_setting_is_one_line(tmp_
 
 
 @pytest.mark.slow
-def test_a_failing_rank_and_ctrl_c_end_the_launched_job_in_one_line(tmp_path, python):
+def test_a_failing_rank_and_ctrl_c_end_the_launched_job_in_one_line(tmp_path, launcher_python):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:4000])
     (tmp_path / "failing_gpt.py").write_text(FAILING_RECIPE)
     common = [*TINY, "--data.path", str(corpus)]
-    failed = _fntrain(python, tmp_path, "--nproc-per-node", "2", "failing_gpt.py", *common, "--train.train-iters", "4",
+    failed = _fntrain(launcher_python, tmp_path, "--nproc-per-node", "2", "failing_gpt.py", *common, "--train.train-iters", "4",
                       "--run-dir", "failed")  # fmt: skip
     assert failed.returncode == 1, failed.stderr[-3000:]
     last = failed.stderr.strip().splitlines()[-1]
@@ -311,9 +311,9 @@ def test_a_failing_rank_and_ctrl_c_end_the_launched_job_in_one_line(tmp_path, py
     # Ctrl-C reaches the agent (the ranks run in sessions of their own): it passes SIGINT on.
     stderr = tmp_path / "interrupted.err"
     with stderr.open("w") as sink:
-        agent = subprocess.Popen([python[0], "-m", "fntrain", "run", "--nproc-per-node", "2", "tiny_gpt",
+        agent = subprocess.Popen([launcher_python[0], "-m", "fntrain", "run", "--nproc-per-node", "2", "tiny_gpt",
                                   *common, "--train.train-iters", "5000", "--run-dir", "interrupted"],
-                                 cwd=tmp_path, env=python[1], stdout=subprocess.DEVNULL, stderr=sink)  # fmt: skip
+                                 cwd=tmp_path, env=launcher_python[1], stdout=subprocess.DEVNULL, stderr=sink)  # fmt: skip
         metrics = tmp_path / "interrupted" / "metrics.jsonl"
         deadline = time.monotonic() + 180
         while (

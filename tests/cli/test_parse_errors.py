@@ -79,7 +79,7 @@ CASES = [
 ]  # fmt: skip
 
 
-def one_line(capsys, run) -> str:
+def parse_error_line(capsys, run) -> str:
     """Call `run()`: it exits 2 with exactly one line on stderr and no traceback; that line."""
     with pytest.raises(SystemExit) as exited:
         run()
@@ -91,12 +91,12 @@ def one_line(capsys, run) -> str:
 
 @pytest.mark.parametrize("argv, line", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
 def test_a_rejected_command_line_is_one_line(capsys, argv, line):
-    assert one_line(capsys, lambda: dispatch(argv)) == line
+    assert parse_error_line(capsys, lambda: dispatch(argv)) == line
 
 
 def test_the_parse_error_comes_before_any_file(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    line = one_line(capsys, lambda: dispatch(["run", "tiny_gpt", "--run-dir", str(run_dir), "--seed", "x"]))
+    line = parse_error_line(capsys, lambda: dispatch(["run", "tiny_gpt", "--run-dir", str(run_dir), "--seed", "x"]))
     assert line == "fntrain run: --seed expects an integer, got 'x'" and not run_dir.exists()
 
 
@@ -106,7 +106,7 @@ def test_a_recipe_file_gives_the_same_lines(capsys):
         (["--train.train-iter", "20"], "unknown flag --train.train-iter (did you mean --train.train-iters?)"),
         (["--runtime.device", "gpu"], "--runtime.device must be one of cpu, cuda, npu, auto, got 'gpu'"),
     ):
-        line = one_line(capsys, lambda args=args: recipe_main(spec, args))
+        line = parse_error_line(capsys, lambda args=args: recipe_main(spec, args))
         assert line.endswith(f".py: {ending}"), line
 
 
@@ -184,5 +184,5 @@ def test_an_event_of_another_shape_is_still_one_line(capsys, monkeypatch):
         raise AttributeError("lowered")
 
     monkeypatch.setattr("fntrain.cli.parse.error_line", unreadable)
-    line = one_line(capsys, lambda: dispatch(["plan", "tiny_gpt", "--seed", "x"]))
+    line = parse_error_line(capsys, lambda: dispatch(["plan", "tiny_gpt", "--seed", "x"]))
     assert line == "fntrain plan: this command line is not valid; fntrain plan tiny_gpt --help for usage"

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from fntrain.cli.plot import main, plot_run, read_metrics, series
+from tests.helpers.files import relative_paths
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -97,10 +98,6 @@ def test_module_command_line(tmp_path, fork_env):
     assert_png(tmp_path / "run" / "throughput.png")
 
 
-def _listing(root):
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
-
-
 @pytest.mark.parametrize(
     "lines, message",
     [
@@ -113,10 +110,10 @@ def test_a_malformed_metrics_file_names_its_line_and_writes_nothing(tmp_path, li
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    before = _listing(tmp_path)
+    before = relative_paths(tmp_path)
     with pytest.raises(ValueError, match=message):
         plot_run(run, out_dir=tmp_path / "plots")
-    assert _listing(tmp_path) == before
+    assert relative_paths(tmp_path) == before
 
 
 def test_binary_metrics_and_missing_runs_are_clear_errors(tmp_path):

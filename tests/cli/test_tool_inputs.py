@@ -5,7 +5,6 @@ corrected command just works."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -13,50 +12,27 @@ import pytest
 import torch
 
 from fntrain.cli import dispatch
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every path under `root`: file -> content hash, directory -> "<dir>"."""
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "<dir>"
-        for p in sorted(root.rglob("*"))
-    }
-
-
-def write(path: Path, data: str | bytes) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data if isinstance(data, bytes) else data.encode())
-    return str(path)
-
-
-def expect_one_line(capsys, argv: list[str], needle: str) -> str:
-    """`fntrain ARGV` exits 2 with one line on stderr containing `needle`, and no traceback."""
-    with pytest.raises(SystemExit) as exited:
-        dispatch(argv)
-    err = capsys.readouterr().err.strip()
-    assert exited.value.code == 2, err
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    assert needle in err, err
-    return err
+from tests.helpers.commands import expect_one_line
+from tests.helpers.files import tree_hashes, write_file
 
 
 @pytest.fixture
-def inputs(tmp_path, monkeypatch) -> Path:
+def bad_files(tmp_path, monkeypatch) -> Path:
     """The files the cases name, under tmp_path/in, and tmp_path as the working directory (so every
     path is typed relative, as a user types it)."""
     monkeypatch.chdir(tmp_path)
     good = "".join(json.dumps({"text": f"document {n}"}) + "\n" for n in range(4))
-    write(tmp_path / "in" / "good.jsonl", good)
-    write(tmp_path / "in" / "bad.jsonl", good[:30] + "\n{not json\n" + good)
-    write(tmp_path / "in" / "binary.txt", bytes(range(256)) * 4)
-    write(tmp_path / "in" / "a-file", "not a directory")
-    write(
+    write_file(tmp_path / "in" / "good.jsonl", good)
+    write_file(tmp_path / "in" / "bad.jsonl", good[:30] + "\n{not json\n" + good)
+    write_file(tmp_path / "in" / "binary.txt", bytes(range(256)) * 4)
+    write_file(tmp_path / "in" / "a-file", "not a directory")
+    write_file(
         tmp_path / "in" / "run" / "metrics.jsonl",
         '{"step": 1, "loss": 3.0}\nnot json\n{"step": 2, "loss": 2.0}\n',
     )
-    write(tmp_path / "in" / "quiet" / "metrics.jsonl", '{"step": 1, "grad_norm": 1.0}\n')
-    write(tmp_path / "in" / "bad.yaml", "train:\n  train_iters: [3\n  seed: 1\n")
-    write(tmp_path / "in" / "binary.toml", bytes(range(256)) * 4)
+    write_file(tmp_path / "in" / "quiet" / "metrics.jsonl", '{"step": 1, "grad_norm": 1.0}\n')
+    write_file(tmp_path / "in" / "bad.yaml", "train:\n  train_iters: [3\n  seed: 1\n")
+    write_file(tmp_path / "in" / "binary.toml", bytes(range(256)) * 4)
     (tmp_path / "in" / "config-dir.toml").mkdir()
     weights = tmp_path / "in" / "hf"
     weights.mkdir()
@@ -118,15 +94,15 @@ CASES = PLOT_CASES + TOKENIZE_CASES + EXPORT_CASES + CONFIG_CASES + EVAL_CASES
 
 
 @pytest.mark.parametrize("argv, needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_a_bad_input_is_one_line_and_leaves_the_disk_as_it_was(inputs, capsys, argv, needle):
+def test_a_bad_input_is_one_line_and_leaves_the_disk_as_it_was(bad_files, capsys, argv, needle):
     if "yaml" in needle:
         pytest.importorskip("yaml")
     if argv[0] == "export":
-        _checkpoint_and_run_dir(inputs)
+        _checkpoint_and_run_dir(bad_files)
     capsys.readouterr()  # what setting up printed (the import's log lines) is not the command's
-    before = snapshot(inputs)
+    before = tree_hashes(bad_files)
     expect_one_line(capsys, argv, needle)
-    assert snapshot(inputs) == before
+    assert tree_hashes(bad_files) == before
 
 
 def _checkpoint_and_run_dir(root: Path) -> None:
@@ -136,22 +112,22 @@ def _checkpoint_and_run_dir(root: Path) -> None:
     (root / "in" / "run-dir" / "checkpoints").mkdir(parents=True)
 
 
-def test_a_failed_tokenize_needs_no_overwrite_to_run_again(inputs, capsys):
+def test_a_failed_tokenize_needs_no_overwrite_to_run_again(bad_files, capsys):
     """The bug a user hit: a bad JSONL left documents.bin behind, and the next attempt needed --overwrite."""
     expect_one_line(capsys, ["tokenize", "in/bad.jsonl", "--output", "shards"], "line 2: not JSON")
-    assert not (inputs / "shards").exists()
+    assert not (bad_files / "shards").exists()
     index = dispatch(["tokenize", "in/good.jsonl", "--output", "shards"])
-    assert index.documents == 4 and sorted(p.name for p in inputs.iterdir()) == ["in", "shards"]
+    assert index.documents == 4 and sorted(p.name for p in bad_files.iterdir()) == ["in", "shards"]
 
 
-def test_a_failed_export_keeps_the_old_output_whole(inputs, capsys):
-    _checkpoint_and_run_dir(inputs)
+def test_a_failed_export_keeps_the_old_output_whole(bad_files, capsys):
+    _checkpoint_and_run_dir(bad_files)
     assert dispatch(["export", "in/ckpt", "--format", "hf", "hf-out"]) == Path("hf-out")
     capsys.readouterr()
-    before = snapshot(inputs)
+    before = tree_hashes(bad_files)
     expect_one_line(capsys, ["export", "in/ckpt", "--format", "hf", "hf-out"], "is not empty (pass --overwrite")
     expect_one_line(
         capsys, ["export", "nowhere", "--format", "hf", "hf-out", "--overwrite"], "does not exist"
     )
-    assert snapshot(inputs) == before
+    assert tree_hashes(bad_files) == before
     assert dispatch(["export", "in/ckpt", "--format", "hf", "hf-out", "--overwrite"]) == Path("hf-out")  # the way out

@@ -29,7 +29,7 @@ class Recorded(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-def recorded(*shape) -> Recorded:
+def recorded_tensor(*shape) -> Recorded:
     return torch.zeros(*shape).as_subclass(Recorded)
 
 
@@ -57,9 +57,9 @@ def test_a_tensor_already_on_the_device_is_kept_as_is():
 
 def test_non_blocking_only_for_host_to_accelerator_copies(monkeypatch):
     Recorded.calls = []
-    to_device({"a": recorded(2)}, "cuda")  # no copy happens: the recorder intercepts it
-    to_device({"a": recorded(2)}, "cuda", non_blocking=False)
-    to_device({"a": recorded(2)}, "cpu")
+    to_device({"a": recorded_tensor(2)}, "cuda")  # no copy happens: the recorder intercepts it
+    to_device({"a": recorded_tensor(2)}, "cuda", non_blocking=False)
+    to_device({"a": recorded_tensor(2)}, "cpu")
     assert [call[2]["non_blocking"] for call in Recorded.calls] == [True, False, False]
     assert [str(call[1][0]) for call in Recorded.calls] == ["cuda", "cuda", "cpu"]
 
@@ -70,6 +70,6 @@ def test_pinning_is_a_no_op_without_an_accelerator_and_pins_host_tensors_with_on
         assert pin_memory(batch)["x"] is batch["x"]
     monkeypatch.setattr(device_module, "can_pin_memory", lambda: True)
     Recorded.calls = []
-    pinned = pin_memory([{"x": recorded(2), "n": 1, "meta": torch.ones(1, device="meta")}])
+    pinned = pin_memory([{"x": recorded_tensor(2), "n": 1, "meta": torch.ones(1, device="meta")}])
     assert [call[0] for call in Recorded.calls] == ["pin_memory"]  # the host tensor only, not the meta one
     assert pinned[0]["n"] == 1

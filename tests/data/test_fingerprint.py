@@ -53,7 +53,7 @@ def jsonl(path: Path, rows: int) -> Path:
     return path
 
 
-def shards(directory: Path, docs: int = 40, seed: int = 0, overwrite: bool = False) -> Path:
+def write_shards(directory: Path, docs: int = 40, seed: int = 0, overwrite: bool = False) -> Path:
     rng = np.random.default_rng(seed)
     texts = [" ".join(map(str, rng.integers(1, 1000, size=int(rng.integers(5, 60))))) for _ in range(docs)]
     tokenize_documents(texts, directory, lambda text: [int(t) for t in text.split()], eos_id=0, vocab_size=1000,
@@ -144,7 +144,7 @@ def test_the_files_are_the_data_sections_path_fields(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("text").write_text("a file named like a non-path field")
     train, val = jsonl(tmp_path / "train.jsonl", 3), jsonl(tmp_path / "val.jsonl", 2)
-    directory = shards(tmp_path / "shards")
+    directory = write_shards(tmp_path / "shards")
     config = _Config(_Data(path=str(train), val_path=str(val), shards=str(directory)))
     names = list(data_files(config))
     assert names[:2] == ["data.path", "data.val_path"]
@@ -166,13 +166,13 @@ def test_appended_jsonl_rows_are_named_with_the_length(tmp_path):
 
 
 def test_retokenized_shards_and_mixing_weights_are_named(tmp_path):
-    directory = shards(tmp_path / "shards")
+    directory = write_shards(tmp_path / "shards")
     config = _Config(_Data(shards=str(directory)))
     windows = TokenWindows(directory, 16)
     train, _ = split_windows(windows, 0.1)
     saved = data_fingerprint(config, Mixture([train, list(range(10))], [0.5, 0.5]))
     assert saved["dataset"]["sources"][0]["of"]["tokens"] == len(windows.shards)
-    shards(directory, seed=1, overwrite=True)  # re-tokenized: other documents
+    write_shards(directory, seed=1, overwrite=True)  # re-tokenized: other documents
     again = TokenWindows(directory, 16)
     retrain, _ = split_windows(again, 0.1)
     changes = fingerprint_changes(
@@ -187,7 +187,7 @@ def test_retokenized_shards_and_mixing_weights_are_named(tmp_path):
 # ----------------------------------------------------------------------------- through a resume
 
 
-def _tiny(tmp_path: Path, corpus: Path, **checkpoint):
+def tiny_fingerprint_config(tmp_path: Path, corpus: Path, **checkpoint):
     from recipes import tiny_gpt
 
     base = tiny_gpt.Config()
@@ -208,7 +208,7 @@ def test_a_resume_on_changed_data_is_refused_naming_the_file_unless_allowed(tmp_
     corpus = tmp_path / "corpus.txt"
     text = (ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()
     corpus.write_bytes(text[:3000])
-    config = _tiny(tmp_path, corpus, save_every=2)
+    config = tiny_fingerprint_config(tmp_path, corpus, save_every=2)
     run_job(
         dataclasses.replace(config, train=dataclasses.replace(config.train, train_iters=2)), tiny_gpt.spec
     )

@@ -15,7 +15,7 @@ from fntrain.data.pipeline import build_data, data_fn, steps_per_epoch
 from fntrain.data.settings import Batching, LoaderConfig
 
 
-class Source(torch.utils.data.Dataset):
+class TaggedSource(torch.utils.data.Dataset):
     """Sample i of source `tag` is {"id": tag * 1000 + i}."""
 
     def __init__(self, tag: int, length: int):
@@ -35,15 +35,15 @@ WEIGHTS = [0.5, 0.3, 0.2]
 
 def mixture(**options) -> Mixture:
     options = {"samples_per_epoch": 600, "seed": 11, **options}
-    return Mixture([Source(0, 400), Source(1, 30), Source(2, 900)], WEIGHTS, **options)
+    return Mixture([TaggedSource(0, 400), TaggedSource(1, 30), TaggedSource(2, 900)], WEIGHTS, **options)
 
 
-def spec_of(dataset, *, dp_rank=0, dp_size=1, shuffle=True, num_workers=0):
+def mixing_spec_of(dataset, *, dp_rank=0, dp_size=1, shuffle=True, num_workers=0):
     loader = LoaderConfig(shuffle=shuffle, num_workers=num_workers, pin_memory=False)
     return build_data(dataset, Batching(4, 2, seed=11, dp_rank=dp_rank, dp_size=dp_size), loader)
 
 
-def read(data, epoch: int, cursor: int) -> list[list[int]]:
+def read_ids(data, epoch: int, cursor: int) -> list[list[int]]:
     """Each remaining step of `epoch` as the flat list of its sample ids."""
     iterator = data(epoch, cursor)
     try:
@@ -70,9 +70,9 @@ def test_counts_and_the_interleave_follow_the_weights():
 def test_proportions_per_epoch_and_within_tolerance_inside_it():
     dataset = mixture()
     assert dataset.epoch_counts == (300, 180, 120) and dataset.proportions == pytest.approx(WEIGHTS)
-    data = data_fn(spec_of(dataset))
+    data = data_fn(mixing_spec_of(dataset))
     for epoch in range(3):
-        steps = read(data, epoch, 0)
+        steps = read_ids(data, epoch, 0)
         ids = [i for step in steps for i in step]
         assert len(ids) == 600
         assert Counter(i // 1000 for i in ids) == {0: 300, 1: 180, 2: 120}  # exact over the epoch
@@ -81,7 +81,7 @@ def test_proportions_per_epoch_and_within_tolerance_inside_it():
             assert abs(head[source] / 160 - weight) < 0.1
     # Unshuffled, every window of the epoch holds the weights to within a sample.
     in_order = [
-        i // 1000 for step in read(data_fn(spec_of(mixture(), shuffle=False)), 0, 0) for i in step
+        i // 1000 for step in read_ids(data_fn(mixing_spec_of(mixture(), shuffle=False)), 0, 0) for i in step
     ]
     for start in range(0, 600, 40):
         window = Counter(in_order[start : start + 40])
@@ -114,30 +114,30 @@ def test_sources_are_walked_without_repeats_and_upsampled_evenly():
 
 
 def test_deterministic_in_seed_and_epoch():
-    first = read(data_fn(spec_of(mixture())), 2, 0)
-    assert read(data_fn(spec_of(mixture())), 2, 0) == first  # a rebuilt mixture: same epoch
-    assert read(data_fn(spec_of(mixture())), 3, 0) != first  # another epoch
+    first = read_ids(data_fn(mixing_spec_of(mixture())), 2, 0)
+    assert read_ids(data_fn(mixing_spec_of(mixture())), 2, 0) == first  # a rebuilt mixture: same epoch
+    assert read_ids(data_fn(mixing_spec_of(mixture())), 3, 0) != first  # another epoch
     reseeded = build_data(mixture(seed=12), Batching(4, 2, seed=12))
-    assert read(data_fn(reseeded), 2, 0) != first  # another seed
+    assert read_ids(data_fn(reseeded), 2, 0) != first  # another seed
 
 
 @pytest.mark.parametrize(("dp_rank", "dp_size"), [(0, 1), (1, 2)])
 def test_identical_after_resume_at_every_cursor(dp_rank, dp_size):
-    spec = spec_of(mixture(), dp_rank=dp_rank, dp_size=dp_size)
+    spec = mixing_spec_of(mixture(), dp_rank=dp_rank, dp_size=dp_size)
     data = data_fn(spec)
-    full = read(data, 1, 0)
+    full = read_ids(data, 1, 0)
     assert len(full) == steps_per_epoch(spec)
     for cursor in [*range(0, len(full), 6), len(full) - 1, len(full)]:
         # A fresh mixture each time, as after a restart: only (epoch, cursor) carries over.
         assert (
-            read(data_fn(spec_of(mixture(), dp_rank=dp_rank, dp_size=dp_size)), 1, cursor)
+            read_ids(data_fn(mixing_spec_of(mixture(), dp_rank=dp_rank, dp_size=dp_size)), 1, cursor)
             == full[cursor:]
         )
 
 
 def test_train_stopped_and_resumed_sees_the_same_mixture_across_epochs():
     def run(state: TrainState, stop_after: int | None, num_workers: int = 0) -> tuple[TrainState, list]:
-        spec = spec_of(mixture(), num_workers=num_workers)
+        spec = mixing_spec_of(mixture(), num_workers=num_workers)
         per_epoch = steps_per_epoch(spec)
         plan = RunPlan(train_iters=2 * per_epoch + 5, steps_per_epoch=per_epoch, epochs=3)
         seen = []
@@ -171,16 +171,16 @@ def test_source_tags_and_validation():
     assert int(sample["source"]) == int(sample["id"]) // 1000
     assert mixture(samples_per_epoch=None).samples_per_epoch == 1330
     with pytest.raises(ValueError, match="one weight per source"):
-        Mixture([Source(0, 3)], [0.5, 0.5])
+        Mixture([TaggedSource(0, 3)], [0.5, 0.5])
     with pytest.raises(ValueError, match=r"weights\[1\] = -1"):
-        Mixture([Source(0, 3), Source(1, 3)], [1, -1])
+        Mixture([TaggedSource(0, 3), TaggedSource(1, 3)], [1, -1])
     with pytest.raises(ValueError, match="needs a positive weight"):
-        Mixture([Source(0, 3)], [0])
+        Mixture([TaggedSource(0, 3)], [0])
     with pytest.raises(ValueError, match="source 1 is empty"):
-        Mixture([Source(0, 3), Source(1, 0)], [1, 1])
+        Mixture([TaggedSource(0, 3), TaggedSource(1, 0)], [1, 1])
     with pytest.raises(TypeError, match="map-style"):
         Mixture([iter([1, 2])], [1])
     with pytest.raises(IndexError):
         mixture()[600]
-    zero = Mixture([Source(0, 5), Source(1, 5)], [1, 0], samples_per_epoch=8)
+    zero = Mixture([TaggedSource(0, 5), TaggedSource(1, 5)], [1, 0], samples_per_epoch=8)
     assert zero.epoch_counts == (8, 0) and all(zero.locate(i)[0] == 0 for i in range(8))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fntrain.data.mixing import Mixture, _mix64, interleave, mixture_counts, permute_index
-from tests.data.test_mixing import Source, mixture
+from tests.data.test_mixing import TaggedSource, mixture
 
 # --- the hash and the permutation -------------------------------------------------------------------
 
@@ -121,7 +121,7 @@ def order_of(dataset: Mixture, source: int) -> list[int]:
 
 
 def test_the_seed_and_each_source_key_their_own_shuffle():
-    same = [Source(0, 40), Source(1, 40)]
+    same = [TaggedSource(0, 40), TaggedSource(1, 40)]
     dataset = Mixture(same, [1, 1], seed=5)
     assert order_of(dataset, 0) != order_of(dataset, 1)  # equal sources, each shuffled its own way
     assert order_of(Mixture(same, [1, 1], seed=6), 0) != order_of(dataset, 0)  # another seed, another order
@@ -171,13 +171,13 @@ def test_samples_are_the_sources_own_unless_a_source_key_is_asked():
 
 
 def test_the_repr_shows_the_normalized_weights():
-    dataset = Mixture([Source(0, 4), Source(1, 4)], [1, 2], samples_per_epoch=8)
+    dataset = Mixture([TaggedSource(0, 4), TaggedSource(1, 4)], [1, 2], samples_per_epoch=8)
     assert repr(dataset) == "Mixture(sources=2, weights=(0.3333, 0.6667), samples_per_epoch=8)"
     assert dataset.weights == pytest.approx((1 / 3, 2 / 3))
 
 
 def test_an_empty_source_of_weight_zero_is_allowed():
-    dataset = Mixture([Source(0, 5), Source(1, 0)], [1, 0], samples_per_epoch=6)
+    dataset = Mixture([TaggedSource(0, 5), TaggedSource(1, 0)], [1, 0], samples_per_epoch=6)
     assert [dataset.locate(i)[0] for i in range(6)] == [0] * 6
 
 
@@ -195,12 +195,12 @@ class OnlyGetitem:
     ("build", "error", "message"),
     [
         (
-            lambda: Mixture([Source(0, 3)] * 2, [True, 1]),
+            lambda: Mixture([TaggedSource(0, 3)] * 2, [True, 1]),
             TypeError,
             "mixing weights must be numbers, got weights[0] = True",
         ),
         (
-            lambda: Mixture([Source(0, 3)] * 2, [1, "2"]),
+            lambda: Mixture([TaggedSource(0, 3)] * 2, [1, "2"]),
             TypeError,
             "mixing weights must be numbers, got weights[1] = '2'",
         ),

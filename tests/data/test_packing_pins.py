@@ -38,7 +38,7 @@ def brute_mask(ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def refused(error: type[Exception], message: str):
+def raises_exactly(error: type[Exception], message: str):
     return pytest.raises(error, match="^" + re.escape(message) + "$")
 
 
@@ -67,7 +67,7 @@ def test_flex_availability_follows_the_import(monkeypatch):
     assert flex_attention_available() is importable
     monkeypatch.setattr(packing, "_create_block_mask", None)
     assert flex_attention_available() is False
-    with refused(RuntimeError, "document_block_mask needs torch.nn.attention.flex_attention (torch >= 2.5)"):
+    with raises_exactly(RuntimeError, "document_block_mask needs torch.nn.attention.flex_attention (torch >= 2.5)"):
         document_block_mask(torch.zeros(1, 4, dtype=torch.int64))
 
 
@@ -92,12 +92,12 @@ def test_document_starts_take_the_ignore_index_given():
     ids = torch.tensor([5, 6, 7, 8, 9])
     packed = pack_sequence(ids, document_ids=torch.tensor([0, 0, 1, 1, 1]), ignore_index=-1)
     assert packed["labels"].tolist() == [5, 6, -1, 8, 9]
-    with refused(ValueError, "pack_sequence needs eos_id or document_ids"):
+    with raises_exactly(ValueError, "pack_sequence needs eos_id or document_ids"):
         pack_sequence(ids)
 
 
 def test_collate_refuses_an_unknown_attention_mode():
-    with refused(ValueError, "attention must be one of ['none', 'sdpa'], got 'flash'"):
+    with raises_exactly(ValueError, "attention must be one of ['none', 'sdpa'], got 'flash'"):
         packed_collate("flash")
 
 
@@ -121,7 +121,7 @@ def test_windows_keep_their_labels_and_ignore_index():
 
 
 def test_window_eos_id_must_be_a_token_id():
-    with refused(ValueError, "eos_id must be >= 0, got -1"):
+    with raises_exactly(ValueError, "eos_id must be >= 0, got -1"):
         PackedWindows([], eos_id=-1)
 
 
@@ -148,11 +148,11 @@ def test_context_of_one_and_whole_float_lengths_pack():
 
 
 def test_bad_packing_settings_are_refused_naming_field_and_value():
-    with refused(ValueError, "context must be >= 1, got 0"):
+    with raises_exactly(ValueError, "context must be >= 1, got 0"):
         pack_documents([1, 2], 0)
-    with refused(ValueError, "long_documents must be one of ['split', 'truncate'], got 'drop'"):
+    with raises_exactly(ValueError, "long_documents must be one of ['split', 'truncate'], got 'drop'"):
         pack_documents([1, 2], 4, long_documents="drop")
-    with refused(ValueError, "pad_id must be >= 0, got -1"):
+    with raises_exactly(ValueError, "pad_id must be >= 0, got -1"):
         PackedDocuments([[1]], 4, pad_id=-1)
 
 

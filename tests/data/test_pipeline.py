@@ -27,7 +27,7 @@ from fntrain.data.stream import StreamPosition
 from tests.data.datasets import Indexed, StatefulStream, Stream
 
 
-def read(iterator) -> list[list[list[int]]]:
+def read_indices(iterator) -> list[list[list[int]]]:
     """Consume (and close) a `batches` iterator: each step as its micro-batches' sample indices."""
     try:
         return [[mb["index"].tolist() for mb in step] for step in iterator]
@@ -57,22 +57,22 @@ def test_every_cursor_gives_the_tail_of_the_epoch(prefetch, drop_last, dp_rank, 
     spec = spec_of(
         Indexed(29), mbs=2, n=2, drop_last=drop_last, dp_rank=dp_rank, dp_size=dp_size, prefetch=prefetch
     )
-    full = read(batches(spec, 1, 0))
+    full = read_indices(batches(spec, 1, 0))
     plan = make_run_plan(global_batch_size=4 * dp_size, micro_batch_size=2, dp_size=dp_size, train_iters=1,
                          dataset_len=29, drop_last=drop_last)  # fmt: skip
     assert len(full) == plan.steps_per_epoch == steps_per_epoch(spec)
     for cursor in range(len(full) + 2):
-        assert read(batches(spec, 1, cursor)) == full[cursor:]
-    assert read(batches(spec, 2, 0)) != full  # a new epoch, a new order
+        assert read_indices(batches(spec, 1, cursor)) == full[cursor:]
+    assert read_indices(batches(spec, 2, 0)) != full  # a new epoch, a new order
     assert live_prefetch_threads() == 0
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_every_cursor_gives_the_tail_with_workers(prefetch):
     spec = spec_of(Indexed(29), drop_last=False, dp_rank=1, dp_size=2, num_workers=2, prefetch=prefetch)
-    full = read(batches(spec_of(Indexed(29), drop_last=False, dp_rank=1, dp_size=2), 1, 0))
+    full = read_indices(batches(spec_of(Indexed(29), drop_last=False, dp_rank=1, dp_size=2), 1, 0))
     for cursor in range(len(full) + 1):
-        assert read(batches(spec, 1, cursor)) == full[cursor:]
+        assert read_indices(batches(spec, 1, cursor)) == full[cursor:]
     assert multiprocessing.active_children() == [] and live_prefetch_threads() == 0
 
 
@@ -87,7 +87,7 @@ def test_the_sampler_resumes_exactly_at_every_cursor_of_a_larger_epoch():
 def test_skipped_samples_are_never_read():
     dataset = Indexed(40)
     spec = spec_of(dataset, mbs=2, n=2)
-    expected = read(batches(spec, 0, 0))[7]
+    expected = read_indices(batches(spec, 0, 0))[7]
     dataset.reads.clear()
     iterator = batches(spec, 0, 7)
     assert dataset.reads == []  # lazy: nothing read before the first next()
@@ -107,20 +107,20 @@ def test_steps_per_epoch_matches_the_run_plan_on_every_rank():
                     continue  # less than one step per epoch
                 for rank in range(dp_size):
                     spec = spec_of(Indexed(length), drop_last=drop_last, dp_rank=rank, dp_size=dp_size)
-                    assert len(read(batches(spec, 0, 0))) == plan.steps_per_epoch
+                    assert len(read_indices(batches(spec, 0, 0))) == plan.steps_per_epoch
 
 
 def test_drop_last_both_ways():
     # 23 samples over 2 ranks: drop_last drops the odd one (11 each: 5 micro-batches of 2 -> 2 steps of 2);
     # otherwise the order is padded with its head (12 each: 6 micro-batches -> 3 steps).
-    dropped = [read(batches(spec_of(drop_last=True, dp_rank=r, dp_size=2), 0, 0)) for r in range(2)]
-    padded = [read(batches(spec_of(drop_last=False, dp_rank=r, dp_size=2), 0, 0)) for r in range(2)]
+    dropped = [read_indices(batches(spec_of(drop_last=True, dp_rank=r, dp_size=2), 0, 0)) for r in range(2)]
+    padded = [read_indices(batches(spec_of(drop_last=False, dp_rank=r, dp_size=2), 0, 0)) for r in range(2)]
     assert [len(steps) for steps in dropped] == [2, 2] and [len(steps) for steps in padded] == [3, 3]
     padded_samples = [i for steps in padded for step in steps for mb in step for i in mb]
     assert len(padded_samples) == 24 and set(padded_samples) == set(range(23))
     # A short last micro-batch: kept (in a whole step) without drop_last, dropped with it.
-    keep = read(batches(spec_of(Indexed(10), mbs=4, n=1, drop_last=False, shuffle=False), 0, 0))
-    drop = read(batches(spec_of(Indexed(10), mbs=4, n=1, drop_last=True, shuffle=False), 0, 0))
+    keep = read_indices(batches(spec_of(Indexed(10), mbs=4, n=1, drop_last=False, shuffle=False), 0, 0))
+    drop = read_indices(batches(spec_of(Indexed(10), mbs=4, n=1, drop_last=True, shuffle=False), 0, 0))
     assert keep == [[[0, 1, 2, 3]], [[4, 5, 6, 7]], [[8, 9]]]
     assert drop == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
 
@@ -132,7 +132,7 @@ def test_getitems_is_used_like_a_dataloader_would():
             return [self[i] for i in indices]
 
     dataset = Batched(8)
-    assert len(read(batches(spec_of(dataset), 0, 0))) == 2
+    assert len(read_indices(batches(spec_of(dataset), 0, 0))) == 2
     assert dataset.batched == 4
 
 
@@ -140,7 +140,7 @@ def test_collate_and_dataset_length():
     spec = spec_of(
         list(range(10)), collate_fn=lambda samples: {"index": torch.tensor(samples) * 10}, shuffle=False
     )
-    assert read(batches(spec, 0, 1)) == [[[40, 50], [60, 70]]]
+    assert read_indices(batches(spec, 0, 1)) == [[[40, 50], [60, 70]]]
     assert dataset_length(spec) == 10 and dataset_length(spec_of(Stream(5), shuffle=False)) is None
 
 
@@ -160,7 +160,7 @@ def test_workers_give_identical_batches_and_leave_no_process_or_global_rng_draw(
     for ours, theirs in zip(got, reference, strict=True):
         for a, b in zip(ours, theirs, strict=True):
             assert torch.equal(a["index"], b["index"]) and torch.equal(a["x"], b["x"])
-    assert read(batches(workers_prefetch, 4, 3)) == read(batches(in_process, 4, 3))
+    assert read_indices(batches(workers_prefetch, 4, 3)) == read_indices(batches(in_process, 4, 3))
 
     # Stop mid-epoch: the workers and the prefetch thread end with close().
     iterator = batches(workers_prefetch, 4, 1)
@@ -176,7 +176,7 @@ def test_workers_give_identical_batches_and_leave_no_process_or_global_rng_draw(
 # ----------------------------------------------------------------------------- lifetime inside train
 
 
-def _run(spec, *, fail_at: int | None = None, train_iters: int = 7):
+def run_pipeline(spec, *, fail_at: int | None = None, train_iters: int = 7):
     seen = []
 
     def step_fn(state, batch):
@@ -193,8 +193,8 @@ def _run(spec, *, fail_at: int | None = None, train_iters: int = 7):
 
 def test_train_sees_the_same_batches_with_prefetch_and_no_thread_outlives_it():
     baseline = threading.active_count()
-    plain = _run(spec_of(Indexed(20)))
-    prefetched = _run(spec_of(Indexed(20), prefetch=True, prefetch_depth=2))
+    plain = run_pipeline(spec_of(Indexed(20)))
+    prefetched = run_pipeline(spec_of(Indexed(20), prefetch=True, prefetch_depth=2))
     assert plain == prefetched and len(plain) == 7  # across two epochs and a mid-epoch end
     assert threading.active_count() == baseline
 
@@ -217,10 +217,10 @@ def test_stop_training_closes_the_prefetching_iterator():
 def test_a_failing_step_stops_the_prefetch_thread_and_the_workers():
     baseline = threading.active_count()
     with pytest.raises(RuntimeError, match="step 3 failed"):
-        _run(spec_of(Indexed(20), prefetch=True), fail_at=3)
+        run_pipeline(spec_of(Indexed(20), prefetch=True), fail_at=3)
     assert threading.active_count() == baseline
     with pytest.raises(RuntimeError, match="step 2 failed"):
-        _run(spec_of(Indexed(20), prefetch=True, num_workers=2), fail_at=2)
+        run_pipeline(spec_of(Indexed(20), prefetch=True, num_workers=2), fail_at=2)
     assert threading.active_count() == baseline
     assert multiprocessing.active_children() == []
 
@@ -234,11 +234,11 @@ def test_a_failing_dataset_reaches_train_through_the_prefetch_thread():
 
     baseline = threading.active_count()
     with pytest.raises(IndexError, match="is corrupt"):
-        _run(spec_of(Broken(20), prefetch=True))
+        run_pipeline(spec_of(Broken(20), prefetch=True))
     assert threading.active_count() == baseline
     # Raised in a DataLoader worker process, then on the prefetch thread, then in the trainer.
     with pytest.raises(IndexError, match="is corrupt"):
-        _run(spec_of(Broken(20), prefetch=True, num_workers=2))
+        run_pipeline(spec_of(Broken(20), prefetch=True, num_workers=2))
     assert threading.active_count() == baseline and multiprocessing.active_children() == []
 
 
@@ -256,17 +256,17 @@ def test_batches_starts_nothing_until_iterated():
 
 def test_an_unsized_stream_ends_its_epoch_when_it_runs_out():
     spec = spec_of(Stream(11), shuffle=False)
-    assert read(batches(spec, 0, 0)) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]  # the partial step is dropped
+    assert read_indices(batches(spec, 0, 0)) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]  # the partial step is dropped
     padded = spec_of(Stream(11), shuffle=False, drop_last=False)
-    assert read(batches(padded, 0, 0))[-1] == [[8, 9], [10]]
-    assert read(batches(spec, 2, 0))[0] == [[2000, 2001], [2002, 2003]]  # set_epoch(2) was called
+    assert read_indices(batches(padded, 0, 0))[-1] == [[8, 9], [10]]
+    assert read_indices(batches(spec, 2, 0))[0] == [[2000, 2001], [2002, 2003]]  # set_epoch(2) was called
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_stream_shards_are_disjoint_and_cover_it(world_size):
     for drop_last in (True, False):
         shards = [
-            [i for step in read(batches(spec_of(Stream(25), mbs=1, n=1, shuffle=False, drop_last=drop_last,
+            [i for step in read_indices(batches(spec_of(Stream(25), mbs=1, n=1, shuffle=False, drop_last=drop_last,
                                                 dp_rank=r, dp_size=world_size), 0, 0))
              for mb in step for i in mb]
             for r in range(world_size)
@@ -282,11 +282,11 @@ def test_stream_shards_are_disjoint_and_cover_it(world_size):
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_a_stream_without_state_resumes_by_count_with_one_warning(prefetch):
     spec = spec_of(Stream(30), shuffle=False, prefetch=prefetch)
-    full = read(batches(spec, 1, 0))
+    full = read_indices(batches(spec, 1, 0))
     for cursor in range(1, len(full) + 1):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert read(batches(spec, 1, cursor)) == full[cursor:]
+            assert read_indices(batches(spec, 1, cursor)) == full[cursor:]
         messages = [str(w.message) for w in caught]
         assert len(messages) == 1 and "has no state_dict/load_state_dict" in messages[0]
         assert f"discards its first {cursor * 4} samples" in messages[0]
@@ -296,7 +296,7 @@ def test_a_stream_without_state_resumes_by_count_with_one_warning(prefetch):
 def test_a_stateful_stream_resumes_from_the_last_consumed_position(prefetch):
     dataset = StatefulStream(30)
     spec = spec_of(dataset, shuffle=False, prefetch=prefetch, prefetch_depth=2)
-    full = read(batches(spec, 1, 0))
+    full = read_indices(batches(spec, 1, 0))
     iterator = batches(spec, 1, 0)
     next(iterator), next(iterator)
     if prefetch:
@@ -311,16 +311,16 @@ def test_a_stateful_stream_resumes_from_the_last_consumed_position(prefetch):
     resumed.position.load_state_dict(saved)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert read(batches(resumed, 1, 2)) == full[2:]
+        assert read_indices(batches(resumed, 1, 2)) == full[2:]
     assert resumed_dataset.loads == [{"position": 8}] and resumed_dataset.read == 30 - 8
 
 
 def test_a_stateful_stream_without_a_saved_position_falls_back_to_count():
     spec = spec_of(StatefulStream(12), shuffle=False)
-    full = read(batches(spec, 0, 0))
+    full = read_indices(batches(spec, 0, 0))
     other = spec_of(StatefulStream(12), shuffle=False)
     with pytest.warns(RuntimeWarning, match="has no saved position for this"):
-        assert read(batches(other, 0, 1)) == full[1:]
+        assert read_indices(batches(other, 0, 1)) == full[1:]
 
 
 def test_stream_position_round_trip_and_errors():

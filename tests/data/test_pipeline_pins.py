@@ -5,7 +5,6 @@ the stream position, and the position hook does nothing when the loop calls it."
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import pytest
@@ -23,10 +22,11 @@ from fntrain.data.pipeline import (
 )
 from fntrain.data.settings import Batching, LoaderConfig
 from tests.data.datasets import Indexed, StatefulStream, Stream
-from tests.data.test_pipeline import read
+from tests.data.test_pipeline import read_indices
+from tests.helpers.waiting import wait_until
 
 
-def build(dataset=None, batching: dict | None = None, loader: dict | None = None, **options):
+def build_pipeline(dataset=None, batching: dict | None = None, loader: dict | None = None, **options):
     dataset = Indexed(12) if dataset is None else dataset
     shape = {
         "micro_batch_size": 2,
@@ -73,7 +73,7 @@ BAD = [
 @pytest.mark.parametrize(("batching", "loader", "kind", "message"), BAD)
 def test_each_bad_setting_is_named_as_typed_with_its_value(batching, loader, kind, message):
     with pytest.raises(kind) as raised:
-        build(batching=batching, loader=loader)
+        build_pipeline(batching=batching, loader=loader)
     assert str(raised.value) == message
 
 
@@ -86,7 +86,7 @@ def test_bad_callables_contexts_and_datasets_are_named():
     ]  # fmt: skip
     for options, kind, message in cases:
         with pytest.raises(kind) as raised:
-            build(**options)
+            build_pipeline(**options)
         assert str(raised.value) == message
 
     class OnlyGetitem:
@@ -99,7 +99,7 @@ def test_bad_callables_contexts_and_datasets_are_named():
 
     for dataset in (object(), OnlyGetitem(), OnlyLen()):
         with pytest.raises(TypeError) as raised:
-            build(dataset)
+            build_pipeline(dataset)
         assert str(raised.value) == (
             "data.dataset must be a map-style dataset (__getitem__ and __len__) or an iterable one, "
             f"got {type(dataset).__name__}"
@@ -108,7 +108,7 @@ def test_bad_callables_contexts_and_datasets_are_named():
 
 def test_a_stream_read_by_workers_is_refused_and_shuffle_on_a_stream_warns():
     with pytest.raises(ValueError) as raised:
-        build(Stream(4), loader={"num_workers": 1})
+        build_pipeline(Stream(4), loader={"num_workers": 1})
     assert str(raised.value) == (
         "loader.num_workers must be 0 for an iterable dataset (Stream), got 1; use loader.prefetch to read "
         "the stream in the background"
@@ -116,8 +116,8 @@ def test_a_stream_read_by_workers_is_refused_and_shuffle_on_a_stream_warns():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         build_data(Stream(4), Batching(2, 1), LoaderConfig(shuffle=True, pin_memory=False))
-        build(Stream(4))  # shuffle=False: no warning
-        build(Indexed(4), loader={"shuffle": True})  # a map-style dataset shuffles: no warning
+        build_pipeline(Stream(4))  # shuffle=False: no warning
+        build_pipeline(Indexed(4), loader={"shuffle": True})  # a map-style dataset shuffles: no warning
     assert [(w.category, str(w.message)) for w in caught] == [(
         UserWarning,
         "loader.shuffle has no effect on the iterable dataset Stream: a stream keeps its own order (its "
@@ -157,20 +157,20 @@ def test_the_smallest_valid_settings_are_accepted_and_the_spec_holds_what_it_was
 
 
 def test_epoch_and_cursor_are_checked_and_zero_is_valid():
-    spec = build()
+    spec = build_pipeline()
     with pytest.raises(ValueError) as raised:
         batches(spec, -1, 0)
     assert str(raised.value) == "epoch must be >= 0, got -1"
     with pytest.raises(TypeError) as raised:
         batches(spec, 0, 1.0)
     assert str(raised.value) == "cursor must be an int, got 1.0"
-    assert read(batches(spec, 0, 0))[0] == [[0, 1]]
+    assert read_indices(batches(spec, 0, 0))[0] == [[0, 1]]
 
 
 def test_an_unsized_stream_has_no_length_and_no_steps_per_epoch():
-    spec = build(Stream(10))
+    spec = build_pipeline(Stream(10))
     assert dataset_length(spec) is None and steps_per_epoch(spec) is None
-    assert steps_per_epoch(build(Indexed(10), batching={"micro_batch_size": 2, "micro_batches": 2})) == 2
+    assert steps_per_epoch(build_pipeline(Indexed(10), batching={"micro_batch_size": 2, "micro_batches": 2})) == 2
 
 
 class NestedLiveStream(StatefulStream):
@@ -190,16 +190,9 @@ class NestedLiveStream(StatefulStream):
         return self.live
 
 
-def wait_until(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not condition():
-        time.sleep(0.001)
-    return condition()
-
-
 def test_the_saved_position_of_a_nested_live_stream_state_is_the_consumed_step():
     stream = NestedLiveStream(20)
-    spec = build(stream, loader={"prefetch": True, "prefetch_depth": 3})
+    spec = build_pipeline(stream, loader={"prefetch": True, "prefetch_depth": 3})
     steps = batches(spec, 0, 0)
     try:
         assert next(steps)[0]["index"].tolist() == [0, 1]
@@ -216,13 +209,13 @@ def test_a_loader_that_cannot_start_raises_its_own_error(monkeypatch):
         raise OSError("cannot start worker processes")
 
     monkeypatch.setattr(pipeline, "DataLoader", refuse)
-    steps = batches(build(Indexed(8), loader={"num_workers": 2}), 0, 0)
+    steps = batches(build_pipeline(Indexed(8), loader={"num_workers": 2}), 0, 0)
     with pytest.raises(OSError, match="^cannot start worker processes$"):
         next(steps)
 
 
 def test_the_position_hook_does_nothing_when_the_loop_calls_it():
-    spec = build(StatefulStream(8))
+    spec = build_pipeline(StatefulStream(8))
     hook = position_hook(spec)
     assert hook.name == "data_position" and position_hook(spec, "stream").name == "stream"
     for event in ("start", "step_end", "end"):
@@ -240,7 +233,7 @@ def test_prefetched_steps_are_pinned_on_the_thread_when_an_accelerator_is_presen
 
     monkeypatch.setattr(pipeline, "can_pin_memory", lambda: True)
     monkeypatch.setattr(pipeline, "pin_memory", record)
-    spec = build(StatefulStream(6), loader={"prefetch": True, "pin_memory": pin})
+    spec = build_pipeline(StatefulStream(6), loader={"prefetch": True, "pin_memory": pin})
     steps = batches(spec, 0, 0)
     try:
         got = [step for step in steps]
@@ -320,13 +313,13 @@ def fake_loader(monkeypatch):
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_with_workers_every_cursor_reads_the_tail_and_close_ends_the_workers(fake_loader, prefetch):
     shape = {"drop_last": False, "dp_rank": 1, "dp_size": 2}
-    full = read(batches(build(Indexed(29), batching=shape, loader={"shuffle": True}), 1, 0))
-    spec = build(
+    full = read_indices(batches(build_pipeline(Indexed(29), batching=shape, loader={"shuffle": True}), 1, 0))
+    spec = build_pipeline(
         Indexed(29), batching=shape, loader={"shuffle": True, "num_workers": 2, "prefetch": prefetch}
     )
     assert fake_loader.made == []  # the in-process reference made none
     for cursor in range(len(full) + 1):
-        assert read(batches(spec, 1, cursor)) == full[cursor:]
+        assert read_indices(batches(spec, 1, cursor)) == full[cursor:]
     # One loader per resumed epoch that has steps left; none when the cursor is at the epoch's end.
     assert len(fake_loader.made) == len(full)
     for loader in fake_loader.made:
@@ -335,7 +328,7 @@ def test_with_workers_every_cursor_reads_the_tail_and_close_ends_the_workers(fak
 
 
 def test_with_workers_an_abandoned_epoch_ends_its_workers_too(fake_loader):
-    spec = build(Indexed(20), loader={"num_workers": 1})
+    spec = build_pipeline(Indexed(20), loader={"num_workers": 1})
     steps = batches(spec, 0, 0)
     next(steps)
     steps.close()
@@ -352,7 +345,7 @@ def test_workers_a_timed_out_prefetch_thread_still_reads_from_are_not_shut_down_
             return False  # as when the thread did not end within its timeout
 
     monkeypatch.setattr(pipeline, "Prefetcher", TimedOut)
-    steps = batches(build(Indexed(20), loader={"num_workers": 1, "prefetch": True}), 0, 0)
+    steps = batches(build_pipeline(Indexed(20), loader={"num_workers": 1, "prefetch": True}), 0, 0)
     next(steps)
     steps.close()
     (loader,) = fake_loader.made
@@ -385,11 +378,11 @@ def test_closing_works_with_a_loader_iterator_without_torchs_private_shutdown_pa
     fake_loader, monkeypatch, kind
 ):
     monkeypatch.setattr(FakeDataLoader, "__iter__", lambda self: kind(self))
-    spec = build(Indexed(8), loader={"num_workers": 2})
-    assert read(batches(spec, 0, 1)) == [[[2, 3]], [[4, 5]], [[6, 7]]]
+    spec = build_pipeline(Indexed(8), loader={"num_workers": 2})
+    assert read_indices(batches(spec, 0, 1)) == [[[2, 3]], [[4, 5]], [[6, 7]]]
 
 
-def draws(generator) -> list[int]:
+def worker_generator_draws(generator) -> list[int]:
     return torch.randint(0, 2**30, (6,), generator=generator).tolist()
 
 
@@ -408,15 +401,15 @@ def test_the_dataloader_gets_the_spec_settings_and_an_epoch_seeded_worker_genera
         return None
 
     for pin in (False, True):
-        spec = build(Indexed(12), batching={"seed": 5}, loader={"num_workers": 3, "pin_memory": pin},
+        spec = build_pipeline(Indexed(12), batching={"seed": 5}, loader={"num_workers": 3, "pin_memory": pin},
                      collate_fn=collate, multiprocessing_context="spawn", worker_init_fn=init)  # fmt: skip
-        read(batches(spec, 2, 0))
+        read_indices(batches(spec, 2, 0))
     first, second = fake_loader.made
     for loader, pin in ((first, False), (second, True)):
         kwargs = dict(loader.kwargs)
         generator = kwargs.pop("generator")
-        assert draws(generator) == draws(epoch_generator(5, 2, WORKER_STREAM))
-        assert draws(epoch_generator(5, 2, WORKER_STREAM)) != draws(epoch_generator(5, 2, ORDER_STREAM))
+        assert worker_generator_draws(generator) == worker_generator_draws(epoch_generator(5, 2, WORKER_STREAM))
+        assert worker_generator_draws(epoch_generator(5, 2, WORKER_STREAM)) != worker_generator_draws(epoch_generator(5, 2, ORDER_STREAM))
         assert list(kwargs.pop("batch_sampler")) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
         assert kwargs == {"num_workers": 3, "collate_fn": collate, "pin_memory": pin and accelerator,
                           "multiprocessing_context": "spawn", "worker_init_fn": init}  # fmt: skip

@@ -6,7 +6,6 @@ rank reads its own shard."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 
 import torch
@@ -19,15 +18,7 @@ from fntrain.run.launch import Launch
 from fntrain.runtime.launch import LaunchEnv
 from fntrain.runtime.runtime import Runtime
 from tests.data.datasets import Indexed, StatefulStream
-
-
-def wait_until(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.001)
-    return condition()
+from tests.helpers.waiting import wait_until
 
 
 class LiveStateStream(StatefulStream):
@@ -122,10 +113,10 @@ def _first_epoch(config, spec, rank: int, world: int) -> list[int]:
 
 
 def test_each_data_parallel_rank_of_a_job_reads_its_own_shard(tmp_path):
-    from tests.run.test_job import ToyLM, spec, toy
+    from tests.run.test_job import JobLM, spec, toy
 
     # The model is beside the point (and a 2-rank DDP needs a process group): a bare one.
-    spec = dataclasses.replace(spec, build_model=lambda config, runtime: ToyLM(config.model))
+    spec = dataclasses.replace(spec, build_model=lambda config, runtime: JobLM(config.model))
     config = toy(tmp_path)
     one = _first_epoch(config, spec, 0, 1)
     shards = [_first_epoch(config, spec, rank, 2) for rank in (0, 1)]

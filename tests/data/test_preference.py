@@ -6,10 +6,7 @@ naming the flag, the file and the row. A byte-level BPE tokenizer is trained her
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +22,8 @@ from fntrain.data.preference import (
     tokenize_pair,
 )
 from fntrain.data.tokens import IGNORE_INDEX
+from tests.helpers.files import write_jsonl
+from tests.helpers.model_assets import Assets
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
@@ -59,27 +58,8 @@ def tiny_tokenizer(chat_template: str | None = TEMPLATE) -> Any:
     return tokenizer
 
 
-@dataclass(frozen=True)
-class Assets:
-    tokenizer: Any
-    pad_id: int
-    eos_id: int | None
-    chat_template: str | None
-
-
-@pytest.fixture(scope="module")
-def assets() -> Assets:
-    tokenizer = tiny_tokenizer()
-    return Assets(tokenizer, tokenizer.pad_token_id, tokenizer.eos_token_id, TEMPLATE)
-
-
 def ids(assets: Assets, text: str) -> list[int]:
     return assets.tokenizer(text=text)["input_ids"]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
 
 
 TEXT_ROWS = [

@@ -18,7 +18,8 @@ from fntrain.data.preference import (
     preference_example,
     tokenize_pair,
 )
-from tests.data.test_preference import TEMPLATE, USER, Assets, tiny_tokenizer
+from tests.data.test_preference import TEMPLATE, USER, tiny_tokenizer
+from tests.helpers.model_assets import Assets
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +57,7 @@ def trl_batch(rows, tokenizer, max_length):
     return list(tokenized), collator([dict(row) for row in tokenized])
 
 
-def ours(rows, assets, max_length):
+def our_batches(rows, assets, max_length):
     data = PreferenceDataConfig(path="unused", max_length=max_length)
     pairs = [tokenize_pair(row, assets, data) for row in rows]
     examples = [preference_example(pair, index, max_length) for index, pair in enumerate(pairs)]
@@ -71,9 +72,9 @@ def test_rows_and_batches_match_trl(template, truncate):
     for rows in (PLAIN, CHAT):
         max_length = 1024
         if truncate:  # room for the longest prompt and two completion tokens: most sequences are cut
-            max_length = max(len(pair.prompt_ids) for pair in ours(rows, assets, 1024)[0]) + 2
+            max_length = max(len(pair.prompt_ids) for pair in our_batches(rows, assets, 1024)[0]) + 2
         trl_rows, trl = trl_batch(rows, tokenizer, max_length)
-        pairs, batch = ours(rows, assets, max_length)
+        pairs, batch = our_batches(rows, assets, max_length)
         assert len(trl_rows) == len(pairs)
         for theirs, pair in zip(trl_rows, pairs, strict=True):
             assert (theirs["prompt_ids"], theirs["chosen_ids"], theirs["rejected_ids"]) == (
@@ -84,7 +85,7 @@ def test_rows_and_batches_match_trl(template, truncate):
         assert batch["labels"].tolist() == labels.tolist()
         assert truncate == any(len(pair.prompt_ids) + len(pair.rejected_ids) > max_length for pair in pairs)
     if template == SKEWED:
-        assert any(pair.prompt_cut for pair in ours(CHAT, assets, 1024)[0])
+        assert any(pair.prompt_cut for pair in our_batches(CHAT, assets, 1024)[0])
 
 
 def test_a_prompt_trl_drops_is_a_config_error():

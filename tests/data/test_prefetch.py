@@ -11,9 +11,10 @@ import weakref
 import pytest
 
 from fntrain.data.prefetch import Prefetcher
+from tests.helpers.waiting import wait_until
 
 
-class Source:
+class GatedSource:
     """An iterator that records what it produced and whether it was closed; `gate` blocks each next()."""
 
     def __init__(self, items, *, gate: threading.Event | None = None, fail_at: int | None = None):
@@ -44,15 +45,6 @@ class Source:
         self.closed = True
 
 
-def wait_until(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 def stack_of(thread: threading.Thread | None) -> list[str]:
     """The names of the functions `thread` is inside now, innermost first ([] once it ended)."""
     frame = sys._current_frames().get(thread.ident) if thread is not None else None
@@ -75,7 +67,7 @@ def prefetch_threads() -> list[threading.Thread]:
 
 def test_yields_items_in_order_then_ends_and_stops_its_thread():
     baseline = threading.active_count()
-    source = Source(range(10))
+    source = GatedSource(range(10))
     prefetcher = Prefetcher(source)
     assert list(prefetcher) == list(range(10))
     assert next(prefetcher, "end") == "end"  # exhausted stays exhausted
@@ -87,7 +79,7 @@ def test_yields_items_in_order_then_ends_and_stops_its_thread():
 
 def test_queue_is_bounded_by_depth():
     for depth in (1, 3):
-        source = Source(range(100))
+        source = GatedSource(range(100))
         prefetcher = Prefetcher(source, depth=depth)
 
         # The worker fills the queue and then holds one more item, blocked on the full queue: once it is
@@ -104,7 +96,7 @@ def test_queue_is_bounded_by_depth():
 
 def test_worker_error_is_reraised_in_the_consumer_as_the_same_object():
     baseline = threading.active_count()
-    source = Source(range(10), fail_at=3)
+    source = GatedSource(range(10), fail_at=3)
     prefetcher = Prefetcher(source)
     got = [next(prefetcher) for _ in range(3)]
     with pytest.raises(KeyError, match="bad sample") as caught:
@@ -122,18 +114,18 @@ def test_transform_runs_on_the_worker_and_its_errors_reach_the_consumer():
         seen.append(threading.current_thread().name)
         return item * 2
 
-    assert list(Prefetcher(Source(range(4)), transform=double)) == [0, 2, 4, 6]
+    assert list(Prefetcher(GatedSource(range(4)), transform=double)) == [0, 2, 4, 6]
     assert set(seen) == {"fntrain-prefetch"}
 
     def broken(item):
         raise ValueError(f"cannot pin {item}")
 
     with pytest.raises(ValueError, match="cannot pin 0"):
-        next(Prefetcher(Source(range(4)), transform=broken))
+        next(Prefetcher(GatedSource(range(4)), transform=broken))
 
 
 def test_stop_unblocks_a_worker_stuck_on_a_full_queue():
-    source = Source(range(1000))
+    source = GatedSource(range(1000))
     prefetcher = Prefetcher(source, depth=1)
     assert wait_until(lambda: source.produced == 2)  # one queued, one held by a worker blocked on put()
     started = time.monotonic()
@@ -147,7 +139,7 @@ def test_stop_unblocks_a_worker_stuck_on_a_full_queue():
 
 def test_stop_from_another_thread_releases_a_blocked_consumer():
     gate = threading.Event()
-    source = Source(range(3), gate=gate)
+    source = GatedSource(range(3), gate=gate)
     prefetcher = Prefetcher(source)
     outcome = []
     consumer = threading.Thread(target=lambda: outcome.append(next(prefetcher, "ended")))
@@ -167,7 +159,7 @@ def test_stop_from_another_thread_releases_a_blocked_consumer():
 
 def test_stop_timeout_returns_false_then_drops_the_late_item_and_releases_everything():
     gate = threading.Event()
-    source = Source(["late"], gate=gate)
+    source = GatedSource(["late"], gate=gate)
     prefetcher = Prefetcher(source)
     assert source.entered.wait(2.0)
     with pytest.warns(RuntimeWarning, match="did not stop within 0.1 s"):
@@ -183,7 +175,7 @@ def test_stop_timeout_returns_false_then_drops_the_late_item_and_releases_everyt
 
 def test_the_stop_timeout_warning_points_at_the_caller_of_stop():
     gate = threading.Event()
-    source = Source(["late"], gate=gate)
+    source = GatedSource(["late"], gate=gate)
     prefetcher = Prefetcher(source)
     assert source.entered.wait(2.0)
     with pytest.warns(RuntimeWarning, match="did not stop within") as warned:
@@ -194,7 +186,7 @@ def test_the_stop_timeout_warning_points_at_the_caller_of_stop():
 
 
 def test_references_to_the_source_are_released_once_the_worker_exits():
-    source = Source(range(5))
+    source = GatedSource(range(5))
     ref = weakref.ref(source)
     prefetcher = Prefetcher(source, depth=2)
     assert next(prefetcher) == 0
@@ -206,17 +198,17 @@ def test_references_to_the_source_are_released_once_the_worker_exits():
 
 def test_stop_before_the_first_item_and_as_context_manager():
     baseline = threading.active_count()
-    source = Source(range(5))
+    source = GatedSource(range(5))
     with Prefetcher(source) as prefetcher:
         pass
     assert source.closed and not prefetcher.alive
     assert threading.active_count() == baseline
-    prefetcher = Prefetcher(Source([]))
+    prefetcher = Prefetcher(GatedSource([]))
     assert list(prefetcher) == []
 
 
 def test_a_dropped_prefetcher_stops_its_worker():
-    source = Source(range(1000))
+    source = GatedSource(range(1000))
     prefetcher = Prefetcher(source)
     assert wait_until(lambda: source.produced == 2)
     del prefetcher

@@ -17,7 +17,8 @@ import weakref
 import pytest
 
 from fntrain.data.prefetch import Prefetcher
-from tests.data.test_prefetch import Source, wait_until
+from tests.data.test_prefetch import GatedSource
+from tests.helpers.waiting import wait_until
 
 
 @pytest.fixture
@@ -30,7 +31,7 @@ def thread_errors(monkeypatch):
     return caught
 
 
-class FailingClose(Source):
+class FailingClose(GatedSource):
     def close(self):
         raise RuntimeError("disk gone")
 
@@ -42,7 +43,7 @@ class Batch:
         self.index = index
 
 
-@pytest.mark.parametrize("make", [lambda: Source(range(5)), lambda: iter(range(5)), lambda: (i for i in range(5))],
+@pytest.mark.parametrize("make", [lambda: GatedSource(range(5)), lambda: iter(range(5)), lambda: (i for i in range(5))],
                          ids=["closable", "plain-iterator", "generator"])  # fmt: skip
 def test_a_source_read_to_its_end_ends_the_worker_without_an_error(make, thread_errors):
     prefetcher = Prefetcher(make())
@@ -52,7 +53,7 @@ def test_a_source_read_to_its_end_ends_the_worker_without_an_error(make, thread_
 
 
 def test_a_consumer_slower_than_the_worker_still_gets_every_item():
-    source = Source(range(3))
+    source = GatedSource(range(3))
     prefetcher = Prefetcher(source, depth=1)
     assert wait_until(lambda: source.produced == 2)  # one queued, one held by the worker on the full queue
     time.sleep(0.3)  # the consumer is busy (a long step) while the queue stays full
@@ -87,7 +88,7 @@ def test_a_failing_close_is_logged_and_the_end_stays_what_it_was(
 @pytest.mark.parametrize("kwargs, shown", [({}, "5"), ({"timeout": 0.25}, "0.25")], ids=["default", "given"])
 def test_stop_waits_5_s_by_default_for_a_stuck_worker_and_says_so(kwargs, shown, monkeypatch):
     gate = threading.Event()
-    source = Source(["late"], gate=gate)
+    source = GatedSource(["late"], gate=gate)
     prefetcher = Prefetcher(source, name="fntrain-prefetch-pin")
     assert source.entered.wait(2.0)
     waited = []
@@ -123,7 +124,7 @@ def test_stop_frees_the_batches_read_ahead():
 
 @pytest.mark.parametrize("finish", [list, Prefetcher.stop], ids=["read-to-end", "stopped"])
 def test_a_finished_prefetcher_answers_next_at_once(finish):
-    prefetcher = Prefetcher(Source(range(3)))
+    prefetcher = Prefetcher(GatedSource(range(3)))
     finish(prefetcher)
     started = time.monotonic()
     assert [next(prefetcher, "end") for _ in range(20)] == ["end"] * 20

@@ -6,7 +6,6 @@ every bad row one ConfigError naming the flag, the file and the row."""
 from __future__ import annotations
 
 import gzip
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +22,9 @@ from fntrain.data.prompts import (
     longest_prompt,
     tokenize_prompt,
 )
-from tests.data.test_preference import TEMPLATE, Assets, tiny_tokenizer
+from tests.data.test_preference import tiny_tokenizer
+from tests.helpers.files import write_jsonl
+from tests.helpers.model_assets import Assets
 
 USER = [{"role": "user", "content": "What color is the sky?"}]
 ROWS = [
@@ -31,17 +32,6 @@ ROWS = [
     {"prompt": "what color is the sea?", "answer": 72, "meta": {"level": 2, "tags": []}},
     {"prompt": "hello there", "answer": None, "meta": {"level": 3, "tags": ["b", "c"]}, "note": "only here"},
 ]
-
-
-@pytest.fixture(scope="module")
-def assets() -> Assets:
-    tokenizer = tiny_tokenizer()
-    return Assets(tokenizer, tokenizer.pad_token_id, tokenizer.eos_token_id, TEMPLATE)
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
 
 
 def items(dataset: Any) -> list[tuple[Any, ...]]:

@@ -15,7 +15,7 @@ from fntrain.run.job import run_job
 tiny_gpt = pytest.importorskip("recipes.tiny_gpt")
 
 
-def _losses(tmp_path, *, num_workers: int, prefetch: bool) -> list[float]:
+def losses_with_loader(tmp_path, *, num_workers: int, prefetch: bool) -> list[float]:
     losses: list[float] = []
 
     def record(event, state, info):
@@ -36,10 +36,10 @@ def _losses(tmp_path, *, num_workers: int, prefetch: bool) -> list[float]:
 
 def test_losses_do_not_depend_on_workers_or_prefetch(tmp_path):
     baseline = threading.active_count()
-    reference = _losses(tmp_path, num_workers=0, prefetch=False)
+    reference = losses_with_loader(tmp_path, num_workers=0, prefetch=False)
     assert len(reference) == 4
     for num_workers, prefetch in ((0, True), (2, False), (2, True)):
-        assert _losses(tmp_path, num_workers=num_workers, prefetch=prefetch) == reference
+        assert losses_with_loader(tmp_path, num_workers=num_workers, prefetch=prefetch) == reference
     assert threading.active_count() == baseline and multiprocessing.active_children() == []
 
 

@@ -27,15 +27,15 @@ def test_epoch_seeds_are_63_bit_and_use_all_of_them():
     assert len(set(seeds)) == len(seeds)  # distinct triples, distinct seeds
 
 
-def draws(generator):
+def generator_draws(generator):
     return torch.randint(0, 2**30, (8,), generator=generator).tolist()
 
 
 def test_each_stream_draws_its_own_numbers_and_the_default_is_the_order_stream():
     order, worker = epoch_generator(3, 1, ORDER_STREAM), epoch_generator(3, 1, WORKER_STREAM)
-    assert draws(order) != draws(worker)
-    assert draws(epoch_generator(3, 1)) == draws(epoch_generator(3, 1, ORDER_STREAM))
-    assert draws(epoch_generator(3, 1, WORKER_STREAM)) == draws(epoch_generator(3, 1, WORKER_STREAM))
+    assert generator_draws(order) != generator_draws(worker)
+    assert generator_draws(epoch_generator(3, 1)) == generator_draws(epoch_generator(3, 1, ORDER_STREAM))
+    assert generator_draws(epoch_generator(3, 1, WORKER_STREAM)) == generator_draws(epoch_generator(3, 1, WORKER_STREAM))
 
 
 @pytest.mark.parametrize("seed,epoch,stream", [(-1, 0, 0), (0, -1, 0), (0, 0, -1)])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -30,7 +29,9 @@ from fntrain.data.sft import (
 from fntrain.data.sft_collate import make_sft_collate
 from fntrain.data.tokens import count_loss_tokens, loss_targets
 from fntrain.step import default_forward
+from tests.helpers.files import write_jsonl
 from tests.helpers.hf import CHATS, TEMPLATE
+from tests.helpers.model_assets import Assets
 
 
 class CharTokenizer:
@@ -82,27 +83,12 @@ class CharTokenizer:
         return "".join(names.get(i, chr(i - 10) if i >= 10 else "?") for i in ids)
 
 
-@dataclass(frozen=True)
-class Assets:
-    """What fntrain.data.sft reads from the model's assets (fntrain.models.hf.ModelAssets' fields)."""
-
-    tokenizer: Any
-    pad_id: int
-    eos_id: int | None
-    chat_template: str | None
-
-
 def assets_of(tokenizer) -> Assets:
     return Assets(tokenizer, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.chat_template)
 
 
 def trained_text(example: Example, tokenizer) -> str:
     return tokenizer.decode([label for label in example.labels if label != IGNORE_INDEX])
-
-
-def write_jsonl(path, records) -> str:
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
-    return str(path)
 
 
 # ----------------------------------------------------------------------------- transform and masking

@@ -24,7 +24,8 @@ from fntrain.data.sft import (
     read_jsonl,
     transform_example,
 )
-from tests.data.test_sft import CharTokenizer, assets_of, write_jsonl
+from tests.data.test_sft import CharTokenizer, assets_of
+from tests.helpers.files import write_jsonl
 from tests.helpers.hf import CHATS
 
 LOG = "fntrain.data.sft"
@@ -34,7 +35,7 @@ EXPECTED_FORMATS = (
 )
 
 
-def messages(caplog, level: int) -> list[str]:
+def sft_messages(caplog, level: int) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == LOG and r.levelno == level]
 
 
@@ -222,7 +223,7 @@ def test_dropped_examples_are_counted_in_one_warning(caplog, records, warning):
     with caplog.at_level(logging.INFO, logger=LOG):
         kept = build_examples(records, assets_of(CharTokenizer()), SFTDataConfig())
     assert len(kept) == sum(record is not NOTHING for record in records)
-    assert messages(caplog, logging.WARNING) == ([warning] if warning else [])
+    assert sft_messages(caplog, logging.WARNING) == ([warning] if warning else [])
 
 
 @pytest.mark.parametrize("lengths, truncated", [((9, 8, 3), 1), ((8, 8), 0), ((12, 10, 7), 2)])
@@ -231,7 +232,7 @@ def test_only_examples_longer_than_max_length_are_counted_as_truncated(caplog, l
     with caplog.at_level(logging.INFO, logger=LOG):
         dataset = build_dataset(examples, SFTDataConfig(max_length=8))
     assert dataset.truncated == truncated
-    assert messages(caplog, logging.WARNING) == (
+    assert sft_messages(caplog, logging.WARNING) == (
         [f"{truncated} examples are longer than data.max_length (8) and are truncated"] if truncated else []
     )
     assert [len(dataset[i]["input_ids"]) for i in range(len(dataset))] == [min(n, 8) for n in lengths]
@@ -246,7 +247,7 @@ def test_packing_logs_examples_windows_length_and_fill(caplog, lengths, summary)
     examples = [Example(tuple(range(3, 3 + n)), tuple(range(3, 3 + n))) for n in lengths]
     with caplog.at_level(logging.INFO, logger=LOG):
         build_dataset(examples, SFTDataConfig(max_length=8, packing=True))
-    assert messages(caplog, logging.INFO) == [summary]
+    assert sft_messages(caplog, logging.INFO) == [summary]
 
 
 # ----------------------------------------------------------------------------- the pad id of packed windows

@@ -45,7 +45,7 @@ def write_corpus(directory: Path, docs: list[list[int]], *, shard_tokens: int, f
     return stream
 
 
-def read(iterator) -> list[list[list[list[int]]]]:
+def read_token_rows(iterator) -> list[list[list[list[int]]]]:
     """Consume (and close) a `batches` iterator: each step as its micro-batches' token rows."""
     try:
         return [[mb["input_ids"].tolist() for mb in step] for step in iterator]
@@ -148,14 +148,14 @@ def test_cursor_resume_over_a_shard_boundary(tmp_path):
     context = 16
     shards = open_shards(tmp_path)
     spec = build_data(TokenWindows(shards, context), Batching(2, 2), LoaderConfig(shuffle=False, pin_memory=False))
-    full = read(batches(spec, 0, 0))
+    full = read_token_rows(batches(spec, 0, 0))
     assert len(full) == steps_per_epoch(spec) >= 10
     # In order, each step covers 4 windows = 64 tokens, so steps 1 -> 2 cross the first shard boundary
     # (token 128), and the resumed step 2 starts exactly on it.
     assert full[2][0][0] == stream[128 : 128 + context].tolist()
     for cursor in range(len(full) + 1):
         before = shards.tokens_read
-        assert read(batches(spec, 0, cursor)) == full[cursor:]
+        assert read_token_rows(batches(spec, 0, cursor)) == full[cursor:]
         # The skipped steps were never read: only the remaining windows were copied out.
         assert shards.tokens_read - before == (len(full) - cursor) * 4 * context
 
@@ -163,10 +163,10 @@ def test_cursor_resume_over_a_shard_boundary(tmp_path):
     # windows are disjoint.
     ranks = [build_data(TokenWindows(tmp_path, context), Batching(2, 2, seed=7, dp_rank=r, dp_size=2))
              for r in range(2)]  # fmt: skip
-    epoch = [read(batches(rank_spec, 3, 0)) for rank_spec in ranks]
+    epoch = [read_token_rows(batches(rank_spec, 3, 0)) for rank_spec in ranks]
     for rank_spec, rank_full in zip(ranks, epoch, strict=True):
         for cursor in range(len(rank_full) + 1):
-            assert read(batches(rank_spec, 3, cursor)) == rank_full[cursor:]
+            assert read_token_rows(batches(rank_spec, 3, cursor)) == rank_full[cursor:]
     rows = [tuple(row) for rank_full in epoch for step in rank_full for mb in step for row in mb]
     assert len(rows) == len(set(rows))
 
@@ -209,8 +209,8 @@ def test_workers_map_the_shards_themselves(tmp_path):
     windows[3]  # maps a shard in this process
     copy = pickle.loads(pickle.dumps(windows))  # no mapping or file travels
     assert copy.shards._maps == {} and copy[3]["input_ids"].tolist() == windows[3]["input_ids"].tolist()
-    in_process = read(batches(build_data(windows, Batching(2, 2, seed=1)), 0, 1))
-    with_workers = read(
+    in_process = read_token_rows(batches(build_data(windows, Batching(2, 2, seed=1)), 0, 1))
+    with_workers = read_token_rows(
         batches(build_data(windows, Batching(2, 2, seed=1), LoaderConfig(num_workers=2, pin_memory=False)), 0, 1)
     )
     assert with_workers == in_process

@@ -22,7 +22,7 @@ SMALL = ["--model.context", "16", "--model.n-layer", "1", "--model.n-head", "2",
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
+def shards_dir(tmp_path_factory):
     """The first 6 KB of the bundled corpus as byte tokens, one document per paragraph, in 1000-token
     shards (so windows and resumes cross shard boundaries)."""
     root = tmp_path_factory.mktemp("shards")
@@ -33,18 +33,18 @@ def shards(tmp_path_factory):
     return root / "shards"
 
 
-def test_flag_rules_name_the_flag(shards, tmp_path, capsys):
+def test_flag_rules_name_the_flag(shards_dir, tmp_path, capsys):
     corpus = tmp_path / "c.txt"
     corpus.write_text("hello")
     for args, words in (
-        (["--data.shards", str(shards), "--data.path", str(corpus)], "--data.path and --data.shards exclude"),
+        (["--data.shards", str(shards_dir), "--data.path", str(corpus)], "--data.path and --data.shards exclude"),
         (["--data.shards", str(tmp_path)], "--data.shards"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             dispatch(["run", "tiny_gpt", "--run-dir", str(tmp_path / "run"), *args])
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
-    config = tiny_gpt.Config(data=tiny_gpt.DataConfig(shards=str(shards)))
+    config = tiny_gpt.Config(data=tiny_gpt.DataConfig(shards=str(shards_dir)))
     config.validate()
     assert tiny_gpt.model_config(config).vocab_size == 257  # the shards' vocabulary: bytes + EOS
     wider = dataclasses.replace(config, model=tiny_gpt.ModelConfig(vocab_size=320))
@@ -55,9 +55,9 @@ def test_flag_rules_name_the_flag(shards, tmp_path, capsys):
     assert train[0]["input_ids"].shape == (128,) and int(train[0]["input_ids"].max()) < 257
 
 
-def test_three_steps_on_shards_through_the_cli(shards, tmp_path):
+def test_three_steps_on_shards_through_the_cli(shards_dir, tmp_path):
     run = tmp_path / "run"
-    dispatch(["run", "tiny_gpt", "--run-dir", str(run), "--data.shards", str(shards),
+    dispatch(["run", "tiny_gpt", "--run-dir", str(run), "--data.shards", str(shards_dir),
               "--train.train-iters", "3", *SMALL])  # fmt: skip
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
@@ -66,8 +66,8 @@ def test_three_steps_on_shards_through_the_cli(shards, tmp_path):
     assert (hf_config["vocab_size"], hf_config["eos_token_id"], hf_config["model_type"]) == (257, 256, "gpt2")
 
 
-def test_resume_on_shards_is_bitwise(shards, tmp_path):
-    common = ["--data.shards", str(shards), "--schedule.lr-schedule-iters", "4", "--checkpoint.save-every", "2",
+def test_resume_on_shards_is_bitwise(shards_dir, tmp_path):
+    common = ["--data.shards", str(shards_dir), "--schedule.lr-schedule-iters", "4", "--checkpoint.save-every", "2",
               *SMALL]  # fmt: skip
     dispatch(
         ["run", "tiny_gpt", "--run-dir", str(tmp_path / "straight"), "--train.train-iters", "4", *common]

@@ -36,7 +36,7 @@ def with_dunders(*names: str) -> object:
     return type("Custom", (), {name: body[name] for name in names})()
 
 
-class Stream(torch.utils.data.IterableDataset):
+class TenItems(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter(range(10))
 
@@ -44,7 +44,7 @@ class Stream(torch.utils.data.IterableDataset):
 @pytest.mark.parametrize(
     "dataset, stream",
     [
-        (Stream(), True),
+        (TenItems(), True),
         (with_dunders("__iter__"), True),  # iterable only
         (with_dunders("__getitem__", "__iter__"), True),  # indexable but no length: not map-style
         (with_dunders("__len__", "__iter__"), True),  # a length but no indexing: not map-style

@@ -4,7 +4,6 @@ row, before any model work (issue 27, item 1)."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 from pathlib import Path
@@ -20,12 +19,13 @@ from fntrain.data.files import count_rows, read_rows, require_source  # noqa: E4
 from fntrain.data.sft import SFTDataConfig, build_sft_datasets  # noqa: E402
 from fntrain.data.vlm import VLMDataConfig, _load_images, build_vlm_datasets  # noqa: E402
 from tests.data.test_sft import CharTokenizer, assets_of  # noqa: E402
+from tests.helpers.files import file_hashes  # noqa: E402
 from tests.helpers.hf import CHATS  # noqa: E402
 
 ROWS = [{"question": f"Q{n}?", "answer": f" A{n}."} for n in range(6)]
 
 
-def write_parquet(path: Path, rows: list[dict], **options) -> Path:
+def write_parquet_rows(path: Path, rows: list[dict], **options) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), path, **options)
     return path
@@ -38,7 +38,7 @@ def samples(dataset) -> list[dict]:
 def test_sft_columns_are_keys_and_give_the_examples_of_the_same_jsonl(tmp_path):
     jsonl = tmp_path / "d.jsonl"
     jsonl.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
-    parquet = write_parquet(tmp_path / "d.parquet", ROWS, row_group_size=4)
+    parquet = write_parquet_rows(tmp_path / "d.parquet", ROWS, row_group_size=4)
     assets = assets_of(CharTokenizer())
     mapped = dict(prompt_key="question", completion_key="answer", max_length=32)
     from_jsonl, _ = build_sft_datasets(SFTDataConfig(path=str(jsonl), **mapped), assets)
@@ -63,7 +63,7 @@ def test_chat_rows_from_a_save_to_disk_folder(tmp_path):
 
 def test_a_null_cell_is_a_missing_key_and_rows_are_named(tmp_path):
     rows = [{"text": "ab", "prompt": None}, {"text": None, "prompt": "p"}]
-    parquet = write_parquet(tmp_path / "n.parquet", rows)
+    parquet = write_parquet_rows(tmp_path / "n.parquet", rows)
     with pytest.raises(ConfigError, match=r"data.path '.*n.parquet' row 1: cannot tell the format of an example "
                                           r"with keys \['prompt'\]"):  # fmt: skip
         build_sft_datasets(SFTDataConfig(path=str(parquet)), assets_of(CharTokenizer()))
@@ -91,22 +91,18 @@ def test_vlm_images_as_bytes_structs_and_relative_paths(tmp_path):
         {"image": {"bytes": png_bytes((255, 0, 0)), "path": None}, "prompt": "colour?", "completion": "red"},
         {"image": {"bytes": None, "path": "img/a.png"}, "prompt": "colour?", "completion": "blue"},
     ]
-    parquet = write_parquet(tmp_path / "v.parquet", rows)
+    parquet = write_parquet_rows(tmp_path / "v.parquet", rows)
     train, _ = build_vlm_datasets(VLMDataConfig(path=str(parquet)), processor=None)
     assert len(train) == 2 and train.where(1).endswith("v.parquet' row 1")
     images = [_load_images(row["image"], train.root, "x")[0] for row in train.rows]
     assert [image.getpixel((0, 0)) for image in images] == [(255, 0, 0), (0, 0, 255)]
-    bad = write_parquet(tmp_path / "bad.parquet", [rows[0], {**rows[0], "image": {"bytes": b"junk", "path": None}}])
+    bad = write_parquet_rows(tmp_path / "bad.parquet", [rows[0], {**rows[0], "image": {"bytes": b"junk", "path": None}}])
     with pytest.raises(ConfigError, match=r"data.path '.*bad.parquet' row 1: image 0 \(bytes\) is not an image"):
         build_vlm_datasets(VLMDataConfig(path=str(bad)), processor=None)
 
 
-def _snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
-
-
 @pytest.fixture(scope="module")
-def hf_model(tmp_path_factory) -> Path:
+def tokenizer_llama_dir(tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
     from tests.helpers.hf import save_tiny_llama
 
@@ -122,20 +118,20 @@ def _hf_argv(tmp_path: Path, hf_model: Path, data: Path) -> list[str]:
             "--train.micro-batch-size", "2", "--progress.no-enabled"]  # fmt: skip
 
 
-def test_hf_causal_lm_refuses_a_bad_parquet_row_before_any_file(tmp_path, capsys, hf_model):
-    data = write_parquet(tmp_path / "in" / "d.parquet", [*ROWS[:3], {"question": "Q?", "answer": None}, *ROWS[3:]])
-    before = _snapshot(tmp_path)
+def test_hf_causal_lm_refuses_a_bad_parquet_row_before_any_file(tmp_path, capsys, tokenizer_llama_dir):
+    data = write_parquet_rows(tmp_path / "in" / "d.parquet", [*ROWS[:3], {"question": "Q?", "answer": None}, *ROWS[3:]])
+    before = file_hashes(tmp_path)
     with pytest.raises(SystemExit) as exited:
-        dispatch([*_hf_argv(tmp_path, hf_model, data), "--data.format", "prompt_completion"])
+        dispatch([*_hf_argv(tmp_path, tokenizer_llama_dir, data), "--data.format", "prompt_completion"])
     err = capsys.readouterr().err.strip()
     assert exited.value.code == 2 and len(err.splitlines()) == 1, err
     assert "data.path " in err and "d.parquet' row 3: missing key 'answer'" in err, err
-    assert _snapshot(tmp_path) == before and not (tmp_path / "run").exists()
+    assert file_hashes(tmp_path) == before and not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow
-def test_hf_causal_lm_trains_on_a_parquet_file(tmp_path, hf_model):
-    data = write_parquet(tmp_path / "in" / "d.parquet", ROWS)
-    dispatch(_hf_argv(tmp_path, hf_model, data))
+def test_hf_causal_lm_trains_on_a_parquet_file(tmp_path, tokenizer_llama_dir):
+    data = write_parquet_rows(tmp_path / "in" / "d.parquet", ROWS)
+    dispatch(_hf_argv(tmp_path, tokenizer_llama_dir, data))
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert max(row.get("step", 0) for row in metrics) == 2

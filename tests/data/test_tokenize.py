@@ -27,13 +27,13 @@ def stream_of(directory: Path) -> list[int]:
     return shards.read(0, len(shards)).tolist()
 
 
-def write_jsonl(path: Path, texts: list[str], key: str = "text") -> Path:
+def write_numbered_texts(path: Path, texts: list[str], key: str = "text") -> Path:
     path.write_text("".join(json.dumps({key: text, "id": n}) + "\n" for n, text in enumerate(texts)))
     return path
 
 
 def test_bytes_tokenizer_writes_documents_with_eos_between_them(tmp_path):
-    corpus = write_jsonl(tmp_path / "corpus.jsonl", TEXTS)
+    corpus = write_numbered_texts(tmp_path / "corpus.jsonl", TEXTS)
     index = tokenize_files([corpus], tmp_path / "out", settings=TokenizeSettings(shard_tokens=16))
     kept = [t for t in TEXTS if t]  # an empty document is skipped (no lone EOS)
     expected = [token for text in kept for token in [*text.encode("utf-8"), 256]]
@@ -48,7 +48,7 @@ def test_bytes_tokenizer_writes_documents_with_eos_between_them(tmp_path):
 
 
 def test_output_is_deterministic_byte_for_byte(tmp_path):
-    corpus = write_jsonl(tmp_path / "corpus.jsonl", TEXTS * 20)
+    corpus = write_numbered_texts(tmp_path / "corpus.jsonl", TEXTS * 20)
     files = []
     for name in ("a", "b"):
         tokenize_files([corpus], tmp_path / name, settings=TokenizeSettings(shard_tokens=100, format="npy"))
@@ -130,7 +130,7 @@ def test_hugging_face_tokenizers_are_called_in_batches(tmp_path):
 
 
 def test_an_existing_output_is_kept_unless_overwrite(tmp_path):
-    corpus = write_jsonl(tmp_path / "corpus.jsonl", ["abc", "de"])
+    corpus = write_numbered_texts(tmp_path / "corpus.jsonl", ["abc", "de"])
     tokenize_files(corpus, tmp_path / "out", settings=TokenizeSettings(shard_tokens=2))
     (tmp_path / "out" / "README").write_text("mine")
     with pytest.raises(FileExistsError, match="already holds token shards"):
@@ -159,7 +159,7 @@ def test_bad_inputs_fail_before_writing(tmp_path):
         tokenize_documents(["x"], tmp_path / "out2", settings=TokenizeSettings(shard_tokens=0))
 
 
-def _listing(root: Path) -> dict[str, bytes]:
+def tree_contents(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else b"<dir>") for p in root.rglob("*")}
 
 
@@ -180,17 +180,17 @@ def test_a_failed_tokenization_leaves_the_disk_as_it_found_it(tmp_path, name, co
     bad = tmp_path / "in" / name
     bad.parent.mkdir()
     bad.write_bytes(content if isinstance(content, bytes) else content.encode())
-    good = write_jsonl(tmp_path / "in" / "good.jsonl", ["abc", "de"])
-    before = _listing(tmp_path)
+    good = write_numbered_texts(tmp_path / "in" / "good.jsonl", ["abc", "de"])
+    before = tree_contents(tmp_path)
     with pytest.raises(ValueError, match=message):
         tokenize_files([good, bad], tmp_path / "out" / "deep", settings=TokenizeSettings(shard_tokens=2))
-    assert _listing(tmp_path) == before  # no output, no parent made, no staging left
+    assert tree_contents(tmp_path) == before  # no output, no parent made, no staging left
     tokenize_files([good], tmp_path / "old", settings=TokenizeSettings(shard_tokens=2))
     (tmp_path / "old" / "README").write_text("mine")
-    before = _listing(tmp_path)
+    before = tree_contents(tmp_path)
     with pytest.raises(ValueError, match=message):
         tokenize_files([good, bad], tmp_path / "old", settings=TokenizeSettings(overwrite=True))
-    assert _listing(tmp_path) == before  # the old shards whole, the other file untouched
+    assert tree_contents(tmp_path) == before  # the old shards whole, the other file untouched
 
 
 def test_a_failure_while_writing_removes_the_staged_shards(tmp_path):
@@ -203,10 +203,10 @@ def test_a_failure_while_writing_removes_the_staged_shards(tmp_path):
             raise ValueError("tokenizer broke")
         return [1, 2, 3]
 
-    before = _listing(tmp_path)
+    before = tree_contents(tmp_path)
     with pytest.raises(ValueError, match="tokenizer broke"):
         tokenize_documents(["a", "b", "c"], tmp_path / "out", encode, eos_id=0, settings=TokenizeSettings(shard_tokens=2))
-    assert _listing(tmp_path) == before
+    assert tree_contents(tmp_path) == before
     index = tokenize_documents(["a", "b"], tmp_path / "out", lambda text: [1, 2, 3], eos_id=0, settings=TokenizeSettings(shard_tokens=2))
     assert index.total_tokens == 8 and (tmp_path / "out" / "index.json").is_file()  # no --overwrite needed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
@@ -220,21 +220,21 @@ def test_a_failure_while_writing_removes_the_staged_shards(tmp_path):
     ],
 )  # fmt: skip
 def test_an_output_that_cannot_be_a_directory_fails_before_reading(tmp_path, make, message):
-    corpus = write_jsonl(tmp_path / "corpus.jsonl", ["abc"])
+    corpus = write_numbered_texts(tmp_path / "corpus.jsonl", ["abc"])
     out = tmp_path / "out"
     make(out)
     target = out if out.exists() else tmp_path / "file" / "out"
-    before = _listing(tmp_path)
+    before = tree_contents(tmp_path)
     with pytest.raises(FileExistsError, match=message):
         tokenize_files(corpus, target)
-    assert _listing(tmp_path) == before
+    assert tree_contents(tmp_path) == before
 
 
 # ----------------------------------------------------------------------------- the command
 
 
 def test_fntrain_tokenize_command(tmp_path, capsys):
-    corpus = write_jsonl(tmp_path / "corpus.jsonl", TEXTS)
+    corpus = write_numbered_texts(tmp_path / "corpus.jsonl", TEXTS)
     index = dispatch(["tokenize", str(corpus), "--output", str(tmp_path / "out"), "--shard-tokens", "32",
                       "--format", "npy"])  # fmt: skip
     assert index == read_index(tmp_path / "out") and len(index.shards) > 1
@@ -282,7 +282,7 @@ def test_a_saved_hugging_face_tokenizer_directory(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="</s>").save_pretrained(
         tmp_path / "tok"
     )
-    corpus = write_jsonl(tmp_path / "c.jsonl", ["hello world !", "world hello"])
+    corpus = write_numbered_texts(tmp_path / "c.jsonl", ["hello world !", "world hello"])
     index = dispatch(["tokenize", str(corpus), "--output", str(tmp_path / "out"), "--tokenizer",
                       str(tmp_path / "tok")])  # fmt: skip
     reference = AutoTokenizer.from_pretrained(tmp_path / "tok", local_files_only=True)

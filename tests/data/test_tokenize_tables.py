@@ -20,6 +20,7 @@ from fntrain.data import tables  # noqa: E402
 from fntrain.data.shards import open_shards  # noqa: E402
 from fntrain.data.tokenize import TokenizeSettings, tokenize_files  # noqa: E402
 from fntrain.data.tokenize_inputs import input_files, read_documents  # noqa: E402
+from tests.helpers.files import relative_paths  # noqa: E402
 
 TEXTS = [f"document {n}: " + "words and more words " * (n % 5) for n in range(60)]
 
@@ -28,11 +29,7 @@ def output_bytes(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
-def listing(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
-
-
-def write_parquet(path: Path, texts: list, *, row_group_size: int = 7, **columns) -> Path:
+def write_parquet_texts(path: Path, texts: list, *, row_group_size: int = 7, **columns) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table({"text": texts, **columns}), path, row_group_size=row_group_size)
     return path
@@ -47,15 +44,15 @@ def write_arrow_stream(path: Path, texts: list, *, batch_rows: int = 9) -> Path:
     return path
 
 
-def write_jsonl(path: Path, texts: list[str]) -> Path:
+def write_texts_jsonl(path: Path, texts: list[str]) -> Path:
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return path
 
 
 def test_parquet_and_arrow_give_the_shards_of_the_same_jsonl(tmp_path, monkeypatch):
     monkeypatch.setattr(tables, "ARROW_PIECE_BYTES", 64)  # many pieces from a small file
-    reference = tokenize_files([write_jsonl(tmp_path / "c.jsonl", TEXTS)], tmp_path / "ref", settings=TokenizeSettings(shard_tokens=500))
-    parquet = write_parquet(tmp_path / "c.parquet", TEXTS)
+    reference = tokenize_files([write_texts_jsonl(tmp_path / "c.jsonl", TEXTS)], tmp_path / "ref", settings=TokenizeSettings(shard_tokens=500))
+    parquet = write_parquet_texts(tmp_path / "c.parquet", TEXTS)
     assert pq.ParquetFile(parquet).metadata.num_row_groups == 9
     arrow = write_arrow_stream(tmp_path / "c.arrow", TEXTS)
     assert len(tables.table_pieces(arrow, "x")) > 3
@@ -66,7 +63,7 @@ def test_parquet_and_arrow_give_the_shards_of_the_same_jsonl(tmp_path, monkeypat
 
 
 def test_nulls_and_empty_texts_are_no_document(tmp_path):
-    source = write_parquet(tmp_path / "n.parquet", ["ab", None, "", "cd"], row_group_size=2)
+    source = write_parquet_texts(tmp_path / "n.parquet", ["ab", None, "", "cd"], row_group_size=2)
     assert list(read_documents([source])) == ["ab", "", "cd"]
     index = tokenize_files([source], tmp_path / "out")
     shards = open_shards(tmp_path / "out")
@@ -79,8 +76,8 @@ def test_a_save_to_disk_folder_and_a_folder_of_parquet_files(tmp_path):
     saved = input_files([tmp_path / "saved"])
     assert len(saved) > 1 and all(p.suffix == ".arrow" for p in saved)
     assert list(read_documents([tmp_path / "saved"], text_key="body")) == TEXTS[:30]
-    write_parquet(tmp_path / "dir" / "b.parquet", TEXTS[30:])
-    write_parquet(tmp_path / "dir" / "a.parquet", TEXTS[:30])
+    write_parquet_texts(tmp_path / "dir" / "b.parquet", TEXTS[30:])
+    write_parquet_texts(tmp_path / "dir" / "a.parquet", TEXTS[:30])
     assert list(read_documents([tmp_path / "dir"])) == TEXTS[:30] + TEXTS[30:]
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["x"]})}).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(ConfigError, match=r"is a DatasetDict folder \(splits: train\): name one split's folder"):
@@ -106,8 +103,8 @@ def test_one_and_three_workers_write_the_same_bytes(tmp_path, tokenizer, monkeyp
     # tokenizer pool ran can hang; `fntrain tokenize` forks before any encoding).
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     tok = tiny_hf_tokenizer() if tokenizer == "hf" else "bytes"
-    inputs = [write_parquet(tmp_path / "in" / "a.parquet", TEXTS, row_group_size=5),
-              write_jsonl(tmp_path / "in" / "b.jsonl", TEXTS[::-1]),
+    inputs = [write_parquet_texts(tmp_path / "in" / "a.parquet", TEXTS, row_group_size=5),
+              write_texts_jsonl(tmp_path / "in" / "b.jsonl", TEXTS[::-1]),
               write_arrow_stream(tmp_path / "in" / "c.arrow", TEXTS[:20])]  # fmt: skip
     results = {}
     for workers in (1, 3):
@@ -122,19 +119,19 @@ def test_one_and_three_workers_write_the_same_bytes(tmp_path, tokenizer, monkeyp
 
 
 def test_a_worker_error_names_the_row_and_leaves_nothing(tmp_path):
-    source = write_parquet(tmp_path / "in" / "a.parquet", TEXTS, row_group_size=5)
-    before = listing(tmp_path)
+    source = write_parquet_texts(tmp_path / "in" / "a.parquet", TEXTS, row_group_size=5)
+    before = relative_paths(tmp_path)
     with pytest.raises(ValueError, match=r"input '.*a.parquet' row 40: token id 100 is outside \[0, 99\]"):
         tokenize_files([source], tmp_path / "out", lambda text: [100 if "40" in text else 1], eos_id=0,
                        vocab_size=100, settings=TokenizeSettings(workers=2))  # fmt: skip
-    assert listing(tmp_path) == before
+    assert relative_paths(tmp_path) == before
 
 
 @pytest.fixture
 def bad_tables(tmp_path, monkeypatch) -> Path:
     monkeypatch.chdir(tmp_path)
-    write_parquet(tmp_path / "in" / "good.parquet", TEXTS[:5])
-    write_parquet(tmp_path / "in" / "body.parquet", [1, 2], body=["a", "b"])
+    write_parquet_texts(tmp_path / "in" / "good.parquet", TEXTS[:5])
+    write_parquet_texts(tmp_path / "in" / "body.parquet", [1, 2], body=["a", "b"])
     (tmp_path / "in" / "junk.parquet").write_bytes(b"PAR1 this is not parquet at all PAR1")
     (tmp_path / "in" / "junk.arrow").write_bytes(b"not arrow either")
     (tmp_path / "shards").mkdir()
@@ -154,13 +151,13 @@ def bad_tables(tmp_path, monkeypatch) -> Path:
     ids=["missing-column", "not-strings", "unreadable-parquet", "unreadable-arrow", "no-workers"],
 )  # fmt: skip
 def test_a_bad_table_is_one_line_before_any_output(bad_tables, capsys, argv, needle):
-    before = listing(bad_tables)
+    before = relative_paths(bad_tables)
     with pytest.raises(SystemExit) as exited:
         dispatch(["tokenize", *argv, "--output", "shards/out"])
     err = capsys.readouterr().err.strip()
     assert exited.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert needle in err, err
-    assert listing(bad_tables) == before
+    assert relative_paths(bad_tables) == before
 
 
 def test_the_cli_reads_a_column_with_workers(bad_tables, capsys):

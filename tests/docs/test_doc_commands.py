@@ -359,7 +359,7 @@ def test_the_slow_tier_scales_every_line_alike_and_keeps_what_a_line_names():
 def test_each_document_runs_alone_in_its_own_order():
     lines = [DocCommand(name, number, f"fntrain plan tiny_gpt --seed {number}")
              for name, number in (("README.md", 1), ("docs/a.md", 3), ("README.md", 5), ("docs/a.md", 9))]  # fmt: skip
-    assert documents(lines) == [[lines[0], lines[2]], [lines[1], lines[3]]]
+    assert by_document(lines) == [[lines[0], lines[2]], [lines[1], lines[3]]]
     resumed = DocCommand("a.md", 1, "fntrain run tiny_gpt --checkpoint.restore-from latest")
     again = DocCommand("a.md", 2, "fntrain run tiny_gpt")
     done = "... WARNING run already complete at step 16; nothing to do\n"
@@ -559,7 +559,7 @@ def tiny(command: DocCommand) -> str:
     return " ".join(shlex.quote(word) if word != ">" else word for word in argv)
 
 
-def documents(commands: list[DocCommand]) -> list[list[DocCommand]]:
+def by_document(commands: list[DocCommand]) -> list[list[DocCommand]]:
     """`commands` grouped by document, each group in the document's order (a user pastes one document
     top to bottom; two documents do not share a directory)."""
     grouped: dict[str, list[DocCommand]] = {}
@@ -652,7 +652,7 @@ def test_the_doc_commands_run_on_cpu_in_order(tmp_path):
         work = checkout_files(tmp_path / Path(commands[0].file).stem)
         return run_document(commands, work, {**env, "HOME": str(work / "home")})
 
-    longest_first = sorted(documents(commands), key=lambda lines: len(document_steps(lines)), reverse=True)
+    longest_first = sorted(by_document(commands), key=lambda lines: len(document_steps(lines)), reverse=True)
     with started(shell_env(tmp_path), PRELOAD) as env, ThreadPoolExecutor(PARALLEL_DOCUMENTS) as pool:
         ran = pool.map(lambda lines: run_in_a_fresh_directory(lines, env), longest_first)
         failures = [line for lines in ran for line in lines]

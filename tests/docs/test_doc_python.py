@@ -61,13 +61,13 @@ def test_the_hooks_block_runs_as_written():
     names["hooks"][1](Event.EPOCH_END, TrainState(epoch=0), None)
 
 
-def _env() -> dict[str, str]:
+def activated_env() -> dict[str, str]:
     return {**activated(os.environ), "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.slow
 def test_the_readme_loop_of_your_own_runs_as_written_and_learns(tmp_path):
-    result = subprocess.run([sys.executable, "-c", block("README.md", "model = TinyGPT(")], cwd=tmp_path, env=_env(),
+    result = subprocess.run([sys.executable, "-c", block("README.md", "model = TinyGPT(")], cwd=tmp_path, env=activated_env(),
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [float(line.split()[1]) for line in result.stdout.splitlines()]
@@ -81,7 +81,7 @@ def test_the_own_script_of_distributed_md_runs_under_torchrun(tmp_path):
     script.write_text(block("docs/distributed.md", "ParallelConfig(strategy="))
     torchrun = Path(sys.executable).parent / "torchrun"
     result = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script)], cwd=tmp_path,
-                            env=_env(), capture_output=True, text=True, timeout=540)  # fmt: skip
+                            env=activated_env(), capture_output=True, text=True, timeout=540)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(re.findall(r"rank \d: completed at step 10", result.stdout)) == [
         "rank 0: completed at step 10", "rank 1: completed at step 10"]  # fmt: skip

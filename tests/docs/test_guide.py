@@ -83,7 +83,7 @@ def _corpora(tmp: Path) -> tuple[Path, Path]:
     return tmp / "sft.parquet", tmp / "corpus.parquet"
 
 
-def _run(command: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
+def run_in_bash(command: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
     )
@@ -128,7 +128,7 @@ def _run_the_guide(commands: list[str], work: Path, launch_env: dict, env: dict)
     its Python block in a fresh interpreter (`env`)."""
     outputs = []
     for command in commands[:6]:  # plan, train, plan 2 nodes, extend, export, CPT on the Parquet corpus
-        result = _run(command, work, launch_env)
+        result = run_in_bash(command, work, launch_env)
         assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
         outputs.append(result.stdout + result.stderr)
     run = work / "runs" / "llama-3.2-1b-sft"
@@ -146,5 +146,5 @@ def _run_the_guide(commands: list[str], work: Path, launch_env: dict, env: dict)
     assert (work / "runs" / "llama-3.2-1b-cpt" / "hf_model" / "config.json").is_file()
     shutil.rmtree(work / "runs" / "llama-3.2-1b-cpt")
     for command in commands[6:]:  # tokenize the Parquet corpus, then train on its shards
-        result = _run(command, work, launch_env)
+        result = run_in_bash(command, work, launch_env)
         assert result.returncode == 0, f"{command}\n{result.stderr[-4000:]}"

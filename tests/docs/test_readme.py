@@ -32,7 +32,7 @@ def test_the_readme_printout_of_the_main_job_is_what_it_prints(tmp_path):
     metrics line's `loss`, not `loss_last`, named as the mean of the steps that line covers."""
     from fntrain.hooks import metrics_log, sample
     from fntrain.run import build, finish
-    from tests.run.test_launch import config
+    from tests.run.test_launch import launch_config
 
     readme = (ROOT / "README.md").read_text()
     printed = readme.split("It prints what is about to run", 1)[1].split("```", 2)[1].strip().splitlines()
@@ -41,7 +41,7 @@ def test_the_readme_printout_of_the_main_job_is_what_it_prints(tmp_path):
     assert (lines["step=400"], lines["sample"], lines["run"]) == (metrics_log.log.name, sample.log.name,
                                                                    finish.log.name)  # fmt: skip
     figures = dict(re.findall(r"(\w+)=([\d.e+-]+)", " ".join(line for line in printed if "step=400" in line)))
-    run = config(tmp_path)
+    run = launch_config(tmp_path)
     Path(run.run_dir).mkdir()
     (Path(run.run_dir) / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in (
         {"step": 390, "loss": 2.1, "consumed_tokens": 1584960},

@@ -68,3 +68,8 @@ def torch_op_recorder() -> Any:
             return func(*args, **(kwargs or {}))
 
     return Recorder()
+
+
+def state_at(step: int, epoch: int = 0) -> TrainState:
+    """The state a run is in after `step` optimizer steps (its cursor at `step`), in `epoch`."""
+    return TrainState(epoch=epoch, global_step=step, cursor=step)

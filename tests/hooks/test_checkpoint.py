@@ -20,22 +20,19 @@ from fntrain.loop import Event
 from fntrain.run.config import CheckpointConfig
 from fntrain.runtime.runtime import Runtime
 from tests.checkpoint import toy
+from tests.helpers.checkpoints import saved_steps
 from tests.hooks.drive import drive
 
 INFO = StepInfo({"loss": 0.0})
 
 
-def make(tmp_path, parts=None, **fields):
+def make_hook_and_parts(tmp_path, parts=None, **fields):
     config = CheckpointConfig(**fields)
     parts = parts or toy.components()
     hooks: list = []
     hook = checkpoint_hook(config, SaveTarget(tmp_path, parts, hooks=lambda: hooks, config={"k": 1}), Runtime())
     hooks.append(hook)
     return hook, parts
-
-
-def saved(tmp_path) -> list[int]:
-    return [int(p.name.split("_")[1]) for p in list_checkpoints(tmp_path)]
 
 
 @pytest.mark.parametrize(
@@ -63,26 +60,26 @@ def test_checkpoint_root(tmp_path):
 
 
 def test_save_every_and_at_end_once(tmp_path):
-    hook, _ = make(tmp_path, save_every=3)
+    hook, _ = make_hook_and_parts(tmp_path, save_every=3)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     state = drive(hook, 7, info=INFO, begin=False, end=None)
-    assert saved(tmp_path) == [3, 6]
+    assert saved_steps(tmp_path) == [3, 6]
     hook(Event.TRAIN_END, state, None)
-    assert saved(tmp_path) == [3, 6, 7]
+    assert saved_steps(tmp_path) == [3, 6, 7]
     meta = read_meta(step_dir(tmp_path, 7))
     assert meta["config"] == {"k": 1} and meta["train_state"]["global_step"] == 7
 
 
 def test_end_save_skipped_when_last_step_was_saved(tmp_path):
-    hook, _ = make(tmp_path, save_every=3)
+    hook, _ = make_hook_and_parts(tmp_path, save_every=3)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     state = drive(hook, 6, info=INFO, begin=False, end=None)
     hook(Event.TRAIN_END, state, None)
-    assert saved(tmp_path) == [3, 6]
+    assert saved_steps(tmp_path) == [3, 6]
 
 
 def test_save_epochs_and_no_duplicate_with_step_cadence(tmp_path):
-    hook, _ = make(tmp_path, save_every=2, save_epochs=1, save_at_end=False, keep_last=0)  # every save kept
+    hook, _ = make_hook_and_parts(tmp_path, save_every=2, save_epochs=1, save_at_end=False, keep_last=0)  # every save kept
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     # epoch 0 ends at step 4, which save_every already saved
     state = drive(hook, 4, info=INFO, begin=False, end=None)
@@ -90,64 +87,64 @@ def test_save_epochs_and_no_duplicate_with_step_cadence(tmp_path):
     state = drive(hook, 3, start=state.next_epoch(), info=INFO, begin=False, end=None)
     hook(Event.EPOCH_END, state, None)  # epoch 1 ends at step 7
     hook(Event.TRAIN_END, state, None)
-    assert saved(tmp_path) == [2, 4, 6, 7]
+    assert saved_steps(tmp_path) == [2, 4, 6, 7]
     assert read_meta(step_dir(tmp_path, 7))["train_state"] == {"epoch": 1, "global_step": 7, "cursor": 3}
 
 
 def test_disabled_by_default_saves_nothing(tmp_path):
-    hook, _ = make(tmp_path)
+    hook, _ = make_hook_and_parts(tmp_path)
     before = signal.getsignal(signal.SIGTERM)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     assert signal.getsignal(signal.SIGTERM) is before  # no handler without checkpointing
     state = drive(hook, 3, info=INFO, begin=False, end=None)
     hook(Event.EPOCH_END, state, None)
     hook(Event.TRAIN_END, state, None)
-    assert not tmp_path.exists() or saved(tmp_path) == []
+    assert not tmp_path.exists() or saved_steps(tmp_path) == []
 
 
 def test_restored_step_is_not_saved_again(tmp_path):
-    hook, parts = make(tmp_path, save_every=4)
+    hook, parts = make_hook_and_parts(tmp_path, save_every=4)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     drive(hook, 4, info=INFO, begin=False, end=None)
     hook(Event.ABORT, TrainState(0, 4, 4), RuntimeError("crash"))
 
-    resumed, _ = make(tmp_path, parts, save_every=4, save_epochs=1)
+    resumed, _ = make_hook_and_parts(tmp_path, parts, save_every=4, save_epochs=1)
     state = restore("latest", parts, root=tmp_path, hooks=[resumed])
     assert state == TrainState(0, 4, 4) and resumed.state_dict() == {"last_saved_step": 4}
     mtime = os.stat(step_dir(tmp_path, 4) / "meta.json").st_mtime_ns
     resumed(Event.TRAIN_BEGIN, state, None)
     resumed(Event.EPOCH_END, state, None)  # a checkpoint taken at an epoch's end replays EPOCH_END [S12]
     resumed(Event.TRAIN_END, state, None)  # and a run restored at its last step ends at once
-    assert saved(tmp_path) == [4]
+    assert saved_steps(tmp_path) == [4]
     assert os.stat(step_dir(tmp_path, 4) / "meta.json").st_mtime_ns == mtime
 
 
 def test_restored_step_without_hook_state_is_not_saved_again(tmp_path):
-    hook, _ = make(tmp_path, save_every=2)
+    hook, _ = make_hook_and_parts(tmp_path, save_every=2)
     hook(Event.TRAIN_BEGIN, TrainState(0, 6, 6), None)
     hook(Event.TRAIN_END, TrainState(0, 6, 6), None)
-    assert saved(tmp_path) == []
+    assert saved_steps(tmp_path) == []
 
 
 def test_hook_state_round_trip():
-    hook, _ = make("/unused", save_every=2)
+    hook, _ = make_hook_and_parts("/unused", save_every=2)
     load_hook_states([hook], {"checkpoint": {"last_saved_step": 12}})
     assert hook_states([hook]) == {"checkpoint": {"last_saved_step": 12}}
 
 
 def test_keep_last(tmp_path):
-    hook, _ = make(tmp_path, save_every=1, keep_last=2)
+    hook, _ = make_hook_and_parts(tmp_path, save_every=1, keep_last=2)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     state = drive(hook, 5, info=INFO, begin=False, end=None)
     hook(Event.TRAIN_END, state, None)
-    assert saved(tmp_path) == [4, 5]
+    assert saved_steps(tmp_path) == [4, 5]
     assert (tmp_path / LATEST).read_text().strip() == "step_5"
 
 
 def test_ctrl_c_inside_a_step_saves_at_the_next_boundary_and_stops_with_130(tmp_path):
     """Ctrl-C is a notice like SIGTERM: the handler only sets a flag, the step that was running completes,
     and the checkpoint at its boundary is a whole update; the outcome says "interrupted", exit 130."""
-    hook, _ = make(tmp_path, save_every=10, save_on_interrupt=True)
+    hook, _ = make_hook_and_parts(tmp_path, save_every=10, save_on_interrupt=True)
     before = signal.getsignal(signal.SIGINT)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     state = drive(hook, 2, info=INFO, begin=False, end=None)
@@ -157,22 +154,22 @@ def test_ctrl_c_inside_a_step_saves_at_the_next_boundary_and_stops_with_130(tmp_
     with pytest.raises(StopTraining) as caught:
         hook(Event.STEP_END, state.after_step(), INFO)
     assert (caught.value.outcome, caught.value.exit_code) == ("interrupted", 130)
-    assert "SIGINT" in caught.value.reason and saved(tmp_path) == [3]
+    assert "SIGINT" in caught.value.reason and saved_steps(tmp_path) == [3]
     hook(Event.TRAIN_END, state.after_step(), None)
     assert signal.getsignal(signal.SIGINT) is before  # Python's KeyboardInterrupt handler is back
 
 
 def test_ctrl_c_without_the_option_is_an_ordinary_interrupt(tmp_path):
-    hook, _ = make(tmp_path, save_every=10)
+    hook, _ = make_hook_and_parts(tmp_path, save_every=10)
     before = signal.getsignal(signal.SIGINT)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     assert signal.getsignal(signal.SIGINT) is before  # no handler: Ctrl-C raises KeyboardInterrupt
     hook(Event.ABORT, drive(hook, 2, info=INFO, begin=False, end=None), KeyboardInterrupt())
-    assert saved(tmp_path) == []
+    assert saved_steps(tmp_path) == []
 
 
 def test_ctrl_c_through_train_is_the_interrupted_outcome(tmp_path):
-    hook, parts = make(tmp_path, save_every=10, save_on_interrupt=True)
+    hook, parts = make_hook_and_parts(tmp_path, save_every=10, save_on_interrupt=True)
 
     def interrupt_at_3(event, state, info):
         if event is Event.STEP_BEGIN and state.global_step == 2:
@@ -183,29 +180,29 @@ def test_ctrl_c_through_train_is_the_interrupted_outcome(tmp_path):
         data=lambda epoch, cursor: iter(range(100)), plan=RunPlan(train_iters=10, steps_per_epoch=10, epochs=1),
     )  # fmt: skip
     assert (result.outcome, result.exit_code, result.state.global_step) == ("interrupted", 130, 3)
-    assert saved(tmp_path) == [3]
+    assert saved_steps(tmp_path) == [3]
 
 
 def test_abort_before_train_begin_is_a_no_op(tmp_path):
-    hook, _ = make(tmp_path, save_every=1, save_on_interrupt=True)
+    hook, _ = make_hook_and_parts(tmp_path, save_every=1, save_on_interrupt=True)
     hook(Event.ABORT, TrainState(0, 3, 3), KeyboardInterrupt())
-    assert not tmp_path.exists() or saved(tmp_path) == []
+    assert not tmp_path.exists() or saved_steps(tmp_path) == []
 
 
 def test_preemption_signal_saves_at_the_step_boundary_and_stops(tmp_path):
-    hook, _ = make(tmp_path, save_every=100)
+    hook, _ = make_hook_and_parts(tmp_path, save_every=100)
     previous = signal.getsignal(signal.SIGUSR1)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     state = drive(hook, 2, info=INFO, begin=False, end=None)
     hook(Event.STEP_BEGIN, state, None)
     signal.raise_signal(signal.SIGUSR1)  # arrives mid-step: only a flag is set
-    assert saved(tmp_path) == []
+    assert saved_steps(tmp_path) == []
     with pytest.raises(StopTraining, match="preempted by SIGUSR1 at step 3") as caught:
         hook(Event.STEP_END, state.after_step(), INFO)
     assert caught.value.outcome == "preempted" and caught.value.exit_code == 143
-    assert saved(tmp_path) == [3]
+    assert saved_steps(tmp_path) == [3]
     hook(Event.TRAIN_END, state.after_step(), None)
-    assert saved(tmp_path) == [3]  # not saved twice
+    assert saved_steps(tmp_path) == [3]  # not saved twice
     assert signal.getsignal(signal.SIGUSR1) is previous  # handlers removed
 
 
@@ -224,7 +221,7 @@ def test_preemption_through_train_ends_cleanly(tmp_path):
 
     plan = RunPlan(train_iters=6, steps_per_epoch=6, epochs=1)
     final = train(TrainState(), step_fn, hooks, data=lambda epoch, cursor: iter(data[cursor:]), plan=plan).state
-    assert final.global_step == 3 and saved(tmp_path) == [3]
+    assert final.global_step == 3 and saved_steps(tmp_path) == [3]
 
 
 def test_preemption_is_the_outcome_of_train(tmp_path):
@@ -249,7 +246,7 @@ def test_preemption_is_the_outcome_of_train(tmp_path):
     )
     assert result.outcome == "preempted" and result.exit_code == 99
     assert result.reason == "preempted by request at step 2" and result.state.global_step == 2
-    assert saved(tmp_path) == [2]
+    assert saved_steps(tmp_path) == [2]
     assert read_meta(find_latest(tmp_path))["train_state"]["global_step"] == 2
 
 
@@ -277,7 +274,7 @@ def test_preemption_signal_through_train_exits_143(tmp_path):
 
     result = run(signal_at=3)
     assert (result.outcome, result.exit_code, result.state.global_step) == ("preempted", 143, 3)
-    assert result.reason == "preempted by SIGUSR1 at step 3" and saved(tmp_path) == [3]
+    assert result.reason == "preempted by SIGUSR1 at step 3" and saved_steps(tmp_path) == [3]
     assert signal.getsignal(signal.SIGUSR1) is previous
     result = run(signal_at=None)
     assert (result.outcome, result.exit_code, result.state.global_step) == ("completed", 0, 4)
@@ -324,16 +321,16 @@ def test_train_loop_integration_resumes_exactly(tmp_path):
 
 
 def test_async_saves_drain_at_train_end(tmp_path):
-    hook, parts = make(tmp_path, save_every=2, async_save=True)
+    hook, parts = make_hook_and_parts(tmp_path, save_every=2, async_save=True)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     state = drive(hook, 5, info=INFO, begin=False, end=None)
     hook(Event.TRAIN_END, state, None)
-    assert saved(tmp_path) == [2, 4, 5]
+    assert saved_steps(tmp_path) == [2, 4, 5]
     assert (tmp_path / LATEST).read_text().strip() == "step_5"
 
 
 def test_failed_async_save_raises_at_the_next_step(tmp_path, monkeypatch):
-    hook, _ = make(tmp_path, save_every=2, async_save=True)
+    hook, _ = make_hook_and_parts(tmp_path, save_every=2, async_save=True)
 
     def broken(self, plan, planner):
         raise OSError("disk full")
@@ -348,12 +345,12 @@ def test_failed_async_save_raises_at_the_next_step(tmp_path, monkeypatch):
             state = state.after_step()
             hook(Event.STEP_END, state, INFO)
     hook(Event.ABORT, state, RuntimeError("from the loop"))  # and ABORT stays quiet afterwards
-    assert saved(tmp_path) == []
+    assert saved_steps(tmp_path) == []
 
 
 def test_abort_completes_a_pending_async_save(tmp_path):
-    hook, _ = make(tmp_path, save_every=2, async_save=True)
+    hook, _ = make_hook_and_parts(tmp_path, save_every=2, async_save=True)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     state = drive(hook, 2, info=INFO, begin=False, end=None)
     hook(Event.ABORT, state, RuntimeError("crash"))
-    assert saved(tmp_path) == [2]
+    assert saved_steps(tmp_path) == [2]

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from fntrain.checkpoint import SaveTarget, async_save, close_async_saves, list_checkpoints
+from fntrain.checkpoint import SaveTarget, async_save, close_async_saves
 from fntrain.checkpoint.layout import LATEST
 from fntrain.hooks.checkpoint import checkpoint_hook
 from fntrain.loop import Event
@@ -19,33 +19,30 @@ from fntrain.run.config import CheckpointConfig
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
 from tests.checkpoint import toy
+from tests.helpers.checkpoints import saved_steps
 from tests.hooks.drive import drive
 
 RELEASE_AFTER_S = 0.3  # a held write is released this long after the event that must wait for it
 
 
-def make(tmp_path, **fields):
+def make_hook(tmp_path, **fields):
     hooks: list = []
     hook = checkpoint_hook(CheckpointConfig(**fields), SaveTarget(tmp_path, toy.components(), hooks=lambda: hooks), Runtime())  # fmt: skip
     hooks.append(hook)
     return hook
 
 
-def saved(tmp_path) -> list[int]:
-    return [int(path.name.split("_")[1]) for path in list_checkpoints(tmp_path)]
-
-
 @pytest.mark.parametrize(("save_epochs", "expected"), [(2, [6, 12]), (3, [9])])
 def test_save_epochs_saves_at_the_end_of_every_kth_epoch(tmp_path, save_epochs, expected):
     """Epochs counted from 1: save_epochs=2 saves after the 2nd and 4th epochs (3 steps each), not after
     the 1st and 3rd."""
-    hook = make(tmp_path, save_epochs=save_epochs, save_at_end=False)
+    hook = make_hook(tmp_path, save_epochs=save_epochs, save_at_end=False)
     state = TrainState()
     hook(Event.TRAIN_BEGIN, state, None)
     for _ in range(4):
         state = drive(hook, 3, start=state, begin=False, end=None, epoch_events=True).next_epoch()
     hook(Event.TRAIN_END, state, None)
-    assert saved(tmp_path) == expected
+    assert saved_steps(tmp_path) == expected
 
 
 @pytest.fixture
@@ -74,13 +71,13 @@ def release_soon(gate: threading.Event) -> threading.Timer:
 
 
 def test_train_end_waits_for_the_async_save_in_flight(tmp_path, held_writes):
-    hook = make(tmp_path, save_every=4, async_save=True)
+    hook = make_hook(tmp_path, save_every=4, async_save=True)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     state = drive(hook, 4, begin=False, end=None)  # step 4's save is in flight, its write held
-    assert saved(tmp_path) == [] and not held_writes.is_set()
+    assert saved_steps(tmp_path) == [] and not held_writes.is_set()
     release_soon(held_writes)
     hook(Event.TRAIN_END, state, None)
-    assert saved(tmp_path) == [4]
+    assert saved_steps(tmp_path) == [4]
     assert (tmp_path / LATEST).read_text().strip() == "step_4"
 
 
@@ -95,25 +92,25 @@ def test_train_end_raises_when_the_async_save_in_flight_failed(tmp_path, monkeyp
         return write_data(self, plan, planner)
 
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", fails_at_step_4)
-    hook = make(tmp_path, save_every=2, async_save=True)
+    hook = make_hook(tmp_path, save_every=2, async_save=True)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     state = drive(hook, 4, begin=False, end=None)
     with pytest.raises(RuntimeError, match="checkpoint step_4 not saved: disk full"):
         hook(Event.TRAIN_END, state, None)
-    assert saved(tmp_path) == [2]
+    assert saved_steps(tmp_path) == [2]
     assert close_async_saves(timeout=30)
 
 
 def test_abort_waits_for_the_async_save_in_flight(tmp_path, held_writes):
     """A crash while a save is being written: ABORT waits (up to abort_wait_s) and completes it, so the
     step just saved is not lost."""
-    hook = make(tmp_path, save_every=2, async_save=True, abort_wait_s=60.0)
+    hook = make_hook(tmp_path, save_every=2, async_save=True, abort_wait_s=60.0)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     state = drive(hook, 2, begin=False, end=None)
-    assert saved(tmp_path) == []
+    assert saved_steps(tmp_path) == []
     release_soon(held_writes)
     hook(Event.ABORT, state, RuntimeError("crash"))
-    assert saved(tmp_path) == [2]
+    assert saved_steps(tmp_path) == [2]
     assert (tmp_path / LATEST).read_text().strip() == "step_2"
 
 
@@ -123,7 +120,7 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 @pytest.mark.parametrize("in_flight", [False, True], ids=["idle", "async_save_in_flight"])
 def test_abort_removes_the_preemption_handlers(tmp_path, in_flight):
     before = {number: signal.getsignal(number) for number in PREEMPTION_SIGNALS}
-    hook = make(tmp_path, save_every=2, async_save=in_flight, save_on_interrupt=True)
+    hook = make_hook(tmp_path, save_every=2, async_save=in_flight, save_on_interrupt=True)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     assert all(signal.getsignal(number) is not before[number] for number in PREEMPTION_SIGNALS)
     state = drive(hook, 2, begin=False, end=None)

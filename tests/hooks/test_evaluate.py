@@ -15,9 +15,10 @@ from fntrain.loop import Event, StepInfo
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
 from fntrain.step import causal_lm_loss
+from tests.hooks.drive import state_at
 
 
-class TinyLM(torch.nn.Module):
+class EvalLM(torch.nn.Module):
     def __init__(self, vocab: int = 11, width: int = 8):
         super().__init__()
         torch.manual_seed(0)
@@ -50,7 +51,7 @@ class Samples(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": self.labels[index]}
 
 
-def reference_loss(model: TinyLM, dataset: Samples) -> float:
+def reference_loss(model: EvalLM, dataset: Samples) -> float:
     """Token-weighted mean next-token loss over the whole dataset, computed in one go."""
     model.eval()
     with torch.no_grad():
@@ -59,10 +60,6 @@ def reference_loss(model: TinyLM, dataset: Samples) -> float:
         return torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.size(-1)).double(), targets.reshape(-1), ignore_index=-100
         ).item()
-
-
-def state_at(step: int, epoch: int = 0) -> TrainState:
-    return TrainState(epoch=epoch, global_step=step, cursor=step)
 
 
 def test_index_groups_cover_each_sample_once_with_equal_counts_per_rank():
@@ -82,7 +79,7 @@ def test_index_groups_cover_each_sample_once_with_equal_counts_per_rank():
 
 
 def test_eval_fn_is_the_exact_token_weighted_loss_and_ppl():
-    model, dataset = TinyLM(), Samples()
+    model, dataset = EvalLM(), Samples()
     eval_fn = make_eval_fn(model, causal_lm_loss, dataset, micro_batch_size=3, runtime=Runtime())
     result = eval_fn()
     expected = reference_loss(model, dataset)
@@ -92,7 +89,7 @@ def test_eval_fn_is_the_exact_token_weighted_loss_and_ppl():
 
 
 def test_eval_runs_without_grad_in_eval_mode_and_restores_the_mode():
-    model, dataset = TinyLM(), Samples()
+    model, dataset = EvalLM(), Samples()
     eval_fn = make_eval_fn(model, causal_lm_loss, dataset, micro_batch_size=4, runtime=Runtime())
     model.train()
     first, second = eval_fn(), eval_fn()
@@ -106,7 +103,7 @@ def test_eval_runs_without_grad_in_eval_mode_and_restores_the_mode():
 
 
 def test_train_mode_restored_when_the_eval_fails():
-    model = TinyLM()
+    model = EvalLM()
 
     def broken_loss(output, batch):
         raise RuntimeError("bad batch")
@@ -119,7 +116,7 @@ def test_train_mode_restored_when_the_eval_fails():
 
 
 def test_max_batches_limits_the_work():
-    model = TinyLM()
+    model = EvalLM()
     eval_fn = make_eval_fn(
         model, causal_lm_loss, Samples(), micro_batch_size=2, runtime=Runtime(), max_batches=1
     )
@@ -210,7 +207,7 @@ def _two_rank_eval(rank: int, init_file: str, out_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         runtime = Runtime(rank=rank, world_size=2, dp_size=2, dp_rank=rank, backend="gloo")
-        eval_fn = make_eval_fn(TinyLM(), causal_lm_loss, Samples(), micro_batch_size=2, runtime=runtime)
+        eval_fn = make_eval_fn(EvalLM(), causal_lm_loss, Samples(), micro_batch_size=2, runtime=runtime)
         result = eval_fn()
         if rank == 0:
             with open(out_file, "w") as file:
@@ -226,7 +223,7 @@ def test_two_ranks_give_the_single_rank_result(tmp_path):
     out = tmp_path / "result.json"
     mp.spawn(_two_rank_eval, args=(str(tmp_path / "init"), str(out)), nprocs=2)
     two_ranks = json.loads(out.read_text())
-    one_rank = make_eval_fn(TinyLM(), causal_lm_loss, Samples(), micro_batch_size=2, runtime=Runtime())()
+    one_rank = make_eval_fn(EvalLM(), causal_lm_loss, Samples(), micro_batch_size=2, runtime=Runtime())()
     assert two_ranks["val_loss"] == pytest.approx(one_rank["val_loss"], rel=1e-6)  # float32 forwards
 
 

@@ -23,7 +23,8 @@ from fntrain.loop import Event, StepInfo
 from fntrain.runtime import collectives
 from fntrain.runtime.runtime import Runtime
 from fntrain.step import causal_lm_loss
-from tests.hooks.test_evaluate import Samples, TinyLM, reference_loss, state_at
+from tests.hooks.drive import state_at
+from tests.hooks.test_evaluate import EvalLM, Samples, reference_loss
 
 # ----------------------------------------------------------------------------- fakes
 
@@ -169,7 +170,7 @@ def test_the_sums_are_made_on_the_runtimes_device_whatever_torchs_default_device
 
 
 def test_the_forward_runs_under_autocast_to_the_dtype_asked_with_the_model_and_micro_batch():
-    model, dataset, seen = TinyLM(), Samples(), []
+    model, dataset, seen = EvalLM(), Samples(), []
 
     def forward(module, micro_batch):
         seen.append((module is model, sorted(micro_batch), torch.is_autocast_enabled("cpu"),
@@ -221,7 +222,7 @@ def test_the_ignore_index_asked_decides_the_token_weights():
 # ----------------------------------------------------------------------------- across ranks
 
 
-class OtherRanks:
+class OtherGroupRanks:
     """`torch.distributed` for one rank of four: the evaluation group is this rank and one other (2 ranks);
     the world adds two ranks of another group. all_reduce adds the other members' sums (SUM only)."""
 
@@ -250,7 +251,7 @@ def test_the_sums_are_reduced_over_the_evaluation_group_in_float64(monkeypatch):
     group = object()
     # [loss x tokens, tokens, acc x tokens] of the partner: 16M tokens at loss 1, acc 0.5
     partner, strangers = [float(BIG), float(BIG), BIG / 2], [[100.0, 1.0, 0.0]] * 2
-    monkeypatch.setattr(collectives, "dist", OtherRanks(group, partner, strangers))
+    monkeypatch.setattr(collectives, "dist", OtherGroupRanks(group, partner, strangers))
     samples = [scored(3, 1 / 3, acc=1.0)]
     result = evaluate(samples, objective_loss, runtime=Runtime(rank=0, world_size=4, dp_size=2), group=group)
     tokens = BIG + 3

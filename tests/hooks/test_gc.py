@@ -12,11 +12,7 @@ from fntrain.hooks.gc import GCConfig, gc_hook
 from fntrain.loop import Event
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
-from tests.hooks.drive import drive
-
-
-def state_at(step: int) -> TrainState:
-    return TrainState(epoch=0, global_step=step, cursor=step)
+from tests.hooks.drive import drive, state_at
 
 
 @pytest.fixture

@@ -105,7 +105,7 @@ def snapshots(path) -> list[str]:
     return sorted(os.listdir(path)) if os.path.isdir(path) else []
 
 
-def config(tmp_path, **kw) -> MemoryConfig:
+def memory_config(tmp_path, **kw) -> MemoryConfig:
     kw.setdefault("enable", True)
     return MemoryConfig(save_path=str(tmp_path / "snap"), **kw)
 
@@ -154,7 +154,7 @@ def test_invalid_configs_fail_before_device_resolution(monkeypatch, kwargs, erro
 def test_valid_edge_values_pass(tmp_path):
     """The edge values are accepted and mean what they say: a window at control point 0 only, recorded
     with those stacks and that entry limit, and written by no rank (dump_ranks=[])."""
-    edge = config(tmp_path, start_step=0, end_step=0, dump_ranks=[], max_entries=1, stacks="python")
+    edge = memory_config(tmp_path, start_step=0, end_step=0, dump_ranks=[], max_entries=1, stacks="python")
     assert edge.validate() is None
     fake = FakeAllocator()
     drive(memory_hook(edge, Runtime(device=CUDA), allocator=fake), 2)
@@ -165,7 +165,7 @@ def test_valid_edge_values_pass(tmp_path):
 
 def test_enable_on_cpu_names_the_device(tmp_path):
     with pytest.raises(RuntimeError, match="cpu"):
-        memory_hook(config(tmp_path), Runtime())
+        memory_hook(memory_config(tmp_path), Runtime())
     assert not (tmp_path / "snap").exists()
 
 
@@ -183,7 +183,7 @@ def test_missing_history_api_is_named(tmp_path, missing, named):
         if name not in missing:
             setattr(module, name, getattr(fake, name, lambda *a, **k: None))
     with pytest.raises(RuntimeError, match=re.escape(named)):
-        memory_hook(config(tmp_path), Runtime(device=CUDA), allocator=module)
+        memory_hook(memory_config(tmp_path), Runtime(device=CUDA), allocator=module)
 
 
 def test_missing_stats_api_is_named_for_mem_info():
@@ -194,7 +194,7 @@ def test_missing_stats_api_is_named_for_mem_info():
 
 def test_cuda_backend_resolves_without_touching_the_device(tmp_path):
     # torch.cuda.memory exists even in a CPU build; building the hook must not initialise CUDA.
-    hook = memory_hook(config(tmp_path), Runtime(device=CUDA))
+    hook = memory_hook(memory_config(tmp_path), Runtime(device=CUDA))
     assert callable(hook)
     assert not torch.cuda.is_initialized()
     hook(Event.ABORT, TrainState(), RuntimeError("before TRAIN_BEGIN"))  # a no-op, never raises
@@ -223,7 +223,7 @@ def test_disabled_session_never_touches_the_device(monkeypatch, tmp_path):
 def test_window_1_to_3_records_once_then_writes_and_stops(tmp_path):
     fake = FakeAllocator()
     hook = memory_hook(
-        config(tmp_path, start_step=1, end_step=3, max_entries=500), Runtime(device=CUDA), allocator=fake
+        memory_config(tmp_path, start_step=1, end_step=3, max_entries=500), Runtime(device=CUDA), allocator=fake
     )
     state = TrainState()
     hook(Event.TRAIN_BEGIN, state, None)  # control point 0: stale history discarded, nothing recorded
@@ -249,7 +249,7 @@ def test_window_1_to_3_records_once_then_writes_and_stops(tmp_path):
 
 def test_unbounded_max_entries_is_passed_as_sys_maxsize(tmp_path):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path, stacks="python"), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, stacks="python"), Runtime(device=CUDA), allocator=fake)
     drive(hook, 1)
     start = [c for c in fake.calls if c[0] == "record" and c[1] == "all"][0]
     assert start[2]["max_entries"] == sys.maxsize and start[2]["stacks"] == "python"
@@ -257,7 +257,7 @@ def test_unbounded_max_entries_is_passed_as_sys_maxsize(tmp_path):
 
 def test_equal_bounds_at_zero_record_write_and_stop_at_train_begin(tmp_path):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path, start_step=0, end_step=0), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=0, end_step=0), Runtime(device=CUDA), allocator=fake)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     assert fake.names() == ["stop", "start", "snapshot", "stop"]
     assert len(snapshots(tmp_path / "snap")) == 1
@@ -267,7 +267,7 @@ def test_equal_bounds_at_zero_record_write_and_stop_at_train_begin(tmp_path):
 
 def test_equal_bounds_mid_run(tmp_path):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path, start_step=2, end_step=2), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=2, end_step=2), Runtime(device=CUDA), allocator=fake)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     hook(Event.STEP_BEGIN, TrainState(), None)
     assert fake.names() == ["stop"]
@@ -277,7 +277,7 @@ def test_equal_bounds_mid_run(tmp_path):
 
 def test_window_past_the_run_records_nothing(tmp_path):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path, start_step=5, end_step=9), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=5, end_step=9), Runtime(device=CUDA), allocator=fake)
     drive(hook, 3)
     assert fake.names() == ["stop"]
     assert not (tmp_path / "snap").exists()
@@ -286,7 +286,7 @@ def test_window_past_the_run_records_nothing(tmp_path):
 def test_unselected_rank_records_but_never_writes_or_makes_directories(tmp_path):
     fake = FakeAllocator()
     runtime = Runtime(rank=1, world_size=2, device=CUDA)
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=2, dump_ranks=[0]), runtime, allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=2, dump_ranks=[0]), runtime, allocator=fake)
     drive(hook, 3)
     assert fake.names() == ["stop", "start", "stop"]
     assert not (tmp_path / "snap").exists()
@@ -295,7 +295,7 @@ def test_unselected_rank_records_but_never_writes_or_makes_directories(tmp_path)
 def test_selected_nonzero_rank_writes_its_own_file(tmp_path):
     fake = FakeAllocator()
     runtime = Runtime(rank=3, world_size=4, device=CUDA)
-    hook = memory_hook(config(tmp_path, dump_ranks=[1, 3]), runtime, allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, dump_ranks=[1, 3]), runtime, allocator=fake)
     drive(hook, 3)
     [name] = snapshots(tmp_path / "snap")
     assert SNAPSHOT_NAME.match(name).group(1) == "3"
@@ -304,7 +304,7 @@ def test_selected_nonzero_rank_writes_its_own_file(tmp_path):
 def test_dump_ranks_outside_the_world_warn(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="fntrain.hooks.memory"):
         memory_hook(
-            config(tmp_path, dump_ranks=[4]), Runtime(world_size=2, device=CUDA), allocator=FakeAllocator()
+            memory_config(tmp_path, dump_ranks=[4]), Runtime(world_size=2, device=CUDA), allocator=FakeAllocator()
         )
     assert "no snapshot will be written" in caplog.text
 
@@ -324,7 +324,7 @@ def test_a_backend_with_only_dump_snapshot_writes_through_it(tmp_path):
         _record_memory_history=fake._record_memory_history,
         _dump_snapshot=lambda path: (dumped.append(path), open(path, "wb").close()),
     )
-    hook = memory_hook(config(tmp_path), Runtime(device=CUDA), allocator=module)
+    hook = memory_hook(memory_config(tmp_path), Runtime(device=CUDA), allocator=module)
     drive(hook, 2)
     [name] = snapshots(tmp_path / "snap")
     assert SNAPSHOT_NAME.match(name) and dumped == [str(tmp_path / "snap" / name)]
@@ -335,7 +335,7 @@ def test_a_backend_with_only_dump_snapshot_writes_through_it(tmp_path):
 
 def test_stop_writes_a_partial_window_once_even_when_called_twice(tmp_path):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
     drive(hook, 3, end=None)
     assert fake.names() == ["stop", "start"] and fake.recording
     hook(Event.TRAIN_END, TrainState(0, 3, 3), None)
@@ -348,7 +348,7 @@ def test_stop_writes_a_partial_window_once_even_when_called_twice(tmp_path):
 
 def test_abort_never_writes_nor_creates_directories(tmp_path):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
     drive(hook, 2, end=None)
     hook(Event.ABORT, TrainState(0, 2, 2), ValueError("step failed"))
     assert fake.names() == ["stop", "start", "stop"] and not fake.recording
@@ -360,7 +360,7 @@ def test_abort_never_writes_nor_creates_directories(tmp_path):
 
 def test_abort_never_raises_even_when_stopping_fails(tmp_path, caplog):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
     drive(hook, 1, end=None)
     fake.fail.add("stop")
     with caplog.at_level(logging.ERROR, logger="fntrain.hooks.memory"):
@@ -371,7 +371,7 @@ def test_abort_never_raises_even_when_stopping_fails(tmp_path, caplog):
 
 def test_a_failed_stop_at_train_end_is_retried_at_abort(tmp_path, caplog):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
     drive(hook, 2, end=None)
     fake.stop_failures = 1
     with pytest.raises(RuntimeError, match="stop failed") as caught:
@@ -388,7 +388,7 @@ def test_a_failed_stop_at_train_end_is_retried_at_abort(tmp_path, caplog):
 
 def test_a_stop_failing_again_at_abort_is_logged_not_raised(tmp_path, caplog):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
     drive(hook, 1, end=None)
     fake.fail.add("stop")
     with pytest.raises(RuntimeError, match="stop failed") as caught:
@@ -404,7 +404,7 @@ def test_a_stop_failing_again_at_abort_is_logged_not_raised(tmp_path, caplog):
 
 def test_in_the_loop_a_failed_stop_at_train_end_is_retried_by_the_abort(tmp_path):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
 
     def step_fn(state, batch):
         if state.global_step == 1:
@@ -418,7 +418,7 @@ def test_in_the_loop_a_failed_stop_at_train_end_is_retried_by_the_abort(tmp_path
 
 def test_abort_before_train_begin_is_a_no_op(tmp_path):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path, start_step=0), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=0), Runtime(device=CUDA), allocator=fake)
     hook(Event.ABORT, TrainState(), RuntimeError("setup failed"))
     assert fake.calls == []
 
@@ -449,7 +449,7 @@ def test_failed_write_still_stops_history_and_reraises(tmp_path, failure):
 
 def test_a_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path), Runtime(device=CUDA), allocator=fake)
 
     def broken_dump(obj, f):
         f.write(b"half")
@@ -464,7 +464,7 @@ def test_a_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
 
 def test_failed_record_cleans_up_and_deactivates(tmp_path):
     fake = FakeAllocator(fail=("start",))
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=3), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=3), Runtime(device=CUDA), allocator=fake)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     with pytest.raises(RuntimeError, match="record"):
         hook(Event.STEP_BEGIN, TrainState(), None)
@@ -479,7 +479,7 @@ def test_failed_record_cleans_up_and_deactivates(tmp_path):
 
 def test_a_new_session_discards_stale_history_without_writing(tmp_path):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=5), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=5), Runtime(device=CUDA), allocator=fake)
     drive(hook, 2, end=None)  # a session left recording (its TRAIN_END never came)
     fake.history.append("stale alloc")
     assert fake.recording
@@ -498,7 +498,7 @@ def test_history_left_by_someone_else_is_discarded_at_train_begin(tmp_path):
     fake._record_memory_history("all")
     fake.history.append("another recorder's event")
     fake.calls.clear()
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=2), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=2), Runtime(device=CUDA), allocator=fake)
     drive(hook, 2)
     with open(tmp_path / "snap" / snapshots(tmp_path / "snap")[0], "rb") as f:
         assert pickle.load(f)["device_traces"] == [[]]
@@ -509,7 +509,7 @@ def test_history_left_by_someone_else_is_discarded_at_train_begin(tmp_path):
 
 def test_oom_observer_writes_a_snapshot_at_the_failure(tmp_path):
     fake = ObservedAllocator()
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
     hook(Event.TRAIN_BEGIN, TrainState(), None)
     fake.out_of_memory()  # before the window: no snapshot
     assert snapshots(tmp_path / "snap") == []
@@ -529,14 +529,14 @@ def test_oom_observer_writes_a_snapshot_at_the_failure(tmp_path):
 def test_oom_observer_is_attached_once_per_backend(tmp_path):
     fake = ObservedAllocator()
     for _ in range(3):
-        hook = memory_hook(config(tmp_path, start_step=1, end_step=2), Runtime(device=CUDA), allocator=fake)
+        hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=2), Runtime(device=CUDA), allocator=fake)
         drive(hook, 2)
     assert len(fake.observers) == 1
 
 
 def test_oom_observer_never_raises_into_the_allocator(tmp_path, caplog):
     fake = ObservedAllocator()
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
     drive(hook, 1, end=None)
     fake.fail.add("snapshot")
     with caplog.at_level(logging.ERROR, logger="fntrain.hooks.memory"):
@@ -547,7 +547,7 @@ def test_oom_observer_never_raises_into_the_allocator(tmp_path, caplog):
 def test_oom_observer_on_an_unselected_rank_writes_nothing(tmp_path):
     fake = ObservedAllocator()
     runtime = Runtime(rank=1, world_size=2, device=CUDA)
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=10), runtime, allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=10), runtime, allocator=fake)
     drive(hook, 1, end=None)
     fake.out_of_memory()
     hook(Event.ABORT, TrainState(), torch.OutOfMemoryError("oom"))
@@ -556,7 +556,7 @@ def test_oom_observer_on_an_unselected_rank_writes_nothing(tmp_path):
 
 def test_without_an_observer_abort_writes_the_oom_snapshot(tmp_path):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
     drive(hook, 2, end=None)
     hook(Event.ABORT, TrainState(), torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
     assert snapshots(tmp_path / "snap") == ["snapshot_oom_0.pickle"]
@@ -565,7 +565,7 @@ def test_without_an_observer_abort_writes_the_oom_snapshot(tmp_path):
 
 def test_abort_oom_outside_the_window_writes_nothing(tmp_path):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path, start_step=3, end_step=10), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=3, end_step=10), Runtime(device=CUDA), allocator=fake)
     drive(hook, 1, end=None)
     hook(Event.ABORT, TrainState(), torch.OutOfMemoryError("oom"))
     assert not (tmp_path / "snap").exists()
@@ -573,7 +573,7 @@ def test_abort_oom_outside_the_window_writes_nothing(tmp_path):
 
 def test_abort_oom_snapshot_failure_is_logged_not_raised(tmp_path, caplog):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=10), Runtime(device=CUDA), allocator=fake)
     drive(hook, 1, end=None)
     fake.fail.add("snapshot")
     with caplog.at_level(logging.ERROR, logger="fntrain.hooks.memory"):
@@ -674,7 +674,7 @@ def test_mem_info_on_cpu_logs_peak_rss_after_each_epoch(caplog):
 def test_mem_info_and_history_together(tmp_path):
     fake = FakeAllocator()
     hook = memory_hook(
-        config(tmp_path, start_step=1, end_step=2, mem_info=True), Runtime(device=CUDA), allocator=fake
+        memory_config(tmp_path, start_step=1, end_step=2, mem_info=True), Runtime(device=CUDA), allocator=fake
     )
     drive(hook, 2)
     names = fake.names()
@@ -697,7 +697,7 @@ def test_npu_backend_through_torch_npu(monkeypatch, tmp_path):
     )
     monkeypatch.setitem(sys.modules, "torch_npu", torch_npu)
     runtime = Runtime(device=types.SimpleNamespace(type="npu", index=0))
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=3), runtime)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=3), runtime)
     drive(hook, 1, end=None)
     assert fake.observers, "the NPU OOM observer was not attached"
     fake.out_of_memory()
@@ -709,12 +709,12 @@ def test_npu_backend_through_torch_npu(monkeypatch, tmp_path):
 def test_npu_without_torch_npu_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # makes `import torch_npu` fail
     with pytest.raises(RuntimeError, match="torch_npu"):
-        memory_hook(config(tmp_path), Runtime(device=types.SimpleNamespace(type="npu", index=0)))
+        memory_hook(memory_config(tmp_path), Runtime(device=types.SimpleNamespace(type="npu", index=0)))
 
 
 def test_in_the_loop_control_points_precede_the_steps_work(tmp_path):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path, start_step=2, end_step=3), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=2, end_step=3), Runtime(device=CUDA), allocator=fake)
 
     def step(state, batch):
         fake.calls.append(("step", state.global_step + 1))
@@ -728,7 +728,7 @@ def test_in_the_loop_control_points_precede_the_steps_work(tmp_path):
 
 def test_in_the_loop_a_failing_step_aborts_without_writing(tmp_path):
     fake = FakeAllocator()
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=3), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=3), Runtime(device=CUDA), allocator=fake)
 
     def step(state, batch):
         if state.global_step == 1:
@@ -744,7 +744,7 @@ def test_in_the_loop_a_failing_step_aborts_without_writing(tmp_path):
 
 def test_in_the_loop_an_oom_step_writes_the_oom_snapshot(tmp_path):
     fake = ObservedAllocator()
-    hook = memory_hook(config(tmp_path, start_step=1, end_step=3), Runtime(device=CUDA), allocator=fake)
+    hook = memory_hook(memory_config(tmp_path, start_step=1, end_step=3), Runtime(device=CUDA), allocator=fake)
 
     def step(state, batch):
         fake.out_of_memory()

@@ -28,7 +28,7 @@ def info(loss: float = 2.5, grad_norm: float = 0.75, lr: float = 3e-4) -> StepIn
     return StepInfo({"loss": torch.tensor(loss), "grad_norm": torch.tensor(grad_norm), "lr": lr}, 64, 2, 0.01)
 
 
-def run_steps(hook, steps):
+def run_metric_steps(hook, steps):
     drive(hook, steps, info=lambda state: info())
 
 
@@ -51,7 +51,7 @@ def test_logs_every_n_steps_and_the_last_step_to_logger_and_jsonl(tmp_path, capl
     writer = metrics_log(MetricsConfig(), runtime, tmp_path)
     hook = metrics_hook(runtime, log_every=2, writer=writer, last_step=5)
     with caplog.at_level(logging.INFO, logger="fntrain.metrics"):
-        run_steps(hook, 5)
+        run_metric_steps(hook, 5)
     lines = [r.getMessage() for r in caplog.records if r.name == "fntrain.metrics"]
     assert lines == [
         f"step={s} epoch=0 grad_norm=0.75 loss=2.5 loss_last=2.5 lr=3.000e-04" for s in (2, 4, 5)
@@ -68,7 +68,7 @@ def test_log_every_zero_never_logs(tmp_path):
     hook = metrics_hook(
         runtime, log_every=0, writer=metrics_log(MetricsConfig(), runtime, tmp_path), last_step=4
     )
-    run_steps(hook, 4)
+    run_metric_steps(hook, 4)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -85,7 +85,7 @@ def test_only_rank_zero_writes_but_every_rank_reduces(tmp_path, caplog, monkeypa
     writer = metrics_log(MetricsConfig(), runtime, tmp_path)
     hook = metrics_hook(runtime, log_every=1, writer=writer)
     with caplog.at_level(logging.INFO, logger="fntrain.metrics"):
-        run_steps(hook, 2)
+        run_metric_steps(hook, 2)
     assert not (tmp_path / "metrics.jsonl").exists()
     assert not [r for r in caplog.records if r.name == "fntrain.metrics"]
     assert reduced == [{"loss": 2.5, "grad_norm": 0.75}] * 2 and writer.latest() == {}
@@ -101,7 +101,7 @@ def test_values_leave_the_device_only_on_logging_steps(tmp_path, monkeypatch):
     monkeypatch.setattr(metrics_module, "reduce_scalars", counting_reduce)
     runtime = Runtime()
     hook = metrics_hook(runtime, log_every=3, writer=metrics_log(MetricsConfig(), runtime, tmp_path))
-    run_steps(hook, 7)
+    run_metric_steps(hook, 7)
     # steps 3 and 6, tensors only: on one CPU rank the window's means are read on the host already
     assert calls == [["loss_last"]] * 2
 
@@ -202,7 +202,7 @@ def test_tensorboard_scalars_written_when_available(tmp_path, monkeypatch):
     runtime = Runtime()
     writer = metrics_log(MetricsConfig(tensorboard=True), runtime, tmp_path)
     hook = metrics_hook(runtime, log_every=2, writer=writer)
-    run_steps(hook, 2)
+    run_metric_steps(hook, 2)
     tb_dir = str(tmp_path / "tensorboard")
     assert written == [
         (tb_dir, "grad_norm", 0.75, 2), (tb_dir, "loss", 2.5, 2), (tb_dir, "loss_last", 2.5, 2),
@@ -292,7 +292,7 @@ def window_expectation(steps: range) -> dict[str, float]:
     }
 
 
-def logged(tmp_path, steps: int, log_every: int, **kwargs) -> list[dict]:
+def logged_records(tmp_path, steps: int, log_every: int, **kwargs) -> list[dict]:
     runtime = Runtime()
     hook = metrics_hook(
         runtime, log_every=log_every, writer=metrics_log(MetricsConfig(), runtime, tmp_path), **kwargs
@@ -313,7 +313,7 @@ def window_path(request, monkeypatch):
 
 
 def test_log_every_4_logs_the_token_weighted_mean_on_uneven_token_counts(tmp_path, window_path):
-    records = logged(tmp_path, 6, 4, last_step=6)
+    records = logged_records(tmp_path, 6, 4, last_step=6)
     assert [r["step"] for r in records] == [4, 6]
     for record, window in zip(records, (range(1, 5), range(5, 7)), strict=True):
         want = window_expectation(window)
@@ -323,7 +323,7 @@ def test_log_every_4_logs_the_token_weighted_mean_on_uneven_token_counts(tmp_pat
 
 
 def test_log_every_1_logs_each_step_exactly_and_no_loss_last(tmp_path):
-    records = logged(tmp_path, 3, 1)
+    records = logged_records(tmp_path, 3, 1)
     assert [r["loss"] for r in records] == [2.0, 4.0, 1.0]
     assert all("loss_last" not in r for r in records)
 
@@ -356,18 +356,18 @@ def test_skipped_steps_stay_out_of_the_window(tmp_path, window_path):
 def test_a_long_window_folds_to_the_same_means(tmp_path, monkeypatch, window_path):
     from fntrain.hooks import metrics_window
 
-    (unfolded,) = logged(tmp_path / "a", 6, 6)
+    (unfolded,) = logged_records(tmp_path / "a", 6, 6)
     folds = []
     fold = metrics_window._fold
     monkeypatch.setattr(metrics_window, "FOLD_AT", 2)
     monkeypatch.setattr(metrics_window, "_fold", lambda window: (folds.append(1), fold(window)))
-    (folded,) = logged(tmp_path / "b", 6, 6)
+    (folded,) = logged_records(tmp_path / "b", 6, 6)
     assert len(folds) == 3 and folded == pytest.approx(unfolded, rel=1e-12)
     assert unfolded["loss"] == pytest.approx(window_expectation(range(1, 7))["loss"])
 
 
 def test_a_resume_mid_window_logs_what_an_uninterrupted_run_logs(tmp_path, window_path):
-    uninterrupted = logged(tmp_path / "whole", 6, 4, last_step=6)
+    uninterrupted = logged_records(tmp_path / "whole", 6, 4, last_step=6)
     runtime = Runtime()
     first = metrics_hook(runtime, log_every=4, writer=metrics_log(MetricsConfig(), runtime, tmp_path / "a"))
     assert first.name == "metrics"

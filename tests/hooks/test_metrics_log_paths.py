@@ -10,7 +10,7 @@ import pytest
 from fntrain.hooks.metrics_log import MetricsLog
 
 
-class Recorder:
+class SinkRecorder:
     """A sink that records what it is sent (and optionally fails to close)."""
 
     def __init__(self, fail_close: bool = False) -> None:
@@ -33,7 +33,7 @@ class Recorder:
 
 
 def test_config_sent_ahead_is_not_sent_again():
-    sink = Recorder()
+    sink = SinkRecorder()
     log = MetricsLog(enabled=True, sinks=[sink], tags={"team": "a"})
     log.log_config({"lr": 0.1}, {"stage": "sft"})
     log.write(1, 0, {"loss": 2.0})
@@ -41,7 +41,7 @@ def test_config_sent_ahead_is_not_sent_again():
 
 
 def test_a_summary_after_stop_reaches_the_sinks_and_closes_them():
-    sink = Recorder()
+    sink = SinkRecorder()
     log = MetricsLog(enabled=True, sinks=[sink], run_config={})
     log.summary({})  # nothing to send
     log.stop()
@@ -51,7 +51,7 @@ def test_a_summary_after_stop_reaches_the_sinks_and_closes_them():
 
 
 def test_every_sink_is_closed_before_the_first_failure_is_raised():
-    failing, healthy = Recorder(fail_close=True), Recorder()
+    failing, healthy = SinkRecorder(fail_close=True), SinkRecorder()
     log = MetricsLog(enabled=True, sinks=[failing, healthy], run_config={})
     with pytest.raises(OSError, match="tracker unreachable"):
         log.stop()
@@ -61,13 +61,13 @@ def test_every_sink_is_closed_before_the_first_failure_is_raised():
 def test_an_unreadable_config_file_gives_an_empty_config(tmp_path):
     config = tmp_path / "config.json"
     config.write_text("{not json")
-    sink = Recorder()
+    sink = SinkRecorder()
     MetricsLog(enabled=True, sinks=[sink], config_path=config, attempt=2).write(3, 0, {"loss": 1.0})
     assert sink.calls[0] == ("config", {}, {"attempt": "2"})
 
 
 def test_a_disabled_log_sends_nothing():
-    sink = Recorder()
+    sink = SinkRecorder()
     log = MetricsLog(enabled=False, sinks=[sink])
     log.log_config({"lr": 1}, None)
     log.summary({"outcome": "completed"})

@@ -16,7 +16,7 @@ from fntrain.loop import Event, StepInfo
 from fntrain.runtime.collectives import reduce_scalars
 from fntrain.runtime.runtime import Runtime
 from tests.hooks.drive import drive
-from tests.hooks.test_metrics import info, run_steps, step_state
+from tests.hooks.test_metrics import info, run_metric_steps, step_state
 
 
 class RecordingSink:
@@ -38,7 +38,7 @@ class RecordingSink:
         self.closed += 1
 
 
-def recorded(log_every: int, steps: int, end: Event | None = None, last_step: int | None = None):
+def recorded_logs(log_every: int, steps: int, end: Event | None = None, last_step: int | None = None):
     sink = RecordingSink()
     hook = metrics_hook(Runtime(), log_every=log_every, writer=MetricsLog(enabled=True, sinks=[sink]),
                         last_step=last_step)  # fmt: skip
@@ -49,7 +49,7 @@ def recorded(log_every: int, steps: int, end: Event | None = None, last_step: in
 @pytest.mark.parametrize("log_every, steps", [(1, [1, 2, 3, 4]), (2, [2, 4]), (3, [3])])
 def test_log_every_n_logs_each_nth_step(log_every, steps):
     assert [s for s in range(1, 5) if is_logging_step(s, log_every)] == steps
-    assert [r["step"] for r in recorded(log_every, 4).records] == steps
+    assert [r["step"] for r in recorded_logs(log_every, 4).records] == steps
 
 
 @pytest.mark.parametrize(
@@ -67,7 +67,7 @@ def test_a_bad_setting_is_an_error_naming_it_and_its_value(kwargs, error, messag
 
 
 def test_the_smallest_last_step_is_accepted_and_logs():
-    assert [r["step"] for r in recorded(5, 1, last_step=1).records] == [1]
+    assert [r["step"] for r in recorded_logs(5, 1, last_step=1).records] == [1]
 
 
 @pytest.mark.parametrize("name", ["loss", "grad_norm"])
@@ -100,13 +100,13 @@ def test_the_step_metrics_are_reduced_on_the_runs_device(monkeypatch):
     monkeypatch.setattr(metrics_module, "reduce_scalars", recording_reduce)
     runtime = Runtime(device=torch.device("meta"))
     hook = metrics_hook(runtime, log_every=2, writer=MetricsLog(enabled=False))
-    run_steps(hook, 4)
+    run_metric_steps(hook, 4)
     assert devices == [torch.device("meta")] * 2
 
 
 @pytest.mark.parametrize("end, outcome", [(Event.TRAIN_END, {}), (Event.ABORT, {"outcome": "aborted"})])
 def test_the_end_of_a_run_closes_the_sinks_with_the_summary(end, outcome):
-    sink = recorded(2, 3, end=end)
+    sink = recorded_logs(2, 3, end=end)
     assert sink.summaries == [
         {"step": 2, "grad_norm": 0.75, "loss": 2.5, "loss_last": 2.5, "lr": 3e-4, **outcome}
     ]

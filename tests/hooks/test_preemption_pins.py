@@ -28,7 +28,7 @@ TWO_RANKS = Runtime(world_size=2, backend="gloo")
 _REDUCTIONS = {dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.SUM: torch.add}
 
 
-class OtherRanks:
+class PeerRanks:
     """Stands in for the collective: the flags [preempt, time due] each other rank sends, reduced into
     this rank's tensor with the given op (torch's defaults otherwise); records each call's group."""
 
@@ -57,7 +57,7 @@ class NewGroups:
 @pytest.fixture
 def other_ranks(monkeypatch):
     def install(*flags):
-        fake = OtherRanks(*flags)
+        fake = PeerRanks(*flags)
         monkeypatch.setattr(dist, "all_reduce", fake)
         return fake
 
@@ -65,7 +65,7 @@ def other_ranks(monkeypatch):
 
 
 @pytest.fixture
-def new_groups(monkeypatch):
+def fake_new_groups(monkeypatch):
     fake = NewGroups()
     monkeypatch.setattr(dist, "new_group", fake)
     return fake
@@ -226,7 +226,7 @@ def test_deciding_never_puts_the_flags_on_the_default_device(other_ranks, runtim
     "watching", [{"signals": ("SIGUSR2",)}, {"save_every_minutes": 1.0}, {"interrupt": True}]
 )
 def test_a_device_backend_decides_over_one_gloo_group_with_the_runs_timeout(
-    one_rank_group, new_groups, other_ranks, watching
+    one_rank_group, fake_new_groups, other_ranks, watching
 ):
     reduce = other_ranks((0, 0))
     agreement = make_agreement(
@@ -235,7 +235,7 @@ def test_a_device_backend_decides_over_one_gloo_group_with_the_runs_timeout(
     agreement.begin()
     agreement.begin()  # a second begin (a resumed loop) makes no second group
     try:
-        assert new_groups.made == [{"backend": "gloo", "timeout": datetime.timedelta(seconds=77)}]
+        assert fake_new_groups.made == [{"backend": "gloo", "timeout": datetime.timedelta(seconds=77)}]
         agreement.decide(TrainState(0, 1, 1))
         assert reduce.groups == ["group 1"]
     finally:
@@ -243,22 +243,22 @@ def test_a_device_backend_decides_over_one_gloo_group_with_the_runs_timeout(
 
 
 @pytest.mark.parametrize("backend", ["gloo", "cpu:gloo,cuda:nccl"])
-def test_a_gloo_backend_decides_over_the_default_group(new_groups, other_ranks, backend):
+def test_a_gloo_backend_decides_over_the_default_group(fake_new_groups, other_ranks, backend):
     reduce = other_ranks((1, 0))
     agreement = make_agreement(Runtime(world_size=2, backend=backend), save_every_minutes=1.0, check_every=1,
                                clock=Clock())  # fmt: skip
     agreement.begin()
     assert agreement.decide(TrainState(0, 1, 1)) == Decision(preempt=True)
-    assert new_groups.made == [] and reduce.groups == [None]
+    assert fake_new_groups.made == [] and reduce.groups == [None]
     agreement.end()
 
 
-def test_one_process_makes_no_group_and_warns_nothing(new_groups, caplog):
+def test_one_process_makes_no_group_and_warns_nothing(fake_new_groups, caplog):
     agreement = make_agreement(Runtime(), signals=("SIGUSR2",), save_every_minutes=1.0, clock=Clock())
     with caplog.at_level(logging.DEBUG):
         agreement.begin()
         agreement.end()
-    assert new_groups.made == [] and caplog.records == []
+    assert fake_new_groups.made == [] and caplog.records == []
 
 
 def test_without_gloo_one_warning_names_the_error_and_the_device_decides(monkeypatch, other_ranks, caplog):

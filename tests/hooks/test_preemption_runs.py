@@ -120,7 +120,7 @@ def test_handlers_only_in_the_main_thread():
 # ----------------------------------------------------------------------------- the recipe, in process
 
 
-def tiny_config(tmp_path: Path, run: str, **checkpoint: Any) -> tiny_gpt.Config:
+def preemption_run_config(tmp_path: Path, run: str, **checkpoint: Any) -> tiny_gpt.Config:
     corpus = tmp_path / "corpus.txt"
     if not corpus.exists():
         corpus.write_bytes((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:1700])
@@ -155,12 +155,12 @@ def record_and_signal(losses: dict[int, float], signal_at: int | None = None) ->
 def test_sigterm_saves_at_the_next_boundary_exits_143_and_resumes_bit_for_bit(tmp_path):
     sigterm_before = signal.getsignal(signal.SIGTERM)
     expected: dict[int, float] = {}
-    run_job(tiny_config(tmp_path, "reference"), record_and_signal(expected))
+    run_job(preemption_run_config(tmp_path, "reference"), record_and_signal(expected))
     assert sorted(expected) == list(range(1, 10))
 
     first: dict[int, float] = {}
     stopped = run_job(
-        tiny_config(tmp_path, "run", restore_from="auto"), record_and_signal(first, signal_at=4)
+        preemption_run_config(tmp_path, "run", restore_from="auto"), record_and_signal(first, signal_at=4)
     )
     assert (stopped.outcome, stopped.exit_code, stopped.state.global_step) == ("preempted", 143, 4)
     assert "SIGTERM" in stopped.reason
@@ -172,7 +172,7 @@ def test_sigterm_saves_at_the_next_boundary_exits_143_and_resumes_bit_for_bit(tm
     assert sorted(first) == [1, 2, 3, 4]
 
     second: dict[int, float] = {}
-    final = run_job(tiny_config(tmp_path, "run", restore_from="auto"), record_and_signal(second)).state
+    final = run_job(preemption_run_config(tmp_path, "run", restore_from="auto"), record_and_signal(second)).state
     assert final.global_step == 9 and sorted(second) == [5, 6, 7, 8, 9]
     assert {**first, **second} == expected  # bit for bit: floats compared with ==
     want = load_file(tmp_path / "reference" / "model.safetensors")

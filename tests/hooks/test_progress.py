@@ -17,7 +17,7 @@ from fntrain.hooks.progress import ProgressConfig, format_postfix, progress_hook
 from fntrain.loop import Event, StepInfo
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
-from tests.hooks.drive import drive
+from tests.hooks.drive import drive, state_at
 
 
 class FakeBar:
@@ -54,10 +54,6 @@ def fake_tqdm(monkeypatch):
     monkeypatch.setattr(tqdm_module, "tqdm", FakeBar)
     monkeypatch.setattr(progress_module, "_stderr_is_terminal", lambda: True)  # as in a terminal
     return FakeBar
-
-
-def state_at(step: int, epoch: int = 0) -> TrainState:
-    return TrainState(epoch=epoch, global_step=step, cursor=step)
 
 
 def step_info(loss: float = 2.0) -> StepInfo:

@@ -183,7 +183,7 @@ def test_samples_asked_of_a_recipe_without_a_sampler_are_refused_naming_the_flag
 # ----------------------------------------------------------------------------- the tiny_gpt recipe
 
 
-def tiny_config(tmp_path, name: str, **sample) -> tiny_gpt.Config:
+def sample_run_config(tmp_path, name: str, **sample) -> tiny_gpt.Config:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("To be, or not to be, that is the question.\n" * 50)
     base = tiny_gpt.Config()
@@ -209,8 +209,8 @@ def test_samples_leave_every_loss_of_the_tiny_gpt_recipe_bit_for_bit_as_without_
         lines = (tmp_path / config.run_dir / "metrics.jsonl").read_text().splitlines()
         return [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, lines) if "loss" in r]
 
-    without = losses(tiny_config(tmp_path, "without", at_end=False))
-    with_samples = losses(tiny_config(tmp_path, "with", every=1))
+    without = losses(sample_run_config(tmp_path, "without", at_end=False))
+    with_samples = losses(sample_run_config(tmp_path, "with", every=1))
     assert [step for step, _, _ in with_samples] == [1, 2, 3]
     assert with_samples == without
     assert not (tmp_path / "without" / "samples.jsonl").exists()
@@ -220,11 +220,11 @@ def test_samples_leave_every_loss_of_the_tiny_gpt_recipe_bit_for_bit_as_without_
 
 def test_samples_on_a_recipe_without_a_sampler_are_a_config_error_before_anything_is_written(tmp_path):
     spec = dataclasses.replace(tiny_gpt.spec, sampler=None)
-    config = tiny_config(tmp_path, "run", every=2)
+    config = sample_run_config(tmp_path, "run", every=2)
     with pytest.raises(ConfigError, match=r"^sample\.every 2: this recipe cannot sample text"):
         check_run(config, spec)
     assert not (tmp_path / "run").exists()
-    check_run(tiny_config(tmp_path, "run", prompts=()), spec)  # no prompts: nothing asked
+    check_run(sample_run_config(tmp_path, "run", prompts=()), spec)  # no prompts: nothing asked
 
 
 def test_the_command_line_refuses_samples_of_a_recipe_without_a_sampler_in_one_line(tmp_path, capsys, monkeypatch):

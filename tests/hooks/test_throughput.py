@@ -15,14 +15,10 @@ from fntrain.models.flops import dense_transformer_flops_per_token, measure_flop
 from fntrain.runtime.peak_flops import peak_flops_for_name
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
-from tests.hooks.drive import drive, torch_op_recorder
+from tests.hooks.drive import drive, state_at, torch_op_recorder
 
 
-def state_at(step: int) -> TrainState:
-    return TrainState(epoch=0, global_step=step, cursor=step)
-
-
-def run(meter, every_n: int, first: int, last: int, *, tokens=1000, samples=4, step_time=0.5):
+def figures_by_step(meter, every_n: int, first: int, last: int, *, tokens=1000, samples=4, step_time=0.5):
     """Steps first..last, the meter's figures read every `every_n` steps (as the metrics hook reads
     them); returns {step: figures} for the steps that read non-empty figures."""
     posted = {}
@@ -157,7 +153,7 @@ def test_rates_tflops_and_mfu_arithmetic():
     config = ThroughputConfig(flops_per_token=6e6, peak_tflops=100.0)
     meter = throughput_meter(config, Runtime(world_size=4, dp_size=2))
     meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
-    posted = run(meter, 2, 1, 4, tokens=1000, samples=4, step_time=0.5)
+    posted = figures_by_step(meter, 2, 1, 4, tokens=1000, samples=4, step_time=0.5)
     assert sorted(posted) == [2, 4]
     metrics = posted[4]
     # one rank's 1000 tokens per step x dp_size 2 = 2000 global tokens per step, 2 steps in 1.0 s
@@ -173,18 +169,18 @@ def test_rates_tflops_and_mfu_arithmetic():
 def test_cpu_without_a_configured_peak_reports_no_mfu_and_unknown_flops_no_tflops():
     meter = throughput_meter(ThroughputConfig(), Runtime())
     meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
-    posted = run(meter, 1, 1, 1)
+    posted = figures_by_step(meter, 1, 1, 1)
     assert "tflops" not in posted[1] and "mfu" not in posted[1]
     meter = throughput_meter(ThroughputConfig(), Runtime(), flops_per_token=10.0)
     meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
-    posted = run(meter, 1, 1, 1, tokens=100, step_time=1.0)
+    posted = figures_by_step(meter, 1, 1, 1, tokens=100, step_time=1.0)
     assert posted[1]["tflops"] == pytest.approx(10.0 * 100 / 1e12) and "mfu" not in posted[1]
 
 
 def test_tensor_and_int_token_counts_mix_and_many_unlogged_steps_are_folded():
     meter = throughput_meter(ThroughputConfig(), Runtime())
     meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
-    posted = run(meter, 600, 1, 600, tokens=lambda s: torch.tensor(3) if s % 2 else 5)
+    posted = figures_by_step(meter, 600, 1, 600, tokens=lambda s: torch.tensor(3) if s % 2 else 5)
     assert posted[600]["consumed_tokens"] == 300 * 3 + 300 * 5
 
 
@@ -215,7 +211,7 @@ def test_device_sync_and_memory_only_on_logging_steps(monkeypatch):
     monkeypatch.setattr(throughput_module, "_device_module", lambda device: FakeDevice())
     meter = throughput_meter(ThroughputConfig(flops_per_token=1.0), Runtime())
     meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
-    posted = run(meter, 3, 1, 7)
+    posted = figures_by_step(meter, 3, 1, 7)
     assert calls == ["sync", "memory", "sync", "memory"]  # steps 3 and 6
     assert posted[3]["peak_mem_gib"] == 3.0
     assert posted[3]["mfu"] == pytest.approx(posted[3]["tflops"] * 1e12 / 989e12)  # peak from the table
@@ -234,7 +230,7 @@ def test_non_logging_step_runs_no_torch_op():
 def test_resume_restores_consumed_counts_including_unlogged_steps():
     first = throughput_meter(ThroughputConfig(), Runtime())
     first.hook(Event.TRAIN_BEGIN, TrainState(), None)
-    run(first, 2, 1, 5, tokens=lambda s: torch.tensor(10 * s), samples=2)
+    figures_by_step(first, 2, 1, 5, tokens=lambda s: torch.tensor(10 * s), samples=2)
     saved = hook_states([first.hook])
     assert saved == {
         "throughput": {
@@ -248,7 +244,7 @@ def test_resume_restores_consumed_counts_including_unlogged_steps():
     resumed = throughput_meter(ThroughputConfig(), Runtime())
     assert load_hook_states([resumed.hook], saved) == []
     resumed.hook(Event.TRAIN_BEGIN, state_at(5), None)
-    posted = run(resumed, 2, 6, 8, tokens=lambda s: torch.tensor(10 * s), samples=2, step_time=1.0)
+    posted = figures_by_step(resumed, 2, 6, 8, tokens=lambda s: torch.tensor(10 * s), samples=2, step_time=1.0)
     assert posted[8]["consumed_tokens"] == sum(10 * s for s in range(1, 9))
     assert posted[8]["consumed_samples"] == 16
     assert posted[6]["tokens_per_s"] == 60.0  # the restored steps count as consumed, not as this interval's
@@ -270,7 +266,7 @@ def test_flops_callable_measured_once_at_train_begin_and_failure_is_a_warning(ca
     meter = throughput_meter(ThroughputConfig(), Runtime(), flops_per_token=measure)
     assert calls == []  # built: nothing measured
     meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
-    run(meter, 1, 1, 3)
+    figures_by_step(meter, 1, 1, 3)
     assert calls == [1]
 
     def broken():
@@ -280,17 +276,17 @@ def test_flops_callable_measured_once_at_train_begin_and_failure_is_a_warning(ca
     with caplog.at_level(logging.WARNING, logger="fntrain.hooks.throughput"):
         meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
     assert "no meta kernel" in caplog.text
-    assert "tflops" not in run(meter, 1, 1, 1)[1]
+    assert "tflops" not in figures_by_step(meter, 1, 1, 1)[1]
 
     meter = throughput_meter(ThroughputConfig(flops_per_token=5.0), Runtime(), flops_per_token=broken)
     meter.hook(Event.TRAIN_BEGIN, TrainState(), None)  # the configured value wins: nothing is measured
-    assert run(meter, 1, 1, 1, tokens=10, step_time=1.0)[1]["tflops"] == pytest.approx(50 / 1e12)
+    assert figures_by_step(meter, 1, 1, 1, tokens=10, step_time=1.0)[1]["tflops"] == pytest.approx(50 / 1e12)
 
 
 def test_disabled_hook_posts_nothing_and_keeps_no_state():
     meter = throughput_meter(ThroughputConfig(enabled=False), Runtime())
     meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
-    assert run(meter, 1, 1, 3) == {}
+    assert figures_by_step(meter, 1, 1, 3) == {}
     assert meter.hook.name == "throughput" and meter.hook.state_dict() == {}
 
 

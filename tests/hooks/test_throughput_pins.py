@@ -19,13 +19,13 @@ from fntrain.hooks.throughput import ThroughputConfig, throughput_meter
 from fntrain.loop import Event
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
-from tests.hooks.test_throughput import run
+from tests.hooks.test_throughput import figures_by_step
 
 LOGGER = "fntrain.hooks.throughput"
 RANK_DEVICE = torch.device("cuda", 1)
 
 
-def started(config: ThroughputConfig, runtime: Runtime | None = None, **kwargs):
+def started_meter(config: ThroughputConfig, runtime: Runtime | None = None, **kwargs):
     meter = throughput_meter(config, runtime if runtime is not None else Runtime(), **kwargs)
     meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
     return meter
@@ -57,8 +57,8 @@ class FakeDevice:
 def test_rates_are_the_intervals_counts_over_its_elapsed_time(
     step_time, every_n, tokens, samples, tokens_per_s, samples_per_s
 ):
-    meter = started(ThroughputConfig(flops_per_token=1e12))
-    figures = run(meter, every_n, 1, every_n, tokens=tokens, samples=samples, step_time=step_time)[every_n]
+    meter = started_meter(ThroughputConfig(flops_per_token=1e12))
+    figures = figures_by_step(meter, every_n, 1, every_n, tokens=tokens, samples=samples, step_time=step_time)[every_n]
     assert figures["tokens_per_s"] == tokens_per_s
     assert figures["samples_per_s"] == samples_per_s
     assert figures["tflops"] == tokens_per_s  # 1e12 FLOPs per token: TFLOP/s = tokens/s on one device
@@ -72,7 +72,7 @@ def test_tflops_and_mfu_are_exact_in_their_units(fpt, tokens, world, peak_tflops
     """2 steps of 0.5 s, each `tokens` tokens on one replica: the figures are exact, not approximately
     right (TFLOP/s is 1e12 FLOP/s, the configured peak is in TFLOP/s)."""
     config = ThroughputConfig(flops_per_token=fpt, peak_tflops=peak_tflops)
-    figures = run(started(config, Runtime(world_size=world)), 2, 1, 2, tokens=tokens, step_time=0.5)[2]
+    figures = figures_by_step(started_meter(config, Runtime(world_size=world)), 2, 1, 2, tokens=tokens, step_time=0.5)[2]
     assert (figures["tflops"], figures["mfu"]) == (tflops, mfu)
 
 
@@ -84,7 +84,7 @@ def test_restored_pending_counts_count_for_every_replica(dp_size):
         {"consumed_tokens": 1000, "consumed_samples": 40, "pending_tokens": 50, "pending_samples": 4}
     )
     meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
-    figures = run(meter, 1, 1, 1, tokens=10, samples=1)[1]
+    figures = figures_by_step(meter, 1, 1, 1, tokens=10, samples=1)[1]
     assert figures["consumed_tokens"] == 1000 + (50 + 10) * dp_size
     assert figures["consumed_samples"] == 40 + (4 + 1) * dp_size
 
@@ -94,7 +94,7 @@ def test_a_state_saved_without_pending_counts_resumes_with_none_pending():
     meter = throughput_meter(ThroughputConfig(), Runtime())
     meter.hook.load_state_dict({"consumed_tokens": 100, "consumed_samples": 8})
     meter.hook(Event.TRAIN_BEGIN, TrainState(), None)
-    figures = run(meter, 2, 1, 2, tokens=10, samples=1, step_time=1.0)[2]
+    figures = figures_by_step(meter, 2, 1, 2, tokens=10, samples=1, step_time=1.0)[2]
     assert (figures["consumed_tokens"], figures["consumed_samples"]) == (120, 10)
     assert figures["tokens_per_s"] == 10.0
 
@@ -102,8 +102,8 @@ def test_a_state_saved_without_pending_counts_resumes_with_none_pending():
 def test_mfu_uses_the_peak_of_the_runtimes_own_device(monkeypatch):
     """Each rank asks for the name of its own device (cuda:1 here, an H100 at 989 TFLOP/s)."""
     monkeypatch.setattr(throughput_module, "_device_module", lambda device: FakeDevice())
-    meter = started(ThroughputConfig(flops_per_token=989e9), Runtime(device=RANK_DEVICE))
-    figures = run(meter, 1, 1, 1, tokens=1000, step_time=1.0)[1]
+    meter = started_meter(ThroughputConfig(flops_per_token=989e9), Runtime(device=RANK_DEVICE))
+    figures = figures_by_step(meter, 1, 1, 1, tokens=1000, step_time=1.0)[1]
     # about 989 TFLOP/s (the device sync adds its wait to the step time): an MFU of about 1, not 989/312
     assert figures["mfu"] == pytest.approx(figures["tflops"] / 989.0, rel=1e-12)
     assert figures["mfu"] == pytest.approx(1.0, rel=1e-3)
@@ -120,18 +120,18 @@ def test_mfu_uses_the_peak_of_the_runtimes_own_device(monkeypatch):
 def test_only_an_unlisted_device_warns_naming_it_and_the_flag(monkeypatch, caplog, name, warnings):
     monkeypatch.setattr(throughput_module, "_device_module", lambda device: FakeDevice(name))
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        started(ThroughputConfig(), Runtime(device=RANK_DEVICE))
+        started_meter(ThroughputConfig(), Runtime(device=RANK_DEVICE))
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == warnings
 
 
 def test_an_unreadable_device_name_warns_naming_the_device_and_the_error(monkeypatch, caplog):
     monkeypatch.setattr(throughput_module, "_device_module", lambda device: FakeDevice(None))
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        meter = started(ThroughputConfig(flops_per_token=1.0), Runtime(device=RANK_DEVICE))
+        meter = started_meter(ThroughputConfig(flops_per_token=1.0), Runtime(device=RANK_DEVICE))
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
         "throughput: could not read the name of device cuda:1: RuntimeError('driver gone')"
     ]
-    assert "mfu" not in run(meter, 1, 1, 1)[1]
+    assert "mfu" not in figures_by_step(meter, 1, 1, 1)[1]
 
 
 def test_a_failed_flops_measurement_warns_with_the_error_and_what_is_lost(caplog):
@@ -139,7 +139,7 @@ def test_a_failed_flops_measurement_warns_with_the_error_and_what_is_lost(caplog
         raise RuntimeError("no meta kernel")
 
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        started(ThroughputConfig(), flops_per_token=broken)
+        started_meter(ThroughputConfig(), flops_per_token=broken)
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
         "throughput: measuring FLOPs per token failed (RuntimeError('no meta kernel')); no TFLOP/s or MFU"
     ]
@@ -156,7 +156,7 @@ def test_measured_flops_are_logged_with_the_time_the_measure_took(monkeypatch, c
     ticks = iter(clock)
     monkeypatch.setattr(throughput_module, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        started(ThroughputConfig(), flops_per_token=lambda: measured)
+        started_meter(ThroughputConfig(), flops_per_token=lambda: measured)
     assert [r.getMessage() for r in caplog.records if r.name == LOGGER] == [line]
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from fntrain.hooks.watchdog import watchdog_hook
 from fntrain.loop import Event
 from fntrain.runtime.runtime import Runtime
 from fntrain.runtime.watchdog import EXIT_CODE, HANG_MARKER, THREAD_NAME, Watchdog, WatchdogConfig
+from tests.helpers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 INFO = StepInfo({"loss": 0.0})
@@ -38,7 +38,7 @@ def watchdog(tmp_path: Path, clock: FakeClock, aborted: list[int], rank: int = 0
     return Watchdog(config, rank=rank, stacks_dir=tmp_path / "stacks", clock=clock, abort=aborted.append)
 
 
-def run_steps(dog: Watchdog, clock: FakeClock, durations: list[float], start: int = 0) -> int:
+def beat_steps(dog: Watchdog, clock: FakeClock, durations: list[float], start: int = 0) -> int:
     step = start
     for duration in durations:
         dog.beat("step", step + 1)
@@ -72,12 +72,12 @@ def test_limit_grace_then_median_times_factor_with_a_floor(tmp_path):
     clock, aborted = FakeClock(), []
     dog = watchdog(tmp_path, clock, aborted)
     assert dog.limit()[0] == 60.0  # start-up grace
-    run_steps(dog, clock, [30.0, 20.0])  # slow first steps (compilation) stay out of the median
+    beat_steps(dog, clock, [30.0, 20.0])  # slow first steps (compilation) stay out of the median
     assert dog.limit()[0] == 60.0  # no period known yet
-    run_steps(dog, clock, [1.0, 1.0, 4.0], start=2)
+    beat_steps(dog, clock, [1.0, 1.0, 4.0], start=2)
     limit, why = dog.limit()
     assert limit == 5.0 and "floor" in why  # 3 x median 1 s = 3 s < floor 5 s
-    run_steps(dog, clock, [4.0, 4.0, 4.0], start=5)
+    beat_steps(dog, clock, [4.0, 4.0, 4.0], start=5)
     assert dog.limit()[0] == pytest.approx(12.0)  # 3 x median(1, 1, 4, 4, 4, 4) = 3 x 4
     assert not dog.check() and aborted == []
 
@@ -85,7 +85,7 @@ def test_limit_grace_then_median_times_factor_with_a_floor(tmp_path):
 def test_fires_on_a_stall_dumps_stacks_and_aborts_with_the_exit_code(tmp_path):
     clock, aborted = FakeClock(), []
     dog = watchdog(tmp_path, clock, aborted, rank=3)
-    step = run_steps(dog, clock, [1.0] * 6)
+    step = beat_steps(dog, clock, [1.0] * 6)
     dog.beat("step", step + 1)
     clock.now += 4.9
     assert not dog.check()  # under the floor
@@ -112,8 +112,8 @@ def test_a_rank_follows_a_peer_that_reported_a_hang(tmp_path):
     waiting = watchdog(tmp_path, clock, aborted, rank=1, floor_s=1000.0)
     hung._started_wall = waiting._started_wall = time.time() - 1
     assert not waiting.check()  # a marker left by an earlier launch is ignored
-    run_steps(hung, clock, [1.0] * 4)
-    run_steps(waiting, clock, [0.0] * 4)
+    beat_steps(hung, clock, [1.0] * 4)
+    beat_steps(waiting, clock, [0.0] * 4)
     hung.beat("step", 5)
     clock.now += 10
     assert hung.check() and not (tmp_path / "stacks" / "rank_1.txt").exists()
@@ -175,12 +175,6 @@ def test_disabled_starts_nothing(tmp_path):
 
 
 # ----------------------------------------------------------------------------- 2 ranks under torchrun
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -18,14 +18,14 @@ from fntrain.runtime.watchdog import WatchdogConfig
 from fntrain.state import TrainState
 
 
-class Recording:
+class RecordingWatchdog:
     """Stands in for the rank's `Watchdog`: records how it was made and what the hook told it."""
 
-    made: list[Recording] = []
+    made: list[RecordingWatchdog] = []
 
     def __init__(self, config, **kwargs):
         self.config, self.kwargs, self.calls, self.stops = config, kwargs, [], True
-        Recording.made.append(self)
+        RecordingWatchdog.made.append(self)
 
     def beat(self, what, step):
         self.calls.append(("beat", what, step))
@@ -43,9 +43,9 @@ class Recording:
 
 @pytest.fixture
 def recording(monkeypatch):
-    Recording.made = []
-    monkeypatch.setattr(hook_module, "Watchdog", Recording)
-    return Recording.made
+    RecordingWatchdog.made = []
+    monkeypatch.setattr(hook_module, "Watchdog", RecordingWatchdog)
+    return RecordingWatchdog.made
 
 
 def clock() -> float:

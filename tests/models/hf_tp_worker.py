@@ -54,7 +54,7 @@ def load(directory: Path, attn_implementation: str) -> torch.nn.Module:
     )
 
 
-def batch() -> dict[str, torch.Tensor]:
+def fixed_batch() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, VOCAB - 1, (2, 12), generator=generator)
     attention_mask = torch.ones_like(input_ids)
@@ -70,7 +70,7 @@ def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
-def reference(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def one_process_reference(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
     logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
     loss = summed_loss(logits, inputs["labels"])
     loss.backward()
@@ -101,8 +101,8 @@ def sharded(
 def compare(name: str, directory: Path, attn: str, mesh, loss_parallel: bool) -> dict:
     from torch.distributed.tensor import DTensor
 
-    inputs = batch()
-    want_logits, want_loss, want_grads = reference(load(directory, attn), inputs)
+    inputs = fixed_batch()
+    want_logits, want_loss, want_grads = one_process_reference(load(directory, attn), inputs)
     model = load(directory, attn)
     hf_tensor_parallel(model, mesh, loss_parallel)
     got_logits, got_loss, got_grads = sharded(model, inputs, loss_parallel)

@@ -23,6 +23,7 @@ from fntrain.runtime.parallel import ParallelConfig, parallelize
 from fntrain.state import TrainState
 from fntrain.step import StepSettings, make_train_step
 from fntrain.step.optim import OptimizerConfig, build_optimizer
+from tests.helpers.workers import gathered
 from tests.runtime.dist_worker import CONTEXT, global_batches, rank_micro_batches
 
 STEPS = 4
@@ -32,11 +33,7 @@ MODEL = ModelConfig(context=CONTEXT, n_layer=2, n_head=2, d_model=32, dropout=0.
 CASES = {"token": ("adamw", "token", 0.0), "mean": ("sgd", "mean", 0.0), "bias": ("adamw", "token", 0.01)}
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
-
-
-def run_case(runtime, parallel: ParallelConfig, case: str) -> dict:
+def run_moe_case(runtime, parallel: ParallelConfig, case: str) -> dict:
     optimizer_name, weighting, bias_rate = CASES[case]
     torch.manual_seed(0)
     model = TinyGPT(ModelConfig(**{**MODEL.__dict__, "router_bias_rate": bias_rate}))
@@ -47,7 +44,7 @@ def run_case(runtime, parallel: ParallelConfig, case: str) -> dict:
 
     def capture(opt, args, kwargs):
         if not first_grads:
-            first_grads.update({name: _full(p.grad) for name, p in model.named_parameters()})
+            first_grads.update({name: gathered(p.grad) for name, p in model.named_parameters()})
 
     optimizer.register_step_pre_hook(capture)
     group = data_parallel_group(runtime)
@@ -68,7 +65,7 @@ def run_case(runtime, parallel: ParallelConfig, case: str) -> dict:
         "losses": losses,
         "aux": aux,
         "grads": first_grads,
-        "weights": {name: _full(p) for name, p in model.named_parameters()},
+        "weights": {name: gathered(p) for name, p in model.named_parameters()},
         "biases": {name: b.detach().clone() for name, b in model.named_buffers() if name.endswith("expert_bias")},
     }
 
@@ -78,7 +75,7 @@ def main(argv: list[str]) -> None:
     cases = argv[3].split(",") if len(argv) > 3 else list(CASES)
     parallel = ParallelConfig(strategy=strategy, ep_size=ep_size)
     with setup_runtime(RuntimeConfig(device="cpu"), parallel, seed=0) as runtime:
-        results = {case: run_case(runtime, parallel, case) for case in cases}
+        results = {case: run_moe_case(runtime, parallel, case) for case in cases}
         results["layout"] = (runtime.world_size, runtime.dp_size, runtime.ep_size)
         if runtime.is_main:
             torch.save(results, out)

@@ -44,7 +44,7 @@ CORPUS = [
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> Path:
+def tiny_hf_model_dir(tmp_path_factory) -> Path:
     """A tiny Llama and a byte-level BPE tokenizer (with a chat template) in save_pretrained layout."""
     return save_tiny_llama(tmp_path_factory.mktemp("hf") / "model", CORPUS, vocab_size=300, max_positions=64)
 
@@ -124,19 +124,19 @@ def test_dtype_kwargs_name_the_installed_transformers_keyword():
 # ----------------------------------------------------------------------------- a real tiny Llama
 
 
-def test_load_assets_reads_the_local_tokenizer(tiny_model_dir, tmp_path):
-    assets = load_assets(HFModelConfig(path=str(tiny_model_dir)), AssetsConfig())
+def test_load_assets_reads_the_local_tokenizer(tiny_hf_model_dir, tmp_path):
+    assets = load_assets(HFModelConfig(path=str(tiny_hf_model_dir)), AssetsConfig())
     tokenizer = assets.tokenizer
     assert (assets.pad_id, assets.eos_id) == (tokenizer.pad_token_id, tokenizer.eos_token_id)
     assert assets.chat_template == TEMPLATE and tokenizer.is_fast
     other = load_assets(
         HFModelConfig(path="unused"),
-        AssetsConfig(tokenizer_path=str(tiny_model_dir), chat_template="{{ x }}"),
+        AssetsConfig(tokenizer_path=str(tiny_hf_model_dir), chat_template="{{ x }}"),
     )
     assert other.chat_template == "{{ x }}" == other.tokenizer.chat_template
     with pytest.raises(ConfigError, match="assets.tokenizer_path"):
         load_assets(
-            HFModelConfig(path=str(tiny_model_dir)), AssetsConfig(tokenizer_path=str(tmp_path / "no"))
+            HFModelConfig(path=str(tiny_hf_model_dir)), AssetsConfig(tokenizer_path=str(tmp_path / "no"))
         )
 
 
@@ -148,8 +148,8 @@ def _model_dir_without(tiny_model_dir, tmp_path, *patterns):
     return copy
 
 
-def test_a_model_dir_without_a_tokenizer_names_the_dir(tiny_model_dir, tmp_path):
-    bare = _model_dir_without(tiny_model_dir, tmp_path, "tokenizer*", "special_tokens*")
+def test_a_model_dir_without_a_tokenizer_names_the_dir(tiny_hf_model_dir, tmp_path):
+    bare = _model_dir_without(tiny_hf_model_dir, tmp_path, "tokenizer*", "special_tokens*")
     HFModelConfig(path=str(bare)).validate()  # a model directory all the same
     with pytest.raises(ConfigError, match=rf"model.path '{bare}' holds no tokenizer \(none of tokenizer.json, .*\): "
                                           r"save one there with tokenizer.save_pretrained \(or set assets.tokenizer_path\)"):  # fmt: skip
@@ -169,11 +169,11 @@ def test_a_model_dir_without_a_tokenizer_names_the_dir(tiny_model_dir, tmp_path)
     ],
 )  # fmt: skip
 def test_a_model_dir_that_transformers_cannot_build_names_the_dir(
-    tiny_model_dir, tmp_path, config_json, message
+    tiny_hf_model_dir, tmp_path, config_json, message
 ):
     """Found from config.json alone (what the run's first phase builds on the meta device), before
     any weight is read; each error one line."""
-    model_dir = _model_dir_without(tiny_model_dir, tmp_path)
+    model_dir = _model_dir_without(tiny_hf_model_dir, tmp_path)
     (model_dir / "config.json").write_text(config_json)
     with pytest.raises(ConfigError, match=rf"model.path '{model_dir}'.*{message}") as caught:
         HFModelConfig(path=str(model_dir)).validate()
@@ -188,15 +188,15 @@ def test_a_model_path_that_is_a_file_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("meta_init", [False, True])
-def test_load_causal_lm_then_save_reloads_with_equal_logits(tiny_model_dir, tmp_path, meta_init):
+def test_load_causal_lm_then_save_reloads_with_equal_logits(tiny_hf_model_dir, tmp_path, meta_init):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = HFModelConfig(path=str(tiny_model_dir))
+    config = HFModelConfig(path=str(tiny_hf_model_dir))
     runtime = Runtime()
     model = load_causal_lm(config, runtime, ParallelConfig(meta_init=meta_init))
     assert unwrap(model) is model and next(model.parameters()).device.type == "cpu"
     assert model.config._attn_implementation == "sdpa"
-    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_hf_model_dir, local_files_only=True)
     torch.testing.assert_close(logits_of(model, IDS), logits_of(reference, IDS), atol=0, rtol=0)
 
     assets = check_vocab(config, load_assets(config, AssetsConfig()))
@@ -207,13 +207,13 @@ def test_load_causal_lm_then_save_reloads_with_equal_logits(tiny_model_dir, tmp_
     assert AutoTokenizer.from_pretrained(out, local_files_only=True).chat_template == TEMPLATE
 
 
-def test_bfloat16_dtype_is_passed_to_transformers(tiny_model_dir):
-    model = load_pretrained(HFModelConfig(path=str(tiny_model_dir), dtype="bfloat16"), "cpu")
+def test_bfloat16_dtype_is_passed_to_transformers(tiny_hf_model_dir):
+    model = load_pretrained(HFModelConfig(path=str(tiny_hf_model_dir), dtype="bfloat16"), "cpu")
     assert next(model.parameters()).dtype == torch.bfloat16
 
 
-def test_check_vocab_reads_the_models_vocabulary_without_loading_it(tiny_model_dir):
-    config = HFModelConfig(path=str(tiny_model_dir))
+def test_check_vocab_reads_the_models_vocabulary_without_loading_it(tiny_hf_model_dir):
+    config = HFModelConfig(path=str(tiny_hf_model_dir))
     rows = load_pretrained(config, "cpu").get_input_embeddings().weight.shape[0]
     fits = ModelAssets(tokenizer=[0] * rows, pad_id=0, eos_id=None, chat_template=None)
     assert check_vocab(config, fits) is fits
@@ -231,7 +231,7 @@ def test_packing_needs_the_sdpa_kernel():
         check_packed_attention(HFModelConfig(path="m", attn_implementation="eager"), packing=True)
 
 
-def test_loading_draws_no_progress_bar_into_a_log_and_restores_the_setting(tiny_model_dir, capsys, monkeypatch):
+def test_loading_draws_no_progress_bar_into_a_log_and_restores_the_setting(tiny_hf_model_dir, capsys, monkeypatch):
     """[issue 27] transformers' "Loading weights" bar in a non-terminal log: off while fntrain loads
     (stderr here is pytest's capture, not a terminal), the process's setting back afterwards; on a
     terminal it is left alone."""
@@ -241,7 +241,7 @@ def test_loading_draws_no_progress_bar_into_a_log_and_restores_the_setting(tiny_
     from fntrain.models.hf import load_pretrained, quiet_progress_bars
 
     hf_logging.enable_progress_bar()
-    load_pretrained(HFModelConfig(path=str(tiny_model_dir)), "cpu")
+    load_pretrained(HFModelConfig(path=str(tiny_hf_model_dir)), "cpu")
     assert "Loading weights" not in capsys.readouterr().err
     assert hf_logging.is_progress_bar_enabled()  # scoped: not turned off for the rest of the process
     monkeypatch.setattr(hf_module, "_stderr_is_terminal", lambda: True)

@@ -6,7 +6,6 @@ Qwen2 / Qwen3 / Phi3 models and match the unsharded model's logits, summed loss 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +21,7 @@ from fntrain.models.hf_tp import (
     tp_styles,
 )
 from tests.helpers.fork_server import HF_PRELOAD, started
+from tests.helpers.workers import worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYER_PLAN = {
@@ -35,7 +35,7 @@ LAYER_PLAN = {
 }
 
 
-def tiny_config(**overrides):
+def llama_config(**overrides):
     from transformers import LlamaConfig
 
     sizes = dict(
@@ -46,10 +46,10 @@ def tiny_config(**overrides):
 
 
 @pytest.fixture(scope="module")
-def llama():
+def tp_llama():
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM(tiny_config())
+    return LlamaForCausalLM(llama_config())
 
 
 def fake_mesh(size: int):
@@ -57,8 +57,8 @@ def fake_mesh(size: int):
     return SimpleNamespace(size=lambda: size)
 
 
-def test_llama_plan_is_its_declared_one_with_the_embeddings(llama):
-    plan = declared_tp_plan(llama)
+def test_llama_plan_is_its_declared_one_with_the_embeddings(tp_llama):
+    plan = declared_tp_plan(tp_llama)
     assert plan == {
         "lm_head": "colwise_gather_output",
         "model.embed_tokens": "embedding_rowwise",
@@ -66,19 +66,19 @@ def test_llama_plan_is_its_declared_one_with_the_embeddings(llama):
     }
 
 
-def test_plan_without_merged_tp_plan_comes_from_config_and_class(llama, monkeypatch):
+def test_plan_without_merged_tp_plan_comes_from_config_and_class(tp_llama, monkeypatch):
     # transformers before 5 has no merged `model.tp_plan`: the config's base plan, under the base
     # model's prefix, and the class's `_tp_plan` give the same plan.
-    monkeypatch.setattr(llama, "_tp_plan", None)
-    assert set(declared_tp_plan(llama).items()) == {
+    monkeypatch.setattr(tp_llama, "_tp_plan", None)
+    assert set(declared_tp_plan(tp_llama).items()) == {
         ("lm_head", "colwise_gather_output"),
         ("model.embed_tokens", "embedding_rowwise"),
         *((f"model.layers.*.{name}", style) for name, style in LAYER_PLAN.items()),
     }
 
 
-def test_plan_patterns_expand_to_every_layer(llama):
-    resolved = resolve_tp_plan(llama, declared_tp_plan(llama))
+def test_plan_patterns_expand_to_every_layer(tp_llama):
+    resolved = resolve_tp_plan(tp_llama, declared_tp_plan(tp_llama))
     expected = {"lm_head": "colwise_gather_output", "model.embed_tokens": "embedding_rowwise"}
     for layer in range(2):
         expected |= {f"model.layers.{layer}.{name}": style for name, style in LAYER_PLAN.items()}
@@ -86,11 +86,11 @@ def test_plan_patterns_expand_to_every_layer(llama):
 
 
 @pytest.mark.parametrize("loss_parallel", [True, False])
-def test_styles_translate_to_torch_parallel_styles(llama, loss_parallel):
+def test_styles_translate_to_torch_parallel_styles(tp_llama, loss_parallel):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    styles = tp_styles(llama, loss_parallel)
+    styles = tp_styles(tp_llama, loss_parallel)
     q_proj, o_proj = styles["model.layers.0.self_attn.q_proj"], styles["model.layers.1.mlp.down_proj"]
     assert (
         type(q_proj) is ColwiseParallel and q_proj.output_layouts == (Shard(-1),) and q_proj.use_local_output
@@ -111,7 +111,7 @@ def test_per_head_norms_become_replicated_weights():
     from torch.distributed.tensor.parallel import SequenceParallel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(**{**tiny_config().to_dict(), "model_type": "qwen3", "head_dim": 16})
+    config = Qwen3Config(**{**llama_config().to_dict(), "model_type": "qwen3", "head_dim": 16})
     styles = tp_styles(Qwen3ForCausalLM(config), loss_parallel=True)
     norm = styles["model.layers.1.self_attn.k_norm"]
     assert type(norm) is SequenceParallel and norm.use_local_output
@@ -130,7 +130,7 @@ def test_per_head_norms_become_replicated_weights():
     ],
 )
 def test_head_counts_tp_does_not_divide_are_refused(overrides, tp_size, words):
-    model = SimpleNamespace(config=tiny_config(**overrides))
+    model = SimpleNamespace(config=llama_config(**overrides))
     with pytest.raises(ValueError, match=words):
         check_tp_divisible(model, tp_size)
     with pytest.raises(ValueError, match="model type 'llama'"):
@@ -138,7 +138,7 @@ def test_head_counts_tp_does_not_divide_are_refused(overrides, tp_size, words):
 
 
 def test_head_counts_tp_divides_pass():
-    check_tp_divisible(SimpleNamespace(config=tiny_config()), 2)
+    check_tp_divisible(SimpleNamespace(config=llama_config()), 2)
 
 
 def test_a_model_without_a_plan_is_refused():
@@ -149,10 +149,10 @@ def test_a_model_without_a_plan_is_refused():
         hf_tensor_parallel(Toy(), fake_mesh(2), loss_parallel=False)
 
 
-def test_an_output_head_plan_alone_is_refused(llama, monkeypatch):
-    monkeypatch.setattr(llama.config, "base_model_tp_plan", None)  # the class still names lm_head
+def test_an_output_head_plan_alone_is_refused(tp_llama, monkeypatch):
+    monkeypatch.setattr(tp_llama.config, "base_model_tp_plan", None)  # the class still names lm_head
     with pytest.raises(ValueError, match="model type 'llama' declares no tensor-parallel plan"):
-        declared_tp_plan(llama)
+        declared_tp_plan(tp_llama)
 
 
 def test_gpt2_declares_no_plan():
@@ -163,11 +163,11 @@ def test_gpt2_declares_no_plan():
         tp_styles(model, loss_parallel=True)
 
 
-def test_unsupported_styles_are_named(llama, monkeypatch):
-    plan = {**llama.tp_plan, "model.layers.*.mlp.gate_proj": "packed_colwise", "model.norm": "local"}
-    monkeypatch.setattr(llama, "_tp_plan", plan)
+def test_unsupported_styles_are_named(tp_llama, monkeypatch):
+    plan = {**tp_llama.tp_plan, "model.layers.*.mlp.gate_proj": "packed_colwise", "model.norm": "local"}
+    monkeypatch.setattr(tp_llama, "_tp_plan", plan)
     with pytest.raises(ValueError, match=r"model type 'llama' .* does not support: local, packed_colwise"):
-        tp_styles(llama, loss_parallel=True)
+        tp_styles(tp_llama, loss_parallel=True)
 
 
 @pytest.mark.parametrize(
@@ -178,32 +178,23 @@ def test_unsupported_styles_are_named(llama, monkeypatch):
         ({"model.norm": "replicated_with_grad_allreduce"}, r"model.norm \(replicated_with_grad_allreduce\)"),
     ],
 )
-def test_plans_that_do_not_fit_the_modules_are_refused(llama, entry, words):
+def test_plans_that_do_not_fit_the_modules_are_refused(tp_llama, entry, words):
     with pytest.raises(ValueError, match=words):
-        resolve_tp_plan(llama, {**declared_tp_plan(llama), **entry})
+        resolve_tp_plan(tp_llama, {**declared_tp_plan(tp_llama), **entry})
 
 
-def test_lora_adapters_are_refused(llama):
+def test_lora_adapters_are_refused(tp_llama):
     pytest.importorskip("peft")
     from transformers import LlamaForCausalLM
 
     from fntrain.models.lora import LoraConfig, apply_lora
 
-    adapted = apply_lora(LlamaForCausalLM(tiny_config()), LoraConfig(rank=2, target_modules=("q_proj",)))
+    adapted = apply_lora(LlamaForCausalLM(llama_config()), LoraConfig(rank=2, target_modules=("q_proj",)))
     with pytest.raises(ValueError, match=r"carries LoRA/PEFT adapters .*--parallel.tp-size 1"):
         hf_tensor_parallel(adapted, fake_mesh(2), loss_parallel=True)
 
 
 # ----------------------------------------------------------------------------- 2 ranks (slow)
-
-
-def _env() -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    }
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(OMP_NUM_THREADS="1", HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
-    return env
 
 
 # What the workers import, once: torchrun's agent and both workers fork from a process that imported
@@ -221,7 +212,7 @@ def test_two_rank_split_matches_the_unsharded_model(tmp_path):
         "torchrun", "--standalone", "--nproc_per_node=2",
         "-m", "tests.models.hf_tp_worker", str(tmp_path / "models"), str(out),
     ]  # fmt: skip
-    with started(_env(), PRELOAD) as env:
+    with started(worker_env(HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error"), PRELOAD) as env:
         result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     results = json.loads(out.read_text())

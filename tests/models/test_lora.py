@@ -17,7 +17,7 @@ from fntrain.models.lora import LoraConfig, check_lora_parallel, check_lora_targ
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def built_for(config, spec):
+def lora_built_for(config, spec):
     """What a run builds for `config` in one process, after its phase-1 checks."""
     from fntrain.run.build import build_job
     from fntrain.run.checks import check_run
@@ -134,7 +134,7 @@ def test_lora_targets_take_a_built_model_and_name_the_field_given():
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
+def llama_and_chats(tmp_path_factory):
     from tests.helpers.hf import CHATS, save_tiny_llama
 
     root = tmp_path_factory.mktemp("lora")
@@ -150,7 +150,7 @@ def tiny_llama(tmp_path_factory):
     return model_dir, data_path
 
 
-def _config(model_dir: Path, data_path: Path, run_dir: Path, *, iters: int = 3, **lora):
+def lora_run_config(model_dir: Path, data_path: Path, run_dir: Path, *, iters: int = 3, **lora):
     from fntrain.hooks.progress import ProgressConfig
     from fntrain.models.hf_config import HFModelConfig
     from fntrain.run.config import CheckpointConfig, TrainConfig
@@ -172,11 +172,11 @@ def _config(model_dir: Path, data_path: Path, run_dir: Path, *, iters: int = 3, 
 
 
 @pytest.mark.slow
-def test_only_the_adapter_trains_and_has_optimizer_state(tiny_llama):
+def test_only_the_adapter_trains_and_has_optimizer_state(llama_and_chats):
     from recipes import hf_causal_lm as hf
 
-    model_dir, data_path = tiny_llama
-    built = built_for(_config(model_dir, data_path, Path("unused")), hf.spec)
+    model_dir, data_path = llama_and_chats
+    built = lora_built_for(lora_run_config(model_dir, data_path, Path("unused")), hf.spec)
     model, optimizer = built.components.model, built.components.optimizers[0]
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_A" in name or "lora_B" in name for name in trainable)
@@ -187,7 +187,7 @@ def test_only_the_adapter_trains_and_has_optimizer_state(tiny_llama):
     assert in_optimizer == {id(p) for p in model.parameters() if p.requires_grad}
     # Seeded adapter initialisation: the same on every build (every rank), whatever drew from the RNG.
     torch.rand(5)
-    again = built_for(_config(model_dir, data_path, Path("unused")), hf.spec).components.model
+    again = lora_built_for(lora_run_config(model_dir, data_path, Path("unused")), hf.spec).components.model
     for (name, a), b in zip(model.named_parameters(), again.parameters(), strict=True):
         assert torch.equal(a, b), name
 
@@ -198,7 +198,7 @@ def _adapter(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_train_resume_bitwise_and_export_the_adapter(tiny_llama, tmp_path):
+def test_train_resume_bitwise_and_export_the_adapter(llama_and_chats, tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -206,9 +206,9 @@ def test_train_resume_bitwise_and_export_the_adapter(tiny_llama, tmp_path):
     from fntrain.run.job import run_job
     from recipes import hf_causal_lm as hf
 
-    model_dir, data_path = tiny_llama
+    model_dir, data_path = llama_and_chats
     # Straight through: 4 steps.
-    straight = _config(model_dir, data_path, tmp_path / "straight", iters=4)
+    straight = lora_run_config(model_dir, data_path, tmp_path / "straight", iters=4)
     captured = {}
     spec = dataclasses.replace(hf.spec, export=lambda c, built, s: captured.update(model=built.components.model)
                                or hf.export(c, built, s))  # fmt: skip
@@ -223,10 +223,10 @@ def test_train_resume_bitwise_and_export_the_adapter(tiny_llama, tmp_path):
     assert lora_b and all(p.abs().sum() > 0 for p in lora_b)  # B starts at zero: the adapter trained
 
     # Interrupted after step 2 (its checkpoint), then resumed to step 4: bitwise the same adapter.
-    first = _config(model_dir, data_path, tmp_path / "resumed", iters=2)
+    first = lora_run_config(model_dir, data_path, tmp_path / "resumed", iters=2)
     run_job(first, hf.spec)
     resumed_config = dataclasses.replace(
-        _config(model_dir, data_path, tmp_path / "resumed", iters=4),
+        lora_run_config(model_dir, data_path, tmp_path / "resumed", iters=4),
         checkpoint=dataclasses.replace(
             first.checkpoint, restore_from="latest", allow_changes=("train.train_iters",)
         ),
@@ -259,7 +259,7 @@ def test_train_resume_bitwise_and_export_the_adapter(tiny_llama, tmp_path):
     # The merged export: a plain save_pretrained model with the same logits.
     merged_config = dataclasses.replace(straight, lora=dataclasses.replace(straight.lora, merge_on_export=True),
                                         run_dir=str(tmp_path / "merged"))  # fmt: skip
-    built = built_for(merged_config, hf.spec)
+    built = lora_built_for(merged_config, hf.spec)
     for name, p in built.components.model.named_parameters():
         if "lora_" in name:
             p.data.copy_(dict(final.named_parameters())[name])

@@ -31,11 +31,11 @@ class Tokenizer:
         (Path(directory) / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 32}))
 
 
-class Assets:
+class StubAssets:
     tokenizer = Tokenizer()
 
 
-def tiny_llama(seed: int = 0) -> torch.nn.Module:
+def one_layer_llama(seed: int = 0) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -46,7 +46,7 @@ def tiny_llama(seed: int = 0) -> torch.nn.Module:
 
 def trained(seed: int = 0) -> torch.nn.Module:
     """A peft-wrapped tiny Llama whose adapters are nonzero (as after training), so they change logits."""
-    model = apply_lora(tiny_llama(), LORA, seed=seed)
+    model = apply_lora(one_layer_llama(), LORA, seed=seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -60,13 +60,13 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
 
 
 def test_lora_off_leaves_the_model_as_it_is():
-    model = tiny_llama()
+    model = one_layer_llama()
     assert apply_lora(model, LoraConfig()) is model
     assert trainable_parameters(model) == (sum(p.numel() for p in model.parameters()),) * 2
 
 
 def test_only_the_seeded_adapter_trains_and_the_global_rng_is_untouched():
-    base = tiny_llama()
+    base = one_layer_llama()
     want = logits(base)
     torch.manual_seed(1)
     before = torch.get_rng_state()
@@ -80,8 +80,8 @@ def test_only_the_seeded_adapter_trains_and_the_global_rng_is_untouched():
     torch.testing.assert_close(logits(first), want)  # lora_B starts at zero: the base's outputs
 
     torch.rand(9)  # the global RNG moves on; the seeded adapters do not
-    second = apply_lora(tiny_llama(), LORA, seed=7)
-    third = apply_lora(tiny_llama(), LORA, seed=8)
+    second = apply_lora(one_layer_llama(), LORA, seed=7)
+    third = apply_lora(one_layer_llama(), LORA, seed=8)
     adapters = [{n: p for n, p in m.named_parameters() if "lora_A" in n} for m in (first, second, third)]
     assert all(torch.equal(adapters[0][n], adapters[1][n]) for n in adapters[0])
     assert not all(torch.equal(adapters[0][n], adapters[2][n]) for n in adapters[0])
@@ -91,14 +91,14 @@ def test_the_adapter_export_loads_with_peft(tmp_path):
     from peft import PeftModel
 
     model = trained()
-    out = save_adapter_or_merged(model, LORA, tmp_path / "adapter", Runtime(), Assets())
+    out = save_adapter_or_merged(model, LORA, tmp_path / "adapter", Runtime(), StubAssets())
     names = sorted(p.name for p in out.iterdir())
     assert names == ["README.md", "adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"]
     assert sorted(json.loads((out / "adapter_config.json").read_text())["target_modules"]) == [
         "q_proj",
         "v_proj",
     ]
-    loaded = PeftModel.from_pretrained(tiny_llama(), out, local_files_only=True).eval()
+    loaded = PeftModel.from_pretrained(one_layer_llama(), out, local_files_only=True).eval()
     torch.testing.assert_close(logits(loaded), logits(model))
 
 
@@ -131,8 +131,8 @@ def test_the_merged_export_loads_as_a_plain_model(tmp_path, distributed):
 def test_lora_off_saves_the_whole_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = tiny_llama()
-    out = save_adapter_or_merged(model, LoraConfig(), tmp_path / "full", Runtime(), Assets())
+    model = one_layer_llama()
+    out = save_adapter_or_merged(model, LoraConfig(), tmp_path / "full", Runtime(), StubAssets())
     assert (out / "tokenizer_config.json").is_file()
     torch.testing.assert_close(
         logits(AutoModelForCausalLM.from_pretrained(out, local_files_only=True)), logits(model)

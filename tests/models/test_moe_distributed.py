@@ -14,30 +14,24 @@ import pytest
 import torch
 
 from tests.helpers import preloaded_launch
+from tests.helpers.runs import exported_weights
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("module_launches_forked")]
 # fp32; AdamW's first steps magnify 1e-8 gradient noise to ~3e-6. The bound holds while no token changes
 # experts: longer or larger runs drift further through routing flips (a top-k choice between
 # probabilities closer than rounding), not through a difference in the math (docs/distributed.md).
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
 
-PYTHON: dict[str, preloaded_launch.Python] = {}
+# The launches fork from one Python that imported torch and fntrain (tests/helpers/preloaded_launch.py): the
+# imports cost more than these runs' steps. Set for the module by the `module_launches_forked` fixture.
+PYTHON: dict[str, object] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def python(fork_env):
-    """Every launch of the module (torchrun's workers too) forks from one Python that imported torch and
-    fntrain (tests/helpers/preloaded_launch.py): the imports cost more than these runs' steps."""
-    PYTHON["python"] = preloaded_launch.through(fork_env)
-    yield
-    PYTHON.clear()
-
-
-def _launch(ranks: int, module: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def launch_module(ranks: int, module: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS`, under torchrun when ranks > 1; its status must be 0 when `check`."""
-    python = PYTHON["python"]
+    python = preloaded_launch.Python(str(PYTHON["executable"]), dict(PYTHON["env"]))
     command = preloaded_launch.command(python, ranks, module, *args)
     env = dict(python.env)
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -59,12 +53,12 @@ def layouts(tmp_path_factory):
         if (ranks, strategy, ep) not in cache:
             root = tmp_path_factory.mktemp(f"w{ranks}")
             if ranks == 1:
-                _launch(1, "tests.models.moe_worker", strategy, str(ep), str(root / "results.pt"))
+                launch_module(1, "tests.models.moe_worker", strategy, str(ep), str(root / "results.pt"))
                 cache[1, strategy, ep] = torch.load(root / "results.pt")
                 return cache[1, strategy, ep]
             outs = {ep: root / f"ep{ep}.pt" for ep in EP_SIZES[ranks]}
             runs = [("--", "tests.models.moe_worker", strategy, str(ep), str(out)) for ep, out in outs.items()]
-            _launch(ranks, "tests.helpers.worker_sequence", *[word for run in runs for word in run][1:])
+            launch_module(ranks, "tests.helpers.worker_sequence", *[word for run in runs for word in run][1:])
             cache.update({(ranks, strategy, ep): torch.load(out) for ep, out in outs.items()})
         return cache[ranks, strategy, ep]
 
@@ -106,20 +100,13 @@ RUN = [
 EP2 = ["--parallel.strategy", "fsdp2", "--parallel.ep-size", "2"]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "small.txt"
-    path.write_bytes((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:1700])
-    return path
-
-
-def _run(run_dir: Path, ranks: int, kill: str, *args: str, corpus: Path) -> subprocess.CompletedProcess:
+def run_driver(run_dir: Path, ranks: int, kill: str, *args: str, corpus: Path) -> subprocess.CompletedProcess:
     run_dir.mkdir(parents=True, exist_ok=True)
     driver = [str(run_dir), kill, *RUN, *args, "--data.path", str(corpus), "--run-dir", str(run_dir)]
-    return _launch(ranks, "tests.checkpoint.resume_driver", *driver, check=kill == "none")
+    return launch_module(ranks, "tests.checkpoint.resume_driver", *driver, check=kill == "none")
 
 
-def _losses(run_dir: Path) -> dict[int, str]:
+def losses_by_step(run_dir: Path) -> dict[int, str]:
     words = (run_dir / "losses.txt").read_text().split()
     return dict(zip(map(int, words[::2]), words[1::2], strict=True))
 
@@ -131,56 +118,50 @@ def _logged(run_dir: Path, name: str) -> dict[int, float]:
     return {record["step"]: record[name] for record in records if name in record}
 
 
-def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(run_dir / "model.safetensors")
-
-
 # The loss-free router bias is on in the ep 2 runs: its buffer must be saved, restored and resharded too.
 BIAS = ["--model.router-bias-rate", "0.01"]
 EP2_RUN = [*EP2, *BIAS]
 
 
 @pytest.fixture(scope="module")
-def ep2_run(tmp_path_factory, corpus) -> Path:
+def moe_ep2_run(tmp_path_factory, corpus) -> Path:
     """An uninterrupted run at ep 2 (2 ranks), its checkpoints every 2 steps kept: the reference of the
     SIGKILL resume and the checkpoint the other layouts restore."""
     run_dir = tmp_path_factory.mktemp("ep2")
-    _run(run_dir, 2, "none", *EP2_RUN, corpus=corpus)
+    run_driver(run_dir, 2, "none", *EP2_RUN, corpus=corpus)
     return run_dir
 
 
-def test_sigkill_resume_at_ep2_is_bitwise(tmp_path, corpus, ep2_run):
+def test_sigkill_resume_at_ep2_is_bitwise(tmp_path, corpus, moe_ep2_run):
     """Killed at step 5 (step 4 saved), resumed at the same layout: the losses and final weights of
     the uninterrupted run, bit for bit; the loss-free router bias is on, so its buffer must be restored."""
-    reference = ep2_run
-    killed = _run(tmp_path / "run", 2, "step_begin:5", *EP2_RUN, corpus=corpus)
+    reference = moe_ep2_run
+    killed = run_driver(tmp_path / "run", 2, "step_begin:5", *EP2_RUN, corpus=corpus)
     assert killed.returncode != 0
-    assert sorted(_losses(tmp_path / "run")) == [1, 2, 3, 4]
-    _run(tmp_path / "run", 2, "none", *EP2_RUN, corpus=corpus)
-    assert _losses(tmp_path / "run") == _losses(reference)
-    want, got = _weights(reference), _weights(tmp_path / "run")
+    assert sorted(losses_by_step(tmp_path / "run")) == [1, 2, 3, 4]
+    run_driver(tmp_path / "run", 2, "none", *EP2_RUN, corpus=corpus)
+    assert losses_by_step(tmp_path / "run") == losses_by_step(reference)
+    want, got = exported_weights(reference), exported_weights(tmp_path / "run")
     assert want["blocks.0.moe.experts.w_in"].shape == (4, 32, 32)  # the full tensor: global expert index
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
 @pytest.mark.parametrize(("ranks", "layout"), [(1, []), (4, ["--parallel.strategy", "fsdp2", "--parallel.ep-size", "4"])])
-def test_checkpoint_saved_at_ep2_resumes_at_another_ep_size(tmp_path, corpus, ep2_run, ranks, layout):
+def test_checkpoint_saved_at_ep2_resumes_at_another_ep_size(tmp_path, corpus, moe_ep2_run, ranks, layout):
     """Step 4's checkpoint of a run at ep 2 (2 ranks) resumed at ep 1 (one process) and at ep 4 (4
     ranks, one expert each), SGD's momentum and the router bias included: the global losses of steps
     5-8 and the final weights are the uninterrupted run's to fp32 tolerance."""
     import shutil
 
-    reference = ep2_run
+    reference = moe_ep2_run
     run_dir = tmp_path / "resharded"
     shutil.copytree(reference / "checkpoints" / "step_4", run_dir / "checkpoints" / "step_4")
     (run_dir / "checkpoints" / "latest").write_text("step_4\n")
     allow = ["--checkpoint.allow-changes", "parallel.ep_size", "parallel.strategy"]
-    _run(run_dir, ranks, "none", *layout, *BIAS, *allow, corpus=corpus)
+    run_driver(run_dir, ranks, "none", *layout, *BIAS, *allow, corpus=corpus)
     want, got = _logged(reference, "loss"), _logged(run_dir, "loss")
     assert sorted(got) == [5, 6, 7, 8]
     torch.testing.assert_close([got[s] for s in got], [want[s] for s in got], rtol=1e-5, atol=0)
-    want_weights, got_weights = _weights(reference), _weights(run_dir)
+    want_weights, got_weights = exported_weights(reference), exported_weights(run_dir)
     for name in want_weights:
         torch.testing.assert_close(got_weights[name], want_weights[name], rtol=0, atol=1e-5, msg=name)

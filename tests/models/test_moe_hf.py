@@ -22,7 +22,7 @@ def _qwen3_moe(coef: float = 0.5) -> torch.nn.Module:
     return transformers.Qwen3MoeForCausalLM(config)
 
 
-def _batch() -> dict[str, torch.Tensor]:
+def moe_batch() -> dict[str, torch.Tensor]:
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     labels = ids.clone()
     labels[0, :5] = -100
@@ -33,7 +33,7 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 def test_the_trained_loss_is_transformers_loss_with_its_router_term():
-    model, batch = _qwen3_moe(), _batch()
+    model, batch = _qwen3_moe(), moe_batch()
     output = router_aux_forward(model, batch)
     assert isinstance(output, RouterOutput) and output.aux_loss is not None
     ours = loss_with_router_aux(output, batch)
@@ -45,7 +45,7 @@ def test_the_trained_loss_is_transformers_loss_with_its_router_term():
 
 
 def test_evaluation_and_dense_models_get_the_plain_loss():
-    model, batch = _qwen3_moe(), _batch()
+    model, batch = _qwen3_moe(), moe_batch()
     model.eval()
     with torch.no_grad():
         output = router_aux_forward(model, batch)

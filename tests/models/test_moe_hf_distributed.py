@@ -51,7 +51,7 @@ PRELOAD = (*HF_PRELOAD, "transformers.models.qwen3_moe.modeling_qwen3_moe", "fnt
 
 
 @pytest.fixture(scope="module")
-def launch_env():
+def moe_hf_launch_env():
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
     }
@@ -60,7 +60,7 @@ def launch_env():
         yield launch
 
 
-def _train(env: dict, tiny_moe: tuple[Path, Path], run_dir: Path, ranks: int, *layout: str) -> tuple[list, dict]:
+def train_moe(env: dict, tiny_moe: tuple[Path, Path], run_dir: Path, ranks: int, *layout: str) -> tuple[list, dict]:
     """4 steps of SGD with momentum of hf_causal_lm (this checkout's); the logged losses and the exported
     weights."""
     from safetensors.torch import load_file
@@ -88,16 +88,16 @@ SAVE = ["--checkpoint.save-every", "2", "--checkpoint.restore-from", "latest"]
 
 
 @pytest.fixture(scope="module")
-def ep2_run(launch_env, tiny_moe, tmp_path_factory) -> tuple[Path, list[float], dict]:
+def moe_hf_ep2_run(moe_hf_launch_env, tiny_moe, tmp_path_factory) -> tuple[Path, list[float], dict]:
     """The ep 2 run under FSDP2 on 2 ranks, saving every 2 steps: its directory, losses and weights."""
     run_dir = tmp_path_factory.mktemp("ep2")
-    return run_dir, *_train(launch_env, tiny_moe, run_dir, 2, *EP2, *SAVE)
+    return run_dir, *train_moe(moe_hf_launch_env, tiny_moe, run_dir, 2, *EP2, *SAVE)
 
 
-def test_ep2_under_fsdp2_trains_like_ep1_and_one_process(launch_env, tiny_moe, ep2_run, tmp_path):
-    one_losses, one_weights = _train(launch_env, tiny_moe, tmp_path / "one", 1)
-    fsdp_losses, _ = _train(launch_env, tiny_moe, tmp_path / "fsdp2", 2, "--parallel.strategy", "fsdp2")
-    _, ep_losses, ep_weights = ep2_run
+def test_ep2_under_fsdp2_trains_like_ep1_and_one_process(moe_hf_launch_env, tiny_moe, moe_hf_ep2_run, tmp_path):
+    one_losses, one_weights = train_moe(moe_hf_launch_env, tiny_moe, tmp_path / "one", 1)
+    fsdp_losses, _ = train_moe(moe_hf_launch_env, tiny_moe, tmp_path / "fsdp2", 2, "--parallel.strategy", "fsdp2")
+    _, ep_losses, ep_weights = moe_hf_ep2_run
     assert len(one_losses) == 4 and one_losses[-1] < one_losses[0]
     assert ep_losses == pytest.approx(fsdp_losses, rel=1e-5)
     assert ep_losses == pytest.approx(one_losses, rel=1e-5)
@@ -110,17 +110,17 @@ def test_ep2_under_fsdp2_trains_like_ep1_and_one_process(launch_env, tiny_moe, e
         torch.testing.assert_close(ep_weights[key], one_weights[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_a_checkpoint_saved_at_ep2_resumes_in_one_process(launch_env, tiny_moe, ep2_run, tmp_path):
+def test_a_checkpoint_saved_at_ep2_resumes_in_one_process(moe_hf_launch_env, tiny_moe, moe_hf_ep2_run, tmp_path):
     """Step 2's checkpoint of the ep 2 run (experts DTensors over the ep mesh, SGD momentum) resumed by
     one process: steps 3-4 log the uninterrupted run's losses, and the exported weights are its."""
     import shutil
 
-    reference, want_losses, want_weights = ep2_run
+    reference, want_losses, want_weights = moe_hf_ep2_run
     resumed = tmp_path / "resumed"
     shutil.copytree(reference / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
     (resumed / "checkpoints" / "latest").write_text("step_2\n")
     allow = ["--checkpoint.allow-changes", "parallel.ep_size", "parallel.strategy"]
-    got_losses, got_weights = _train(launch_env, tiny_moe, resumed, 1, *SAVE, *allow)
+    got_losses, got_weights = train_moe(moe_hf_launch_env, tiny_moe, resumed, 1, *SAVE, *allow)
     assert len(got_losses) == 2
     assert got_losses == pytest.approx(want_losses[2:], rel=1e-5)
     for key in want_weights:

@@ -50,7 +50,7 @@ def ep_mesh(tmp_path):
         yield mesh
 
 
-def _batch() -> dict[str, torch.Tensor]:
+def masked_batch() -> dict[str, torch.Tensor]:
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, -3:] = 0
@@ -71,7 +71,7 @@ def test_ep_aware_experts_train_like_transformers_own(ep_mesh, family):
     modules = enable_expert_parallel(model)
     assert len(modules) == 2 and expert_modules(model) == modules  # the ones shard_experts will find
     assert enable_expert_parallel(model) == modules  # idempotent: the forward is wrapped once
-    batch = _batch()
+    batch = masked_batch()
     with torch.no_grad():  # ep_group None: transformers' own forward, bit for bit
         assert torch.equal(model(**batch).logits, reference(**batch).logits)
     assert shard_experts(model, ep_mesh) == modules

@@ -32,36 +32,31 @@ from fntrain.models.vlm import (
 from fntrain.runtime import Runtime
 from fntrain.runtime.parallel import ParallelConfig
 from fntrain.step import causal_lm_loss
-from tests.helpers.vlm import TINY, tiny_model_dir
+from tests.helpers.vlm import TINY
 
 CPU = Runtime(rank=0, world_size=1, device=torch.device("cpu"))
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(str(tmp_path_factory.getbasetemp() / "vlm_cache"))
-
-
-def test_the_tiny_model_is_deterministic_and_cached(model_dir, tmp_path):
+def test_the_tiny_model_is_deterministic_and_cached(tiny_llava_dir, tmp_path):
     from safetensors.torch import load_file
 
     again = build_tiny_llava(tmp_path / "again", shapes_texts(), TINY)
-    first, second = load_file(model_dir / "model.safetensors"), load_file(again / "model.safetensors")
+    first, second = load_file(tiny_llava_dir / "model.safetensors"), load_file(again / "model.safetensors")
     assert first.keys() == second.keys()
     assert all(torch.equal(first[name], second[name]) for name in first)
-    assert (model_dir / "tokenizer.json").read_text() == (again / "tokenizer.json").read_text()
-    stamp = (model_dir / "model.safetensors").stat().st_mtime_ns
-    config = VLMModelConfig(cache_dir=str(model_dir.parent))
-    assert resolve_model_dir(config, shapes_texts(), TINY) == model_dir  # found, not rebuilt
-    assert (model_dir / "model.safetensors").stat().st_mtime_ns == stamp
-    assert not [p for p in model_dir.parent.iterdir() if p.name.startswith(".build-")]
+    assert (tiny_llava_dir / "tokenizer.json").read_text() == (again / "tokenizer.json").read_text()
+    stamp = (tiny_llava_dir / "model.safetensors").stat().st_mtime_ns
+    config = VLMModelConfig(cache_dir=str(tiny_llava_dir.parent))
+    assert resolve_model_dir(config, shapes_texts(), TINY) == tiny_llava_dir  # found, not rebuilt
+    assert (tiny_llava_dir / "model.safetensors").stat().st_mtime_ns == stamp
+    assert not [p for p in tiny_llava_dir.parent.iterdir() if p.name.startswith(".build-")]
 
 
-def test_load_save_round_trip_with_transformers(model_dir, tmp_path):
+def test_load_save_round_trip_with_transformers(tiny_llava_dir, tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    model = load_vlm(model_dir, CPU, ParallelConfig())
-    processor = load_processor(model_dir)
+    model = load_vlm(tiny_llava_dir, CPU, ParallelConfig())
+    processor = load_processor(tiny_llava_dir)
     out = save_vlm(model, processor, tmp_path / "out", CPU)
     reloaded = AutoModelForImageTextToText.from_pretrained(out, local_files_only=True)
     for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items(), strict=True):
@@ -73,15 +68,15 @@ def test_load_save_round_trip_with_transformers(model_dir, tmp_path):
     assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["pixel_values"], b["pixel_values"])
 
 
-def test_flops_per_token_include_the_vision_tower(model_dir):
-    processor = load_processor(model_dir)
+def test_flops_per_token_include_the_vision_tower(tiny_llava_dir):
+    processor = load_processor(tiny_llava_dir)
     rows = ShapesQA(4)
     batch = make_vlm_collate(processor.tokenizer.pad_token_id, max_length=512)(
         [transform_vlm_example(rows[i], processor, VLMDataConfig()) for i in range(4)]
     )
 
     def factory():
-        return vlm_from_config(model_dir)
+        return vlm_from_config(tiny_llava_dir)
 
     def text_only(model, micro_batch):
         hidden = model.model.language_model(input_ids=micro_batch["input_ids"]).last_hidden_state
@@ -96,10 +91,10 @@ def test_flops_per_token_include_the_vision_tower(model_dir):
     assert vision > 0 and total >= text + 0.99 * vision
 
 
-def test_greedy_answers_do_not_depend_on_left_padding(model_dir):
-    processor = load_processor(model_dir)
+def test_greedy_answers_do_not_depend_on_left_padding(tiny_llava_dir):
+    processor = load_processor(tiny_llava_dir)
     torch.manual_seed(0)
-    model = load_vlm(model_dir, CPU, ParallelConfig())
+    model = load_vlm(tiny_llava_dir, CPU, ParallelConfig())
     every = [vlm_prompt(row, processor, VLMDataConfig()) for row in ShapesQA(24, seed=2)]
     lengths = sorted({len(p["input_ids"]) for p in every})
     assert len(lengths) == 2  # the two questions differ in length: a batch of both is left-padded

@@ -15,7 +15,7 @@ from fntrain.run.job import plan_job, run_job
 from recipes import tiny_gpt
 
 
-def config(tmp_path, **checkpoint) -> tiny_gpt.Config:
+def config_with_checkpoint(tmp_path, **checkpoint) -> tiny_gpt.Config:
     base = tiny_gpt.Config()
     return dataclasses.replace(base, run_dir=str(tmp_path / "run"), checkpoint=CheckpointConfig(**checkpoint))
 
@@ -52,16 +52,16 @@ def test_one_checkpoint_is_the_fp32_state_dict_and_the_optimizers_states():
 
 
 def test_the_plan_shows_the_checkpoints_disk_and_says_it_is_an_estimate(tmp_path):
-    report = plan_job(config(tmp_path, save_every=10), tiny_gpt.spec)
+    report = plan_job(config_with_checkpoint(tmp_path, save_every=10), tiny_gpt.spec)
     disk = report["checkpoint"]["disk"]
     assert (disk["at_once"], disk["kept_best"]) == (5, True)  # tiny_gpt evaluates every 50 steps
     assert disk["at_once_bytes"] == 5 * disk["total"]
     text = format_run_plan(report)
     assert "(40 saves), keep last 3 + the best by val_loss ->" in text
     assert f"at most ~{disk['at_once_bytes'] / 2**20:.2f} MiB (5 at once); an estimate" in text
-    keep_all = plan_job(config(tmp_path, save_every=10, keep_last=0), tiny_gpt.spec)
+    keep_all = plan_job(config_with_checkpoint(tmp_path, save_every=10, keep_last=0), tiny_gpt.spec)
     assert keep_all["checkpoint"]["disk"]["at_once"] == 40
-    quiet = dataclasses.replace(config(tmp_path, save_every=10), evaluate=tiny_gpt.EvaluateConfig())
+    quiet = dataclasses.replace(config_with_checkpoint(tmp_path, save_every=10), evaluate=tiny_gpt.EvaluateConfig())
     unevaluated = plan_job(quiet, tiny_gpt.spec)
     assert unevaluated["checkpoint"]["disk"]["at_once"] == 4
     assert "+ the best by val_loss (none: no evaluation)" in format_run_plan(unevaluated)
@@ -69,7 +69,7 @@ def test_the_plan_shows_the_checkpoints_disk_and_says_it_is_an_estimate(tmp_path
 
 def test_the_estimate_is_within_a_twentieth_of_a_real_checkpoint(tmp_path):
     run = dataclasses.replace(
-        config(tmp_path, save_every=1),
+        config_with_checkpoint(tmp_path, save_every=1),
         train=dataclasses.replace(tiny_gpt.Config().train, train_iters=1, global_batch_size=2, micro_batch_size=2),
         evaluate=tiny_gpt.EvaluateConfig(), progress=dataclasses.replace(tiny_gpt.Config().progress, enabled=False),
     )  # fmt: skip

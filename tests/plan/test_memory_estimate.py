@@ -43,7 +43,7 @@ def numel(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def llama(**shape):
+def llama_of_shape(**shape):
     config = LlamaConfig(
         vocab_size=shape["vocab_size"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
         num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
@@ -79,7 +79,7 @@ def test_tiny_gpt_counts_equal_its_parameters(cfg):
     ],
 )
 def test_llama_layout_equals_transformers_model(shape):
-    model = llama(**shape)
+    model = llama_of_shape(**shape)
     counted = layout_from_module(model)
     computed = llama_layout(**shape)
     assert counted == computed

@@ -124,7 +124,7 @@ def tiny_hf_model(tmp_path_factory):
     return model_dir, data_path
 
 
-def _config(model_dir: Path, data_path: Path, run_dir: Path, **data) -> hf.Config:
+def hf_run_config(model_dir: Path, data_path: Path, run_dir: Path, **data) -> hf.Config:
     return hf.Config(
         run_dir=str(run_dir),
         log_every=1,
@@ -143,7 +143,7 @@ def test_fine_tune_three_steps_then_reload_with_transformers(tiny_hf_model, tmp_
 
     model_dir, data_path = tiny_hf_model
     config = dataclasses.replace(
-        _config(model_dir, data_path, tmp_path / "run", val_fraction=0.25),
+        hf_run_config(model_dir, data_path, tmp_path / "run", val_fraction=0.25),
         evaluate=EvaluateConfig(at_end=True),
         checkpoint=CheckpointConfig(save_every=2, export=False),
     )
@@ -203,7 +203,7 @@ def test_activation_checkpointing_trains_the_same_and_saves_a_cache_enabled_conf
     model_dir, data_path = tiny_hf_model
     losses = []
     for checkpointing in (False, True):
-        config = _config(model_dir, data_path, tmp_path / str(checkpointing))
+        config = hf_run_config(model_dir, data_path, tmp_path / str(checkpointing))
         config = dataclasses.replace(
             config, parallel=dataclasses.replace(config.parallel, activation_checkpointing=checkpointing)
         )
@@ -247,7 +247,7 @@ def test_plan_for_two_ranks_reads_no_weights(tiny_hf_model, monkeypatch, capsys)
 
          "--data.packing", "--data.max-length", "32", "--train.global-batch-size", "4", "--train.micro-batch-size", "1"]
     )  # fmt: skip
-    assets = hf.build_assets(_config(model_dir, data_path, Path("unused")))
+    assets = hf.build_assets(hf_run_config(model_dir, data_path, Path("unused")))
     packed, _ = build_sft_datasets(SFTDataConfig(path=str(data_path), packing=True, max_length=32), assets)
     assert report["dataset_len"] == len(packed) and report["packing"] is True
     assert (report["dp_size"], report["micro_batches"]) == (2, 2)
@@ -256,7 +256,7 @@ def test_plan_for_two_ranks_reads_no_weights(tiny_hf_model, monkeypatch, capsys)
 
 
 @pytest.fixture(scope="module")
-def launch_env():
+def hf_launch_env():
     """The environment of this module's `torchrun` and `fntrain` commands: each forks from one process
     that imported torch, transformers and peft once (tests/helpers/fork_server.py), its own process all the same."""
     with started({**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, HF_PRELOAD) as env:
@@ -279,12 +279,12 @@ def _fsdp2_fine_tune(model_dir: Path, data_path: Path, tmp_path: Path, env: dict
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_rank_fsdp2_fine_tune_saves_a_loadable_model(tiny_hf_model, launch_env, tmp_path):
+def test_two_rank_fsdp2_fine_tune_saves_a_loadable_model(tiny_hf_model, hf_launch_env, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     model_dir, data_path = tiny_hf_model
-    out = _fsdp2_fine_tune(model_dir, data_path, tmp_path, launch_env)
+    out = _fsdp2_fine_tune(model_dir, data_path, tmp_path, hf_launch_env)
     after, before = load_file(out / "model.safetensors"), load_file(model_dir / "model.safetensors")
     assert before.keys() == after.keys()
     assert all(after[name].shape == before[name].shape for name in before)  # full tensors, not shards
@@ -294,7 +294,7 @@ def test_two_rank_fsdp2_fine_tune_saves_a_loadable_model(tiny_hf_model, launch_e
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_rank_tensor_parallel_fine_tune_matches_one_process(tiny_hf_model, launch_env, tmp_path):
+def test_two_rank_tensor_parallel_fine_tune_matches_one_process(tiny_hf_model, hf_launch_env, tmp_path):
     """tp 2 (the model's declared transformers plan, vocabulary-parallel loss) trains like one process:
     the same losses, and the exported model has full tensors equal to the one-process run's (SGD: Adam
     would blow float-level gradient differences up to lr-sized ones where the gradient is near 0)."""
@@ -302,7 +302,7 @@ def test_two_rank_tensor_parallel_fine_tune_matches_one_process(tiny_hf_model, l
 
     model_dir, data_path = tiny_hf_model
     (tmp_path / "tp").mkdir()
-    out = _fsdp2_fine_tune(model_dir, data_path, tmp_path / "tp", launch_env, "--parallel.strategy", "none",
+    out = _fsdp2_fine_tune(model_dir, data_path, tmp_path / "tp", hf_launch_env, "--parallel.strategy", "none",
                            "--parallel.tp-size", "2", "--optim.name", "sgd")  # fmt: skip
     command = [
         "fntrain", "run", "hf_causal_lm", "--run-dir", str(tmp_path / "one"),
@@ -311,7 +311,7 @@ def test_two_rank_tensor_parallel_fine_tune_matches_one_process(tiny_hf_model, l
         "--optim.lr", "1e-2", "--log-every", "1", "--optim.name", "sgd",
     ]  # fmt: skip
     result = subprocess.run(
-        command, cwd=tmp_path, env=launch_env, capture_output=True, text=True, timeout=280
+        command, cwd=tmp_path, env=hf_launch_env, capture_output=True, text=True, timeout=280
     )
     assert result.returncode == 0, result.stderr[-4000:]
 
@@ -355,14 +355,14 @@ def test_lora_flags_are_checked_before_any_model_work(tiny_files, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("merge", [False, True], ids=["adapter", "merged"])
-def test_two_rank_fsdp2_lora_saves_a_loadable_adapter(tiny_hf_model, launch_env, tmp_path, merge):
+def test_two_rank_fsdp2_lora_saves_a_loadable_adapter(tiny_hf_model, hf_launch_env, tmp_path, merge):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     model_dir, data_path = tiny_hf_model
     lora = ["--lora.rank", "4", "--lora.target-modules", "q_proj", "v_proj", "--progress.no-enabled"]
     out = _fsdp2_fine_tune(
-        model_dir, data_path, tmp_path, launch_env, *lora, *(["--lora.merge-on-export"] if merge else [])
+        model_dir, data_path, tmp_path, hf_launch_env, *lora, *(["--lora.merge-on-export"] if merge else [])
     )
     before = load_file(model_dir / "model.safetensors")
     if merge:
@@ -402,7 +402,7 @@ def test_continued_pretraining_on_token_shards_and_a_padded_run_evaluate_and_cou
     corpus = tmp_path / "corpus.txt"
     corpus.write_text((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_text()[:8_000])
     index = tokenize_files([corpus], tmp_path / "shards", str(model_dir))
-    base = _config(model_dir, data_path, tmp_path / "run")
+    base = hf_run_config(model_dir, data_path, tmp_path / "run")
     config = dataclasses.replace(base, data=hf.DataConfig(shards=str(tmp_path / "shards"), max_length=32,
                                                           val_fraction=0.1))  # fmt: skip
     with caplog.at_level(logging.INFO):

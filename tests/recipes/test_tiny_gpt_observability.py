@@ -14,7 +14,7 @@ from fntrain.run.job import run_job
 from recipes import tiny_gpt
 
 
-def tiny_config(tmp_path) -> tiny_gpt.Config:
+def observed_run_config(tmp_path) -> tiny_gpt.Config:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("To be, or not to be, that is the question.\n" * 200)  # 8.8 kB
     base = tiny_gpt.Config()
@@ -33,7 +33,7 @@ def tiny_config(tmp_path) -> tiny_gpt.Config:
 
 
 def test_recipe_run_logs_train_and_validation_metrics_and_plots_them(tmp_path, capsys):
-    config = tiny_config(tmp_path)
+    config = observed_run_config(tmp_path)
     final = run_job(config, tiny_gpt.spec).state
     assert final.global_step == 6
 
@@ -60,7 +60,7 @@ def test_recipe_run_logs_train_and_validation_metrics_and_plots_them(tmp_path, c
 
 
 def test_consumed_counts_continue_after_a_checkpoint_resume(tmp_path):
-    config = tiny_config(tmp_path)
+    config = observed_run_config(tmp_path)
     first = dataclasses.replace(
         config, checkpoint=dataclasses.replace(config.checkpoint, save_every=3), evaluate=EvaluateConfig()
     )

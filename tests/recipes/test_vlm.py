@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import subprocess
 from pathlib import Path
@@ -27,14 +26,9 @@ from fntrain.run.job import plan_job, run_job
 from fntrain.step.optim import OptimizerConfig
 from recipes import vlm
 from tests.helpers.fork_server import VLM_PRELOAD, started
-from tests.helpers.vlm import tiny_model_dir
+from tests.helpers.workers import worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(str(tmp_path_factory.getbasetemp() / "vlm_cache"))
 
 
 def test_bad_settings_are_one_line_naming_the_flag(tmp_path, capsys):
@@ -65,7 +59,7 @@ def test_plan_needs_no_model(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
-def _config(model_dir: Path, run_dir: Path, **changes) -> vlm.Config:
+def vlm_run_config(model_dir: Path, run_dir: Path, **changes) -> vlm.Config:
     return dataclasses.replace(
         vlm.Config(
             run_dir=str(run_dir),
@@ -81,10 +75,10 @@ def _config(model_dir: Path, run_dir: Path, **changes) -> vlm.Config:
     )
 
 
-def test_three_steps_train_on_images_evaluate_accuracy_and_export(model_dir, tmp_path):
+def test_three_steps_train_on_images_evaluate_accuracy_and_export(tiny_llava_dir, tmp_path):
     from safetensors.torch import load_file
 
-    config = _config(model_dir, tmp_path / "run")
+    config = vlm_run_config(tiny_llava_dir, tmp_path / "run")
     result = run_job(config, vlm.spec)
     assert result.outcome == "completed" and result.state.global_step == 3
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -94,7 +88,7 @@ def test_three_steps_train_on_images_evaluate_accuracy_and_export(model_dir, tmp
     evaluation = [r for r in records if "val_accuracy" in r][-1]
     assert 0.0 <= evaluation["val_accuracy"] <= 1.0 and evaluation["val_loss"] > 0
     before, after = (
-        load_file(model_dir / "model.safetensors"),
+        load_file(tiny_llava_dir / "model.safetensors"),
         load_file(tmp_path / "run/hf_model/model.safetensors"),
     )
     vision = [name for name in after if "vision_tower" in name]
@@ -105,20 +99,11 @@ def test_three_steps_train_on_images_evaluate_accuracy_and_export(model_dir, tmp
 # ----------------------------------------------------------------------------- slow
 
 
-def _env() -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    }
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 @pytest.fixture(scope="module")
-def launch_env():
+def vlm_launch_env():
     """The environment of this module's driver launches: each its own process (torchrun's agent and
     workers too), forked from one that imported torch and transformers once (tests/helpers/fork_server.py)."""
-    with started(_env(), VLM_PRELOAD) as env:
+    with started(worker_env(), VLM_PRELOAD) as env:
         yield env
 
 
@@ -130,7 +115,7 @@ def _driver(
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-def _losses(out: Path) -> list[str]:
+def loss_words(out: Path) -> list[str]:
     return (out / "losses.txt").read_text().split()
 
 
@@ -174,15 +159,15 @@ SMALL = ["--data.train-samples", "32", "--data.val-samples", "8", "--train.globa
 
 
 @pytest.mark.slow
-def test_two_rank_fsdp2_matches_one_rank(model_dir, launch_env, tmp_path):
+def test_two_rank_fsdp2_matches_one_rank(tiny_llava_dir, vlm_launch_env, tmp_path):
     from safetensors.torch import load_file
 
-    args = [*SMALL, "--model.path", str(model_dir), "--train.train-iters", "4", "--optim.name", "sgd",
+    args = [*SMALL, "--model.path", str(tiny_llava_dir), "--train.train-iters", "4", "--optim.name", "sgd",
             "--optim.lr", "0.05", "--train.max-grad-norm", "0", "--data.pad-to", "max_length",
             "--data.max-length", "40"]  # fmt: skip
-    one = _driver(tmp_path / "one", "none", args, launch_env)
+    one = _driver(tmp_path / "one", "none", args, vlm_launch_env)
     assert one.returncode == 0, one.stderr[-4000:]
-    two = _driver(tmp_path / "two", "none", [*args, "--parallel.strategy", "fsdp2"], launch_env, ranks=2)
+    two = _driver(tmp_path / "two", "none", [*args, "--parallel.strategy", "fsdp2"], vlm_launch_env, ranks=2)
     assert two.returncode == 0, two.stderr[-4000:]
 
     def logged(out: Path) -> torch.Tensor:  # the loss reduced over the ranks, as metrics.jsonl logs it
@@ -192,7 +177,7 @@ def test_two_rank_fsdp2_matches_one_rank(model_dir, launch_env, tmp_path):
     reference = logged(tmp_path / "one")
     assert len(reference) == 4
     torch.testing.assert_close(logged(tmp_path / "two"), reference, rtol=1e-5, atol=1e-6)
-    initial = load_file(model_dir / "model.safetensors")
+    initial = load_file(tiny_llava_dir / "model.safetensors")
     a = load_file(tmp_path / "one" / "hf_model" / "model.safetensors")
     b = load_file(tmp_path / "two" / "hf_model" / "model.safetensors")
     assert a.keys() == b.keys()
@@ -202,20 +187,20 @@ def test_two_rank_fsdp2_matches_one_rank(model_dir, launch_env, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_matches_an_uninterrupted_run_bitwise(model_dir, launch_env, tmp_path):
+def test_sigkill_and_resume_matches_an_uninterrupted_run_bitwise(tiny_llava_dir, vlm_launch_env, tmp_path):
     from safetensors.torch import load_file
 
-    args = [*SMALL, "--model.path", str(model_dir), "--train.train-iters", "8", "--checkpoint.save-every", "2",
+    args = [*SMALL, "--model.path", str(tiny_llava_dir), "--train.train-iters", "8", "--checkpoint.save-every", "2",
             "--checkpoint.restore-from", "latest", "--loader.num-workers", "2"]  # fmt: skip
-    reference = _driver(tmp_path / "ref", "none", args, launch_env)
+    reference = _driver(tmp_path / "ref", "none", args, vlm_launch_env)
     assert reference.returncode == 0, reference.stderr[-4000:]
-    killed = _driver(tmp_path / "resumed", "step_begin:6", args, launch_env)
+    killed = _driver(tmp_path / "resumed", "step_begin:6", args, vlm_launch_env)
     assert killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), killed.stderr[-4000:]
-    assert len(_losses(tmp_path / "resumed")) == 2 * 5
-    resumed = _driver(tmp_path / "resumed", "none", args, launch_env)
+    assert len(loss_words(tmp_path / "resumed")) == 2 * 5
+    resumed = _driver(tmp_path / "resumed", "none", args, vlm_launch_env)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    ref = _losses(tmp_path / "ref")
-    got = _losses(tmp_path / "resumed")
+    ref = loss_words(tmp_path / "ref")
+    got = loss_words(tmp_path / "resumed")
     assert got[:8] == ref[:8] and got[10:] == ref[8:]  # steps 1-4, then 5-8 again from step 4's checkpoint
     a = load_file(tmp_path / "ref" / "hf_model" / "model.safetensors")
     b = load_file(tmp_path / "resumed" / "hf_model" / "model.safetensors")

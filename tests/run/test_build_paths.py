@@ -33,22 +33,22 @@ def test_pipeline_ties_of_tiny_gpt_join_its_first_and_last_stage():
     assert layouts._pipeline_ties(_tie_inputs(two_stages)) == [{0: "tok.weight", 1: "head.weight"}]
 
 
-class Stream(IterableDataset):
+class TensorStream(IterableDataset):
     def __iter__(self):
         return iter([torch.full((2,), float(i)) for i in range(10)])
 
 
-def _built(dataset, collate=None):
+def built_with(dataset, collate=None):
     config = SimpleNamespace(train=SimpleNamespace(micro_batch_size=3))
     return SimpleNamespace(data=SimpleNamespace(dataset=dataset), config=config, collate_fn=collate)
 
 
 def test_the_flops_sample_is_one_micro_batch_of_either_kind_of_dataset():
-    streamed = build._sample_micro_batch(_built(Stream()))
+    streamed = build._sample_micro_batch(built_with(TensorStream()))
     assert torch.equal(streamed, torch.tensor([[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]))
-    sized = build._sample_micro_batch(_built([torch.ones(2), torch.zeros(2)], collate=torch.stack))
+    sized = build._sample_micro_batch(built_with([torch.ones(2), torch.zeros(2)], collate=torch.stack))
     assert torch.equal(sized, torch.tensor([[1.0, 1.0], [0.0, 0.0]]))  # fewer samples than a micro-batch
-    assert build._flops_per_token(_built([]), SimpleNamespace(model_factory=None)) is None
+    assert build._flops_per_token(built_with([]), SimpleNamespace(model_factory=None)) is None
 
 
 def test_eval_loss_runs_under_loss_parallel_when_logits_are_split():

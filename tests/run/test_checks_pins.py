@@ -36,7 +36,7 @@ from fntrain.run.job import run_job
 from fntrain.runtime import PipelineSplit
 from fntrain.runtime.launch import LaunchEnv, read_launch_env
 from fntrain.state import make_run_plan
-from tests.run.test_job import ToyConfig, ToyLM, ToyModelConfig, spec, toy, toy_datasets
+from tests.run.test_job import JobLM, ToyConfig, ToyModelConfig, spec, toy, toy_datasets
 
 LAUNCHED = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 PROBE_FAILS = "(a read-only or virtual filesystem)"
@@ -46,7 +46,7 @@ def parallel(config, **changes):
     return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, **changes))
 
 
-def refused(call, *args) -> str:
+def refusal_of(call, *args) -> str:
     with pytest.raises((ValueError, OSError)) as caught:  # check_run makes each a ConfigError
         call(*args)
     return str(caught.value)
@@ -123,7 +123,7 @@ def test_a_launched_process_is_checked_over_its_world(tmp_path, monkeypatch):
     assert (checked.env.world_size, checked.env.launched, checked.dp_size) == (2, True, 2)
     assert checked.launch.restart_count == 3 and checked.plan.train_iters == 4
 
-    message = refused(check_run, parallel(toy(tmp_path), tp_size=2), spec)
+    message = refusal_of(check_run, parallel(toy(tmp_path), tp_size=2), spec)
     assert message == "--parallel.tp-size 2: this recipe has no tensor-parallel plan for its model"
 
 
@@ -139,7 +139,7 @@ def test_the_layout_is_checked_over_the_data_parallel_ranks_and_the_device(tmp_p
     piped = dataclasses.replace(
         spec, model_factory=lambda config: Blocks(), pipeline=PipelineSplit(layers="blocks")
     )
-    assert refused(check_run, parallel(toy(tmp_path), pp_size=4), piped) == (
+    assert refusal_of(check_run, parallel(toy(tmp_path), pp_size=4), piped) == (
         "--parallel.pp-schedule 1f1b needs at least --parallel.pp-size (4) micro-batches per step, got 2 "
         "(--train.global-batch-size / (--train.micro-batch-size x 1 data-parallel ranks)): lower "
         "--train.micro-batch-size or use --parallel.pp-schedule gpipe"
@@ -148,7 +148,7 @@ def test_the_layout_is_checked_over_the_data_parallel_ranks_and_the_device(tmp_p
     config = toy(tmp_path)
     ring = parallel(dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, device="cpu")),
                     cp_size=2, cp_style="ring", strategy="ddp")  # fmt: skip
-    assert refused(check_run, ring, dataclasses.replace(spec, attention_heads=lambda config: 2)) == (
+    assert refusal_of(check_run, ring, dataclasses.replace(spec, attention_heads=lambda config: 2)) == (
         "--parallel.cp-style ring needs a CUDA or NPU device (torch's ring attention has no cpu kernel): use "
         "--parallel.cp-style ulysses"
     )
@@ -166,7 +166,7 @@ def test_a_setting_error_from_the_recipe_is_one_config_error_with_its_words(tmp_
 def test_samples_are_asked_only_of_a_recipe_that_can_sample(tmp_path):
     config = dataclasses.replace(toy(tmp_path), sample=SampleConfig(every=2, prompts=("once",)))
     check_run(config, dataclasses.replace(spec, sampler=lambda config, built: None))
-    message = refused(check_run, config, spec)
+    message = refusal_of(check_run, config, spec)
     assert message == "sample.every 2: this recipe cannot sample text (its spec has no sampler)"
 
 
@@ -184,7 +184,7 @@ def test_a_finished_run_is_complete_and_other_data_is_refused(finished):
         spec, build_datasets=lambda config, assets: (toy_datasets(config, assets)[0][:31], [])
     )
     step_4 = str(Path(finished.run_dir) / "checkpoints" / "step_4")
-    assert refused(check_run, finished, fewer) == (
+    assert refusal_of(check_run, finished, fewer) == (
         f"checkpoint.restore_from {step_4!r} was saved with other data: samples 32 -> 31; resume with the same "
         "data, or add data to checkpoint.allow_changes"
     )
@@ -196,19 +196,19 @@ def test_a_finished_run_is_complete_and_other_data_is_refused(finished):
 def test_the_batch_shape_over_the_ranks_is_one_line_naming_the_numbers(tmp_path):
     config = toy(tmp_path)
     assert (
-        refused(check_values, parallel(config, tp_size=2), 3)
+        refusal_of(check_values, parallel(config, tp_size=2), 3)
         == "world size 3 is not divisible by tp x pp x cp = 2"
     )
-    assert refused(check_values, parallel(config, ep_size=2, strategy="fsdp2"), 1) == (
+    assert refusal_of(check_values, parallel(config, ep_size=2, strategy="fsdp2"), 1) == (
         "--parallel.ep-size 2 must divide the data-parallel size (1)"
     )
-    assert refused(check_values, config, 2) == (
+    assert refusal_of(check_values, config, 2) == (
         "--parallel.strategy none cannot train 2 data-parallel ranks (their gradients would never be combined): "
         "use --parallel.strategy ddp or fsdp2"
     )
     odd = dataclasses.replace(parallel(config, strategy="ddp"),
                               train=TrainConfig(train_iters=4, global_batch_size=6, micro_batch_size=2))  # fmt: skip
-    assert refused(check_values, odd, 2) == (
+    assert refusal_of(check_values, odd, 2) == (
         "train.global_batch_size (6) must be divisible by train.micro_batch_size (2) x data-parallel size (2) = 4"
     )
     assert check_values(parallel(config, strategy="ddp"), 2) == 2
@@ -217,11 +217,11 @@ def test_the_batch_shape_over_the_ranks_is_one_line_naming_the_numbers(tmp_path)
 def test_a_strategy_that_needs_a_process_group_needs_torchrun(tmp_path):
     plain, launched = LaunchEnv(), LaunchEnv(rank=0, world_size=2, launched=True)
     config = toy(tmp_path)
-    assert refused(check_launcher, parallel(config, strategy="ddp"), plain) == (
+    assert refusal_of(check_launcher, parallel(config, strategy="ddp"), plain) == (
         "parallel.strategy 'ddp' (tp x pp x cp = 1) needs a process group: launch with "
         "`torchrun --nproc_per_node N -m fntrain run ...`, or use parallel.strategy none"
     )
-    assert "parallel.strategy 'none' (tp x pp x cp = 2) needs a process group" in refused(
+    assert "parallel.strategy 'none' (tp x pp x cp = 2) needs a process group" in refusal_of(
         check_launcher, parallel(config, tp_size=2), plain
     )
     check_launcher(config, plain)
@@ -265,7 +265,7 @@ def test_the_hooks_are_checked_for_this_device_and_world(tmp_path):
     leaders = parallel(dataclasses.replace(config, profiler=ProfilerConfig(enabled=True, pipeline_stage_leaders=True)),
                        pp_size=2)  # fmt: skip
     check_device_settings(leaders, LaunchEnv(rank=0, world_size=4, launched=True))
-    assert refused(check_device_settings, leaders, LaunchEnv(rank=0, world_size=3, launched=True)) == (
+    assert refusal_of(check_device_settings, leaders, LaunchEnv(rank=0, world_size=3, launched=True)) == (
         "profiler.pipeline_stage_leaders: the world size (3) must be divisible by the number of pipeline stages (2)"
     )
 
@@ -277,21 +277,21 @@ def test_each_path_that_is_a_file_is_named_by_its_field(tmp_path):
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     assert (
-        refused(check_paths, toy(tmp_path, run_dir=str(a_file)))
+        refusal_of(check_paths, toy(tmp_path, run_dir=str(a_file)))
         == f"run_dir {str(a_file)!r} is a file, not a directory"
     )
     checkpoint_dir = toy(tmp_path, checkpoint=CheckpointConfig(dir=str(a_file)))
     assert (
-        refused(check_paths, checkpoint_dir) == f"checkpoint.dir {str(a_file)!r} is a file, not a directory"
+        refusal_of(check_paths, checkpoint_dir) == f"checkpoint.dir {str(a_file)!r} is a file, not a directory"
     )
     run = tmp_path / "run"
     run.mkdir()
     (run / "checkpoints").write_text("x")  # the default checkpoint root, under run_dir: named by run_dir
     assert (
-        refused(check_paths, toy(tmp_path))
+        refusal_of(check_paths, toy(tmp_path))
         == f"run_dir {str(run / 'checkpoints')!r} is a file, not a directory"
     )
-    assert refused(check_paths, toy(tmp_path, run_dir=str(a_file / "run"))) == (
+    assert refusal_of(check_paths, toy(tmp_path, run_dir=str(a_file / "run"))) == (
         f"run_dir {str(a_file / 'run')!r} cannot be created: {str(a_file)!r} is a file"
     )
 
@@ -300,7 +300,7 @@ def test_output_dir_is_checked_when_the_recipe_has_one(tmp_path):
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     exporting = ExportingJobConfig(run_dir=str(tmp_path / "run"), output_dir=str(a_file))
-    assert refused(check_paths, exporting) == f"output_dir {str(a_file)!r} is a file, not a directory"
+    assert refusal_of(check_paths, exporting) == f"output_dir {str(a_file)!r} is a file, not a directory"
     check_paths(dataclasses.replace(exporting, output_dir=str(tmp_path / "out" / "model")))
     check_paths(dataclasses.replace(exporting, output_dir=None))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # checked, nothing created
@@ -310,8 +310,8 @@ def test_a_directory_nothing_can_be_created_in_is_refused(tmp_path, monkeypatch)
     # /proc is a virtual filesystem: os.access may pass (it does for root), mkdir still fails. Access is
     # granted here so the probe alone decides, for any user.
     monkeypatch.setattr(os, "access", lambda path, mode: True)
-    assert refused(check_paths, toy(tmp_path, run_dir="/proc")) == "run_dir '/proc' is not writable"
-    assert refused(check_paths, toy(tmp_path, run_dir="/proc/fntrain-run")) == (
+    assert refusal_of(check_paths, toy(tmp_path, run_dir="/proc")) == "run_dir '/proc' is not writable"
+    assert refusal_of(check_paths, toy(tmp_path, run_dir="/proc/fntrain-run")) == (
         f"run_dir '/proc/fntrain-run' cannot be created: nothing can be created in '/proc' {PROBE_FAILS}"
     )
     (tmp_path / "run").mkdir()
@@ -324,9 +324,9 @@ def test_a_directory_without_write_permission_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "access", lambda path, mode: not mode & os.W_OK)
     existing = tmp_path / "run"
     existing.mkdir()
-    assert refused(check_paths, toy(tmp_path)) == f"run_dir {str(existing)!r} is not writable"
+    assert refusal_of(check_paths, toy(tmp_path)) == f"run_dir {str(existing)!r} is not writable"
     new = tmp_path / "new" / "run"
-    assert refused(check_paths, toy(tmp_path, run_dir=str(new))) == (
+    assert refusal_of(check_paths, toy(tmp_path, run_dir=str(new))) == (
         f"run_dir {str(new)!r} cannot be created: {str(tmp_path)!r} is not writable"
     )
     assert os.listdir(existing) == []
@@ -348,12 +348,12 @@ def test_the_run_plan_counts_samples_and_the_schedule(tmp_path):
 def test_a_window_after_the_last_step_is_refused_and_one_at_it_accepted(tmp_path):
     config, plan = toy(tmp_path), make_run_plan(global_batch_size=4, micro_batch_size=2, train_iters=4)
     profiled = dataclasses.replace(config, profiler=ProfilerConfig(enabled=True, start_step=5, stop_step=9))
-    assert refused(check_windows, profiled, plan) == (
+    assert refusal_of(check_windows, profiled, plan) == (
         "profiler.start_step (5) is after the run's last step (4): it would record nothing"
     )
     peaks = dataclasses.replace(config, memory=MemoryConfig(mem_info=True, start_step=5, end_step=6))
     assert (
-        refused(check_windows, peaks, plan)
+        refusal_of(check_windows, peaks, plan)
         == "memory.start_step (5) is after the run's last step (4): it would record nothing"
     )
     check_windows(
@@ -374,5 +374,5 @@ def test_a_streamed_dataset_has_no_length():
 def test_the_whole_model_on_meta_is_the_configs():
     config = ToyConfig(model=ToyModelConfig(vocab=5, width=3))
     model = full_model_on_meta(config, spec)
-    assert isinstance(model, ToyLM) and tuple(model.embed.weight.shape) == (5, 3)
+    assert isinstance(model, JobLM) and tuple(model.embed.weight.shape) == (5, 3)
     assert {p.device.type for p in model.parameters()} == {"meta"}

@@ -38,7 +38,7 @@ from fntrain.run.finish import (
     what_happened,
 )
 from fntrain.state import TrainState
-from tests.run.test_launch import checkpoint, config
+from tests.run.test_launch import launch_config, write_checkpoint
 
 MAIN = SimpleNamespace(is_main=True, rank=0)
 
@@ -99,7 +99,7 @@ def test_only_a_notice_makes_a_run_not_completed(outcome, done):
 def test_the_summary_line_says_steps_tokens_time_losses_and_where_the_weights_went(tmp_path):
     """Its loss is the last metrics line's `loss` (not `loss_last`), said as the mean of the steps since
     the loss logged before it."""
-    run = config(tmp_path)
+    run = launch_config(tmp_path)
     metrics(run, {"step": 2, "loss": 3.0, "consumed_tokens": 500},
             {"step": 4, "val_loss": 2.25}, {"step": 6, "loss": 1.234567, "loss_last": 0.5, "consumed_tokens": 1234567, "val_loss": 2.5})  # fmt: skip
     line = summary_line(run, "completed", 6, 12.34, exported=["/w/hf_model", "/w/model.safetensors"],
@@ -109,7 +109,7 @@ def test_the_summary_line_says_steps_tokens_time_losses_and_where_the_weights_we
 
 
 def test_a_run_without_records_says_only_its_step_time_and_ending(tmp_path):
-    run = config(tmp_path)
+    run = launch_config(tmp_path)
     assert summary_line(run, "stopped", None, 0.04, ending="no checkpoint was saved") == (
         "run stopped before its first step; 0.0 s; no checkpoint was saved"
     )
@@ -121,9 +121,9 @@ def test_a_run_without_records_says_only_its_step_time_and_ending(tmp_path):
 
 
 def test_the_hint_after_an_explicit_restore_from_latest_is_to_run_again(tmp_path):
-    checkpoint(config(tmp_path), 4)
+    write_checkpoint(launch_config(tmp_path), 4)
     assert (
-        resume_hint(config(tmp_path, restore_from="latest"))
+        resume_hint(launch_config(tmp_path, restore_from="latest"))
         == "run the same command again to resume from step_4"
     )
 
@@ -237,7 +237,7 @@ def metadata_file(run) -> Path:
 @pytest.mark.parametrize("outcome, level", [("completed", logging.INFO), ("stopped", logging.INFO),
                                             ("preempted", logging.WARNING), ("failed", logging.WARNING)])  # fmt: skip
 def test_the_end_is_logged_sent_to_the_trackers_and_noted_in_the_metadata(tmp_path, caplog, outcome, level):
-    run = config(tmp_path)
+    run = launch_config(tmp_path)
     path = metadata_file(run)
     tracker = Tracker()
     caplog.set_level(logging.INFO, logger="fntrain.run.job")
@@ -258,7 +258,7 @@ def test_the_end_is_logged_sent_to_the_trackers_and_noted_in_the_metadata(tmp_pa
 
 
 def test_an_end_without_exports_or_metrics_log_still_reaches_the_metadata(tmp_path, caplog):
-    run = config(tmp_path)
+    run = launch_config(tmp_path)
     path = metadata_file(run)
     tracker = Tracker()
     record_end(run, MAIN, MetricsLog(enabled=True, sinks=[tracker]), "stopped", "s", time.monotonic())
@@ -273,7 +273,7 @@ def test_an_end_without_exports_or_metrics_log_still_reaches_the_metadata(tmp_pa
 # ----------------------------------------------------------------------------- export
 
 
-def built_for(run, model=None, pp_size: int = 1, group=None):
+def built_run_for(run, model=None, pp_size: int = 1, group=None):
     mesh = SimpleNamespace(get_group=lambda name: {"pp": group}[name])
     run_dir = Path(run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -282,8 +282,8 @@ def built_for(run, model=None, pp_size: int = 1, group=None):
 
 
 def test_export_writes_the_recipes_output_then_the_weights_with_the_train_state(tmp_path):
-    run = config(tmp_path)
-    built, state = built_for(run), TrainState(1, 6, 2)
+    run = launch_config(tmp_path)
+    built, state = built_run_for(run), TrainState(1, 6, 2)
     called = []
 
     def recipe_export(*args):
@@ -301,34 +301,34 @@ def test_export_writes_the_recipes_output_then_the_weights_with_the_train_state(
 
 
 def test_export_lists_only_what_was_written(tmp_path):
-    run = config(tmp_path, export=False)
-    built = built_for(run)
+    run = launch_config(tmp_path, export=False)
+    built = built_run_for(run)
     assert export(run, lambda built, state: None, built, TrainState()) == []
     assert export(run, None, built, TrainState()) == []
     assert not (built.run_dir / "model.safetensors").exists()
-    assert export(config(tmp_path), None, built, TrainState()) == [str(built.run_dir / "model.safetensors")]
+    assert export(launch_config(tmp_path), None, built, TrainState()) == [str(built.run_dir / "model.safetensors")]
 
 
 def test_export_under_pipeline_parallelism_gathers_over_the_pipeline_group(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(finish, "export_safetensors", lambda *args, **kwargs: calls.append((args, kwargs)))
-    run, group = config(tmp_path), object()
-    built = built_for(run, pp_size=2, group=group)
+    run, group = launch_config(tmp_path), object()
+    built = built_run_for(run, pp_size=2, group=group)
     export(run, None, built, TrainState(0, 3, 3))
     assert calls == [((built.components.model, built.run_dir / "model.safetensors"),
                       {"metadata": {"epoch": 0, "global_step": 3, "cursor": 3}, "pipeline_group": group})]  # fmt: skip
 
 
 def test_an_export_failure_is_one_line_saying_what_is_kept(tmp_path):
-    run = config(tmp_path)
-    checkpoint(run, 4)
+    run = launch_config(tmp_path)
+    write_checkpoint(run, 4)
     cause = OSError("disk full")
 
     def recipe_export(built, state):
         raise cause
 
     with pytest.raises(ExportError) as caught:
-        export(run, recipe_export, built_for(run), TrainState(0, 6, 6))
+        export(run, recipe_export, built_run_for(run), TrainState(0, 6, 6))
     assert (caught.value.line, caught.value.step, caught.value.__cause__) == (
         "exporting the model: OSError: disk full; the checkpoints (newest step_4, 2 steps before the run's end) "
         "are kept, the export was not written", 6, cause)  # fmt: skip

@@ -23,6 +23,7 @@ from fntrain.hooks.progress import ProgressConfig
 from fntrain.run.config import CheckpointConfig
 from fntrain.run.job import run_job
 from recipes import tiny_gpt
+from tests.helpers.commands import last_line
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -35,16 +36,10 @@ TINY = [
 # The launches go through the test process's fork server (the `fork_env` fixture, tests/helpers/fork_server.py:
 # each a fork of one process that imported torch and fntrain once).
 PYTHON: dict[str, object] = {}
+pytestmark = pytest.mark.usefixtures("module_launches_forked")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def python(fork_env):
-    PYTHON.update(executable=fork_env["PYTHON_FORK"], env=fork_env)
-    yield
-    PYTHON.clear()
-
-
-def corpus(tmp_path: Path) -> Path:
+def corpus_in(tmp_path: Path) -> Path:
     path = tmp_path / "corpus.txt"
     if not path.exists():
         path.write_bytes((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:3000])
@@ -61,7 +56,7 @@ def fntrain(tmp_path: Path, *args: str, driver: str | None = None) -> subprocess
         head = ["-m", "tests.run.fault_driver", str(tmp_path / "faults"), driver]
         (tmp_path / "faults").mkdir(exist_ok=True)
     python = str(PYTHON.get("executable", sys.executable))
-    command = [python, *head, *TINY, "--data.path", str(corpus(tmp_path)), *args]
+    command = [python, *head, *TINY, "--data.path", str(corpus_in(tmp_path)), *args]
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
                           preexec_fn=_ctrl_c_as_in_a_terminal)  # fmt: skip
 
@@ -73,23 +68,19 @@ def _ctrl_c_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def tiny(tmp_path: Path, **checkpoint) -> tiny_gpt.Config:
+def tiny_run_config(tmp_path: Path, **checkpoint) -> tiny_gpt.Config:
     base = tiny_gpt.Config()
     return dataclasses.replace(
         base,
         run_dir=str(tmp_path / "run"),
         log_every=1,
         model=dataclasses.replace(base.model, context=32, n_layer=1, n_head=2, d_model=32),
-        data=dataclasses.replace(base.data, path=str(corpus(tmp_path))),
+        data=dataclasses.replace(base.data, path=str(corpus_in(tmp_path))),
         train=dataclasses.replace(base.train, train_iters=6, global_batch_size=8, micro_batch_size=4),
         evaluate=EvaluateConfig(eval_every=0, at_end=False),
         progress=ProgressConfig(enabled=False),
         checkpoint=CheckpointConfig(**checkpoint),
     )
-
-
-def last_line(result: subprocess.CompletedProcess) -> str:
-    return result.stderr.strip().splitlines()[-1]
 
 
 # ----------------------------------------------------------------------------- one run per directory
@@ -184,7 +175,7 @@ def assert_a_damaged_newest_checkpoint_is_skipped_and_named(
 
 
 def test_a_run_dir_holding_only_a_failed_start_is_not_a_run(tmp_path):
-    config = tiny(tmp_path)
+    config = tiny_run_config(tmp_path)
     small = dataclasses.replace(
         config, train=dataclasses.replace(config.train, global_batch_size=4096, micro_batch_size=4096)
     )
@@ -198,7 +189,7 @@ def test_a_run_dir_holding_only_a_failed_start_is_not_a_run(tmp_path):
 
 
 def test_after_a_resume_every_step_is_logged_once_and_traced_to_its_attempt(tmp_path):
-    config = tiny(tmp_path, save_every=2)
+    config = tiny_run_config(tmp_path, save_every=2)
     run_job(config, tiny_gpt.spec)
     step_2 = tmp_path / "run" / "checkpoints" / "step_2"
     first = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -299,13 +290,13 @@ def test_a_second_ctrl_c_ends_the_process_at_once(tmp_path):
 # ----------------------------------------------------------------------------- two ranks
 
 
-def torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def torchrun_two_ranks(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.update(PYTHON.get("env", {}))
     command = [
         str(PYTHON.get("executable", sys.executable)), "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "fntrain",
-        "run", "tiny_gpt", *TINY, "--data.path", str(corpus(tmp_path)), "--parallel.strategy", "ddp", *args,
+        "run", "tiny_gpt", *TINY, "--data.path", str(corpus_in(tmp_path)), "--parallel.strategy", "ddp", *args,
     ]  # fmt: skip
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
 
@@ -314,24 +305,24 @@ def torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(600)
 def test_two_ranks_refuse_a_second_run_and_a_changed_resume_together(tmp_path, python):
     run_dir = tmp_path / "run"
-    first = torchrun(tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-every", "3")
+    first = torchrun_two_ranks(tmp_path, "--run-dir", str(run_dir), "--checkpoint.save-every", "3")
     assert first.returncode == 0, first.stderr[-3000:]
     before = (run_dir / "metrics.jsonl").read_bytes()
-    again = torchrun(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "none")
+    again = torchrun_two_ranks(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "none")
     assert again.returncode != 0 and "already holds a run" in again.stderr  # one line per rank that said it
-    changed = torchrun(
+    changed = torchrun_two_ranks(
         tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest", "--seed", "5"
     )
     assert changed.returncode != 0 and "--seed 42 -> 5" in changed.stderr
     assert (run_dir / "metrics.jsonl").read_bytes() == before  # neither launch touched the run
-    resumed = torchrun(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest")
+    resumed = torchrun_two_ranks(tmp_path, "--run-dir", str(run_dir), "--checkpoint.restore-from", "latest")
     assert resumed.returncode == 0 and "run already complete at step 6; nothing to do" in resumed.stderr
 
 
 def test_overwrite_moves_a_run_aside_only_on_the_first_launch_of_a_job(tmp_path, monkeypatch):
     """Under torchrun --max-restarts, a restarted launch with --overwrite finds the run its own first
     launch started: it keeps it (and starts from its checkpoint with auto) instead of moving it aside."""
-    config = dataclasses.replace(tiny(tmp_path, save_every=3, restore_from="auto"), overwrite=True)
+    config = dataclasses.replace(tiny_run_config(tmp_path, save_every=3, restore_from="auto"), overwrite=True)
     run_job(config, tiny_gpt.spec)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert run_job(config, tiny_gpt.spec).reason == "already complete"

@@ -47,7 +47,7 @@ class ToyConfig(JobConfig):
     model: ToyModelConfig = field(default_factory=ToyModelConfig)
 
 
-class ToyLM(nn.Module):
+class JobLM(nn.Module):
     """Embeddings plus a per-sample bias vector ("features", like an image) and a linear head."""
 
     def __init__(self, cfg: ToyModelConfig):
@@ -73,11 +73,11 @@ def toy_forward(model: nn.Module, batch: Any) -> torch.Tensor:  # passes what mo
 spec = RecipeSpec(
     config=ToyConfig,
     build_model=lambda config, runtime: build_seeded_model(
-        lambda: ToyLM(config.model), runtime, config.parallel, seed=config.seed
+        lambda: JobLM(config.model), runtime, config.parallel, seed=config.seed
     ),
     build_datasets=toy_datasets,
     forward=toy_forward,
-    model_factory=lambda config: ToyLM(config.model),
+    model_factory=lambda config: JobLM(config.model),
     dataset_sizes=lambda config: (32, 8),
 )
 
@@ -158,7 +158,7 @@ def test_a_loss_with_bind_model_is_bound_once_to_the_built_model(tmp_path):
             bound.append(model)
 
     run_job(toy(tmp_path), dataclasses.replace(spec, loss=BindingLoss()))
-    assert len(bound) == 1 and isinstance(bound[0], ToyLM)
+    assert len(bound) == 1 and isinstance(bound[0], JobLM)
 
 
 def test_plan_job_resolves_without_building(tmp_path):

@@ -20,13 +20,13 @@ from recipes import tiny_gpt
 FORMAT = 1  # fntrain.checkpoint's meta.json format
 
 
-def config(tmp_path: Path, *, overwrite: bool = False, **checkpoint) -> tiny_gpt.Config:
+def launch_config(tmp_path: Path, *, overwrite: bool = False, **checkpoint) -> tiny_gpt.Config:
     base = tiny_gpt.Config()
     return dataclasses.replace(base, run_dir=str(tmp_path / "run"), overwrite=overwrite,
                                checkpoint=dataclasses.replace(base.checkpoint, **checkpoint))  # fmt: skip
 
 
-def checkpoint(run: tiny_gpt.Config, step: int, *, data: dict | None = None, **changed) -> Path:
+def write_checkpoint(run: tiny_gpt.Config, step: int, *, data: dict | None = None, **changed) -> Path:
     """A complete-looking checkpoint `step_<step>` of `run` (its meta.json records `run`'s settings,
     with `changed` top-level fields replaced)."""
     path = Path(run.run_dir) / "checkpoints" / f"step_{step}"
@@ -42,40 +42,40 @@ def checkpoint(run: tiny_gpt.Config, step: int, *, data: dict | None = None, **c
 
 def test_an_empty_run_directory_is_a_fresh_launch(tmp_path):
     for source in ("none", "latest", "auto"):
-        launch = decide_launch(config(tmp_path, restore_from=source), 0, train_iters=6)
+        launch = decide_launch(launch_config(tmp_path, restore_from=source), 0, train_iters=6)
         assert launch.kind == "fresh" and launch.path is None and not launch.moves_aside
         assert launch.resumes == (source != "none")
 
 
 def test_a_rerun_resumes_its_newest_checkpoint_by_default(tmp_path):
-    run = config(tmp_path)  # the recipe's default: restore_from auto
-    step = checkpoint(run, 100)
+    run = launch_config(tmp_path)  # the recipe's default: restore_from auto
+    step = write_checkpoint(run, 100)
     (Path(run.run_dir) / "config.json").write_text("{}")
     assert decide_launch(run, 0, train_iters=400).path == step
     assert decide_launch(run, 0, train_iters=100).kind == "complete"
 
 
 def test_a_second_run_into_a_directory_is_refused_naming_only_the_ways_out_that_work(tmp_path):
-    run = config(tmp_path)
+    run = launch_config(tmp_path)
     Path(run.run_dir).mkdir()
     (Path(run.run_dir) / "config.json").write_text("{}")
     # auto with nothing to resume yet (killed before its first save): the run starts again in place
     assert decide_launch(run, 0).kind == "fresh" and decide_launch(run, 1).kind == "fresh"
-    never = config(tmp_path, restore_from="none")
+    never = launch_config(tmp_path, restore_from="none")
     with pytest.raises(ConfigError, match=r"already holds a run \('config.json'\) with no complete checkpoint to "
                                           r"resume: start over with `overwrite`"):  # fmt: skip
         decide_launch(never, 0)
-    checkpoint(run, 3)
+    write_checkpoint(run, 3)
     with pytest.raises(ConfigError, match=r"already holds a run .*: resume it with checkpoint.restore_from auto "
                                           r"\(its newest checkpoint is step_3\), or start over with `overwrite`"):  # fmt: skip
         decide_launch(never, 0)
 
 
 def test_a_run_killed_before_its_first_save_starts_again_in_place_only_with_its_settings(tmp_path):
-    run = config(tmp_path)  # restore_from auto, the default; no complete checkpoint yet
+    run = launch_config(tmp_path)  # restore_from auto, the default; no complete checkpoint yet
     Path(run.run_dir).mkdir()
     (Path(run.run_dir) / "config.json").write_text(json.dumps(launching.config_to_dict(run)))
-    for again in (run, config(tmp_path, restore_from="latest"), dataclasses.replace(run, log_every=3)):
+    for again in (run, launch_config(tmp_path, restore_from="latest"), dataclasses.replace(run, log_every=3)):
         launch = decide_launch(again, 0, train_iters=6)
         assert (launch.kind, launch.path, launch.moves_aside, launch.changes) == ("fresh", None, False, {})
         assert launch.resumes
@@ -85,27 +85,27 @@ def test_a_run_killed_before_its_first_save_starts_again_in_place_only_with_its_
         decide_launch(changed, 0, train_iters=6)
     with pytest.raises(ConfigError, match="`seed` 42 -> 7"):
         decide_launch(changed, 1, train_iters=6)  # a torchrun restart is compared too
-    allowed = dataclasses.replace(config(tmp_path, allow_changes=("seed",)), seed=7)
+    allowed = dataclasses.replace(launch_config(tmp_path, allow_changes=("seed",)), seed=7)
     launch = decide_launch(allowed, 0, train_iters=6)
     assert (launch.kind, launch.path, launch.changes) == ("fresh", None, {"seed": [42, 7]})
-    weights = dataclasses.replace(config(tmp_path, weights_only=True), seed=7)  # a new run: anything goes
+    weights = dataclasses.replace(launch_config(tmp_path, weights_only=True), seed=7)  # a new run: anything goes
     assert decide_launch(weights, 0, train_iters=6).changes == {}
-    over = dataclasses.replace(config(tmp_path, overwrite=True), seed=7)  # the old run moves aside
+    over = dataclasses.replace(launch_config(tmp_path, overwrite=True), seed=7)  # the old run moves aside
     assert decide_launch(over, 0, train_iters=6).kind == "overwrite"
 
 
 def test_latest_resumes_the_newest_checkpoint_and_knows_when_the_run_is_complete(tmp_path):
-    run = config(tmp_path, restore_from="latest")
-    checkpoint(run, 2)
-    newest = checkpoint(run, 4)
+    run = launch_config(tmp_path, restore_from="latest")
+    write_checkpoint(run, 2)
+    newest = write_checkpoint(run, 4)
     resumed = decide_launch(run, 0, train_iters=6)
     assert (resumed.kind, resumed.path, resumed.changes) == ("resume", newest, {})
     assert decide_launch(run, 0, train_iters=4).kind == "complete"
 
 
 def test_overwrite_moves_the_old_run_aside_on_the_first_launch_only(tmp_path):
-    run = config(tmp_path, overwrite=True, restore_from="auto")
-    step = checkpoint(run, 3)
+    run = launch_config(tmp_path, overwrite=True, restore_from="auto")
+    step = write_checkpoint(run, 3)
     first = decide_launch(run, 0, train_iters=6)
     assert (first.kind, first.moves_aside, first.path, first.source) == ("overwrite", True, None, None)
     restarted = decide_launch(run, 1, train_iters=6)  # torchrun restarted this job: keep its run
@@ -113,44 +113,44 @@ def test_overwrite_moves_the_old_run_aside_on_the_first_launch_only(tmp_path):
 
 
 def test_overwrite_into_an_empty_directory_moves_nothing(tmp_path):
-    launch = decide_launch(config(tmp_path, overwrite=True), 0)
+    launch = decide_launch(launch_config(tmp_path, overwrite=True), 0)
     assert launch.kind == "fresh" and not launch.moves_aside
 
 
 def test_a_named_checkpoint_is_restored_even_when_the_run_starts_over(tmp_path):
-    other = config(tmp_path / "other")
-    step = checkpoint(other, 5)
+    other = launch_config(tmp_path / "other")
+    step = write_checkpoint(other, 5)
     (step / MARKER).unlink()  # its files are phase 2's to verify: this one's are not real DCP files
-    run = config(tmp_path, overwrite=True, restore_from=str(step))
+    run = launch_config(tmp_path, overwrite=True, restore_from=str(step))
     launch = decide_launch(run, 0, train_iters=8)
     assert (launch.kind, launch.path) == ("resume", step)
 
 
 def test_a_named_checkpoint_that_does_not_exist_is_a_setting_error(tmp_path):
     with pytest.raises(ConfigError, match=r"checkpoint.restore_from '.*nowhere' does not exist"):
-        decide_launch(config(tmp_path, restore_from=str(tmp_path / "nowhere")), 0)
+        decide_launch(launch_config(tmp_path, restore_from=str(tmp_path / "nowhere")), 0)
 
 
 def test_changed_settings_are_refused_field_by_field_unless_allowed(tmp_path):
-    run = config(tmp_path, restore_from="latest")
-    checkpoint(run, 2, seed=7)
+    run = launch_config(tmp_path, restore_from="latest")
+    write_checkpoint(run, 2, seed=7)
     with pytest.raises(ConfigError, match=r"other settings: `seed` 7 -> 42; .*allow_changes"):
         decide_launch(run, 0, train_iters=6)
-    allowed = config(tmp_path, restore_from="latest", allow_changes=("seed",))
+    allowed = launch_config(tmp_path, restore_from="latest", allow_changes=("seed",))
     assert decide_launch(allowed, 0, train_iters=6).changes == {"seed": [7, 42]}
-    weights = config(tmp_path, restore_from="latest", weights_only=True)  # a new run: anything goes
+    weights = launch_config(tmp_path, restore_from="latest", weights_only=True)  # a new run: anything goes
     launch = decide_launch(weights, 0, train_iters=2)
     assert (launch.kind, launch.changes) == ("resume", {})
 
 
 def test_changed_data_is_refused_unless_allowed(tmp_path):
-    run = config(tmp_path, restore_from="latest")
+    run = launch_config(tmp_path, restore_from="latest")
     saved = {"dataset": {"samples": 10}}
-    checkpoint(run, 2, data=saved)
+    write_checkpoint(run, 2, data=saved)
     now = {"dataset": {"samples": 11}}
     with pytest.raises(ConfigError, match="was saved with other data: samples 10 -> 11"):
         decide_launch(run, 0, fingerprint=now, train_iters=6)
-    allowed = config(tmp_path, restore_from="latest", allow_changes=("data",))
+    allowed = launch_config(tmp_path, restore_from="latest", allow_changes=("data",))
     assert set(decide_launch(allowed, 0, fingerprint=now, train_iters=6).changes) == {"data"}
     assert decide_launch(run, 0, fingerprint=saved, train_iters=6).changes == {}
 
@@ -158,9 +158,9 @@ def test_changed_data_is_refused_unless_allowed(tmp_path):
 def test_phase_two_falls_back_through_the_same_decision(tmp_path, monkeypatch):
     """The newest checkpoint is complete at the run's end; verified, it is damaged and the older one is
     used: that launch is a resume, with the older checkpoint's setting changes."""
-    run = config(tmp_path, restore_from="latest", allow_changes=("seed",))
-    older = checkpoint(run, 2, seed=7)
-    checkpoint(run, 6)
+    run = launch_config(tmp_path, restore_from="latest", allow_changes=("seed",))
+    older = write_checkpoint(run, 2, seed=7)
+    write_checkpoint(run, 6)
     decided = decide_launch(run, 0, train_iters=6)
     assert decided.kind == "complete"
     monkeypatch.setattr(launching, "resolve_source", lambda source, root: older)
@@ -172,34 +172,34 @@ def test_phase_two_falls_back_through_the_same_decision(tmp_path, monkeypatch):
 
 def test_a_launch_that_asks_for_nothing_is_not_verified(tmp_path, monkeypatch):
     monkeypatch.setattr(launching, "resolve_source", lambda *args: pytest.fail("verified a fresh launch"))
-    assert verify_launch(config(tmp_path), Launch(), train_iters=6) == Launch()
+    assert verify_launch(launch_config(tmp_path), Launch(), train_iters=6) == Launch()
 
 
 def test_requested_source_is_what_a_plan_and_a_launch_read_of_restore_from(tmp_path):
-    assert launching.requested_source(config(tmp_path, restore_from="none")) is None
-    assert launching.requested_source(config(tmp_path)) == "auto"
-    over = config(tmp_path, overwrite=True, restore_from="latest")
+    assert launching.requested_source(launch_config(tmp_path, restore_from="none")) is None
+    assert launching.requested_source(launch_config(tmp_path)) == "auto"
+    over = launch_config(tmp_path, overwrite=True, restore_from="latest")
     assert launching.requested_source(over) is None  # starting over: the old checkpoints move aside
     assert launching.requested_source(over, restart_count=1) == "latest"
-    named = config(tmp_path, overwrite=True, restore_from="/some/step_4")
+    named = launch_config(tmp_path, overwrite=True, restore_from="/some/step_4")
     assert launching.requested_source(named) == "/some/step_4"
 
 
 def test_the_hint_after_an_early_stop_names_only_what_will_work(tmp_path):
     from fntrain.run.finish import resume_hint
 
-    assert resume_hint(config(tmp_path, save_every=0)) == (
+    assert resume_hint(launch_config(tmp_path, save_every=0)) == (
         "no checkpoint was saved (set --checkpoint.save-every to make one)"
     )
-    assert resume_hint(config(tmp_path)) == (  # saving every 100 steps, stopped before step 100
+    assert resume_hint(launch_config(tmp_path)) == (  # saving every 100 steps, stopped before step 100
         "no checkpoint was saved yet (--checkpoint.save-on-interrupt saves at a Ctrl-C)"
     )
-    checkpoint(config(tmp_path), 4)
-    assert resume_hint(config(tmp_path)) == "run the same command again to resume from step_4"
-    assert resume_hint(config(tmp_path, restore_from="none")) == (
+    write_checkpoint(launch_config(tmp_path), 4)
+    assert resume_hint(launch_config(tmp_path)) == "run the same command again to resume from step_4"
+    assert resume_hint(launch_config(tmp_path, restore_from="none")) == (
         "resume from step_4 with --checkpoint.restore-from latest"
     )
-    assert resume_hint(config(tmp_path, overwrite=True)) == (
+    assert resume_hint(launch_config(tmp_path, overwrite=True)) == (
         "resume from step_4 with --checkpoint.restore-from latest and without --overwrite"
     )
 
@@ -211,9 +211,9 @@ def test_a_resume_compares_files_not_their_spellings(tmp_path, monkeypatch):
     (tmp_path / "corpus.txt").write_text("To be, or not to be\n")
     (tmp_path / "other.txt").write_text("Something else\n")
     (tmp_path / "link.txt").symlink_to(tmp_path / "corpus.txt")
-    run = config(tmp_path)
+    run = launch_config(tmp_path)
     run = dataclasses.replace(run, data=dataclasses.replace(run.data, path="corpus.txt"))
-    step = checkpoint(run, 3)
+    step = write_checkpoint(run, 3)
     meta = json.loads((step / "meta.json").read_text())
     meta["config"] = recorded_config(run)  # as a run records it: the file by its absolute path
     assert meta["config"]["data"]["path"] == str(tmp_path / "corpus.txt")

@@ -26,7 +26,7 @@ from fntrain.run.launch import Launch, decide_launch, restore_launch, verify_lau
 from fntrain.state import TrainState
 from recipes import tiny_gpt
 from tests.checkpoint import toy
-from tests.run.test_launch import checkpoint, config
+from tests.run.test_launch import launch_config, write_checkpoint
 
 DATA = "__0_0.distcp"  # the toy checkpoint's one DCP data file
 HINT = '; restore another checkpoint ("latest" skips damaged ones)'
@@ -60,21 +60,21 @@ def flip_a_byte(path: Path) -> None:
 
 
 def test_every_launch_record_keeps_the_restart_it_was_decided_for(tmp_path):
-    never = config(tmp_path, restore_from="none")
+    never = launch_config(tmp_path, restore_from="none")
     assert decide_launch(never, 2) == Launch(2)
-    auto = config(tmp_path)  # nothing in the run directory yet
+    auto = launch_config(tmp_path)  # nothing in the run directory yet
     assert decide_launch(auto, 2, train_iters=6) == Launch(2, "auto")
     run_dir = Path(auto.run_dir)
     run_dir.mkdir()
     (run_dir / "config.json").write_text(json.dumps(launching.config_to_dict(auto)))
     assert decide_launch(auto, 2, train_iters=6) == Launch(2, "auto")  # again in place
-    step = checkpoint(auto, 3)
+    step = write_checkpoint(auto, 3)
     assert decide_launch(auto, 2, train_iters=6) == Launch(2, "auto", step, {}, False, False)
 
 
 def test_a_second_run_is_refused_in_one_line_naming_what_the_directory_holds(tmp_path):
-    run = config(tmp_path, restore_from="none")
-    checkpoint(run, 3)
+    run = launch_config(tmp_path, restore_from="none")
+    write_checkpoint(run, 3)
     (Path(run.run_dir) / "config.json").write_text("{}")
     with pytest.raises(ConfigError) as raised:
         decide_launch(run, 0)
@@ -87,7 +87,7 @@ def test_a_second_run_is_refused_in_one_line_naming_what_the_directory_holds(tmp
 
 
 def test_a_rerun_in_place_with_other_settings_is_refused_in_one_line(tmp_path):
-    run = config(tmp_path)
+    run = launch_config(tmp_path)
     Path(run.run_dir).mkdir()
     (Path(run.run_dir) / "config.json").write_text(json.dumps(launching.config_to_dict(run)))
     with pytest.raises(ConfigError) as raised:
@@ -103,15 +103,15 @@ def test_a_rerun_in_place_with_other_settings_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("written", ["[1, 2]", "not json {", '"a string"'])
 def test_a_config_json_that_is_not_a_config_is_not_compared(tmp_path, written):
-    run = config(tmp_path)
+    run = launch_config(tmp_path)
     Path(run.run_dir).mkdir()
     (Path(run.run_dir) / "config.json").write_text(written)
     assert decide_launch(dataclasses.replace(run, seed=7), 0, train_iters=6) == Launch(0, "auto")
 
 
 def test_changed_settings_are_listed_each_in_one_line_naming_the_checkpoint(tmp_path):
-    run = config(tmp_path, restore_from="latest")
-    step = checkpoint(run, 2, seed=7, log_every=1, train=dataclasses.replace(run.train, micro_batch_size=8))
+    run = launch_config(tmp_path, restore_from="latest")
+    step = write_checkpoint(run, 2, seed=7, log_every=1, train=dataclasses.replace(run.train, micro_batch_size=8))
     with pytest.raises(ConfigError) as raised:
         decide_launch(run, 0, train_iters=6)
     assert str(raised.value).startswith(
@@ -125,8 +125,8 @@ def test_changed_settings_are_listed_each_in_one_line_naming_the_checkpoint(tmp_
 
 
 def test_allow_changes_takes_fields_as_written_on_the_command_line(tmp_path):
-    run = config(tmp_path, restore_from="latest", allow_changes=("train.micro-batch-size",))
-    checkpoint(run, 2, train=dataclasses.replace(run.train, micro_batch_size=8))
+    run = launch_config(tmp_path, restore_from="latest", allow_changes=("train.micro-batch-size",))
+    write_checkpoint(run, 2, train=dataclasses.replace(run.train, micro_batch_size=8))
     launch = decide_launch(run, 0, train_iters=6)
     assert launch.changes == {"train.micro_batch_size": [8, 16]}
 
@@ -142,7 +142,7 @@ def test_allowing_data_lets_the_data_change_not_a_setting_named_data(tmp_path):
     base = DataByPath()
     run = dataclasses.replace(base, run_dir=str(tmp_path / "run"),
                               checkpoint=dataclasses.replace(base.checkpoint, allow_changes=("data",)))  # fmt: skip
-    checkpoint(run, 2, data={"dataset": {"samples": 10}})
+    write_checkpoint(run, 2, data={"dataset": {"samples": 10}})
     meta_path = Path(run.run_dir) / "checkpoints" / "step_2" / "meta.json"
     meta = json.loads(meta_path.read_text())
     meta["config"]["data"] = "other.txt"
@@ -152,8 +152,8 @@ def test_allowing_data_lets_the_data_change_not_a_setting_named_data(tmp_path):
 
 
 def test_changed_data_is_refused_in_one_line_listing_every_change(tmp_path):
-    run = config(tmp_path, restore_from="latest")
-    step = checkpoint(run, 2, data={"dataset": {"samples": 10, "tokens": 5}})
+    run = launch_config(tmp_path, restore_from="latest")
+    step = write_checkpoint(run, 2, data={"dataset": {"samples": 10, "tokens": 5}})
     with pytest.raises(ConfigError) as raised:
         decide_launch(run, 0, fingerprint={"dataset": {"samples": 11, "tokens": 6}}, train_iters=6)
     assert str(raised.value) == (
@@ -165,8 +165,8 @@ def test_changed_data_is_refused_in_one_line_listing_every_change(tmp_path):
 def test_allowed_changed_data_is_one_warning_and_a_change_from_the_saved_summary_to_the_new(tmp_path, caplog):
     """Phase 1 decides and says nothing; the launch holds the one warning (each changed fact) that
     phase 2 logs."""
-    run = config(tmp_path, restore_from="latest", allow_changes=("data",))
-    checkpoint(run, 2, data={"dataset": {"samples": 10, "tokens": 5}})
+    run = launch_config(tmp_path, restore_from="latest", allow_changes=("data",))
+    write_checkpoint(run, 2, data={"dataset": {"samples": 10, "tokens": 5}})
     launch = decide_launch(run, 0, fingerprint={"dataset": {"samples": 11, "tokens": 6}}, train_iters=6)
     old, new = launch.changes["data"]
     assert old.startswith("0 files, 10 samples (digest ") and new.startswith("0 files, 11 samples (digest ")
@@ -178,15 +178,15 @@ def test_allowed_changed_data_is_one_warning_and_a_change_from_the_saved_summary
 
 
 def test_a_checkpoint_saved_before_fingerprints_resumes_any_data(tmp_path):
-    run = config(tmp_path, restore_from="latest")
-    step = checkpoint(run, 2, data=None)
+    run = launch_config(tmp_path, restore_from="latest")
+    step = write_checkpoint(run, 2, data=None)
     launch = decide_launch(run, 0, fingerprint={"dataset": {"samples": 11}}, train_iters=6)
     assert launch == Launch(0, "latest", step, {}, False, False)
 
 
 def test_a_run_is_complete_only_once_its_checkpoint_reached_a_known_last_step(tmp_path):
-    run = config(tmp_path, restore_from="latest")
-    checkpoint(run, 1)
+    run = launch_config(tmp_path, restore_from="latest")
+    write_checkpoint(run, 1)
     assert decide_launch(run, 0, train_iters=1).kind == "complete"  # a one-step run
     assert decide_launch(run, 0, train_iters=2).kind == "resume"
     assert decide_launch(run, 0, train_iters=0).kind == "resume"  # no known length: never complete
@@ -197,9 +197,9 @@ def test_a_run_is_complete_only_once_its_checkpoint_reached_a_known_last_step(tm
 
 
 def test_a_named_checkpoint_is_checked_by_its_sizes_in_phase_one_and_its_contents_in_phase_two(tmp_path):
-    other = config(tmp_path / "other")
+    other = launch_config(tmp_path / "other")
     step = real_checkpoint(other, 4)
-    run = config(tmp_path, restore_from=str(step))
+    run = launch_config(tmp_path, restore_from=str(step))
     decided = decide_launch(run, 0, train_iters=8)
     assert decided == Launch(0, str(step), step, {}, False, False)
     flip_a_byte(step)  # same size: phase 1 (files alone, no process group) cannot tell
@@ -219,7 +219,7 @@ def test_a_named_checkpoint_is_checked_by_its_sizes_in_phase_one_and_its_content
 def test_phase_two_decides_a_fallback_by_the_same_rules_for_the_same_restart(tmp_path, caplog):
     """The newest checkpoint is complete at the run's end but damaged inside: phase 2 falls back to the
     older one, a resume of the same restart with that checkpoint's setting and data changes."""
-    run = config(tmp_path, restore_from="latest", allow_changes=("seed", "data"))
+    run = launch_config(tmp_path, restore_from="latest", allow_changes=("seed", "data"))
     now = {"dataset": {"samples": 11}}
     older = real_checkpoint(run, 2, data={"dataset": {"samples": 10}}, seed=7)
     newest = real_checkpoint(run, 6, data=now)
@@ -239,7 +239,7 @@ def test_phase_two_decides_a_fallback_by_the_same_rules_for_the_same_restart(tmp
 
 
 def test_phase_two_fallback_to_a_checkpoint_at_the_last_step_is_complete(tmp_path):
-    run = config(tmp_path, restore_from="latest")
+    run = launch_config(tmp_path, restore_from="latest")
     at_end = real_checkpoint(run, 6)
     beyond = real_checkpoint(run, 8)
     decided = decide_launch(run, 0, train_iters=6)
@@ -249,19 +249,19 @@ def test_phase_two_fallback_to_a_checkpoint_at_the_last_step_is_complete(tmp_pat
 
 
 def test_a_named_checkpoint_root_resolves_to_its_newest_and_an_overwrite_still_moves_the_old_run(tmp_path):
-    other = config(tmp_path / "other")
+    other = launch_config(tmp_path / "other")
     root = Path(other.run_dir) / "checkpoints"
     real_checkpoint(other, 2)
     newest = real_checkpoint(other, 4)
-    run = config(tmp_path, overwrite=True, restore_from=str(root))
-    checkpoint(run, 1)  # the old run in run_dir
+    run = launch_config(tmp_path, overwrite=True, restore_from=str(root))
+    write_checkpoint(run, 1)  # the old run in run_dir
     decided = decide_launch(run, 0, train_iters=8)
     assert decided == Launch(0, str(root), root, {}, True, False)
     assert verify_launch(run, decided, train_iters=8) == Launch(0, str(root), newest, {}, True, False)
 
 
 def test_an_allowed_change_is_one_warning_a_line_resuming_or_starting_again(tmp_path, caplog):
-    run = config(tmp_path, allow_changes=("seed",))
+    run = launch_config(tmp_path, allow_changes=("seed",))
     Path(run.run_dir).mkdir()
     (Path(run.run_dir) / "config.json").write_text(json.dumps(launching.config_to_dict(run)))
     again = dataclasses.replace(run, seed=7)
@@ -287,7 +287,7 @@ def built(parts, *, pp_size: int = 1, device: str = "cpu") -> SimpleNamespace:
 
 
 def test_restore_launch_puts_back_the_checkpoint_and_the_hooks_states(tmp_path, monkeypatch):
-    run = config(tmp_path)
+    run = launch_config(tmp_path)
     box = {"n": 7}
     hook = stateful("counter", lambda *a: None, lambda: dict(box), lambda s: box.update(s))
     parts = toy.components()
@@ -306,7 +306,7 @@ def test_restore_launch_puts_back_the_checkpoint_and_the_hooks_states(tmp_path, 
 
 
 def test_restore_launch_of_a_weights_only_run_starts_at_step_zero(tmp_path):
-    run = config(tmp_path, weights_only=True)
+    run = launch_config(tmp_path, weights_only=True)
     parts = toy.components()
     toy.step(parts, toy.batches(1)[0])
     step = real_checkpoint(run, 3, parts=parts)
@@ -317,7 +317,7 @@ def test_restore_launch_of_a_weights_only_run_starts_at_step_zero(tmp_path):
 
 def test_restore_launch_restores_the_rng_onto_the_runtimes_device(tmp_path, monkeypatch):
     """Not the device the model's parameters sit on (CPU for an offloaded model)."""
-    run = config(tmp_path)
+    run = launch_config(tmp_path)
     step = real_checkpoint(run, 3)
     onto = []
     real = restorer_module.set_rng_state
@@ -329,7 +329,7 @@ def test_restore_launch_restores_the_rng_onto_the_runtimes_device(tmp_path, monk
 
 
 def test_restore_launch_of_a_pipeline_stage_takes_its_part_of_the_checkpoint_quietly(tmp_path, caplog):
-    run = config(tmp_path)
+    run = launch_config(tmp_path)
     step = real_checkpoint(run, 3, parts=toy.components(extra=True, optimizer=False))
     extra = f"checkpoint {step} has model keys the model does not: extra.bias, extra.weight (ignored)"
     for pp_size, warned in ((1, [extra]), (2, [])):

@@ -26,7 +26,7 @@ from recipes import tiny_gpt
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def read(run_dir: Path) -> dict:
+def read_metadata(run_dir: Path) -> dict:
     return json.loads((run_dir / METADATA_FILE).read_text())
 
 
@@ -39,7 +39,7 @@ def test_metadata_fields(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # not a git checkout
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     path = write_run_metadata(tmp_path / "run", Runtime(seed=7, restart_count=2), argv=["train.py", "--x", "1"])
-    metadata = read(tmp_path / "run")
+    metadata = read_metadata(tmp_path / "run")
     assert path == tmp_path / "run" / METADATA_FILE
     assert metadata["command"]["argv"] == ["train.py", "--x", "1"]
     assert metadata["command"]["executable"] == sys.executable and metadata["command"]["cwd"] == str(tmp_path)
@@ -62,7 +62,7 @@ def test_start_state_and_launch_history(tmp_path):
     record_start(tmp_path, Runtime(), TrainState(1, 40, 3))
     write_run_metadata(tmp_path, Runtime(), argv=["b"])
     record_start(tmp_path, Runtime(), TrainState(2, 80, 0))
-    metadata = read(tmp_path)
+    metadata = read_metadata(tmp_path)
     assert metadata["command"]["argv"] == ["b"] and metadata["start_state"]["global_step"] == 80
     assert [launch["start_step"] for launch in metadata["launches"]] == [40, 80]
     assert write_run_metadata(tmp_path / "other", Runtime(rank=1, world_size=1), argv=["c"]) is None
@@ -84,14 +84,14 @@ def test_git_commit_and_dirty_flag(tmp_path, monkeypatch):
     assert git_state(repo)["dirty"] is True
     monkeypatch.chdir(repo)
     write_run_metadata(tmp_path / "run", Runtime())
-    assert read(tmp_path / "run")["git"]["commit"] == commit
+    assert read_metadata(tmp_path / "run")["git"]["commit"] == commit
 
 
 def test_without_git_nothing_fails(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))  # no git executable
     assert git_state(ROOT) is None
     write_run_metadata(tmp_path, Runtime())
-    assert read(tmp_path)["git"] is None
+    assert read_metadata(tmp_path)["git"] is None
     empty = tmp_path / "empty_repo"
     empty.mkdir()
     monkeypatch.undo()
@@ -174,7 +174,7 @@ def test_recipe_run_writes_metadata_and_rank_log(tmp_path):
 
     run_job(config, tiny_gpt.spec)
     run_dir = tmp_path / "run"
-    metadata = read(run_dir)
+    metadata = read_metadata(run_dir)
     assert (run_dir / metadata["config_file"]).is_file()  # the resolved config it refers to
     assert metadata["start_state"] == {"epoch": 0, "global_step": 0, "cursor": 0}
     assert metadata["git"] is None or len(metadata["git"]["commit"]) == 40

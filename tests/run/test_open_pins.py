@@ -22,8 +22,8 @@ from fntrain.run.metadata import METADATA_FILE
 from fntrain.run.open import _KEPT_BYTES, Progress, open_run, restore_found, survey
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
+from tests.helpers.files import file_hashes
 from tests.run.test_job import toy
-from tests.run.test_transaction import snapshot
 
 OLD = 1_000_000_000  # a modification time well in the past, set on every file of an earlier run
 
@@ -59,7 +59,7 @@ def test_a_start_that_fails_before_its_first_step_leaves_the_run_directory_as_fo
     config = toy(tmp_path)
     run_dir = Path(config.run_dir)
     earlier_run(run_dir)
-    bytes_before, tree_before = snapshot(run_dir), tree(run_dir)
+    bytes_before, tree_before = file_hashes(run_dir), tree(run_dir)
     opened = open_run(config, Runtime(), Launch())
     try:  # what a failed start can do before its first step
         (run_dir / "config.json").write_text('{"a": 2}')  # rewritten
@@ -72,7 +72,7 @@ def test_a_start_that_fails_before_its_first_step_leaves_the_run_directory_as_fo
     finally:
         opened.close()
     opened.undo()
-    assert snapshot(run_dir) == bytes_before
+    assert file_hashes(run_dir) == bytes_before
     assert set(tree(run_dir)) == set(tree_before)  # no file or folder of its own left
     untouched = [
         "logs/rank_1.log",
@@ -144,16 +144,16 @@ def test_overwrite_warns_where_the_old_run_went_and_a_failed_start_puts_it_back(
     config = toy(tmp_path)
     run_dir = Path(config.run_dir)
     earlier_run(run_dir)
-    bytes_before, tree_before = snapshot(run_dir), tree(run_dir)
+    bytes_before, tree_before = file_hashes(run_dir), tree(run_dir)
     with caplog.at_level(logging.WARNING, logger="fntrain.run.open"):
         opened = open_run(config, Runtime(), Launch(moves_aside=True))
     opened.close()
-    assert opened.aside is not None and snapshot(opened.aside) == bytes_before
+    assert opened.aside is not None and file_hashes(opened.aside) == bytes_before
     warnings = [r.getMessage() for r in caplog.records if r.name == "fntrain.run.open"]
     assert warnings == [f"overwrite: the run in {config.run_dir} moved to {opened.aside}"]
     (run_dir / "checkpoints").mkdir()  # the new run's checkpoint root, made before the failure
     opened.undo()
-    assert snapshot(run_dir) == bytes_before and tree(run_dir) == tree_before
+    assert file_hashes(run_dir) == bytes_before and tree(run_dir) == tree_before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing left aside
 
 

@@ -20,7 +20,7 @@ from fntrain.run.job import RunAborted, run_job
 tiny_gpt = pytest.importorskip("recipes.tiny_gpt")
 
 
-def tiny(tmp_path, **changes: Any):
+def tiny_job_config(tmp_path, **changes: Any):
     config = tiny_gpt.Config(
         run_dir=str(tmp_path / "run"),
         log_every=1,
@@ -56,7 +56,7 @@ def run_and_compare(config, spec=tiny_gpt.spec, *, raises: type[BaseException] |
 
 
 def test_a_normal_end_leaves_no_thread(tmp_path):
-    result = run_and_compare(tiny(tmp_path, checkpoint=CheckpointConfig(save_every=2)))
+    result = run_and_compare(tiny_job_config(tmp_path, checkpoint=CheckpointConfig(save_every=2)))
     assert result.state.global_step == 3
 
 
@@ -64,17 +64,17 @@ def test_an_abort_leaves_no_thread(tmp_path):
     spec = dataclasses.replace(
         tiny_gpt.spec, hooks=lambda built: [raise_at_step_2(RuntimeError("hook failed"))]
     )
-    run_and_compare(tiny(tmp_path, checkpoint=CheckpointConfig(save_every=1)), spec, raises=RuntimeError)
+    run_and_compare(tiny_job_config(tmp_path, checkpoint=CheckpointConfig(save_every=1)), spec, raises=RuntimeError)
 
 
 def test_a_stop_training_leaves_no_thread(tmp_path):
     spec = dataclasses.replace(tiny_gpt.spec, hooks=lambda built: [raise_at_step_2(StopTraining("enough"))])
-    result = run_and_compare(tiny(tmp_path), spec)
+    result = run_and_compare(tiny_job_config(tmp_path), spec)
     assert (result.outcome, result.state.global_step) == ("stopped", 2)
 
 
 def test_the_progress_bar_leaves_no_thread(tmp_path):
-    result = run_and_compare(tiny(tmp_path, progress=ProgressConfig(enabled=True)))
+    result = run_and_compare(tiny_job_config(tmp_path, progress=ProgressConfig(enabled=True)))
     assert result.state.global_step == 3
 
 
@@ -82,17 +82,17 @@ def test_the_progress_bar_leaves_no_thread_on_abort(tmp_path):
     spec = dataclasses.replace(
         tiny_gpt.spec, hooks=lambda built: [raise_at_step_2(RuntimeError("hook failed"))]
     )
-    run_and_compare(tiny(tmp_path, progress=ProgressConfig(enabled=True)), spec, raises=RuntimeError)
+    run_and_compare(tiny_job_config(tmp_path, progress=ProgressConfig(enabled=True)), spec, raises=RuntimeError)
 
 
 def test_prefetch_leaves_no_thread(tmp_path):
-    result = run_and_compare(tiny(tmp_path, loader=LoaderConfig(prefetch=True, prefetch_depth=2)))
+    result = run_and_compare(tiny_job_config(tmp_path, loader=LoaderConfig(prefetch=True, prefetch_depth=2)))
     assert result.state.global_step == 3
 
 
 @pytest.mark.parametrize("fails", [False, True], ids=["normal end", "abort"])
 def test_async_save_leaves_no_thread(tmp_path, fails):
-    config = tiny(tmp_path, checkpoint=CheckpointConfig(save_every=1, async_save=True))
+    config = tiny_job_config(tmp_path, checkpoint=CheckpointConfig(save_every=1, async_save=True))
     if fails:
         spec = dataclasses.replace(
             tiny_gpt.spec, hooks=lambda built: [raise_at_step_2(RuntimeError("hook failed"))]

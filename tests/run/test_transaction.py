@@ -5,7 +5,6 @@ keeps the last good checkpoint and ends in one line naming the step and the log.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
@@ -16,11 +15,8 @@ from fntrain.cli import run_recipe
 from fntrain.run.config import CheckpointConfig
 from fntrain.run.job import RunAborted, run_job
 from fntrain.run.open import Found, restore_found, survey
+from tests.helpers.files import file_hashes
 from tests.run.test_job import spec, toy, toy_datasets
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
 
 
 class BreaksAt:
@@ -98,24 +94,24 @@ def test_a_failure_before_the_first_step_removes_a_new_run_directory(tmp_path, e
 def test_a_failure_before_the_first_step_of_a_resume_leaves_the_run_as_it_was(tmp_path):
     config = toy(tmp_path, checkpoint=CheckpointConfig(save_every=2))
     run_job(config, spec)
-    before = snapshot(tmp_path / "run")
+    before = file_hashes(tmp_path / "run")
     longer = dataclasses.replace(
         config, train=dataclasses.replace(config.train, train_iters=6),
         checkpoint=CheckpointConfig(save_every=2, restore_from="latest", allow_changes=("train.train_iters",)),
     )  # fmt: skip
     with pytest.raises(RunAborted):
         run_job(longer, dataclasses.replace(spec, hooks=failing_hook(Event.STEP_BEGIN)))
-    assert snapshot(tmp_path / "run") == before
+    assert file_hashes(tmp_path / "run") == before
     assert run_job(longer, spec).state.global_step == 6  # the corrected command just works
 
 
 def test_overwrite_that_fails_before_its_first_step_puts_the_old_run_back(tmp_path):
     config = toy(tmp_path)
     run_job(config, spec)
-    before = snapshot(tmp_path / "run")
+    before = file_hashes(tmp_path / "run")
     with pytest.raises(RunAborted):
         run_job(dataclasses.replace(config, overwrite=True), dataclasses.replace(spec, hooks=failing_hook(Event.TRAIN_BEGIN)))
-    assert snapshot(tmp_path / "run") == before
+    assert file_hashes(tmp_path / "run") == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing left aside
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -12,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+
+from tests.helpers.ports import free_port
 
 FAKE_TORCH_NPU = textwrap.dedent(
     '''
@@ -68,12 +69,6 @@ def fake_torch_npu(tmp_path, monkeypatch):
     sys.modules.pop("torch_npu", None)
     if getattr(getattr(torch, "npu", None), "IS_FAKE", False):
         delattr(torch, "npu")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

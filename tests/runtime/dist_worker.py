@@ -24,6 +24,7 @@ from fntrain.runtime.setup import RuntimeConfig, setup_runtime
 from fntrain.state import TrainState
 from fntrain.step import StepSettings, causal_lm_loss, make_train_step
 from fntrain.step.optim import OptimizerConfig, build_optimizer
+from tests.helpers.workers import gathered
 
 STEPS = 5
 GLOBAL = 8
@@ -69,10 +70,6 @@ def rank_micro_batches(samples: list[dict[str, torch.Tensor]], dp_rank: int, dp_
     ]
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
-
-
 def _name(name: str) -> str:
     return name.removeprefix("module.")
 
@@ -82,7 +79,7 @@ def poisonable_loss(output, micro_batch):
     return loss * micro_batch["poison"] if "poison" in micro_batch else loss
 
 
-def run_case(runtime, strategy: str, case: str) -> dict:
+def run_strategy_case(runtime, strategy: str, case: str) -> dict:
     optimizer_name, weighting, precision, steps = CASES[case]
     parallel = ParallelConfig(strategy=strategy, mixed_precision=precision)
     torch.manual_seed(0)
@@ -97,7 +94,7 @@ def run_case(runtime, strategy: str, case: str) -> dict:
     def capture(opt, args, kwargs):
         if not first_grads:
             for name, param in model.named_parameters():
-                first_grads[_name(name)] = _full(param.grad)
+                first_grads[_name(name)] = gathered(param.grad)
 
     optimizer.register_step_pre_hook(capture)
     skip_nan = case == "skip_nan"
@@ -131,7 +128,7 @@ def run_case(runtime, strategy: str, case: str) -> dict:
         losses.append(float(loss))
         norms.append(float(metrics["grad_norm"]))
         state = state.after_step()
-    weights = {_name(name): _full(param) for name, param in model.named_parameters()}
+    weights = {_name(name): gathered(param) for name, param in model.named_parameters()}
     if runtime.distributed:  # every rank's own view, to check that they agree
         every_rank: list = [None] * runtime.world_size
         dist.all_gather_object(every_rank, (skipped, {n: w.tolist() for n, w in weights.items()}))
@@ -151,7 +148,7 @@ def main(argv: list[str]) -> None:
     strategy, out = argv[0], argv[1]
     cases = argv[2].split(",") if len(argv) > 2 else list(CASES)
     with setup_runtime(RuntimeConfig(device="cpu"), ParallelConfig(strategy=strategy), seed=0) as runtime:
-        results = {case: run_case(runtime, strategy, case) for case in cases}
+        results = {case: run_strategy_case(runtime, strategy, case) for case in cases}
         results["world_size"] = runtime.world_size
         results["dp_rank_seen"] = runtime.dp_rank
         if runtime.is_main:

@@ -30,6 +30,7 @@ from fntrain.state import TrainState
 from fntrain.step import StepSettings, causal_lm_loss, make_train_step
 from fntrain.step.components import Components
 from fntrain.step.optim import OptimizerConfig, build_optimizer
+from tests.helpers.workers import gathered
 
 MODEL = ModelConfig(context=16, n_layer=2, n_head=2, d_model=32, dropout=0.0)
 SEED = 11
@@ -38,16 +39,12 @@ GLOBAL = 8
 MICRO = 2
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
-
-
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     inner = getattr(model, "module", model)  # DDP wraps
-    return {name: _full(value) for name, value in inner.state_dict().items()}
+    return {name: gathered(value) for name, value in inner.state_dict().items()}
 
 
-def _batches(dp_rank: int, dp_size: int) -> list[list[dict[str, torch.Tensor]]]:
+def scale_rank_batches(dp_rank: int, dp_size: int) -> list[list[dict[str, torch.Tensor]]]:
     generator = torch.Generator().manual_seed(5)
     per_rank = GLOBAL // dp_size
     steps = []
@@ -63,14 +60,14 @@ def _batches(dp_rank: int, dp_size: int) -> list[list[dict[str, torch.Tensor]]]:
     return steps
 
 
-def _train(model: torch.nn.Module, runtime, keep: dict | None = None) -> list[float]:
+def train_steps(model: torch.nn.Module, runtime, keep: dict | None = None) -> list[float]:
     optimizer = build_optimizer(OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1), model).optimizer
     step = make_train_step(
         model, causal_lm_loss, (optimizer,), (), settings=StepSettings(max_grad_norm=1.0, device=runtime.device,
         dp_size=runtime.dp_size, dp_group=data_parallel_group(runtime)),
     )  # fmt: skip
     state, losses = TrainState(), []
-    for batch in _batches(runtime.dp_rank, runtime.dp_size):
+    for batch in scale_rank_batches(runtime.dp_rank, runtime.dp_size):
         metrics = step(state, batch)
         state = state.after_step()
         losses.append(float(metrics["loss"]))
@@ -97,7 +94,7 @@ def meta_case() -> dict:
             "tied": meta.head.weight is meta.tok.weight,
             "local_numel": local_numel(meta),
             "global_numel": sum(p.numel() for p in meta.parameters()),
-            "logits_equal": torch.equal(_full(eager(ids)), _full(meta(ids))),
+            "logits_equal": torch.equal(gathered(eager(ids)), gathered(meta(ids))),
         }
 
 
@@ -107,7 +104,7 @@ def hsdp_case(out: str) -> dict:
     with setup_runtime(RuntimeConfig(), ddp, seed=SEED) as runtime:
         torch.manual_seed(SEED)
         model = parallelize(TinyGPT(MODEL), runtime, ddp)
-        results["ddp"] = {"losses": _train(model, runtime), "weights": _weights(model)}
+        results["ddp"] = {"losses": train_steps(model, runtime), "weights": _weights(model)}
     hsdp = ParallelConfig(strategy="fsdp2", replicate=2, meta_init=True)
     with setup_runtime(RuntimeConfig(), hsdp, seed=SEED) as runtime:
         model = build_model(
@@ -116,7 +113,7 @@ def hsdp_case(out: str) -> dict:
         placements = {str(p.placements) for p in model.parameters()}
         kept: dict = {}
         results["hsdp"] = {
-            "losses": _train(model, runtime, kept),
+            "losses": train_steps(model, runtime, kept),
             "weights": _weights(model),
             "mesh": (runtime.mesh.mesh_dim_names, tuple(runtime.mesh.shape)),
             "placements": sorted(placements),
@@ -136,7 +133,7 @@ def hsdp_case(out: str) -> dict:
     return results
 
 
-def launch(case: str, out: Path, timeout: float = 110) -> None:
+def launch_scale_case(case: str, out: Path, timeout: float = 110) -> None:
     """Run CASE on 2 ranks under torchrun (from a test process); fail with the workers' output."""
     root = Path(__file__).resolve().parents[2]
     env = {

@@ -22,18 +22,11 @@ ROOT = Path(__file__).resolve().parents[2]
 TIGHT = {"rtol": 1e-5, "atol": 1e-6}
 
 
-@pytest.fixture(scope="module")
-def python(fork_env):
-    """Every launch of the module (torchrun's workers too) forks from one Python that imported torch and
-    fntrain (tests/helpers/preloaded_launch.py): the imports cost more than these runs' steps."""
-    return preloaded_launch.through(fork_env)
-
-
 CASES = "sgd,adamw,sgd_mean,bf16,fp16,skip_nan"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, python):
+def strategy_runs(tmp_path_factory, python):
     """strategy -> the worker's results: the 1-rank reference in one process, ddp and fsdp2 in one
     2-rank launch (tests/helpers/worker_sequence.py: the launch costs more than these steps)."""
     root = tmp_path_factory.mktemp("runs")
@@ -65,8 +58,8 @@ def _initial_weights() -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_ranks_match_one_rank(strategy, runs):
-    reference, results = runs("none"), runs(strategy)
+def test_two_ranks_match_one_rank(strategy, strategy_runs):
+    reference, results = strategy_runs("none"), strategy_runs(strategy)
     for case in ("sgd", "adamw", "sgd_mean"):
         ref, got = reference[case], results[case]
         # Step-1 gradients (after clipping at 1.0) and their pre-clip norms.
@@ -94,8 +87,8 @@ def test_two_ranks_match_one_rank(strategy, runs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_mixed_precision_runs_close_to_the_reference(strategy, runs):
-    reference, results = runs("none"), runs(strategy)
+def test_mixed_precision_runs_close_to_the_reference(strategy, strategy_runs):
+    reference, results = strategy_runs("none"), strategy_runs(strategy)
     for case in ("bf16", "fp16"):
         losses = results[case]["losses"]
         assert all(torch.isfinite(torch.tensor(losses)))
@@ -107,10 +100,10 @@ def test_mixed_precision_runs_close_to_the_reference(strategy, runs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(strategy, runs):
+def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(strategy, strategy_runs):
     """nonfinite="skip": rank 1 alone sees a NaN loss at step 2; both ranks skip that step (they decide
     from the synced gradients), stay identical, and end where the 1-rank run that skipped it ends."""
-    reference, results = runs("none")["skip_nan"], runs(strategy)["skip_nan"]
+    reference, results = strategy_runs("none")["skip_nan"], strategy_runs(strategy)["skip_nan"]
     assert reference["skipped_by_rank"] == [[0.0, 1.0, 0.0]]
     assert results["skipped_by_rank"] == [[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]]
     assert results["weights_by_rank"][0] == results["weights_by_rank"][1]

@@ -57,13 +57,6 @@ def test_parallelize_rejects_replicate_without_an_hsdp_runtime_mesh(one_rank_env
             parallelize(torch.nn.Linear(2, 2), runtime, ParallelConfig(strategy="fsdp2", replicate=2))
 
 
-@pytest.fixture(scope="module")
-def python(fork_env):
-    """The slow tests' launches (torchrun's workers too) fork from one Python that imported torch and
-    fntrain (tests/helpers/preloaded_launch.py): their imports cost more than their steps."""
-    return preloaded_launch.through(fork_env)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_rank_hsdp_replicate_2_shard_1_matches_ddp(python, tmp_path):

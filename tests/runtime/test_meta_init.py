@@ -22,7 +22,7 @@ from fntrain.runtime.materialize import (
 from fntrain.runtime.parallel import ParallelConfig, parallelize
 from fntrain.runtime.runtime import Runtime
 from fntrain.runtime.setup import RuntimeConfig, setup_runtime
-from tests.runtime.scale_worker import launch
+from tests.runtime.scale_worker import launch_scale_case
 
 MODEL = ModelConfig(context=16, n_layer=2, n_head=2, d_model=32, dropout=0.1)
 SEED = 7
@@ -42,7 +42,7 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
+def assert_same_module_weights(a: nn.Module, b: nn.Module) -> None:
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
     for name in sa:
@@ -102,7 +102,7 @@ def test_materialize_allocates_meta_tensors_and_keeps_real_buffers(caplog):
 def test_meta_init_equals_eager_init_weights_ties_and_rng_state():
     expected, rng_after = eager()
     model = build_model(lambda: TinyGPT(MODEL), Runtime(), "none", fill=tiny_gpt_init())
-    assert_same_weights(expected, model)
+    assert_same_module_weights(expected, model)
     assert model.head.weight is model.tok.weight
     assert len(list(model.parameters())) == len(list(expected.parameters()))
     # The global RNG is where the eager build left it: dropout masks of the first steps match too.
@@ -118,7 +118,7 @@ def test_another_seed_gives_other_weights():
     a = build_model(lambda: TinyGPT(MODEL), Runtime(), "none", fill=tiny_gpt_init(1))
     b = build_model(lambda: TinyGPT(MODEL), Runtime(), "none", fill=tiny_gpt_init(2))
     assert not torch.equal(a.tok.weight, b.tok.weight)
-    assert_same_weights(a, eager(1)[0])
+    assert_same_module_weights(a, eager(1)[0])
 
 
 def test_replay_plan_is_reset_parameters_in_module_order_then_post_init_in_apply_order():
@@ -166,7 +166,7 @@ def test_tiny_gpt_recipe_meta_init_flag_builds_the_same_model(tmp_path):
         run_dir=str(tmp_path), model=MODEL, seed=5, parallel=ParallelConfig(meta_init=True)
     )
     meta = tiny_gpt.build_model(meta_config, Runtime())
-    assert_same_weights(plain, meta)
+    assert_same_module_weights(plain, meta)
 
 
 def test_meta_init_flag_is_validated():
@@ -178,26 +178,26 @@ def test_meta_init_flag_is_validated():
 
 
 @pytest.fixture
-def gloo(one_rank_env):
+def gloo_runtime_for(one_rank_env):
     def runtime(parallel: ParallelConfig):
         return setup_runtime(RuntimeConfig(), parallel, seed=SEED)
 
     return runtime
 
 
-def test_fsdp2_meta_init_equals_eager_then_sharded_and_trains_alike(gloo):
+def test_fsdp2_meta_init_equals_eager_then_sharded_and_trains_alike(gloo_runtime_for):
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     fsdp = ParallelConfig(strategy="fsdp2")
     no_dropout = ModelConfig(context=16, n_layer=2, n_head=2, d_model=32, dropout=0.0)
-    with gloo(fsdp) as runtime:
+    with gloo_runtime_for(fsdp) as runtime:
         torch.manual_seed(SEED)
         expected = parallelize(TinyGPT(no_dropout), runtime, fsdp)
         model = build_model(lambda: TinyGPT(no_dropout), runtime, fsdp, fill=tiny_gpt_init())
         assert isinstance(model, FSDPModule) and all(isinstance(p, DTensor) for p in model.parameters())
         assert model.head.weight is model.tok.weight
-        assert_same_weights(expected, model)
+        assert_same_module_weights(expected, model)
         ids = torch.randint(0, no_dropout.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
         losses = []
         for net in (expected, model):
@@ -209,10 +209,10 @@ def test_fsdp2_meta_init_equals_eager_then_sharded_and_trains_alike(gloo):
                 optimizer.zero_grad()
             losses.append(loss.detach())
         assert torch.equal(losses[0], losses[1])
-        assert_same_weights(expected, model)
+        assert_same_module_weights(expected, model)
 
 
-def test_fsdp2_init_works_one_module_at_a_time(gloo, monkeypatch):
+def test_fsdp2_init_works_one_module_at_a_time(gloo_runtime_for, monkeypatch):
     from fntrain.runtime import materialize as materialize_module
 
     sizes: list[int] = []
@@ -221,7 +221,7 @@ def test_fsdp2_init_works_one_module_at_a_time(gloo, monkeypatch):
         materialize_module, "_full_twin", lambda *a: sizes.append(a[0].numel()) or full_twin(*a)
     )
     fsdp = ParallelConfig(strategy="fsdp2")
-    with gloo(fsdp) as runtime:
+    with gloo_runtime_for(fsdp) as runtime:
         model = build_model(lambda: TinyGPT(MODEL), runtime, fsdp, fill=tiny_gpt_init())
         largest = max(p.numel() for p in model.parameters())
         total = sum(p.numel() for p in model.parameters())
@@ -229,14 +229,14 @@ def test_fsdp2_init_works_one_module_at_a_time(gloo, monkeypatch):
         assert local_numel(model) == total  # one rank: its shard is everything
 
 
-def test_ddp_meta_init_materializes_before_wrapping(gloo):
+def test_ddp_meta_init_materializes_before_wrapping(gloo_runtime_for):
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = ParallelConfig(strategy="ddp")
-    with gloo(ddp) as runtime:
+    with gloo_runtime_for(ddp) as runtime:
         model = build_model(lambda: TinyGPT(MODEL), runtime, ddp, fill=tiny_gpt_init())
         assert isinstance(model, DistributedDataParallel)
-        assert_same_weights(eager()[0], model.module)
+        assert_same_module_weights(eager()[0], model.module)
 
 
 # ----------------------------------------------------------------------------- slow: 2 ranks
@@ -246,7 +246,7 @@ def test_ddp_meta_init_materializes_before_wrapping(gloo):
 @pytest.mark.timeout(120)
 def test_two_rank_fsdp2_meta_init_equals_eager_init(tmp_path):
     out = tmp_path / "meta.pt"
-    launch("meta", out)
+    launch_scale_case("meta", out)
     result = torch.load(out)
     assert result["world_size"] == 2
     assert result["eager"].keys() == result["meta"].keys()

@@ -139,11 +139,11 @@ LAYOUTS = {
 }
 
 
-def _run(python: preloaded_launch.Python, run_dir: Path, ranks: int, *args: str) -> str:
+def run_tiny_gpt(python: preloaded_launch.Python, run_dir: Path, ranks: int, *args: str) -> str:
     return preloaded_launch.run(python, ranks, "recipes.tiny_gpt", *RUN, "--run-dir", str(run_dir), *args)
 
 
-def _metrics(run_dir: Path) -> tuple[list[float], float]:
+def tp_run_metrics(run_dir: Path) -> tuple[list[float], float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [row["loss"] for row in rows if "loss" in row]
     return losses, next(row["val_loss"] for row in rows if "val_loss" in row)
@@ -160,15 +160,9 @@ def _assert_same_weights(got_dir: Path, want_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def python(fork_env):
-    """Every launch of the module forks from one process that imported torch and fntrain."""
-    return preloaded_launch.through(fork_env)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, python) -> Path:
+def one_rank_run(tmp_path_factory, python) -> Path:
     run_dir = tmp_path_factory.mktemp("one_rank")
-    _run(python, run_dir, 1)
+    run_tiny_gpt(python, run_dir, 1)
     return run_dir
 
 
@@ -181,7 +175,7 @@ def layout_runs(tmp_path_factory, python):
         if layout not in cache:
             ranks, args = LAYOUTS[layout]
             run_dir = tmp_path_factory.mktemp(layout)
-            cache[layout] = (run_dir, _run(python, run_dir, ranks, *args))
+            cache[layout] = (run_dir, run_tiny_gpt(python, run_dir, ranks, *args))
         return cache[layout]
 
     return get
@@ -190,18 +184,18 @@ def layout_runs(tmp_path_factory, python):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_model_parallel_runs_match_one_rank(layout, reference, layout_runs):
+def test_model_parallel_runs_match_one_rank(layout, one_rank_run, layout_runs):
     run_dir, output = layout_runs(layout)
     args = LAYOUTS[layout][1]
     tp = "2" if "--parallel.tp-size" in args else "1"
     pp = "2" if "--parallel.pp-size" in args else "1"
     assert f"tp {tp}, pp {pp}" in output
-    losses, val_loss = _metrics(run_dir)
-    want_losses, want_val = _metrics(reference)
+    losses, val_loss = tp_run_metrics(run_dir)
+    want_losses, want_val = tp_run_metrics(one_rank_run)
     assert len(losses) == 5
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **TIGHT)
     torch.testing.assert_close(torch.tensor(val_loss), torch.tensor(want_val), **TIGHT)
-    _assert_same_weights(run_dir, reference)
+    _assert_same_weights(run_dir, one_rank_run)
 
 
 @pytest.mark.slow
@@ -212,9 +206,9 @@ def test_a_tp2_checkpoint_restores_at_tp1(layout_runs, python, tmp_path):
     reductions run in another order)."""
     two, _ = layout_runs("tp2")
     one = tmp_path / "one"
-    _run(python, one, 1, "--checkpoint.restore-from", str(two / "checkpoints" / "step_3"))
-    losses_one, _ = _metrics(one)
-    losses_two, _ = _metrics(two)
+    run_tiny_gpt(python, one, 1, "--checkpoint.restore-from", str(two / "checkpoints" / "step_3"))
+    losses_one, _ = tp_run_metrics(one)
+    losses_two, _ = tp_run_metrics(two)
     assert len(losses_one) == 2 and len(losses_two) == 5
     torch.testing.assert_close(torch.tensor(losses_one), torch.tensor(losses_two[3:]), **TIGHT)
     _assert_same_weights(one, two)
@@ -232,13 +226,13 @@ def test_pipeline_checkpoints_change_layout_with_their_adam_state(python, tmp_pa
     adam = ["--optim.name", "adamw", "--optim.lr", "0.003", "--schedule.kind", "constant",
             "--checkpoint.save-every", "2", "--train.train-iters", "6"]  # fmt: skip
     straight, on_two, on_one = tmp_path / "straight", tmp_path / "pp2", tmp_path / "pp1"
-    _run(python, straight, 1, *adam)
-    want, _ = _metrics(straight)
+    run_tiny_gpt(python, straight, 1, *adam)
+    want, _ = tp_run_metrics(straight)
     for run_dir, pp, saved, start in ((on_two, 2, straight / "checkpoints" / "step_2", 2),
                                       (on_one, 1, on_two / "checkpoints" / "step_4", 4)):  # fmt: skip
         restore = ["--parallel.pp-size", str(pp), "--checkpoint.restore-from", str(saved)]
-        output = _run(python, run_dir, pp, *adam, *restore)
+        output = run_tiny_gpt(python, run_dir, pp, *adam, *restore)
         assert "optimizer state not restored" not in output and "lacks optimizer state" not in output
-        losses, _ = _metrics(run_dir)
+        losses, _ = tp_run_metrics(run_dir)
         assert len(losses) == 6 - start
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want[start:]), **TIGHT)

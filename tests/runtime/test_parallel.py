@@ -50,7 +50,7 @@ def make_stack(seed: int = 0) -> Stack:
     return Stack()
 
 
-def batches(steps: int = 2) -> list[list[dict[str, torch.Tensor]]]:
+def parallel_batches(steps: int = 2) -> list[list[dict[str, torch.Tensor]]]:
     generator = torch.Generator().manual_seed(3)
     out = []
     for _ in range(steps):
@@ -75,7 +75,7 @@ def train(
         grad_scaler=grad_scaler,
     )
     losses, state = [], TrainState()
-    for batch in batches(steps):
+    for batch in parallel_batches(steps):
         losses.append(step_fn(state, batch)["loss"])
         state = state.after_step()
     weights = {}

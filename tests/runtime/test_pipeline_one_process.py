@@ -17,7 +17,7 @@ from fntrain.runtime.setup import RuntimeConfig, setup_runtime
 from fntrain.state import TrainState
 from fntrain.step import StepSettings, causal_lm_loss, make_train_step
 from fntrain.step.pipeline import PipelineLayout, make_pipeline_eval, make_pipeline_step, pipeline_layout
-from tests.runtime.test_pipeline_step import SHAPE, _batches, _model_and_optimizer
+from tests.runtime.test_pipeline_step import SHAPE, _model_and_optimizer, pipeline_batches
 
 
 def _with_positions(batch: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
@@ -45,7 +45,7 @@ def test_eval_runs_one_forward_schedule_per_shape_and_returns_the_loss(one_rank_
         model.eval()
         layout = PipelineLayout(0, 1, dist.group.WORLD)
         forward, loss = make_pipeline_eval(model, causal_lm_loss, layout, runtime.device)
-        batch = _with_positions(_batches(steps=1)[0])
+        batch = _with_positions(pipeline_batches(steps=1)[0])
         short = {key: value[:, :5] for key, value in batch[0].items()}
         with torch.no_grad():
             for micro_batch in (batch[0], short, batch[1]):
@@ -67,7 +67,7 @@ def test_a_tied_copy_counted_elsewhere_is_left_out_of_the_norm(one_rank_env):
                                   settings=StepSettings(max_grad_norm=1e9, device=runtime.device), micro_batches=3)  # fmt: skip
         plain = make_train_step(reference, causal_lm_loss, reference_optimizer, settings=StepSettings(max_grad_norm=1e9))
         seen, want_seen = _grads_at_step(optimizer, model), _grads_at_step(reference_optimizer, reference)
-        batch = _batches(steps=1)[0]
+        batch = pipeline_batches(steps=1)[0]
         got, want = step(TrainState(), batch), plain(TrainState(), batch)
         for name, grad in want_seen.items():  # one stage: the tie's all_reduce leaves its gradient whole
             torch.testing.assert_close(seen[name], grad, rtol=1e-6, atol=1e-7, msg=name)
@@ -87,7 +87,7 @@ def test_position_ids_reach_the_first_stage_and_no_norm_is_computed_unless_neede
         step = make_pipeline_step(model, causal_lm_loss, [optimizer], [], layout,
                                   settings=StepSettings(device=runtime.device), micro_batches=3)  # fmt: skip
         plain = make_train_step(reference, causal_lm_loss, reference_optimizer)
-        batch = _with_positions(_batches(steps=1)[0])
+        batch = _with_positions(pipeline_batches(steps=1)[0])
         got, want = step(TrainState(), batch), plain(TrainState(), batch)
         assert got["grad_norm"] == 0.0
         torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-6, atol=1e-7)
@@ -95,7 +95,7 @@ def test_position_ids_reach_the_first_stage_and_no_norm_is_computed_unless_neede
             torch.testing.assert_close(model.get_parameter(name), param, rtol=1e-6, atol=1e-7, msg=name)
         unpositioned, unpositioned_optimizer = _model_and_optimizer()
         other = make_train_step(unpositioned, causal_lm_loss, unpositioned_optimizer)(
-            TrainState(), _batches(steps=1)[0]
+            TrainState(), pipeline_batches(steps=1)[0]
         )
         assert not torch.allclose(other["loss"], got["loss"])  # the position ids were used
 

@@ -19,7 +19,7 @@ from fntrain.step.pipeline import PipelineLayout, make_pipeline_step
 SHAPE = ModelConfig(context=8, n_layer=2, n_head=2, d_model=16)
 
 
-def _batches(steps: int = 3, micro: int = 3) -> list[list[dict[str, torch.Tensor]]]:
+def pipeline_batches(steps: int = 3, micro: int = 3) -> list[list[dict[str, torch.Tensor]]]:
     generator = torch.Generator().manual_seed(5)
     batches = []
     for _ in range(steps):
@@ -50,7 +50,7 @@ def test_one_stage_pipeline_steps_like_the_plain_step(one_rank_env, schedule, we
             max_grad_norm=0.5, loss_weighting=weighting, device=runtime.device), micro_batches=3)  # fmt: skip
         plain = make_train_step(reference, causal_lm_loss, reference_optimizer, settings=StepSettings(max_grad_norm=0.5,
                                 loss_weighting=weighting))  # fmt: skip
-        for step, batch in enumerate(_batches()):
+        for step, batch in enumerate(pipeline_batches()):
             state = TrainState(global_step=step)
             got, want = pipeline(state, batch), plain(state, batch)
             torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-6, atol=1e-7)
@@ -65,7 +65,7 @@ def test_micro_batches_must_match_the_pipeline_and_each_other(one_rank_env):
         model, optimizer = _model_and_optimizer()
         step = make_pipeline_step(model, causal_lm_loss, [optimizer], [], PipelineLayout(0, 1, dist.group.WORLD),
                                   settings=StepSettings(device=runtime.device), micro_batches=3)  # fmt: skip
-        batch = _batches(steps=1)[0]
+        batch = pipeline_batches(steps=1)[0]
         with pytest.raises(ValueError, match="step 1: 2 micro-batches, the pipeline runs 3"):
             step(TrainState(), batch[:2])
         short = [*batch[:2], {key: value[:, :4] for key, value in batch[2].items()}]

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 PROMPTS = [[5, 17, 33, 2, 9, 250], [40], [7, 7, 8, 100, 101, 102, 103, 104, 3, 60, 61], [90, 91, 92]]
 
 
-def _built(kind: str):
+def hf_causal_lm(kind: str):
     if kind == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -35,7 +35,7 @@ def hf_model(request):
     at its first real token) built from a config (vocabulary 300: bytes fit), with weights large enough
     that its distributions are far from uniform; no EOS, so `generate` runs every row to its length."""
     torch.manual_seed(0)
-    model = _built(request.param).eval()
+    model = hf_causal_lm(request.param).eval()
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() > 1:
@@ -79,7 +79,7 @@ def test_the_cache_changes_the_cost_not_the_tokens(hf_model):
     assert cached.tokens == recomputed.tokens
 
 
-class Recording(torch.nn.Module):
+class RecordingModel(torch.nn.Module):
     """A transformers causal LM that keeps the last position's logits of every forward."""
 
     def __init__(self, model):
@@ -96,10 +96,10 @@ class Recording(torch.nn.Module):
 
 def test_a_left_padded_rows_logits_are_its_logits_alone(hf_model):
     settings = SampleSettings(max_new_tokens=6, temperature=0)
-    batch = Recording(hf_model)
+    batch = RecordingModel(hf_model)
     tokens = decode(batch, PROMPTS, settings, [None] * 4).tokens
     for row, prompt in enumerate(PROMPTS):
-        alone = Recording(hf_model)
+        alone = RecordingModel(hf_model)
         assert decode(alone, [prompt], settings, [None]).tokens[0] == tokens[row]
         for padded, unpadded in zip(batch.logits, alone.logits, strict=True):
             torch.testing.assert_close(padded[row], unpadded[0], atol=1e-5, rtol=1e-5)

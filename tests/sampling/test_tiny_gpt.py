@@ -14,7 +14,7 @@ from fntrain.sampling import SampleSettings, decode, pick_tokens, row_generator,
 PROMPT = torch.tensor(list(b"ROMEO:"))
 
 
-def tiny(context: int = 16, **shape) -> TinyGPT:
+def large_weight_gpt(context: int = 16, **shape) -> TinyGPT:
     """A small GPT with large weights: its greedy continuation varies (GPT-2's 0.02 init repeats one byte)."""
     torch.manual_seed(0)
     model = TinyGPT(ModelConfig(context=context, n_layer=2, n_head=2, d_model=32, **shape)).eval()
@@ -43,14 +43,14 @@ def greedy(steps: int, **settings) -> SampleSettings:
 @pytest.mark.parametrize("experts", [0, 4], ids=["dense", "moe"])
 def test_kv_cached_greedy_tokens_equal_the_full_window_recomputed(experts):
     # 24 new tokens after 6 of prompt with a 16-position context: the cache fills, then the window slides.
-    model = tiny(experts=experts)
+    model = large_weight_gpt(experts=experts)
     tokens = list(sample_tokens(model, PROMPT, greedy(24)))
     assert tokens == without_cache(model, PROMPT, 24)
     assert len(set(tokens)) > 3  # a continuation that varies, so the comparison means something
 
 
 def test_the_cache_gives_the_logits_of_the_full_forward_fed_in_chunks():
-    model = tiny()
+    model = large_weight_gpt()
     ids = torch.tensor([list(b"to be or not to")])
     cache = model.new_kv_cache()
     chunks = [model(ids[:, :5], kv_cache=cache), model(ids[:, 5:9], kv_cache=cache)]  # prefill, then a chunk
@@ -62,14 +62,14 @@ def test_the_cache_gives_the_logits_of_the_full_forward_fed_in_chunks():
 
 
 def test_the_same_seed_gives_the_same_tokens_and_another_seed_others():
-    model, settings = tiny(), SampleSettings(max_new_tokens=16, temperature=1.0)
+    model, settings = large_weight_gpt(), SampleSettings(max_new_tokens=16, temperature=1.0)
     draw = lambda seed: list(sample_tokens(model, PROMPT, settings, torch.Generator().manual_seed(seed)))  # noqa: E731
     assert draw(7) == draw(7)
     assert draw(7) != draw(8)
 
 
 def test_sampling_draws_from_the_generator_only():
-    model = tiny()
+    model = large_weight_gpt()
     torch.manual_seed(3)
     before = torch.get_rng_state()
     list(sample_tokens(model, PROMPT, SampleSettings(max_new_tokens=10, top_p=0.9), torch.Generator().manual_seed(1)))
@@ -78,21 +78,21 @@ def test_sampling_draws_from_the_generator_only():
 
 
 def test_top_k_one_and_a_tiny_nucleus_are_greedy():
-    model = tiny()
+    model = large_weight_gpt()
     expected = list(sample_tokens(model, PROMPT, greedy(20)))
     for settings in (SampleSettings(max_new_tokens=20, top_k=1), SampleSettings(max_new_tokens=20, top_p=1e-6)):
         assert list(sample_tokens(model, PROMPT, settings, torch.Generator().manual_seed(5))) == expected
 
 
 def test_eos_is_yielded_then_the_stream_ends():
-    model = tiny()
+    model = large_weight_gpt()
     tokens = list(sample_tokens(model, PROMPT, greedy(30)))
     eos = tokens[4]
     assert list(sample_tokens(model, PROMPT, greedy(30, eos_id=eos))) == tokens[: tokens.index(eos) + 1]
 
 
 def test_a_prompt_longer_than_the_context_keeps_its_last_context_tokens():
-    model = tiny()
+    model = large_weight_gpt()
     long_prompt = torch.tensor(list(b"a prompt longer than sixteen bytes: ROMEO:"))
     tokens = list(sample_tokens(model, long_prompt, greedy(12)))
     assert tokens == list(sample_tokens(model, long_prompt[-16:], greedy(12)))
@@ -108,7 +108,7 @@ def test_a_model_without_a_cache_is_sampled_over_its_window():
         def forward(self, input_ids):
             return self.inner(input_ids)
 
-    model = tiny()
+    model = large_weight_gpt()
     assert list(sample_tokens(Plain(model), PROMPT, greedy(25))) == list(sample_tokens(model, PROMPT, greedy(25)))
 
 
@@ -135,13 +135,13 @@ def test_settings_errors_name_the_field_and_the_value(settings, message):
 
 def test_an_empty_prompt_is_refused():
     with pytest.raises(ValueError, match="non-empty 1-D"):
-        next(sample_tokens(tiny(), torch.tensor([], dtype=torch.long), greedy(3)))
+        next(sample_tokens(large_weight_gpt(), torch.tensor([], dtype=torch.long), greedy(3)))
 
 
 def test_a_model_with_compiled_blocks_is_sampled_eagerly_without_recompiling():
     from torch._dynamo.utils import counters
 
-    model = tiny()
+    model = large_weight_gpt()
     expected = list(sample_tokens(model, PROMPT, greedy(12)))
     for block in model.blocks:
         block.compile(backend="eager")  # what --parallel.compile does, in place
@@ -155,7 +155,7 @@ def test_a_model_with_compiled_blocks_is_sampled_eagerly_without_recompiling():
 PROMPTS = [list(b"ROMEO:"), list(b"O"), list(b"To be, or not"), list(b"JULIET: ay me")]
 
 
-def by_hand(model: TinyGPT, prompt: list[int], settings: SampleSettings, generator: torch.Generator) -> list[int]:
+def sample_by_hand(model: TinyGPT, prompt: list[int], settings: SampleSettings, generator: torch.Generator) -> list[int]:
     """One row as nanoGPT samples it: its last `context` tokens through the model every step (no cache,
     no padding, positions from 0), the token picked with one uniform drawn from the row's generator."""
     ids = list(prompt)
@@ -168,7 +168,7 @@ def by_hand(model: TinyGPT, prompt: list[int], settings: SampleSettings, generat
 
 @pytest.mark.parametrize("context", [16, 64], ids=["window-slides", "cache-holds"])
 def test_a_rows_tokens_do_not_depend_on_its_batch_mates_their_order_or_number(context):
-    model = tiny(context)
+    model = large_weight_gpt(context)
     settings = SampleSettings(max_new_tokens=20, temperature=1.0, top_k=50)
 
     def draw(rows: list[int], seed: int) -> list[list[int]]:
@@ -185,23 +185,23 @@ def test_a_rows_tokens_do_not_depend_on_its_batch_mates_their_order_or_number(co
 
 
 def test_a_long_generation_slides_the_window_as_a_loop_by_hand_does():
-    model = tiny()  # 16 positions: every row passes the context within its 40 new tokens
+    model = large_weight_gpt()  # 16 positions: every row passes the context within its 40 new tokens
     settings = SampleSettings(max_new_tokens=40, temperature=0.9, top_p=0.95)
     for seed in range(3):
         decoded = decode(model, PROMPTS, settings, [row_generator(seed, row) for row in range(len(PROMPTS))])
-        expected = [by_hand(model, prompt, settings, row_generator(seed, row)) for row, prompt in enumerate(PROMPTS)]
+        expected = [sample_by_hand(model, prompt, settings, row_generator(seed, row)) for row, prompt in enumerate(PROMPTS)]
         assert decoded.tokens == expected
 
 
 def test_batched_greedy_is_the_argmax_of_each_rows_plain_forward():
-    model = tiny()
+    model = large_weight_gpt()
     decoded = decode(model, PROMPTS, greedy(20), [None] * len(PROMPTS))
     assert decoded.tokens == [without_cache(model, torch.tensor(prompt), 20) for prompt in PROMPTS]
 
 
 @pytest.mark.parametrize("experts", [0, 4], ids=["dense", "moe"])
 def test_the_cache_changes_the_cost_not_the_tokens_of_a_batch(experts):
-    model, settings = tiny(experts=experts), SampleSettings(max_new_tokens=24, temperature=1.0)
+    model, settings = large_weight_gpt(experts=experts), SampleSettings(max_new_tokens=24, temperature=1.0)
     for seed in (3, 4):
         cached, recomputed = (
             decode(model, PROMPTS, settings, [row_generator(seed, row) for row in range(len(PROMPTS))], kv_cache=cache)
@@ -211,7 +211,7 @@ def test_the_cache_changes_the_cost_not_the_tokens_of_a_batch(experts):
 
 
 def test_a_left_padded_rows_logits_are_its_logits_alone():
-    model = tiny(32)
+    model = large_weight_gpt(32)
     short, long, fed = list(b"hi"), list(b"ROMEO: and"), [5, 7, 9]
     ids = torch.tensor([[0] * (len(long) - len(short)) + short, long])
     real = torch.tensor([[0] * (len(long) - len(short)) + [1] * len(short), [1] * len(long)])
@@ -231,7 +231,7 @@ def test_a_left_padded_rows_logits_are_its_logits_alone():
 
 
 def test_rows_stop_at_their_eos_and_say_whether_they_were_cut_short():
-    model = tiny()
+    model = large_weight_gpt()
     plain = decode(model, PROMPTS, greedy(12), [None] * len(PROMPTS))
     assert plain.truncated == [True] * len(PROMPTS) and all(len(tokens) == 12 for tokens in plain.tokens)
     eos = (plain.tokens[0][3], plain.tokens[2][5])  # several EOS ids: whichever comes first stops a row
@@ -244,7 +244,7 @@ def test_rows_stop_at_their_eos_and_say_whether_they_were_cut_short():
 
 
 def test_keep_going_is_asked_before_every_forward_after_the_first_and_obeyed():
-    model, asked = tiny(), []
+    model, asked = large_weight_gpt(), []
 
     def three_steps(unfinished: bool) -> bool:
         asked.append(unfinished)
@@ -257,7 +257,7 @@ def test_keep_going_is_asked_before_every_forward_after_the_first_and_obeyed():
 
 def test_a_finished_row_decodes_on_while_keep_going_says_so_and_adds_nothing():
     # Under FSDP2 a rank whose rows are done keeps running forwards while another rank's are not.
-    model = tiny()
+    model = large_weight_gpt()
     (tokens,) = decode(model, [PROMPTS[0]], greedy(12), [None]).tokens
     eos = tokens[2]
     stop = tokens.index(eos) + 1
@@ -276,7 +276,7 @@ def test_a_finished_row_decodes_on_while_keep_going_says_so_and_adds_nothing():
 
 
 def test_decode_refuses_what_it_cannot_decode():
-    model = tiny()
+    model = large_weight_gpt()
     with pytest.raises(ValueError, match="one generator per prompt: 2 prompts, 1 generators"):
         decode(model, PROMPTS[:2], greedy(3), [None])
     with pytest.raises(ValueError, match=r"prompts \[1\] have no tokens"):

@@ -28,6 +28,7 @@ from fntrain.state import TrainState
 from fntrain.step import StepSettings, causal_lm_loss, default_forward, make_train_step
 from fntrain.step.context_parallel import context_parallel_parts
 from fntrain.step.optim import OptimizerConfig, build_optimizer
+from tests.helpers.workers import gathered
 
 STEPS = 4
 GLOBAL = 8
@@ -37,7 +38,7 @@ MODEL = ModelConfig(context=CONTEXT, n_layer=2, n_head=4, d_model=32, dropout=0.
 CASES = {"sgd": ("sgd", "token"), "sgd_mean": ("sgd", "mean"), "adamw": ("adamw", "token")}
 
 
-def global_batches() -> list[list[dict[str, torch.Tensor]]]:
+def packed_global_batches() -> list[list[dict[str, torch.Tensor]]]:
     """STEPS global batches of GLOBAL packed samples, identical in every process."""
     generator = torch.Generator().manual_seed(1234)
     steps = []
@@ -60,7 +61,7 @@ def global_batches() -> list[list[dict[str, torch.Tensor]]]:
     return steps
 
 
-def rank_micro_batches(samples: list[dict[str, torch.Tensor]], dp_rank: int, dp_size: int) -> list[dict]:
+def packed_rank_micro_batches(samples: list[dict[str, torch.Tensor]], dp_rank: int, dp_size: int) -> list[dict]:
     per_rank = GLOBAL // dp_size
     mine = samples[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     batches = []
@@ -71,11 +72,7 @@ def rank_micro_batches(samples: list[dict[str, torch.Tensor]], dp_rank: int, dp_
     return batches
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
-
-
-def run_case(runtime, strategy: str, cp_size: int, case: str) -> dict:
+def run_cp_case(runtime, strategy: str, cp_size: int, case: str) -> dict:
     optimizer_name, weighting = CASES[case]
     torch.manual_seed(0)
     model = parallelize(TinyGPT(MODEL), runtime, ParallelConfig(strategy=strategy, cp_size=cp_size))
@@ -86,7 +83,7 @@ def run_case(runtime, strategy: str, cp_size: int, case: str) -> dict:
 
     def capture(opt, args, kwargs):
         if not first_grads:
-            first_grads.update({n.removeprefix("module."): _full(p.grad) for n, p in model.named_parameters()})
+            first_grads.update({n.removeprefix("module."): gathered(p.grad) for n, p in model.named_parameters()})
 
     optimizer.register_step_pre_hook(capture)
     forward, loss = default_forward, causal_lm_loss
@@ -100,8 +97,8 @@ def run_case(runtime, strategy: str, cp_size: int, case: str) -> dict:
     )  # fmt: skip
     losses, norms = [], []
     state = TrainState()
-    for samples in global_batches():
-        metrics = step_fn(state, rank_micro_batches(samples, runtime.dp_rank, runtime.dp_size))
+    for samples in packed_global_batches():
+        metrics = step_fn(state, packed_rank_micro_batches(samples, runtime.dp_rank, runtime.dp_size))
         reported = metrics["loss"].detach().clone()
         if runtime.distributed:
             dist.all_reduce(reported)  # what the metrics hook does: the mean over every rank
@@ -109,7 +106,7 @@ def run_case(runtime, strategy: str, cp_size: int, case: str) -> dict:
         losses.append(float(reported))
         norms.append(float(metrics["grad_norm"]))
         state = state.after_step()
-    weights = {n.removeprefix("module."): _full(p) for n, p in model.named_parameters()}
+    weights = {n.removeprefix("module."): gathered(p) for n, p in model.named_parameters()}
     return {"grads": first_grads, "losses": losses, "grad_norms": norms, "weights": weights}
 
 
@@ -145,7 +142,7 @@ def main(argv: list[str]) -> None:
     cases = argv[3].split(",") if len(argv) > 3 else list(CASES)
     parallel = ParallelConfig(strategy=strategy, cp_size=cp_size)
     with setup_runtime(RuntimeConfig(device="cpu"), parallel, seed=0) as runtime:
-        results = {case: run_case(runtime, strategy, cp_size, case) for case in cases}
+        results = {case: run_cp_case(runtime, strategy, cp_size, case) for case in cases}
         results["layout"] = {"world": runtime.world_size, "dp": runtime.dp_size, "cp": runtime.cp_size}
         ranks = [None] * runtime.world_size
         if runtime.distributed:

@@ -22,23 +22,23 @@ import torch
 
 from tests.checkpoint import test_resume as resume
 from tests.helpers import preloaded_launch
+from tests.helpers.runs import exported_weights
 from tests.runtime.test_distributed import TIGHT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("module_launches_forked")]
 
 
-python = resume.python  # autouse (module): every launch forks from one Python that imported torch and fntrain
-corpus = resume.corpus  # the small-corpus fixture of the kill-and-resume tests
+PYTHON = resume.PYTHON  # resume.launch reads it: every launch forks from one Python that imported torch and fntrain
 
 
 @pytest.fixture(scope="module")
-def preloaded(python) -> preloaded_launch.Python:
+def preloaded(module_launches_forked) -> preloaded_launch.Python:
     """The module's server (tests/helpers/fork_server.py) for the worker launches too."""
     return preloaded_launch.Python(str(resume.PYTHON["executable"]), dict(resume.PYTHON["env"]))
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, preloaded) -> dict:
+def cp1_results(tmp_path_factory, preloaded) -> dict:
     out = tmp_path_factory.mktemp("cp1") / "none_cp1.pt"
     preloaded_launch.run(preloaded, 1, "tests.step.cp_worker", "none", "1", str(out))
     return torch.load(out)
@@ -60,7 +60,7 @@ def two_ranks(tmp_path_factory, preloaded) -> dict[str, Path]:
     [(2, "ddp", {"world": 2, "dp": 1, "cp": 2}), (4, "fsdp2", {"world": 4, "dp": 2, "cp": 2})],
     ids=["cp2_ddp", "cp2_dp2_fsdp2"],
 )
-def test_cp2_equals_one_rank(reference, two_ranks, preloaded, tmp_path, ranks, strategy, layout):
+def test_cp2_equals_one_rank(cp1_results, two_ranks, preloaded, tmp_path, ranks, strategy, layout):
     if ranks == 2:
         results = torch.load(two_ranks["cp2_ddp"])
     else:
@@ -70,7 +70,7 @@ def test_cp2_equals_one_rank(reference, two_ranks, preloaded, tmp_path, ranks, s
     # cp is inside dp on the mesh: ranks (dp, cp) = (0, 0), (0, 1), (1, 0), (1, 1)
     assert results["coordinates"] == [(rank // 2, rank % 2) for rank in range(ranks)]
     for case in ("sgd", "sgd_mean", "adamw"):
-        want, got = reference[case], results[case]
+        want, got = cp1_results[case], results[case]
         for name in want["grads"]:
             torch.testing.assert_close(got["grads"][name], want["grads"][name], **TIGHT, msg=f"{case} grad {name}")
         torch.testing.assert_close(got["grad_norms"], want["grad_norms"], **TIGHT, msg=f"{case} grad norms")
@@ -78,7 +78,7 @@ def test_cp2_equals_one_rank(reference, two_ranks, preloaded, tmp_path, ranks, s
         tolerance = {"rtol": 1e-4, "atol": 1e-5} if case == "adamw" else TIGHT  # 1/sqrt(v) amplifies noise
         for name in want["weights"]:
             torch.testing.assert_close(got["weights"][name], want["weights"][name], **tolerance, msg=f"{case} {name}")
-    assert reference["sgd_mean"]["losses"] != reference["sgd"]["losses"]  # the two weightings differ here
+    assert cp1_results["sgd_mean"]["losses"] != cp1_results["sgd"]["losses"]  # the two weightings differ here
 
 
 # ----------------------------------------------------------------------------- the recipe end to end
@@ -98,7 +98,7 @@ def cp2_run(tmp_path_factory, corpus) -> Path:
     return run_dir
 
 
-def _metrics(run_dir: Path) -> tuple[dict[int, float], float]:
+def cp_run_metrics(run_dir: Path) -> tuple[dict[int, float], float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = {row["step"]: row["loss"] for row in rows if "loss" in row}
     return losses, next(row["val_loss"] for row in rows if "val_loss" in row)
@@ -118,16 +118,16 @@ def test_a_cp2_checkpoint_resumes_at_cp1(tmp_path, corpus, cp2_run):
     assert "cp 2" in (cp2_dir / "logs" / "rank_0.log").read_text()  # the run's layout line
     plain, one = tmp_path / "plain", tmp_path / "one"
     resume.finish(resume.launch(plain, "none", PLAIN, corpus), killed=False)
-    (cp2_losses, cp2_val), (plain_losses, plain_val) = _metrics(cp2_dir), _metrics(plain)
+    (cp2_losses, cp2_val), (plain_losses, plain_val) = cp_run_metrics(cp2_dir), cp_run_metrics(plain)
     assert sorted(cp2_losses) == list(range(1, resume.STEPS + 1)) == sorted(plain_losses)
     _assert_close(cp2_losses, plain_losses)
     torch.testing.assert_close(torch.tensor(cp2_val), torch.tensor(plain_val), **TIGHT)
     restore = ["--checkpoint.restore-from", str(cp2_dir / "checkpoints" / "step_4")]
     resume.finish(resume.launch(one, "none", [*PLAIN, *restore], corpus), killed=False)
-    one_losses, _ = _metrics(one)
+    one_losses, _ = cp_run_metrics(one)
     assert sorted(one_losses) == list(range(5, resume.STEPS + 1))
     _assert_close(one_losses, cp2_losses)
-    got, want = resume.weights(one), resume.weights(cp2_dir)
+    got, want = exported_weights(one), exported_weights(cp2_dir)
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
@@ -139,7 +139,7 @@ def test_cp2_sigkill_resumes_bit_for_bit(tmp_path, corpus, cp2_run):
     losses (==) and final weights (torch.equal) of an uninterrupted cp 2 run."""
     run_dir = tmp_path / "run"
     resume.kill_and_resume(run_dir, ["optimizer:5", "marker:8"], [*CP2, *resume.WORKERS], corpus, ranks=2)
-    resume.assert_same_run(cp2_run, run_dir)
+    resume.assert_same_losses_and_weights(cp2_run, run_dir)
 
 
 @pytest.mark.timeout(200)

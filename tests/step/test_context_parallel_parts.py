@@ -21,7 +21,8 @@ from fntrain.step.context_parallel import (
     to_seq,
     ulysses_attention,
 )
-from tests.cli.test_bad_inputs import SMALL, expect_one_line
+from tests.cli.test_bad_inputs import SMALL
+from tests.helpers.commands import expect_one_line
 from tests.runtime.conftest import one_rank_env  # noqa: F401 (the fixture: a 1-rank torchrun environment)
 
 
@@ -128,28 +129,28 @@ def test_the_slices_token_shares_add_up_to_the_whole_sequence_loss(size):
 
 
 @pytest.fixture
-def gloo(one_rank_env):  # noqa: F811 (the imported fixture, requested by name)
+def gloo_world(one_rank_env):  # noqa: F811 (the imported fixture, requested by name)
     dist.init_process_group("gloo")
     yield dist.group.WORLD
     dist.destroy_process_group()
 
 
-def test_the_all_to_alls_run_on_gloo_with_autograd(gloo):
+def test_the_all_to_alls_run_on_gloo_with_autograd(gloo_world):
     x = torch.randn(2, 4, 6, 3, requires_grad=True)
-    y = heads_to_seq(seq_to_heads(x, gloo) * 2, gloo)
+    y = heads_to_seq(seq_to_heads(x, gloo_world) * 2, gloo_world)
     y.sum().backward()
     torch.testing.assert_close(y, x * 2)
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
 
 
-def test_ulysses_attention_routes_sdpa_and_is_entered_once(gloo, monkeypatch):
+def test_ulysses_attention_routes_sdpa_and_is_entered_once(gloo_world, monkeypatch):
     import fntrain.step.context_parallel as cp
 
     calls = []
     real = cp.ulysses_sdpa
     monkeypatch.setattr(cp, "ulysses_sdpa", lambda *a, **k: calls.append(1) or real(*a, **k))
     q, k, v = (torch.randn(1, 2, 4, 3) for _ in range(3))
-    with ulysses_attention(gloo), ulysses_attention(gloo):  # nested: still one split
+    with ulysses_attention(gloo_world), ulysses_attention(gloo_world):  # nested: still one split
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert calls == [1]
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
@@ -157,7 +158,7 @@ def test_ulysses_attention_routes_sdpa_and_is_entered_once(gloo, monkeypatch):
     assert calls == [1]
 
 
-def test_context_parallel_parts_on_one_rank_match_the_plain_forward_and_loss(gloo):
+def test_context_parallel_parts_on_one_rank_match_the_plain_forward_and_loss(gloo_world):
     from torch.distributed.device_mesh import init_device_mesh
 
     from fntrain.models.gpt import ModelConfig, TinyGPT

@@ -164,7 +164,7 @@ def test_bad_conventions_name_the_field(config, message):
 # ----------------------------------------------------------------------------- slow: against transformers
 
 
-def tiny_llama():
+def llama_with_biases():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -183,7 +183,7 @@ def hf_decay_names(model) -> set[str]:
 
 @pytest.mark.slow
 def test_hf_grouping_equals_trainers_on_a_llama():
-    model = tiny_llama()
+    model = llama_with_biases()
     names = {name for name, _ in model.named_parameters()}
     assert _no_decay_names(model, "hf") == names - hf_decay_names(model)
     assert any("bias" in n for n in names - hf_decay_names(model))  # the model has biases and norms
@@ -196,7 +196,7 @@ def test_per_step_lr_and_loss_equal_a_torch_loop_with_transformers_schedule_and_
 
     steps, warmup, lr, decay = 8, 3, 1e-2, 0.1
     batches = uneven_batches(steps)
-    model = tiny_llama()
+    model = llama_with_biases()
     reference = copy.deepcopy(model)
     records = run_fntrain(
         model, batches, log_every=1, tmp_path=tmp_path, max_grad_norm=1.0,
@@ -235,13 +235,6 @@ WINDOW_RUN = [
     "--train.micro-batch-size", "2", "--model.n-layer", "2", "--model.d-model", "32", "--model.n-head", "4",
     "--model.context", "32", "--evaluate.eval-every", "0", "--evaluate.no-at-end", "--seed", "3",
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def python(fork_env):
-    """The window test's launches fork from one Python that imported torch and fntrain
-    (tests/helpers/preloaded_launch.py): their imports cost more than their steps."""
-    return preloaded_launch.through(fork_env)
 
 
 def _window_run(python, run_dir, ranks: int, *args: str) -> tuple[list[dict], str]:

@@ -16,7 +16,7 @@ from fntrain.step.layouts import LAYOUTS, choose_layout
 from recipes import tiny_gpt
 
 
-def _config(**parallel):
+def config_with_parallel(**parallel):
     return dataclasses.replace(tiny_gpt.Config(), parallel=ParallelConfig(**parallel))
 
 
@@ -43,14 +43,14 @@ def test_every_entry_is_named_once_and_plain_takes_what_the_others_leave():
 def test_a_spec_without_a_plan_is_refused_by_every_entry_before_its_own_rules():
     no_plan = dataclasses.replace(tiny_gpt.spec, tensor_parallel=None)
     for parallel in ({"tp_size": 2}, {"tp_size": 2, "pp_size": 2}, {"tp_size": 2, "cp_size": 2, "strategy": "ddp"}):
-        config = _config(**parallel)
+        config = config_with_parallel(**parallel)
         with pytest.raises(ConfigError, match=r"^--parallel.tp-size 2: this recipe has no tensor-parallel plan"):
             choose_layout(config.parallel).check(config, no_plan, 1)
 
 
 def test_context_parallel_names_a_pipeline_problem_before_the_combination():
     no_split = dataclasses.replace(tiny_gpt.spec, pipeline=None)
-    config = _config(cp_size=2, pp_size=2, strategy="ddp")
+    config = config_with_parallel(cp_size=2, pp_size=2, strategy="ddp")
     with pytest.raises(ConfigError, match=r"^--parallel.pp-size 2: this recipe has no pipeline split"):
         choose_layout(config.parallel).check(config, no_split, 1)
     with pytest.raises(ConfigError, match=r"^--parallel.cp-size 2 cannot be combined with --parallel.pp-size 2 yet$"):
@@ -58,9 +58,9 @@ def test_context_parallel_names_a_pipeline_problem_before_the_combination():
 
 
 def test_only_the_ring_style_has_a_device_rule():
-    ring = dataclasses.replace(_config(cp_size=2, cp_style="ring", strategy="ddp"),
+    ring = dataclasses.replace(config_with_parallel(cp_size=2, cp_style="ring", strategy="ddp"),
                                runtime=dataclasses.replace(tiny_gpt.Config().runtime, device="cpu"))  # fmt: skip
     with pytest.raises(ConfigError, match=r"^--parallel.cp-style ring needs a CUDA or NPU device"):
         choose_layout(ring.parallel).check_device(ring)
-    for config in (_config(), _config(pp_size=2), _config(cp_size=2, strategy="ddp")):
+    for config in (config_with_parallel(), config_with_parallel(pp_size=2), config_with_parallel(cp_size=2, strategy="ddp")):
         choose_layout(config.parallel).check_device(config)  # nothing to refuse

@@ -33,8 +33,8 @@ from fntrain.step.components import Components
 from fntrain.step.context_parallel import CPParts
 from recipes import hf_causal_lm, tiny_gpt
 from tests.runtime.conftest import one_rank_env  # noqa: F401 (the fixture: a 1-rank torchrun environment)
-from tests.runtime.test_pipeline_step import _batches, _model_and_optimizer
-from tests.step.test_layouts import _config
+from tests.runtime.test_pipeline_step import _model_and_optimizer, pipeline_batches
+from tests.step.test_layouts import config_with_parallel
 from tests.step.test_train_step import EXACT, make_model, make_samples, split
 
 
@@ -62,7 +62,7 @@ def _router_step_end():
     return {"router": torch.tensor(7.0)}
 
 
-def _parts(model, scaler=None):
+def step_parts(model, scaler=None):
     """Components with an SGD optimizer (lr 0.5) and a schedule that halves it every step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
@@ -86,11 +86,11 @@ def test_the_plain_step_is_the_micro_batch_step_of_every_part_the_run_hands_it()
     settings = StepSettings(max_grad_norm=0.05)
     model, reference = make_model(), make_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1)
-    components, optimizer = _parts(model, scaler)
+    components, optimizer = step_parts(model, scaler)
     laid_out = layouts.choose_layout(ParallelConfig()).build(_inputs(components, settings))
     got = laid_out.step_fn(TrainState(), batch)
 
-    want_components, _ = _parts(reference, torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1))
+    want_components, _ = step_parts(reference, torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1))
     want = make_train_step(reference, causal_lm_loss, want_components.optimizers, want_components.schedulers,
                            settings=settings, grad_scaler=want_components.grad_scaler, forward=half_forward,
                            step_end=_router_step_end)(TrainState(), batch)  # fmt: skip
@@ -106,7 +106,7 @@ def test_the_plain_step_is_the_micro_batch_step_of_every_part_the_run_hands_it()
 
 
 def test_plain_evaluation_runs_the_specs_forward_and_the_default_loss_without_a_context():
-    components, _ = _parts(make_model())
+    components, _ = step_parts(make_model())
     laid_out = layouts.choose_layout(ParallelConfig()).build(
         _inputs(components, StepSettings(), step_end=None)
     )
@@ -115,7 +115,7 @@ def test_plain_evaluation_runs_the_specs_forward_and_the_default_loss_without_a_
 
 def test_plain_evaluation_loss_is_the_components_loss_inside_the_loss_context():
     entered = Entered()
-    components, _ = _parts(make_model())
+    components, _ = step_parts(make_model())
     laid_out = layouts.choose_layout(ParallelConfig()).build(
         _inputs(components, StepSettings(loss_context=entered))
     )
@@ -132,16 +132,16 @@ def test_a_one_stage_pipeline_steps_and_evaluates_with_the_runs_settings(one_ran
     with setup_runtime(RuntimeConfig()) as runtime:
         model, _ = _model_and_optimizer()
         reference, _ = _model_and_optimizer()
-        components, optimizer = _parts(model)
+        components, optimizer = step_parts(model)
         settings = StepSettings(max_grad_norm=0.05, device=runtime.device, loss_context=entered)
         parallel = ParallelConfig(pp_schedule="gpipe")
         inputs = dataclasses.replace(
             _inputs(components, settings, parallel, runtime, step_end=None), micro_batches=3
         )
         laid_out = layouts.choose_layout(ParallelConfig(pp_size=2)).build(inputs)
-        batch = _batches(steps=1)[0]
+        batch = pipeline_batches(steps=1)[0]
         got = laid_out.step_fn(TrainState(), batch)
-        reference_parts, _ = _parts(reference)
+        reference_parts, _ = step_parts(reference)
         want = make_train_step(reference, causal_lm_loss, reference_parts.optimizers, reference_parts.schedulers,
                                settings=StepSettings(max_grad_norm=0.05))(TrainState(), batch)  # fmt: skip
         torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-6, atol=1e-7)
@@ -160,7 +160,7 @@ def test_a_one_stage_pipeline_steps_and_evaluates_with_the_runs_settings(one_ran
 
 
 def test_a_pipeline_refuses_a_specs_step_end_naming_the_pp_size():
-    components, _ = _parts(make_model())
+    components, _ = step_parts(make_model())
     inputs = _inputs(components, StepSettings(), ParallelConfig(pp_size=2), SimpleNamespace(pp_size=2))
     with pytest.raises(
         ValueError, match=r"^--parallel.pp-size 2: this recipe's step_end needs a pipeline-free step$"
@@ -181,8 +181,8 @@ def test_the_ranks_pipeline_layout_gets_the_ties_of_the_recipes_split(monkeypatc
         raise Built
 
     monkeypatch.setattr(layouts, "pipeline_layout", layout_spy)
-    config = _config(pp_size=2)
-    components, _ = _parts(make_model())
+    config = config_with_parallel(pp_size=2)
+    components, _ = step_parts(make_model())
     runtime = SimpleNamespace(pp_size=2)
     inputs = _inputs(components, StepSettings(), config.parallel, runtime, step_end=None, pipeline=tiny_gpt.spec.pipeline,
                      model_on_meta=lambda: full_model_on_meta(config, tiny_gpt.spec))  # fmt: skip
@@ -219,7 +219,7 @@ def test_context_parallel_parts_are_built_over_the_cp_mesh_in_the_configured_sty
     monkeypatch.setattr(
         layouts, "context_parallel_parts", lambda *args, **kwargs: built.append((args, kwargs)) or parts
     )
-    components, _ = _parts(make_model())
+    components, _ = step_parts(make_model())
     parallel = ParallelConfig(cp_size=2, strategy="ddp", cp_style=style)
     runtime = SimpleNamespace(cp_size=2, mesh={"cp": "the cp mesh"})
     layouts.choose_layout(parallel).build(_inputs(components, StepSettings(), parallel, runtime))
@@ -233,14 +233,14 @@ def test_the_context_parallel_step_runs_the_parts_under_their_context_and_evalua
     batch = split(make_samples(4, keep=[0.3, 1.0, 0.6, 0.9]), [1, 3])
     model, reference = make_model(), make_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1)
-    components, optimizer = _parts(model, scaler)
+    components, optimizer = step_parts(model, scaler)
     parallel = ParallelConfig(cp_size=2, strategy="ddp")
     runtime = SimpleNamespace(cp_size=2, mesh={"cp": "the cp mesh"})
     laid_out = layouts.choose_layout(parallel).build(_inputs(components, StepSettings(max_grad_norm=0.05), parallel,
                                                               runtime))  # fmt: skip
     got = laid_out.step_fn(TrainState(), batch)
 
-    reference_parts, _ = _parts(reference)
+    reference_parts, _ = step_parts(reference)
     want = make_train_step(reference, parts.train_loss, reference_parts.optimizers, reference_parts.schedulers,
                            settings=StepSettings(max_grad_norm=0.05), forward=parts.forward)(TrainState(), batch)  # fmt: skip
     torch.testing.assert_close(got["loss"], want["loss"], **EXACT)  # the parts' forward and training loss
@@ -268,7 +268,7 @@ def _with_train(config, global_batch_size, micro_batch_size):
 
 @pytest.mark.parametrize("parallel", [{}, {"pp_size": 2}, {"cp_size": 2, "strategy": "ddp"}])
 def test_a_recipe_without_a_tensor_parallel_plan_runs_at_tp_1(parallel):
-    _check(_config(**parallel), dataclasses.replace(tiny_gpt.spec, tensor_parallel=None))
+    _check(config_with_parallel(**parallel), dataclasses.replace(tiny_gpt.spec, tensor_parallel=None))
 
 
 @pytest.mark.parametrize(
@@ -299,17 +299,17 @@ def test_a_recipe_without_a_tensor_parallel_plan_runs_at_tp_1(parallel):
 )
 def test_each_context_parallel_refusal_is_its_exact_line(parallel, message):
     with pytest.raises(ConfigError) as refused:
-        _check(_config(cp_size=2, **parallel))
+        _check(config_with_parallel(cp_size=2, **parallel))
     assert str(refused.value) == message
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_context_parallel_with_a_data_parallel_strategy_and_nothing_else_passes(strategy):
-    _check(_config(cp_size=2, strategy=strategy))
+    _check(config_with_parallel(cp_size=2, strategy=strategy))
 
 
 def test_context_parallel_names_the_heads_it_cannot_split_and_a_model_it_cannot_split():
-    config = _config(cp_size=2, strategy="ddp")
+    config = config_with_parallel(cp_size=2, strategy="ddp")
     one_head = dataclasses.replace(config, model=dataclasses.replace(config.model, n_head=1, d_model=16))
     with pytest.raises(ConfigError) as refused:
         _check(one_head)
@@ -326,7 +326,7 @@ def test_context_parallel_names_the_heads_it_cannot_split_and_a_model_it_cannot_
     [((8, 8), 1, 1), ((8, 2), 2, 2), ((8, 4), 1, 2)],  # (global batch, micro batch): micro-batches per step
 )
 def test_1f1b_names_the_micro_batches_a_step_has(sizes, dp_size, got):
-    config = _with_train(_config(pp_size=4), *sizes)
+    config = _with_train(config_with_parallel(pp_size=4), *sizes)
     with pytest.raises(ConfigError) as refused:
         _check(config, dp_size=dp_size)
     assert str(refused.value) == (
@@ -335,16 +335,16 @@ def test_1f1b_names_the_micro_batches_a_step_has(sizes, dp_size, got):
         "--train.micro-batch-size or use --parallel.pp-schedule gpipe"
     )
     _check(
-        _with_train(_config(pp_size=4, pp_schedule="gpipe"), *sizes), dp_size=dp_size
+        _with_train(config_with_parallel(pp_size=4, pp_schedule="gpipe"), *sizes), dp_size=dp_size
     )  # gpipe needs no more
 
 
 def test_1f1b_with_a_micro_batch_per_stage_passes():
-    _check(_with_train(_config(pp_size=4), 16, 2), dp_size=2)
+    _check(_with_train(config_with_parallel(pp_size=4), 16, 2), dp_size=2)
 
 
 def _ring(device):
-    config = _config(cp_size=2, cp_style="ring", strategy="ddp")
+    config = config_with_parallel(cp_size=2, cp_style="ring", strategy="ddp")
     return dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, device=device))
 
 

@@ -17,7 +17,7 @@ from fntrain.step.objective import (
 )
 
 
-def _config(**sizes):
+def parallel_sizes(**sizes):
     parallel = {"tp_size": 1, "pp_size": 1, "cp_size": 1, "ep_size": 1, **sizes}
     return SimpleNamespace(parallel=SimpleNamespace(**parallel))
 
@@ -31,16 +31,16 @@ def _build(config, built):
 def test_a_model_parallel_size_the_objective_does_not_name_is_refused(size, flag):
     spec = ObjectiveSpec("grpo", _build)
     with pytest.raises(ConfigError) as raised:
-        check_parallel(_config(**{size: 2}), spec)
+        check_parallel(parallel_sizes(**{size: 2}), spec)
     assert str(raised.value) == f"{flag} 2: grpo runs on one process, ddp and fsdp2 only"
 
 
 def test_the_sizes_an_objective_names_pass_and_are_listed_when_another_is_refused():
     spec = ObjectiveSpec("dpo", _build, parallel=("tp",))
-    check_parallel(_config(tp_size=2), spec)
+    check_parallel(parallel_sizes(tp_size=2), spec)
     with pytest.raises(ConfigError, match=r"^--parallel.pp-size 4: dpo runs on one process, ddp, fsdp2 and tp only$"):
-        check_parallel(_config(tp_size=2, pp_size=4), spec)
-    check_parallel(_config(pp_size=4), None)  # no objective: nothing to refuse
+        check_parallel(parallel_sizes(tp_size=2, pp_size=4), spec)
+    check_parallel(parallel_sizes(pp_size=4), None)  # no objective: nothing to refuse
 
 
 def test_an_unknown_dimension_is_a_spec_error():
@@ -56,9 +56,9 @@ def test_the_objective_check_gets_the_data_parallel_size_and_its_errors_become_c
         raise ValueError("grpo.num_generations (3) must divide 8")
 
     with pytest.raises(ConfigError, match=r"^grpo.num_generations \(3\) must divide 8$"):
-        check_objective(_config(), ObjectiveSpec("grpo", _build, check=check), dp_size=4)
+        check_objective(parallel_sizes(), ObjectiveSpec("grpo", _build, check=check), dp_size=4)
     assert seen == [4]
-    check_objective(_config(), ObjectiveSpec("kd", _build), dp_size=1)  # no check: nothing happens
+    check_objective(parallel_sizes(), ObjectiveSpec("kd", _build), dp_size=1)  # no check: nothing happens
 
 
 def test_a_generation_shape_is_positive():

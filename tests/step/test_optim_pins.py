@@ -118,13 +118,13 @@ def groups_of(built):
     return [sorted(names[id(p)] for p in group["params"]) for group in built.optimizer.param_groups]
 
 
-def build(config, model=None, **kwargs):
+def build_named_optimizer(config, model=None, **kwargs):
     Named.last = model if model is not None else Named()
     return build_optimizer(config, Named.last, **kwargs)
 
 
 def test_fntrain_grouping_leaves_vectors_and_embeddings_with_their_ties_undecayed():
-    built = build(OptimizerConfig(weight_decay=0.3))
+    built = build_named_optimizer(OptimizerConfig(weight_decay=0.3))
     decayed, other = groups_of(built)
     assert decayed == ["final_RMSNorm.g", "norm.scale", "normal.weight", "proj.weight"]
     assert other == [
@@ -139,13 +139,13 @@ def test_fntrain_grouping_leaves_vectors_and_embeddings_with_their_ties_undecaye
 
 
 def test_hf_grouping_leaves_biases_and_norms_undecayed_as_transformers_trainer_does():
-    decayed, other = groups_of(build(OptimizerConfig(decay_grouping="hf")))
+    decayed, other = groups_of(build_named_optimizer(OptimizerConfig(decay_grouping="hf")))
     assert decayed == ["normal.weight", "proj.weight", "tok.weight"]
     assert other == ["attn_norm.weight", "final_RMSNorm.g", "ln.bias", "ln.weight", "norm.scale", "proj.bias"]
 
 
 def test_decay_all_decays_every_trainable_parameter():
-    built = build(OptimizerConfig(decay_all=True))
+    built = build_named_optimizer(OptimizerConfig(decay_all=True))
     (decayed,) = groups_of(built)
     assert "tok.weight" in decayed and "frozen" not in decayed and len(decayed) == 9  # the tied head once
     assert built.undecayed_params == 0
@@ -154,20 +154,20 @@ def test_decay_all_decays_every_trainable_parameter():
 def test_a_pipeline_stage_decays_what_the_whole_model_decides():
     stage = torch.nn.Module()
     stage.head = torch.nn.Linear(4, 5, bias=False)  # the last stage's copy of the tied head
-    alone = build(OptimizerConfig(), stage)
+    alone = build_named_optimizer(OptimizerConfig(), stage)
     assert groups_of(alone) == [["head.weight"]]
-    with_whole = build(OptimizerConfig(), stage, full_model=Named())
+    with_whole = build_named_optimizer(OptimizerConfig(), stage, full_model=Named())
     assert with_whole.optimizer.param_groups[0]["weight_decay"] == 0.0 and with_whole.decayed_params == 0
 
 
 def test_the_optimizer_gets_its_settings_and_the_foreach_kernel_on_cpu():
-    adamw = build(OptimizerConfig(lr=0.01, betas=(0.8, 0.9), eps=1e-6)).optimizer
+    adamw = build_named_optimizer(OptimizerConfig(lr=0.01, betas=(0.8, 0.9), eps=1e-6)).optimizer
     assert isinstance(adamw, torch.optim.AdamW)
     assert (adamw.defaults["lr"], adamw.defaults["betas"], adamw.defaults["eps"]) == (0.01, (0.8, 0.9), 1e-6)
     assert adamw.defaults["foreach"] is True and not adamw.defaults["fused"]
-    sgd = build(OptimizerConfig(name="sgd", lr=0.5, momentum=0.9)).optimizer
+    sgd = build_named_optimizer(OptimizerConfig(name="sgd", lr=0.5, momentum=0.9)).optimizer
     assert isinstance(sgd, torch.optim.SGD) and (sgd.defaults["lr"], sgd.defaults["momentum"]) == (0.5, 0.9)
-    fused = build(OptimizerConfig(fused=True)).optimizer
+    fused = build_named_optimizer(OptimizerConfig(fused=True)).optimizer
     assert fused.defaults["fused"] is True and not fused.defaults["foreach"]
 
 
@@ -358,8 +358,8 @@ def test_the_kernel_is_fused_on_cuda_and_npu_and_foreach_elsewhere_unless_set(
 
 
 def test_a_real_sgd_gets_the_foreach_kernel_on_cpu_and_the_fused_one_when_asked():
-    assert build(OptimizerConfig(name="sgd")).optimizer.defaults["foreach"] is True
-    assert build(OptimizerConfig(name="sgd", fused=True)).optimizer.defaults["fused"] is True
+    assert build_named_optimizer(OptimizerConfig(name="sgd")).optimizer.defaults["foreach"] is True
+    assert build_named_optimizer(OptimizerConfig(name="sgd", fused=True)).optimizer.defaults["fused"] is True
 
 
 def test_a_one_step_horizon_decays_to_the_floor_after_its_step():

@@ -11,15 +11,7 @@ import pytest
 
 from fntrain.cli import dispatch
 from fntrain.models.harness import results_table, task_names
-
-
-def _refused(args: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        dispatch(["eval", *args])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    return err
+from tests.helpers.commands import eval_refusal
 
 
 def _hf_dir_without_tokenizer(path: Path) -> Path:
@@ -49,7 +41,7 @@ def test_a_bad_eval_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch
     before = sorted(p.name for p in tmp_path.iterdir())
     fill = {"{tmp}": str(tmp_path), "{hf}": str(hf)}
     args = [arg.replace("{tmp}", fill["{tmp}"]).replace("{hf}", fill["{hf}"]) for arg in args]
-    err = _refused(args, capsys)
+    err = eval_refusal(args, capsys)
     assert needle.replace("{tmp}", fill["{tmp}"]).replace("{hf}", fill["{hf}"]) in err
     assert err.startswith("fntrain eval: ")
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no eval_results/, nothing else
@@ -58,7 +50,7 @@ def test_a_bad_eval_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch
 def test_without_lm_eval_the_line_says_what_to_install(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # importlib.util.find_spec then answers None
-    err = _refused([str(tmp_path), "--tasks", "x"], capsys)
+    err = eval_refusal([str(tmp_path), "--tasks", "x"], capsys)
     assert err == "fntrain eval: fntrain eval needs lm-eval: pip install 'fntrain[eval]'"
     assert list(tmp_path.iterdir()) == []
 
@@ -86,6 +78,6 @@ def test_recipe_names_the_recipe_that_rebuilds_a_checkpoint_as_for_generate(tmp_
     source = eval_command._resolve("run")
     export = eval_command._export_plan("run", source, EvalOptions(tasks="x", recipe="tiny_gpt"))
     assert export.convert is not None and export.tokenizer is not None  # a GPT-2 with its byte tokenizer
-    err = _refused(["run", "--tasks", "x", "--recipe", "nope"], capsys)  # before lm-eval's task index
+    err = eval_refusal(["run", "--tasks", "x", "--recipe", "nope"], capsys)  # before lm-eval's task index
     assert "--recipe 'nope'" in err
     assert not (tmp_path / "run" / "eval").exists()

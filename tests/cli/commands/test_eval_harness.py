@@ -22,6 +22,7 @@ import pytest
 from fntrain.checkpoint.hf_load import OFFLINE_SWITCHES
 from fntrain.cli import dispatch
 from fntrain.models import harness
+from tests.helpers.commands import eval_refusal
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(harness.importlib.util.find_spec("lm_eval") is None,
                                                    reason="needs the eval extra")]  # fmt: skip
@@ -73,15 +74,6 @@ def _index_own_tasks_only(monkeypatch) -> None:
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", OwnTasksOnly)
 
 
-def _refused(args: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        dispatch(["eval", *args])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    return err
-
-
 def test_fntrain_eval_gives_lm_evals_own_results(tmp_path, capsys, monkeypatch):
     from tests.helpers.hf import save_tiny_llama
 
@@ -127,9 +119,9 @@ def test_fntrain_eval_gives_lm_evals_own_results(tmp_path, capsys, monkeypatch):
 
     # bad tasks: one line, before the model, nothing written
     include = ["--include-path", str(tasks), "--output", str(tmp_path / "bad")]
-    assert _refused([str(model), "--tasks", "tiny_mc,nope", *include], capsys) == (
+    assert eval_refusal([str(model), "--tasks", "tiny_mc,nope", *include], capsys) == (
         "fntrain eval: --tasks: unknown task 'nope' (see lm-eval --tasks list)")  # fmt: skip
-    assert _refused([str(model), "--tasks", "tiny_gone", *include], capsys) == (
+    assert eval_refusal([str(model), "--tasks", "tiny_gone", *include], capsys) == (
         f"fntrain eval: task 'tiny_gone' needs the data file '{tmp_path / 'gone.jsonl'}' (nothing is downloaded): "
         "provide it")  # fmt: skip
     assert not (tmp_path / "bad").exists()
@@ -168,6 +160,6 @@ def test_fntrain_eval_gives_lm_evals_own_results(tmp_path, capsys, monkeypatch):
     step = run_dir / "checkpoints" / "step_2"
     victim = max(step.rglob("*.distcp"), key=lambda p: p.stat().st_size)
     victim.write_bytes(victim.read_bytes()[:-8])
-    err = _refused([str(step), "--tasks", "tiny_mc", *include], capsys)
+    err = eval_refusal([str(step), "--tasks", "tiny_mc", *include], capsys)
     assert "step_2" in err and victim.name in err, err
     assert len(list((run_dir / "eval").iterdir())) == 1 and not (tmp_path / "bad").exists()

@@ -4,7 +4,6 @@ text; bad input is one line, exit status 2, nothing written (the HF models: test
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 
 from fntrain.cli import dispatch
 from fntrain.models.generate import ByteStreamer, GenerateOptions
+from tests.helpers.files import tree_hashes
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +87,8 @@ def test_bytes_stream_as_their_characters_complete():
     assert out.getvalue() == "é!\n"
 
 
-def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "<dir>"
-            for p in sorted(root.rglob("*"))}  # fmt: skip
-
-
 @pytest.fixture
-def inputs(run_dir, tmp_path, monkeypatch) -> Path:
+def generate_inputs(run_dir, tmp_path, monkeypatch) -> Path:
     """tmp_path as the working directory, with a copy of the run, one of its checkpoint damaged, a
     run directory with nothing to load, and a picture that is no image."""
     monkeypatch.chdir(tmp_path)
@@ -128,8 +123,8 @@ BAD = [
 
 
 @pytest.mark.parametrize(("argv", "needle"), [case[1:] for case in BAD], ids=[case[0] for case in BAD])
-def test_bad_input_is_one_line_and_leaves_the_disk_as_it_was(inputs, capsys, argv, needle):
-    before = snapshot(inputs)
+def test_bad_input_is_one_line_and_leaves_the_disk_as_it_was(generate_inputs, capsys, argv, needle):
+    before = tree_hashes(generate_inputs)
     with pytest.raises(SystemExit) as exited:
         dispatch(["generate", *argv])
     captured = capsys.readouterr()
@@ -138,7 +133,7 @@ def test_bad_input_is_one_line_and_leaves_the_disk_as_it_was(inputs, capsys, arg
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     assert needle in err, err
     assert err.startswith("fntrain generate: ")
-    assert snapshot(inputs) == before
+    assert tree_hashes(generate_inputs) == before
 
 
 def test_options_defaults_are_valid():

@@ -24,7 +24,7 @@ GREEDY = ("--temperature", "0", "--max-new-tokens", "10", "--device", "cpu")
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> tuple[Path, Path]:
+def hf_llama_files(tmp_path_factory) -> tuple[Path, Path]:
     """A tiny Llama with its tokenizer (save_pretrained layout) and a chat JSONL to fine-tune it on."""
     pytest.importorskip("transformers")
     from tests.helpers.hf import save_tiny_llama
@@ -40,10 +40,10 @@ def llama(tmp_path_factory) -> tuple[Path, Path]:
     return model_dir, data
 
 
-def test_an_hf_directory_gives_the_tokens_of_transformers_greedy_generate(llama, capsys):
+def test_an_hf_directory_gives_the_tokens_of_transformers_greedy_generate(hf_llama_files, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir, _ = llama
+    model_dir, _ = hf_llama_files
     (sample,) = dispatch(["generate", str(model_dir), "--prompt", "ROMEO:", *GREEDY])
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
     inputs = AutoTokenizer.from_pretrained(model_dir)("ROMEO:", return_tensors="pt")
@@ -68,14 +68,14 @@ def _fine_tune(run: Path, llama: tuple[Path, Path], *extra: str) -> Path:
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_an_hf_causal_lm_run_samples_its_checkpoint_as_its_export(llama, tmp_path, lora, capsys):
+def test_an_hf_causal_lm_run_samples_its_checkpoint_as_its_export(hf_llama_files, tmp_path, lora, capsys):
     if lora:
         pytest.importorskip("peft")
     extra = ("--lora.rank", "4", "--lora.target-modules", "q_proj", "v_proj") if lora else ()
-    run = _fine_tune(tmp_path / "run", llama, *extra)
+    run = _fine_tune(tmp_path / "run", hf_llama_files, *extra)
     (from_checkpoint,) = dispatch(["generate", str(run), "--prompt", "ROMEO:", *GREEDY])
     (from_export,) = dispatch(["generate", str(run / "hf_model"), "--prompt", "ROMEO:", *GREEDY])
-    (base,) = dispatch(["generate", str(llama[0]), "--prompt", "ROMEO:", *GREEDY])
+    (base,) = dispatch(["generate", str(hf_llama_files[0]), "--prompt", "ROMEO:", *GREEDY])
     assert from_checkpoint.token_ids == from_export.token_ids
     assert from_checkpoint.token_ids != base.token_ids  # the fine-tuned weights (and adapter) are used
 

@@ -58,7 +58,7 @@ def preference_batch(pairs: int = PAIRS, seed: int = 1, index: list[int] | None 
     return {"input_ids": ids, "attention_mask": mask, "labels": labels, "index": index}
 
 
-def naive_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[list[float], list[int]]:
+def naive_sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[list[float], list[int]]:
     sums, counts = [], []
     for row in range(logits.shape[0]):
         total, count = 0.0, 0

@@ -33,7 +33,7 @@ from tests.step.objectives.preference_helpers import (
     ToyLM,
     close,
     logsigmoid,
-    naive_logps,
+    naive_sequence_logps,
     preference_batch,
     toy_model,
 )
@@ -46,7 +46,7 @@ def test_completion_logps_sums_the_completion_tokens(dtype):
     batch = preference_batch()
     logits = torch.randn(2 * PAIRS, SEQ, VOCAB, generator=torch.Generator().manual_seed(3)).to(dtype)
     sums, counts = completion_logps(logits, batch["labels"])
-    expected, expected_counts = naive_logps(logits.float(), batch["labels"])
+    expected, expected_counts = naive_sequence_logps(logits.float(), batch["labels"])
     assert sums.dtype == torch.float32 and sums.shape == (2 * PAIRS,)
     assert torch.allclose(sums, torch.tensor(expected, dtype=torch.float32), rtol=1e-5, atol=1e-5)
     assert counts.tolist() == expected_counts
@@ -89,7 +89,7 @@ REF_CHOSEN, REF_REJECTED = [-5.5, -6.0, -3.2], [-5.0, -5.0, -3.0]
 LENGTHS = [3, 4, 2, 5, 1, 6]  # chosen rows' completion tokens, then the rejected rows'
 
 
-def by_hand(loss_type: str, beta: float, smoothing: float = 0.0, gamma: float = 0.5) -> list[tuple]:
+def dpo_by_hand(loss_type: str, beta: float, smoothing: float = 0.0, gamma: float = 0.5) -> list[tuple]:
     """(loss, chosen reward, rejected reward) per pair, from TRL 1.16's formulas in plain floats."""
     rows = []
     for i in range(3):
@@ -134,7 +134,7 @@ def test_each_loss_type_matches_trl_formula(config):
     losses, chosen_rewards, rejected_rewards = dpo_loss(
         t(CHOSEN), t(REJECTED), *references, torch.tensor(LENGTHS), config
     )
-    expected = by_hand(config.loss_type, config.beta, config.label_smoothing, config.simpo_gamma)
+    expected = dpo_by_hand(config.loss_type, config.beta, config.label_smoothing, config.simpo_gamma)
     assert close(losses, t([row[0] for row in expected]))
     assert close(chosen_rewards, t([row[1] for row in expected]))
     assert close(rejected_rewards, t([row[2] for row in expected]))
@@ -157,7 +157,7 @@ def test_loss_fn_returns_the_mean_and_trl_metrics():
     config = DPOConfig(beta=0.25)
     loss, metrics = make_dpo_loss(config)(PreferenceOutput(logits, reference), batch)
 
-    sums, counts = naive_logps(logits.detach(), batch["labels"])
+    sums, counts = naive_sequence_logps(logits.detach(), batch["labels"])
     rewards_c = [0.25 * (sums[i] - reference[i].item()) for i in range(PAIRS)]
     rewards_r = [0.25 * (sums[PAIRS + i] - reference[PAIRS + i].item()) for i in range(PAIRS)]
     expected_loss = sum(-logsigmoid(c - r) for c, r in zip(rewards_c, rewards_r, strict=True)) / PAIRS
@@ -193,7 +193,7 @@ def test_simpo_logs_per_token_log_probs_and_needs_no_reference():
     loss, metrics = make_dpo_loss(DPOConfig(beta=2.0, loss_type="simpo"))(
         PreferenceOutput(logits, None), batch
     )
-    sums, counts = naive_logps(logits, batch["labels"])
+    sums, counts = naive_sequence_logps(logits, batch["labels"])
     averages = [s / n for s, n in zip(sums, counts, strict=True)]
     assert metrics["logps/chosen"].item() == pytest.approx(sum(averages[:PAIRS]) / PAIRS, rel=1e-5)
     assert metrics["rewards/chosen"].item() == pytest.approx(2.0 * sum(averages[:PAIRS]) / PAIRS, rel=1e-5)

@@ -13,7 +13,6 @@ tests/recipes/test_hf_causal_lm.py's tensor-parallel test). Tolerance: tests/run
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.fork_server import DPO_PRELOAD, started
+from tests.helpers.workers import worker_env
 from tests.step.objectives.dpo_helpers import CORPUS, preference_rows, tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -76,15 +76,7 @@ def cases(tmp_path_factory) -> list[str]:
     ]
 
 
-def _env() -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    }
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return env
-
-
-def _launch(root: Path, cases: list[str], ranks: int, env: dict[str, str]) -> Path:
+def launch_cases(root: Path, cases: list[str], ranks: int, env: dict[str, str]) -> Path:
     strategy = "fsdp2" if ranks > 1 else "none"
     torchrun = ["torchrun", "--standalone", f"--nproc_per_node={ranks}"]
     command = [*(torchrun if ranks > 1 else [env["PYTHON_FORK"]]), "-m", "tests.step.objectives.dpo_dist_worker", strategy, str(root),
@@ -97,15 +89,15 @@ def _launch(root: Path, cases: list[str], ranks: int, env: dict[str, str]) -> Pa
 
 
 @pytest.fixture(scope="module")
-def runs(cases, tmp_path_factory) -> dict[str, Path]:
+def dpo_layout_runs(cases, tmp_path_factory) -> dict[str, Path]:
     """layout -> the root of its run directories. The launches (torchrun's agent and workers, the one
     process) fork from one process that imported torch and transformers once (tests/helpers/fork_server.py)."""
     dpo_flags = json.loads(cases[0].removeprefix("dpo=dpo:"))
     tensor_parallel = f"tp=dpo:{json.dumps([*dpo_flags, '--parallel.tp-size', '2'])}"  # 2 ranks only
-    with started(_env(), DPO_PRELOAD) as env:
+    with started(worker_env(), DPO_PRELOAD) as env:
         return {
-            "fsdp2": _launch(tmp_path_factory.mktemp("fsdp2"), [*cases, tensor_parallel], 2, env),
-            "one": _launch(tmp_path_factory.mktemp("one"), cases, 1, env),
+            "fsdp2": launch_cases(tmp_path_factory.mktemp("fsdp2"), [*cases, tensor_parallel], 2, env),
+            "one": launch_cases(tmp_path_factory.mktemp("one"), cases, 1, env),
         }
 
 
@@ -128,11 +120,11 @@ def _world(run_dir: Path) -> int:
 
 
 @pytest.mark.parametrize("case", ["dpo", "lora"])
-def test_dpo_under_fsdp2_on_two_ranks_matches_one_process(runs, case):
+def test_dpo_under_fsdp2_on_two_ranks_matches_one_process(dpo_layout_runs, case):
     """The policy and (for `dpo`) the frozen reference copy sharded over 2 ranks; `lora`: the adapter
     trains, its reference is the policy with the adapter switched off."""
-    assert (_world(runs["fsdp2"] / case), _world(runs["one"] / case)) == (2, 1)
-    reference = _assert_same_steps(runs["fsdp2"] / case, runs["one"] / case, DPO_METRICS)
+    assert (_world(dpo_layout_runs["fsdp2"] / case), _world(dpo_layout_runs["one"] / case)) == (2, 1)
+    reference = _assert_same_steps(dpo_layout_runs["fsdp2"] / case, dpo_layout_runs["one"] / case, DPO_METRICS)
     # Step 1 starts at the reference (loss log 2, rewards 0); later steps moved away from it, so the
     # numbers compared are not just equal zeros.
     assert reference[0]["loss"] == pytest.approx(0.6931, abs=1e-4) and reference[0]["rewards/margins"] == 0
@@ -141,16 +133,16 @@ def test_dpo_under_fsdp2_on_two_ranks_matches_one_process(runs, case):
     )
 
 
-def test_kd_under_fsdp2_on_two_ranks_matches_one_process(runs):
+def test_kd_under_fsdp2_on_two_ranks_matches_one_process(dpo_layout_runs):
     """The student and the bigger frozen teacher both sharded over 2 ranks."""
-    assert (_world(runs["fsdp2"] / "kd"), _world(runs["one"] / "kd")) == (2, 1)
-    reference = _assert_same_steps(runs["fsdp2"] / "kd", runs["one"] / "kd", KD_METRICS)
+    assert (_world(dpo_layout_runs["fsdp2"] / "kd"), _world(dpo_layout_runs["one"] / "kd")) == (2, 1)
+    reference = _assert_same_steps(dpo_layout_runs["fsdp2"] / "kd", dpo_layout_runs["one"] / "kd", KD_METRICS)
     assert all(row["kd/kl"] > 0 for row in reference)
     assert reference[-1]["loss"] < reference[0]["loss"]
 
 
-def test_dpo_under_tensor_parallelism_matches_one_process(runs):
+def test_dpo_under_tensor_parallelism_matches_one_process(dpo_layout_runs):
     """tp 2: the policy and the reference split by the Llama plan, their vocabulary-split logits
     gathered whole by the objective: the numbers of one process."""
-    assert _world(runs["fsdp2"] / "tp") == 2
-    _assert_same_steps(runs["fsdp2"] / "tp", runs["one"] / "dpo", DPO_METRICS)
+    assert _world(dpo_layout_runs["fsdp2"] / "tp") == 2
+    _assert_same_steps(dpo_layout_runs["fsdp2"] / "tp", dpo_layout_runs["one"] / "dpo", DPO_METRICS)

@@ -57,7 +57,7 @@ def preference_files(tmp_path_factory) -> tuple[Path, Path, Path, int]:
     return model, _rows_file(root / "train.jsonl", train), _rows_file(root / "val.jsonl", val), len(val)
 
 
-def _config(files: tuple[Path, Path, Path, int], run_dir: Path, *, steps: int, eval_micro: int,
+def dpo_run_config(files: tuple[Path, Path, Path, int], run_dir: Path, *, steps: int, eval_micro: int,
             seed: int = 0) -> object:  # fmt: skip
     from recipes import dpo
 
@@ -85,7 +85,7 @@ def test_held_out_reward_accuracy_rises_well_above_chance(preference_files, tmp_
 
     pairs = preference_files[3]
     # One evaluation micro-batch holds every held-out pair: its accuracy is the fraction of pairs.
-    run_job(_config(preference_files, tmp_path / "run", steps=30, eval_micro=pairs), dpo.spec)
+    run_job(dpo_run_config(preference_files, tmp_path / "run", steps=30, eval_micro=pairs), dpo.spec)
     final = _final_validation(tmp_path / "run")
     assert final["step"] == 30
     accuracy = final["val_rewards/accuracies"]
@@ -108,7 +108,7 @@ def test_held_out_metrics_do_not_depend_on_the_evaluation_micro_batch(preference
         row["chosen"], row["rejected"] = row["chosen"] + " Truly so.", row["rejected"] + " Truly so."
     files = (model, train, _rows_file(tmp_path / "val.jsonl", rows), pairs)
     for name, micro in (("whole", pairs), ("single", 1)):
-        run_job(_config(files, tmp_path / name, steps=4, eval_micro=micro), dpo.spec)
+        run_job(dpo_run_config(files, tmp_path / name, steps=4, eval_micro=micro), dpo.spec)
     whole, single = _final_validation(tmp_path / "whole"), _final_validation(tmp_path / "single")
     assert single["val_rewards/accuracies"] * pairs == pytest.approx(
         round(single["val_rewards/accuracies"] * pairs)

@@ -35,13 +35,13 @@ LAUNCH = "attempt"  # which launch logged the row: 0 before the kill, 1 after it
 
 
 @pytest.fixture(scope="module")
-def launch_env():
+def dpo_launch_env():
     with started(env(), DPO_PRELOAD) as launched:
         yield launched
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> list[str]:
+def resume_flags(tmp_path_factory) -> list[str]:
     """The common flags: a tiny Llama, 24 preference pairs (one epoch of 6 steps, shuffled), AdamW,
     a checkpoint every 3 steps, a log every 2."""
     root = tmp_path_factory.mktemp("dpo_resume")
@@ -56,7 +56,7 @@ def inputs(tmp_path_factory) -> list[str]:
     ]  # fmt: skip
 
 
-def launch(run_dir: Path, kill: str, args: list[str], launch_env: dict[str, str],
+def launch_dpo_driver(run_dir: Path, kill: str, args: list[str], launch_env: dict[str, str],
            driver: str = "tests.step.objectives.dpo_resume_driver") -> subprocess.Popen:  # fmt: skip
     """tests/step/objectives/dpo_resume_driver.py (or another `driver` module) in its own session, its output in a file
     (see test_resume.ended)."""
@@ -87,8 +87,8 @@ def uninterrupted_and_killed(
 ) -> None:
     """The uninterrupted run, and beside it (both at once, as tests/checkpoint/test_resume.py does) one
     killed inside step 5, which left step 3's checkpoint latest."""
-    running = launch(reference, "none", args, launch_env)
-    killed = launch(run_dir, KILL, args, launch_env)
+    running = launch_dpo_driver(reference, "none", args, launch_env)
+    killed = launch_dpo_driver(run_dir, KILL, args, launch_env)
     finish(running, killed=False)
     finish(killed, killed=True)
     assert_latest_is_complete(run_dir)
@@ -96,7 +96,7 @@ def uninterrupted_and_killed(
     assert [row["step"] for row in recorded_steps(run_dir)] == [1, 2, 3, 4]
 
 
-def assert_same_run(reference: Path, run_dir: Path) -> None:
+def assert_same_dpo_run(reference: Path, run_dir: Path) -> None:
     """Every step the run recorded (steps 4 recorded twice: before the kill and redone) equals the
     uninterrupted run's step, metric by metric; and metrics.jsonl is the uninterrupted run's."""
     expected = {row["step"]: row for row in recorded_steps(reference)}
@@ -117,36 +117,36 @@ def assert_same_run(reference: Path, run_dir: Path) -> None:
     assert float.fromhex(expected[4]["loss"]) != got[1]["loss"]
 
 
-def test_dpo_killed_between_logs_resumes_bit_for_bit(tmp_path, inputs, launch_env):
-    uninterrupted_and_killed(tmp_path / "reference", tmp_path / "run", inputs, launch_env)
-    finish(launch(tmp_path / "run", "none", inputs, launch_env), killed=False)
-    assert_same_run(tmp_path / "reference", tmp_path / "run")
+def test_dpo_killed_between_logs_resumes_bit_for_bit(tmp_path, resume_flags, dpo_launch_env):
+    uninterrupted_and_killed(tmp_path / "reference", tmp_path / "run", resume_flags, dpo_launch_env)
+    finish(launch_dpo_driver(tmp_path / "run", "none", resume_flags, dpo_launch_env), killed=False)
+    assert_same_dpo_run(tmp_path / "reference", tmp_path / "run")
 
 
-def _snapshot(run_dir: Path) -> dict[str, tuple[int, int] | None]:
+def sizes_and_mtimes(run_dir: Path) -> dict[str, tuple[int, int] | None]:
     """Every path under `run_dir`, a file's size and mtime (a directory's mtime moves with phase 1's
     writability probe, a directory made and removed at once: fntrain.run.checks)."""
     return {str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else None
             for p in run_dir.rglob("*")}  # fmt: skip
 
 
-def test_precomputed_reference_resumes_bit_for_bit_and_a_changed_beta_is_refused(tmp_path, inputs, launch_env,
+def test_precomputed_reference_resumes_bit_for_bit_and_a_changed_beta_is_refused(tmp_path, resume_flags, dpo_launch_env,
                                                                                  capsys):  # fmt: skip
     from fntrain.cli import dispatch
 
-    args = [*inputs, "--dpo.reference", "precomputed"]
+    args = [*resume_flags, "--dpo.reference", "precomputed"]
     run_dir = tmp_path / "run"
-    uninterrupted_and_killed(tmp_path / "reference", run_dir, args, launch_env)
+    uninterrupted_and_killed(tmp_path / "reference", run_dir, args, dpo_launch_env)
 
     # Another beta changes every number after the restored step: refused before any model work.
-    before = _snapshot(run_dir)
+    before = sizes_and_mtimes(run_dir)
     with pytest.raises(SystemExit) as exited:
         dispatch(["run", "dpo", *args, "--run-dir", str(run_dir), "--dpo.beta", "0.2"])
     err = capsys.readouterr().err.strip()
     assert exited.value.code == 2, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert "dpo.beta" in err and "0.1 -> 0.2" in err and "allow" in err, err
-    assert _snapshot(run_dir) == before
+    assert sizes_and_mtimes(run_dir) == before
 
     # Allowed, it resumes from step 3 with the new beta (a copy: the original resumes below).
     allowed = tmp_path / "allowed"
@@ -158,5 +158,5 @@ def test_precomputed_reference_resumes_bit_for_bit_and_a_changed_beta_is_refused
     assert metadata["allowed_changes"] == {"dpo.beta": [0.1, 0.2]}
     assert [row["step"] for row in logged_rows(allowed)] == [2, 4, 6]
 
-    finish(launch(run_dir, "none", args, launch_env), killed=False)
-    assert_same_run(tmp_path / "reference", run_dir)
+    finish(launch_dpo_driver(run_dir, "none", args, dpo_launch_env), killed=False)
+    assert_same_dpo_run(tmp_path / "reference", run_dir)

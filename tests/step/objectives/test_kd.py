@@ -15,16 +15,12 @@ from fntrain.data.tokens import IGNORE_INDEX
 from fntrain.step import causal_lm_loss
 from fntrain.step.objectives import KDConfig, KDOutput, forward_kl, make_kd_forward, make_kd_loss
 from tests.step.host_reads import no_host_reads
+from tests.step.objectives.preference_helpers import close
 
 VOCAB, WIDTH, SEQ, ROWS = 11, 8, 6, 3
 
 
-def close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
-    """Equal within float32 rounding (torch.allclose: torch.testing.assert_close's first call costs seconds)."""
-    return actual.shape == expected.shape and torch.allclose(actual, expected, rtol=1e-5, atol=1e-6)
-
-
-class ToyLM(nn.Module):
+class DistillLM(nn.Module):
     def __init__(self, vocab: int = VOCAB) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
@@ -35,7 +31,7 @@ class ToyLM(nn.Module):
         return self.head(torch.tanh(self.mix(self.embed(input_ids))))
 
 
-def batch(seed: int = 1) -> dict[str, torch.Tensor]:
+def kd_batch(seed: int = 1) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=generator)
     labels = ids.clone()
@@ -71,7 +67,7 @@ def naive_fkl(
 
 def test_forward_kl_at_temperature_one_is_torchtune_forward_kl():
     student, teacher = logits_pair()
-    labels = batch()["labels"]
+    labels = kd_batch()["labels"]
     assert forward_kl(student, teacher, labels).item() == pytest.approx(
         naive_fkl(student, teacher, labels), rel=1e-5
     )
@@ -79,7 +75,7 @@ def test_forward_kl_at_temperature_one_is_torchtune_forward_kl():
 
 def test_forward_kl_with_a_temperature_softens_both_and_scales_by_its_square():
     student, teacher = logits_pair()
-    labels = batch()["labels"]
+    labels = kd_batch()["labels"]
     value = forward_kl(student, teacher, labels, temperature=2.0)
     assert value.item() == pytest.approx(naive_fkl(student, teacher, labels, temperature=2.0), rel=1e-5)
     assert value.item() == pytest.approx(4 * forward_kl(student / 2, teacher / 2, labels).item(), rel=1e-5)
@@ -88,7 +84,7 @@ def test_forward_kl_with_a_temperature_softens_both_and_scales_by_its_square():
 def test_forward_kl_masks_infinite_student_logits_and_is_zero_without_targets():
     student, teacher = logits_pair()
     student[:, :, 3] = float("-inf")  # a vocabulary entry the student may never emit
-    labels = batch()["labels"]
+    labels = kd_batch()["labels"]
     value = forward_kl(student, teacher, labels)
     assert torch.isfinite(value)
     assert value.item() == pytest.approx(naive_fkl(student, teacher, labels), rel=1e-5)
@@ -98,7 +94,7 @@ def test_forward_kl_masks_infinite_student_logits_and_is_zero_without_targets():
 
 def test_forward_kl_is_minimal_where_the_student_is_the_teacher():
     student, teacher = logits_pair()
-    labels = batch()["labels"]
+    labels = kd_batch()["labels"]
     # −Σ p log q ≥ −Σ p log p (Gibbs): the teacher's entropy, reached at student = teacher.
     assert forward_kl(teacher, teacher, labels) < forward_kl(student, teacher, labels)
 
@@ -109,16 +105,16 @@ def test_mismatched_vocabularies_are_refused():
     with pytest.raises(
         ValueError, match=r"teacher's vocabulary \(12 logits\) differs from the student's \(11\)"
     ):
-        forward_kl(student, teacher, batch()["labels"])
+        forward_kl(student, teacher, kd_batch()["labels"])
     with pytest.raises(ValueError, match="teacher's vocabulary"):
-        make_kd_loss(KDConfig(teacher_path="/t"))(KDOutput(student, teacher), batch())
+        make_kd_loss(KDConfig(teacher_path="/t"))(KDOutput(student, teacher), kd_batch())
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("temperature", [1.0, 2.5])
 def test_kd_loss_mixes_cross_entropy_and_kl(ratio, temperature):
     student, teacher = logits_pair()
-    micro_batch = batch()
+    micro_batch = kd_batch()
     config = KDConfig(ratio=ratio, temperature=temperature, teacher_path="/t")
     loss, metrics = make_kd_loss(config)(KDOutput(student, teacher), micro_batch)
     ce = causal_lm_loss(student, micro_batch)
@@ -136,7 +132,7 @@ def test_kd_loss_mixes_cross_entropy_and_kl(ratio, temperature):
 
 def test_kd_loss_respects_the_loss_mask_like_cross_entropy():
     student, teacher = logits_pair()
-    micro_batch = batch()
+    micro_batch = kd_batch()
     micro_batch["loss_mask"] = torch.ones_like(micro_batch["labels"])
     micro_batch["loss_mask"][0, 3:] = 0
     masked_labels = micro_batch["labels"].clone()
@@ -147,7 +143,7 @@ def test_kd_loss_respects_the_loss_mask_like_cross_entropy():
 
 def test_kd_loss_is_zero_without_valid_tokens():
     student, teacher = logits_pair()
-    micro_batch = {"input_ids": batch()["input_ids"], "labels": torch.full((ROWS, SEQ), IGNORE_INDEX)}
+    micro_batch = {"input_ids": kd_batch()["input_ids"], "labels": torch.full((ROWS, SEQ), IGNORE_INDEX)}
     loss, _ = make_kd_loss(KDConfig(teacher_path="/t"))(KDOutput(student, teacher), micro_batch)
     assert loss.item() == 0.0
 
@@ -155,8 +151,8 @@ def test_kd_loss_is_zero_without_valid_tokens():
 def test_kd_forward_loss_and_backward_read_no_values_on_the_host():
     """No .item()/float()/bool() or data-dependent shape (a host sync on an accelerator)."""
     torch.manual_seed(0)
-    student, teacher = ToyLM(), ToyLM()
-    micro_batch = batch()
+    student, teacher = DistillLM(), DistillLM()
+    micro_batch = kd_batch()
     with no_host_reads():
         output = make_kd_forward(teacher)(student, micro_batch)
         loss, metrics = make_kd_loss(KDConfig(temperature=2.0, teacher_path="/t"))(output, micro_batch)
@@ -166,10 +162,10 @@ def test_kd_forward_loss_and_backward_read_no_values_on_the_host():
 
 def test_kd_forward_runs_the_teacher_without_gradient():
     torch.manual_seed(0)
-    student, teacher = ToyLM(), ToyLM()
+    student, teacher = DistillLM(), DistillLM()
     teacher.train()
     reference_teacher = copy.deepcopy(teacher)
-    micro_batch = batch()
+    micro_batch = kd_batch()
     output = make_kd_forward(teacher)(student, micro_batch)
     assert not teacher.training and not output.teacher_logits.requires_grad
     assert close(output.teacher_logits, reference_teacher(micro_batch["input_ids"]))
@@ -184,7 +180,7 @@ def test_the_step_takes_the_kd_forward_and_loss_and_reports_the_metrics():
     from fntrain.step import make_train_step
 
     torch.manual_seed(0)
-    student, teacher = ToyLM(), ToyLM()
+    student, teacher = DistillLM(), DistillLM()
     before = [p.detach().clone() for p in teacher.parameters()]
     step = make_train_step(
         student,
@@ -192,7 +188,7 @@ def test_the_step_takes_the_kd_forward_and_loss_and_reports_the_metrics():
         torch.optim.SGD(student.parameters(), lr=0.1),
         forward=make_kd_forward(teacher),
     )
-    micro_batches = [batch(seed=1), batch(seed=2)]
+    micro_batches = [kd_batch(seed=1), kd_batch(seed=2)]
     metrics = step(TrainState(), micro_batches)
     assert {"kd/ce", "kd/kl", "loss"} <= set(metrics)
     assert all(torch.equal(a, b) for a, b in zip(before, teacher.parameters(), strict=True))

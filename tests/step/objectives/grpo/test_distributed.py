@@ -48,7 +48,6 @@ from tests.step.objectives.grpo.helpers import (
     RECORD,
     final_weights,
     grpo_env,
-    grpo_inputs,
     is_timing,
 )
 
@@ -92,13 +91,7 @@ def per_micro_step(name: str) -> bool:
     return name in ("entropy", "kl") or name.startswith("clip_ratio/")
 
 
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> tuple[Path, Path, Path]:
-    """(model, prompts, the reward module's directory): tests/step/objectives/grpo/helpers.py's, 16 prompts."""
-    return grpo_inputs(tmp_path_factory.mktemp("grpo_dist"))
-
-
-def _launch(root: Path, layout: str, inputs: tuple[Path, Path, Path], launch_env: dict[str, str]) -> Path:
+def launch_grpo(root: Path, layout: str, inputs: tuple[Path, Path, Path], launch_env: dict[str, str]) -> Path:
     model, prompts, _ = inputs
     ranks = 1 if layout == "one" else 2
     strategy = "none" if layout == "one" else layout
@@ -114,13 +107,13 @@ def _launch(root: Path, layout: str, inputs: tuple[Path, Path, Path], launch_env
 
 
 @pytest.fixture(scope="module")
-def runs(inputs, tmp_path_factory) -> dict[str, Path]:
+def grpo_layout_runs(grpo_run_inputs, tmp_path_factory) -> dict[str, Path]:
     """layout -> the root of its run directories (ROOT/<case>) and records (ROOT/record). The reward
     module's directory is on the fork server's PYTHONPATH: every command it forks (torchrun's agent
     and workers, the one process) imports from its sys.path."""
-    with started(grpo_env(inputs[2]), GRPO_PRELOAD) as launched:
+    with started(grpo_env(grpo_run_inputs[2]), GRPO_PRELOAD) as launched:
         return {
-            layout: _launch(tmp_path_factory.mktemp(layout), layout, inputs, launched) for layout in LAYOUTS
+            layout: launch_grpo(tmp_path_factory.mktemp(layout), layout, grpo_run_inputs, launched) for layout in LAYOUTS
         }
 
 
@@ -134,7 +127,7 @@ def completions(root: Path, case: str) -> dict[tuple[int, int], list[list[int]]]
     return {key: sorted(value) for key, value in sorted(rows.items())}
 
 
-def logged(run_dir: Path) -> list[dict]:
+def logged_metrics(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in row.items() if not is_timing(k)} for row in rows if "loss" in row]
 
@@ -152,7 +145,7 @@ def assert_same_completions(
 def assert_same_metrics(got: Path, want: Path, steps: int, skip=lambda name: False) -> list[dict]:
     """Every row of metrics.jsonl, every metric in it but wall-clock ones and those `skip` names, the
     same to TOLERANCE; the same names in both."""
-    expected, actual = logged(want), logged(got)
+    expected, actual = logged_metrics(want), logged_metrics(got)
     assert [row["step"] for row in expected] == [row["step"] for row in actual] == list(range(1, steps + 1))
     for want_row, got_row in zip(expected, actual, strict=True):
         assert sorted(got_row) == sorted(want_row), want_row["step"]
@@ -167,7 +160,7 @@ def assert_same_metrics(got: Path, want: Path, steps: int, skip=lambda name: Fal
     return expected
 
 
-def assert_same_weights(got: Path, want: Path) -> None:
+def assert_same_final_weights(got: Path, want: Path) -> None:
     expected, actual = final_weights(want), final_weights(got)
     assert expected and expected.keys() == actual.keys()
     for key in expected:
@@ -176,14 +169,14 @@ def assert_same_weights(got: Path, want: Path) -> None:
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("case", CASES)
-def test_two_ranks_train_as_one_process(runs, layout, case):
+def test_two_ranks_train_as_one_process(grpo_layout_runs, layout, case):
     """The same completions, metrics (but the loss's per-micro-step ones) and final weights."""
     steps, per_generation, rows = SHAPES[case]
-    got, want = runs[layout], runs["one"]
+    got, want = grpo_layout_runs[layout], grpo_layout_runs["one"]
     assert json.loads((got / case / "run_metadata.json").read_text())["world_size"] == 2
     assert_same_completions(got, want, case, steps, per_generation, rows)
     expected = assert_same_metrics(got / case, want / case, steps, skip=per_micro_step)
-    assert_same_weights(got / case, want / case)
+    assert_same_final_weights(got / case, want / case)
     # The numbers compared move: rewards vary in each group, completions end early and at the limit,
     # the policy leaves the reference and (multi) the sampling policy far enough to clip
     generated = [row for row in expected if "reward_std" in row]
@@ -197,8 +190,8 @@ def test_two_ranks_train_as_one_process(runs, layout, case):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_ddp_and_fsdp2_agree_on_every_metric(runs, case):
+def test_ddp_and_fsdp2_agree_on_every_metric(grpo_layout_runs, case):
     """The two strategies put the same rows in each micro-step: every metric agrees, the per-micro-step
     ones included."""
-    expected = assert_same_metrics(runs["fsdp2"] / case, runs["ddp"] / case, SHAPES[case][0])
+    expected = assert_same_metrics(grpo_layout_runs["fsdp2"] / case, grpo_layout_runs["ddp"] / case, SHAPES[case][0])
     assert all("entropy" in row and "clip_ratio/low_min" in row for row in expected)

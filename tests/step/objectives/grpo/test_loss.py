@@ -21,7 +21,7 @@ CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/regio
                 "clip_ratio/low_min", "clip_ratio/high_max")  # fmt: skip
 
 
-def config(**fields) -> GRPOConfig:
+def grpo_config(**fields) -> GRPOConfig:
     defaults = {"reward_funcs": ("tests.fake:reward",), "epsilon": 0.2, "epsilon_high": 0.28,
                 "max_completion_length": 5}  # fmt: skip
     return GRPOConfig(**{**defaults, **fields})
@@ -46,7 +46,7 @@ def output_of(logps: torch.Tensor, entropy: torch.Tensor | None = None) -> GRPOO
     return GRPOOutput(logps, torch.zeros_like(logps) if entropy is None else entropy)
 
 
-def naive_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+def naive_token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
     targets, valid = labels[:, 1:], labels[:, 1:] != IGNORE_INDEX
     per_token = torch.log_softmax(logits[:, :-1].float() / temperature, -1)
     return per_token.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * valid
@@ -62,7 +62,7 @@ def test_token_logps_are_log_softmax_at_the_temperature(dtype, temperature):
     logits = (3 * torch.randn(3, SEQ, VOCAB, generator=torch.Generator().manual_seed(1))).to(dtype)
     values = token_logps(logits, labels, temperature)
     assert values.dtype == torch.float32 and values.shape == (3, SEQ - 1)
-    assert torch.allclose(values, naive_logps(logits, labels, temperature), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(values, naive_token_logps(logits, labels, temperature), rtol=1e-5, atol=1e-5)
     assert values[labels[:, 1:] == IGNORE_INDEX].eq(0).all()
 
 
@@ -75,7 +75,7 @@ def test_token_logps_gradient_is_autograd_through_log_softmax(chunk_elements, te
     weights = torch.randn(3, SEQ - 1, generator=torch.Generator().manual_seed(3))
     logits, naive = start.clone().requires_grad_(True), start.clone().requires_grad_(True)
     (token_logps(logits, labels, temperature) * weights).sum().backward()
-    (naive_logps(naive, labels, temperature) * weights).sum().backward()
+    (naive_token_logps(naive, labels, temperature) * weights).sum().backward()
     assert torch.allclose(logits.grad, naive.grad, rtol=1e-5, atol=1e-6)
     assert logits.grad[:, -1].eq(0).all()  # the last position predicts nothing
 
@@ -108,7 +108,7 @@ def test_grpo_forward_scores_the_labels_at_the_temperature():
     logits = torch.randn(2, SEQ, VOCAB, generator=torch.Generator().manual_seed(6)).requires_grad_(True)
     forward = make_grpo_forward(0.8, forward=lambda model, batch: logits)
     output = forward(None, {"labels": labels})
-    assert torch.allclose(output.logps, naive_logps(logits, labels, 0.8), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(output.logps, naive_token_logps(logits, labels, 0.8), rtol=1e-5, atol=1e-6)
     assert output.logps.requires_grad and not output.entropy.requires_grad
     assert output.entropy[0, 1:4].gt(0).all() and output.entropy[labels[:, 1:] == IGNORE_INDEX].eq(0).all()
 
@@ -125,7 +125,7 @@ def on_policy(loss_type: str, **fields) -> torch.Tensor:
     labels = labels_of(ROWS)
     logps = -torch.rand(4, SEQ - 1, generator=torch.Generator().manual_seed(7))
     batch = micro_batch(labels, ADVANTAGES, generation_tokens=torch.tensor(30.0))
-    loss_fn = make_grpo_loss(config(loss_type=loss_type, **fields), micro_batches=2, steps_per_generation=4)
+    loss_fn = make_grpo_loss(grpo_config(loss_type=loss_type, **fields), micro_batches=2, steps_per_generation=4)
     with no_host_reads():
         loss, _ = loss_fn(output_of(logps * (labels[:, 1:] != IGNORE_INDEX)), batch)
     return loss
@@ -147,7 +147,7 @@ def test_on_policy_gradient_is_minus_the_advantage_per_token():
     labels = labels_of(ROWS)
     mask = labels[:, 1:] != IGNORE_INDEX
     logps = torch.zeros(4, SEQ - 1, requires_grad=True)
-    loss_fn = make_grpo_loss(config(loss_type="bnpo"), micro_batches=1, steps_per_generation=1)
+    loss_fn = make_grpo_loss(grpo_config(loss_type="bnpo"), micro_batches=1, steps_per_generation=1)
     loss, _ = loss_fn(output_of(logps), micro_batch(labels, ADVANTAGES))
     loss.backward()
     expected = -torch.tensor(ADVANTAGES).unsqueeze(1) * mask / sum(TOKENS)
@@ -161,7 +161,7 @@ def test_a_micro_batch_without_loss_tokens_has_loss_zero_and_no_nan(loss_type, l
     logps = torch.zeros(2, SEQ - 1, requires_grad=True)
     batch = micro_batch(labels, [1.0, -1.0], generation_tokens=torch.tensor(0.0),
                         old_logps=torch.zeros(2, SEQ - 1), ref_logps=torch.zeros(2, SEQ - 1))  # fmt: skip
-    cfg = config(loss_type=loss_type, importance_sampling_level=level, beta=0.1)
+    cfg = grpo_config(loss_type=loss_type, importance_sampling_level=level, beta=0.1)
     loss, metrics = make_grpo_loss(cfg, micro_batches=1, steps_per_generation=1)(output_of(logps), batch)
     loss.backward()
     assert loss.item() == 0.0 and logps.grad.eq(0).all()
@@ -180,7 +180,7 @@ def one_token_loss(ratio: float, advantage: float, **fields) -> tuple[float, flo
     logps = torch.zeros(1, SEQ - 1, requires_grad=True)
     old = torch.zeros(1, SEQ - 1)
     old[0, 0] = -math.log(ratio)
-    loss_fn = make_grpo_loss(config(loss_type="bnpo", **fields), micro_batches=1, steps_per_generation=1)
+    loss_fn = make_grpo_loss(grpo_config(loss_type="bnpo", **fields), micro_batches=1, steps_per_generation=1)
     loss, _ = loss_fn(output_of(logps), micro_batch(labels, [advantage], old_logps=old))
     loss.backward()
     return loss.item(), logps.grad[0, 0].item()
@@ -211,7 +211,7 @@ def test_sequence_importance_sampling_takes_one_ratio_per_row():
     old = torch.zeros(1, SEQ - 1)
     old[0, :3] = torch.tensor([0.3, -0.1, 0.1])  # mean log-ratio −0.1
     objective = grpo_token_loss(logps, old, None, torch.tensor([1.0]), labels[:, 1:] != IGNORE_INDEX,
-                                config(importance_sampling_level="sequence"))  # fmt: skip
+                                grpo_config(importance_sampling_level="sequence"))  # fmt: skip
     assert objective.ratio.shape == (1, 1) and objective.ratio.item() == pytest.approx(math.exp(-0.1))
     assert torch.allclose(objective.loss[0, :3], torch.full((3,), -math.exp(-0.1)))
 
@@ -222,7 +222,7 @@ def test_kl_is_k3_to_the_reference_times_the_ratio_when_bias_corrected(bias_corr
     mask = labels[:, 1:] != IGNORE_INDEX
     logps, old, ref = torch.zeros(1, SEQ - 1), torch.zeros(1, SEQ - 1), torch.zeros(1, SEQ - 1)
     logps[0, :2], old[0, :2], ref[0, :2] = torch.tensor([-1.0, -2.0]), torch.tensor([-1.1, -2.0]), -1.5
-    cfg = config(loss_type="bnpo", beta=0.1, use_bias_correction_kl=bias_correction)
+    cfg = grpo_config(loss_type="bnpo", beta=0.1, use_bias_correction_kl=bias_correction)
     objective = grpo_token_loss(logps, old, ref, torch.tensor([0.0]), mask, cfg)
     difference = torch.tensor([-0.5, 0.5])  # ref − logps
     k3 = difference.exp() - difference - 1
@@ -240,15 +240,15 @@ def test_missing_inputs_and_bad_shapes_are_named():
     labels = labels_of([(1, 2)])
     output = output_of(torch.zeros(1, SEQ - 1))
     with pytest.raises(ValueError, match="needs the micro-batch's 'ref_logps'"):
-        make_grpo_loss(config(beta=0.1), micro_batches=1, steps_per_generation=1)(
+        make_grpo_loss(grpo_config(beta=0.1), micro_batches=1, steps_per_generation=1)(
             output, micro_batch(labels, [1.0])
         )
     with pytest.raises(ValueError, match="needs the micro-batch's 'generation_tokens'"):
-        make_grpo_loss(config(), micro_batches=1, steps_per_generation=1)(output, micro_batch(labels, [1.0]))
+        make_grpo_loss(grpo_config(), micro_batches=1, steps_per_generation=1)(output, micro_batch(labels, [1.0]))
     with pytest.raises(ValueError, match="steps_per_generation must be a multiple .* \\(2\\), got 3"):
-        make_grpo_loss(config(), micro_batches=2, steps_per_generation=3)
+        make_grpo_loss(grpo_config(), micro_batches=2, steps_per_generation=3)
     with pytest.raises(ValueError, match="do not match labels"):
-        make_grpo_loss(config(), micro_batches=1, steps_per_generation=1)(
+        make_grpo_loss(grpo_config(), micro_batches=1, steps_per_generation=1)(
             output_of(torch.zeros(1, SEQ)), micro_batch(labels, [1.0])
         )
 
@@ -322,7 +322,7 @@ def _reducer(contributions: list[list[torch.Tensor]], rank: int):
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_metrics_are_global_over_the_ranks_rows(level):
-    cfg = config(beta=0.05, importance_sampling_level=level)
+    cfg = grpo_config(beta=0.05, importance_sampling_level=level)
     pieces = rank_batches()
     results, collectives = run_ranks(cfg, pieces)
     assert collectives == [2, 2]  # one sum, one max
@@ -335,7 +335,7 @@ def test_metrics_are_global_over_the_ranks_rows(level):
 
 
 def test_clip_extremes_are_the_min_and_max_of_the_rows_masked_means():
-    cfg = config()
+    cfg = grpo_config()
     output, batch = joined(rank_batches())
     _, metrics = make_grpo_loss(cfg, micro_batches=1, steps_per_generation=1)(output, batch)
     mask = batch["labels"][:, 1:] != IGNORE_INDEX
@@ -354,7 +354,7 @@ def test_rank_losses_average_to_the_one_process_loss_where_the_type_is_per_row_o
     """DDP averages the ranks' gradients: for grpo, dr_grpo (equal rows per rank) and dapo (N over dp),
     the mean of the ranks' losses is the loss of one process holding all rows; bnpo is a per-rank token
     mean, as TRL's is."""
-    cfg = config(loss_type=loss_type)
+    cfg = grpo_config(loss_type=loss_type)
     pieces = rank_batches()
     results, _ = run_ranks(cfg, pieces)
     single, _ = make_grpo_loss(cfg, micro_batches=1, steps_per_generation=1)(*joined(pieces))
@@ -385,7 +385,7 @@ def test_grpo_forward_and_loss_over_vocabulary_parallel_logits(one_rank_env):  #
         full = torch.randn(2, SEQ, VOCAB, generator=torch.Generator().manual_seed(9)).requires_grad_(True)
         split = distribute_tensor(full.detach(), mesh, [Shard(-1)]).requires_grad_(True)
         batch = micro_batch(labels, [1.0, -0.5], generation_tokens=torch.tensor(6.0))
-        loss_fn = make_grpo_loss(config(), micro_batches=1, steps_per_generation=1)
+        loss_fn = make_grpo_loss(grpo_config(), micro_batches=1, steps_per_generation=1)
         results = []
         for logits in (full, split):
             with loss_parallel():

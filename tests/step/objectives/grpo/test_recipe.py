@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from fntrain.cli import dispatch
-from tests.cli.test_bad_inputs import expect_one_line, snapshot
+from tests.helpers.commands import expect_one_line
+from tests.helpers.files import file_hashes_and_siblings
 from tests.step.objectives.dpo_helpers import tiny_llama
 
 pytest.importorskip("transformers")
@@ -35,7 +36,7 @@ def broken(completions, answer, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> dict[str, Path]:
+def recipe_inputs(tmp_path_factory) -> dict[str, Path]:
     """A tiny Llama, 16 prompts with an `answer` column, and a module of reward functions."""
     root = tmp_path_factory.mktemp("grpo")
     model = tiny_llama(root / "llama")
@@ -46,8 +47,8 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture
-def rewards_importable(inputs, monkeypatch):
-    monkeypatch.syspath_prepend(str(inputs["root"]))
+def rewards_importable(recipe_inputs, monkeypatch):
+    monkeypatch.syspath_prepend(str(recipe_inputs["root"]))
     yield
     sys.modules.pop("grpo_test_rewards", None)
 
@@ -60,14 +61,14 @@ def _argv(inputs: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
             "--checkpoint.save-every", "0", "--progress.no-enabled", *extra]  # fmt: skip
 
 
-def _records(path: Path) -> list[dict]:
+def jsonl_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_a_run_logs_trls_names_the_time_split_and_sample_completions(tmp_path, inputs, rewards_importable):
+def test_a_run_logs_trls_names_the_time_split_and_sample_completions(tmp_path, recipe_inputs, rewards_importable):
     run = tmp_path / "run"
-    dispatch(_argv(inputs, run, "--train.train-iters", "2", "--grpo.beta", "0.04"))
-    records = _records(run / "metrics.jsonl")
+    dispatch(_argv(recipe_inputs, run, "--train.train-iters", "2", "--grpo.beta", "0.04"))
+    records = jsonl_records(run / "metrics.jsonl")
     assert [record["step"] for record in records] == [1, 2]
     names = set(records[0])
     for name in ("loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "rewards/letter_a/mean",
@@ -79,7 +80,7 @@ def test_a_run_logs_trls_names_the_time_split_and_sample_completions(tmp_path, i
         assert name in names, name
     assert records[1]["num_tokens"] > records[0]["num_tokens"] > 0  # one generation batch per step here
     assert 0 <= records[0]["completions/clipped_ratio"] <= 1 and records[0]["completions/max_length"] <= 8
-    samples = _records(run / "samples.jsonl")
+    samples = jsonl_records(run / "samples.jsonl")
     assert len(samples) == 8 and {sample["step"] for sample in samples} == {1, 2}  # 4 per generation batch
     first = samples[0]
     assert set(first["rewards"]) == {"letter_a", "picky"} and isinstance(first["completion"], str)
@@ -90,8 +91,8 @@ def test_a_run_logs_trls_names_the_time_split_and_sample_completions(tmp_path, i
     assert (run / "hf_model" / "model.safetensors").exists()
 
 
-def test_plan_counts_the_rollout_rows_the_reference_and_the_logprob_buffers(capsys, inputs, rewards_importable):
-    dispatch(["plan", *_argv(inputs, Path("unused"), "--grpo.beta", "0.04", "--grpo.num-iterations", "2",
+def test_plan_counts_the_rollout_rows_the_reference_and_the_logprob_buffers(capsys, recipe_inputs, rewards_importable):
+    dispatch(["plan", *_argv(recipe_inputs, Path("unused"), "--grpo.beta", "0.04", "--grpo.num-iterations", "2",
                                  "--world-size", "2", "--parallel.strategy", "ddp")[1:]])  # fmt: skip
     out = capsys.readouterr().out
     assert "2 prompts x 4 = 8 completions per generation batch (4 per rank), 2 optimizer step(s) each" in out
@@ -126,24 +127,24 @@ BAD = [
 
 
 @pytest.mark.parametrize(("args", "needle"), [case[1:] for case in BAD], ids=[case[0] for case in BAD])
-def test_a_bad_grpo_input_is_one_line_and_creates_nothing(tmp_path, capsys, inputs, rewards_importable, args, needle):
-    before = snapshot(tmp_path)
-    expect_one_line(capsys, _argv(inputs, tmp_path / "run", "--train.train-iters", "2", *args), needle)
-    assert snapshot(tmp_path) == before
+def test_a_bad_grpo_input_is_one_line_and_creates_nothing(tmp_path, capsys, recipe_inputs, rewards_importable, args, needle):
+    before = file_hashes_and_siblings(tmp_path)
+    expect_one_line(capsys, _argv(recipe_inputs, tmp_path / "run", "--train.train-iters", "2", *args), needle)
+    assert file_hashes_and_siblings(tmp_path) == before
 
 
-def test_a_reward_function_that_raises_ends_the_run_in_one_line_naming_it_and_the_row(tmp_path, capsys, inputs,
+def test_a_reward_function_that_raises_ends_the_run_in_one_line_naming_it_and_the_row(tmp_path, capsys, recipe_inputs,
                                                                                       rewards_importable):  # fmt: skip
     """Prompts 0..7 make the first generation batch (2 prompts a step); `broken` divides by zero on the row
     whose answer is 3, so the run fails at the step that scores it, after the step before was saved."""
     run = tmp_path / "run"
-    argv = [*_argv(inputs, run, "--train.train-iters", "8", "--checkpoint.save-every", "1", "--loader.no-shuffle"),
+    argv = [*_argv(recipe_inputs, run, "--train.train-iters", "8", "--checkpoint.save-every", "1", "--loader.no-shuffle"),
             "--grpo.reward-funcs", "grpo_test_rewards:broken", "--grpo.reward-weights", "1.0"]  # fmt: skip
     with pytest.raises(SystemExit) as exited:
         dispatch(argv)
     assert exited.value.code == 1
     line = capsys.readouterr().err.strip().splitlines()[-1]  # the run's log lines come before it
     assert line.startswith("run failed at step 2: RewardError: reward function 'grpo_test_rewards:broken' raised on "
-                           f"data.path '{inputs['prompts']}' line 4, completion 1 of 4: ZeroDivisionError"), line  # fmt: skip
+                           f"data.path '{recipe_inputs['prompts']}' line 4, completion 1 of 4: ZeroDivisionError"), line  # fmt: skip
     saved = sorted(path.name for path in (run / "checkpoints").iterdir() if path.name.startswith("step_"))
     assert saved == ["step_1"]  # the good checkpoint before the failing step is intact

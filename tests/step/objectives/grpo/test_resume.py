@@ -37,8 +37,8 @@ import torch
 from fntrain.checkpoint import find_latest, read_meta
 from tests.checkpoint.test_resume import assert_latest_is_complete, finish
 from tests.helpers.fork_server import started
-from tests.step.objectives.grpo.helpers import GRPO_PRELOAD, final_weights, grpo_env, grpo_inputs, is_timing
-from tests.step.objectives.test_dpo_resume import _snapshot, launch
+from tests.step.objectives.grpo.helpers import GRPO_PRELOAD, final_weights, grpo_env, is_timing
+from tests.step.objectives.test_dpo_resume import launch_dpo_driver, sizes_and_mtimes
 
 ROOT = Path(__file__).resolve().parents[4]
 STEPS = 16
@@ -49,22 +49,16 @@ LAUNCH = "attempt"  # which launch logged the row
 KILLS = (("optimizer:6", 3), ("optimizer:8", 6), ("optimizer:11", 9), ("optimizer:14", 12))
 
 
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> tuple[Path, Path, Path]:
-    """tests/step/objectives/grpo/helpers.py's model, prompts and reward module."""
-    return grpo_inputs(tmp_path_factory.mktemp("grpo_resume"))
-
-
 @pytest.fixture
-def rewards_importable(inputs, monkeypatch) -> None:
+def run_rewards_importable(grpo_run_inputs, monkeypatch) -> None:
     """The reward module importable by runs in this process."""
-    monkeypatch.syspath_prepend(str(inputs[2]))
+    monkeypatch.syspath_prepend(str(grpo_run_inputs[2]))
 
 
 @pytest.fixture(scope="module")
-def launch_env(inputs):
+def grpo_launch_env(grpo_run_inputs):
     """The preloaded launcher (the slow tests' launches), the reward module on its PYTHONPATH."""
-    with started(grpo_env(inputs[2]), GRPO_PRELOAD) as launched:
+    with started(grpo_env(grpo_run_inputs[2]), GRPO_PRELOAD) as launched:
         yield launched
 
 
@@ -90,7 +84,7 @@ def rows(path: Path, drop: tuple[str, ...] = ()) -> list[dict]:
     return [{k: v for k, v in record.items() if not is_timing(k) and k not in drop} for record in records]
 
 
-def assert_same_run(reference: Path, run_dir: Path) -> None:
+def assert_same_grpo_run(reference: Path, run_dir: Path) -> None:
     """Every step the killed launches and the last one recorded equals the uninterrupted run's step,
     metric by metric; metrics.jsonl, samples.jsonl and the final weights are the uninterrupted run's."""
     expected = {row["step"]: row for row in rows(reference / "steps.jsonl")}
@@ -117,28 +111,28 @@ def assert_refused(run_dir: Path, args: list[str], change: list[str], said: str,
     new value) and the way out, touching nothing."""
     from fntrain.cli import dispatch
 
-    before = _snapshot(run_dir)
+    before = sizes_and_mtimes(run_dir)
     with pytest.raises(SystemExit) as exited:
         dispatch(["run", "grpo", *args, "--run-dir", str(run_dir), *change])
     err = capsys.readouterr().err.strip()
     assert exited.value.code == 2, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert said in err and "--checkpoint.allow-changes" in err, err
-    assert _snapshot(run_dir) == before
+    assert sizes_and_mtimes(run_dir) == before
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_killed_inside_and_at_the_edge_of_generation_batches_resumes_bit_for_bit(
-    tmp_path, inputs, launch_env
+    tmp_path, grpo_run_inputs, grpo_launch_env
 ):
     """KILLS in turn on one run directory (the module docstring), the uninterrupted run beside them;
     each checkpoint resumed from holds the generation batch it is inside, with its log-probs, or none."""
-    args = flags(inputs)
+    args = flags(grpo_run_inputs)
     reference, run_dir = tmp_path / "reference", tmp_path / "run"
-    running = launch(reference, "none", args, launch_env, DRIVER)
+    running = launch_dpo_driver(reference, "none", args, grpo_launch_env, DRIVER)
     for kill, restored in KILLS:
-        finish(launch(run_dir, kill, args, launch_env, DRIVER), killed=True)
+        finish(launch_dpo_driver(run_dir, kill, args, grpo_launch_env, DRIVER), killed=True)
         assert_latest_is_complete(run_dir)
         assert read_meta(find_latest(run_dir / "checkpoints"))["train_state"]["global_step"] == restored
         generation = saved_generation(run_dir)
@@ -148,8 +142,8 @@ def test_killed_inside_and_at_the_edge_of_generation_batches_resumes_bit_for_bit
         else:
             assert generation is None
     finish(running, killed=False)
-    finish(launch(run_dir, "none", args, launch_env, DRIVER), killed=False)
-    assert_same_run(reference, run_dir)
+    finish(launch_dpo_driver(run_dir, "none", args, grpo_launch_env, DRIVER), killed=False)
+    assert_same_grpo_run(reference, run_dir)
     assert {row["step"] for row in rows(run_dir / "samples.superseded.jsonl")} == {5, 13}
 
 
@@ -161,11 +155,11 @@ SHORT = ["--train.train-iters", "1", "--train.global-batch-size", "4", "--train.
 
 
 @pytest.fixture(scope="module")
-def inside(inputs, tmp_path_factory) -> tuple[Path, list[str]]:
+def inside(grpo_run_inputs, tmp_path_factory) -> tuple[Path, list[str]]:
     """(a run directory, its flags but --run-dir) whose latest checkpoint is inside a generation batch."""
     from fntrain.cli import dispatch
 
-    model, prompts, modules = inputs
+    model, prompts, modules = grpo_run_inputs
     run_dir = tmp_path_factory.mktemp("inside") / "run"
     args = ["--model.path", str(model), "--data.path", str(prompts), "--grpo.reward-funcs", "grpo_test_rewards:plain",
             *SHORT]  # fmt: skip
@@ -182,7 +176,7 @@ def inside(inputs, tmp_path_factory) -> tuple[Path, list[str]]:
      (["--grpo.loss-type", "bnpo"], "--grpo.loss-type 'dapo' -> 'bnpo'"),
      (["--grpo.num-generations", "2"], "--grpo.num-generations 4 -> 2")],
 )  # fmt: skip
-def test_a_changed_grpo_setting_is_refused_in_one_line(inside, rewards_importable, capsys, change, said):
+def test_a_changed_grpo_setting_is_refused_in_one_line(inside, run_rewards_importable, capsys, change, said):
     run_dir, args = inside
     assert_refused(run_dir, args, change, said, capsys)
 
@@ -191,7 +185,7 @@ def test_a_changed_grpo_setting_is_refused_in_one_line(inside, rewards_importabl
     ("change", "reason"),
     [(["--grpo.beta", "0.04"], "holds no reference log-probs"), (["--grpo.num-generations", "2"], "has another shape")],
 )  # fmt: skip
-def test_an_allowed_change_the_saved_batch_cannot_serve_generates_it_again(inside, rewards_importable, tmp_path,
+def test_an_allowed_change_the_saved_batch_cannot_serve_generates_it_again(inside, run_rewards_importable, tmp_path,
                                                                            caplog, change, reason):  # fmt: skip
     """beta 0 -> 0.04: the saved batch has no reference log-probs for the KL; num_generations 4 -> 2: its
     rows would sit under other prompts. Each is generated again with a warning, and the run goes on."""
@@ -214,17 +208,17 @@ def test_an_allowed_change_the_saved_batch_cannot_serve_generates_it_again(insid
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_batch_saved_by_two_ranks_is_refused_by_one_process(tmp_path, inputs, launch_env, rewards_importable,
+def test_a_batch_saved_by_two_ranks_is_refused_by_one_process(tmp_path, grpo_run_inputs, grpo_launch_env, run_rewards_importable,
                                                               capsys):  # fmt: skip
     """Saved inside generation batch 0 by 2 DDP ranks (each kept its own rows), relaunched on one process."""
     from fntrain.cli import dispatch
 
-    model, prompts, _ = inputs
+    model, prompts, _ = grpo_run_inputs
     run_dir = tmp_path / "run"
     args = ["--model.path", str(model), "--data.path", str(prompts), "--grpo.reward-funcs", "grpo_test_rewards:plain",
             *SHORT, "--run-dir", str(run_dir)]  # fmt: skip
     two = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "fntrain", "run", "grpo", *args,
-                          "--parallel.strategy", "ddp"], cwd=ROOT, env=launch_env, capture_output=True, text=True,
+                          "--parallel.strategy", "ddp"], cwd=ROOT, env=grpo_launch_env, capture_output=True, text=True,
                          timeout=240)  # fmt: skip
     assert two.returncode == 0, two.stderr[-4000:]
     assert saved_generation(run_dir)["dp_size"] == 2

@@ -28,7 +28,7 @@ def where(i: int) -> str:
     return f"data.path 'p.jsonl' line {i // 2 + 1}, completion {i % 2 + 1} of 2"
 
 
-def batch(count: int = 4) -> dict:
+def reward_batch(count: int = 4) -> dict:
     """`count` completions, two per prompt, with an answer and a level column."""
     return {
         "prompts": [f"prompt {i // 2}" for i in range(count)],
@@ -40,10 +40,10 @@ def batch(count: int = 4) -> dict:
 
 def score(*fns, count: int = 4, **kwargs) -> torch.Tensor:
     functions = [RewardFunction(f"my_rewards:{fn.__name__}", fn.__name__, fn) for fn in fns]
-    return score_completions(functions, **batch(count), where=where, **kwargs)
+    return score_completions(functions, **reward_batch(count), where=where, **kwargs)
 
 
-def one_line(error: pytest.ExceptionInfo) -> str:
+def error_line(error: pytest.ExceptionInfo) -> str:
     message = str(error.value)
     assert "\n" not in message
     return message
@@ -85,7 +85,7 @@ def test_builtins_load_with_their_names():
 def test_loading_errors_name_the_flag_and_the_spec(specs, message):
     with pytest.raises(ValueError) as error:
         load_reward_functions(specs)
-    assert one_line(error) == message
+    assert error_line(error) == message
 
 
 def test_a_module_beside_the_data_imports_from_the_working_directory(tmp_path, monkeypatch):
@@ -103,10 +103,10 @@ def test_a_module_beside_the_data_imports_from_the_working_directory(tmp_path, m
     assert function.name == "accuracy" and sys.path[-1] == here  # last: it shadows no installed module
     with pytest.raises(ValueError) as error:  # the same name through another module: their metrics collide
         load_reward_functions(["my_rewards_here:accuracy", "other_rewards_here:accuracy"])
-    assert "its name 'accuracy' is also that of grpo.reward_funcs[0]" in one_line(error)
+    assert "its name 'accuracy' is also that of grpo.reward_funcs[0]" in error_line(error)
     with pytest.raises(ValueError) as error:
         load_reward_functions(["broken_rewards_here:accuracy"])
-    assert one_line(error) == ("grpo.reward_funcs[0] 'broken_rewards_here:accuracy': module 'broken_rewards_here' "
+    assert error_line(error) == ("grpo.reward_funcs[0] 'broken_rewards_here:accuracy': module 'broken_rewards_here' "
                                "cannot be imported (RuntimeError: needs a GPU)")  # fmt: skip
 
 
@@ -129,7 +129,7 @@ def test_functions_get_trls_keywords_and_columns_as_lists():
     assert rewards[:3, 0].tolist() == [0.0, 1.0, 1.0] and math.isnan(rewards[3, 0])
     (kwargs,) = seen
     assert set(kwargs) == KEYWORDS | {"answer", "level"}
-    expected = batch()
+    expected = reward_batch()
     assert kwargs["prompts"] == expected["prompts"] and kwargs["completions"] == expected["completions"]
     assert kwargs["completion_ids"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
     assert kwargs["answer"] == ["0", "0", "1", "1"] and kwargs["level"] == [0, 0, 1, 1]
@@ -169,7 +169,7 @@ def test_a_function_that_raises_is_named_with_the_first_completion_it_raises_on(
 
     with pytest.raises(RewardError) as error:
         score(picky)
-    assert one_line(error) == ("reward function 'my_rewards:picky' raised on data.path 'p.jsonl' line 2, "
+    assert error_line(error) == ("reward function 'my_rewards:picky' raised on data.path 'p.jsonl' line 2, "
                                "completion 1 of 2: ZeroDivisionError: float division by zero")  # fmt: skip
     assert isinstance(error.value.__cause__, ZeroDivisionError)
 
@@ -191,7 +191,7 @@ def test_a_function_that_fails_only_on_the_whole_batch_names_the_batch():
 
     with pytest.raises(RewardError) as error:
         score(small_batches_only)
-    assert one_line(error) == (
+    assert error_line(error) == (
         "reward function 'my_rewards:small_batches_only' raised on the 4 completions data.path 'p.jsonl' line 1, "
         "completion 1 of 2 to data.path 'p.jsonl' line 2, completion 2 of 2, though on none of them alone: "
         "MemoryError: too many at once"
@@ -236,7 +236,7 @@ def test_a_bad_result_is_one_line_naming_the_function_and_the_completion(result,
 
     with pytest.raises(RewardError) as error:
         score(bad)
-    assert one_line(error).startswith("reward function 'my_rewards:bad' " + message)
+    assert error_line(error).startswith("reward function 'my_rewards:bad' " + message)
 
 
 def test_columns_are_checked():

@@ -41,7 +41,7 @@ def _logps(model, micro_batch):
     return token_logps(logits, micro_batch["labels"], 1.0)
 
 
-def _parts(policy, reference=None) -> RolloutParts:
+def rollout_parts(policy, reference=None) -> RolloutParts:
     return RolloutParts(policy, _logps, reference, lambda ids: bytes(i for i in ids if i < 256).decode(errors="replace"),
                         (RewardFunction("t:letter_a", "letter_a", letter_a),))  # fmt: skip
 
@@ -53,7 +53,7 @@ def _settings(**grpo) -> RolloutSettings:
 
 def test_a_generation_batch_becomes_micro_batches_of_whole_groups_with_their_advantages():
     settings = _settings()
-    generation = rollout(_prompts(settings.prompts), 0, _parts(_policy()), settings)
+    generation = rollout(_prompts(settings.prompts), 0, rollout_parts(_policy()), settings)
     assert len(generation.steps) == 1 and len(generation.steps[0]) == 2  # one step of GA=2 micro-batches
     rows = sorted(generation.rows)
     assert rows == list(range(settings.rows)) == list(range(4))
@@ -74,10 +74,10 @@ def test_a_generation_batch_becomes_micro_batches_of_whole_groups_with_their_adv
 
 def test_old_log_probs_are_kept_only_when_a_batch_serves_several_steps_and_the_reference_only_with_a_kl():
     policy = _policy()
-    on_policy = rollout(_prompts(1), 0, _parts(policy), _settings())
+    on_policy = rollout(_prompts(1), 0, rollout_parts(policy), _settings())
     assert not any("old_logps" in b or "ref_logps" in b for step in on_policy.steps for b in step)
     reused = _settings(num_iterations=2, beta=0.1)
-    generation = rollout(_prompts(1), 0, _parts(policy, reference=_logps), reused)
+    generation = rollout(_prompts(1), 0, rollout_parts(policy, reference=_logps), reused)
     batch = generation.steps[0][0]
     assert batch["old_logps"].shape == batch["ref_logps"].shape == (2, batch["input_ids"].shape[1] - 1)
     off = batch["labels"][:, 1:] == IGNORE_INDEX
@@ -88,12 +88,12 @@ def test_old_log_probs_are_kept_only_when_a_batch_serves_several_steps_and_the_r
 def test_a_rows_completion_does_not_depend_on_the_world_size():
     """Rank r of 2 decodes only its rows; each row's tokens equal the one-process rollout's."""
     policy, prompts = _policy(), _prompts(2)
-    one = rollout(prompts, 5, _parts(policy), _settings(steps_per_generation=4))
+    one = rollout(prompts, 5, rollout_parts(policy), _settings(steps_per_generation=4))
     ranks = {}
     for rank in range(2):
         settings = RolloutSettings(GRPOConfig(reward_funcs=("t:letter_a",), num_generations=G, max_completion_length=6,
                                               steps_per_generation=2), 3, 2, 1, rank, 2, 0, (10,))  # fmt: skip
-        ranks.update(rollout(prompts, 5, _parts(policy), settings).rows)
+        ranks.update(rollout(prompts, 5, rollout_parts(policy), settings).rows)
     assert sorted(ranks) == sorted(one.rows)
     assert {i: row.completion_ids for i, row in ranks.items()} == {i: row.completion_ids for i, row in one.rows.items()}
 
@@ -109,7 +109,7 @@ class _Train:
 
 def test_the_phase_generates_once_per_batch_and_a_checkpoint_inside_it_resumes_the_same_micro_batches():
     settings = _settings(num_iterations=2, beta=0.1)  # R = 2 steps per generation batch
-    parts = _parts(_policy(), reference=_logps)
+    parts = rollout_parts(_policy(), reference=_logps)
     made = []
 
     def generate(state, prompts, index):
@@ -136,7 +136,7 @@ def test_the_phase_generates_once_per_batch_and_a_checkpoint_inside_it_resumes_t
 
 def test_a_batch_saved_on_other_ranks_is_refused_in_one_line():
     settings = _settings(num_iterations=2)
-    phase = rollout_phase(lambda state, prompts, index: rollout(prompts, index, _parts(_policy()), settings), settings)
+    phase = rollout_phase(lambda state, prompts, index: rollout(prompts, index, rollout_parts(_policy()), settings), settings)
     phase.step(TrainState(0, 0, 0), [_prompts(1)], _Train())
     saved = phase.state_hook.state_dict()
     saved["generation"]["dp_size"] = 2

@@ -334,7 +334,7 @@ SCORES = {
 }  # fmt: skip
 
 
-def recorded(name: str):
+def recording_reward(name: str):
     """A reward function (TRL's signature) returning the recorded scores of the completions "c{row}"."""
 
     def reward(prompts, completions, completion_ids, **kwargs):
@@ -366,7 +366,7 @@ def trl_scoring_stub(aggregation: str, scale_rewards: str, weights: tuple[float,
         model=nn.Linear(1, 1).train(), state=SimpleNamespace(global_step=0), environment_factories=None,
         tools=None, environments=None, _generate=generate, _tokenizer=SimpleNamespace(pad_token_id=0),
         pad_to_multiple_of=None, mask_truncated_completions=False, num_iterations=1, use_vllm=False, beta=0.0,
-        ref_model=None, reward_funcs=[recorded(name) for name in SCORES], reward_func_names=list(SCORES),
+        ref_model=None, reward_funcs=[recording_reward(name) for name in SCORES], reward_func_names=list(SCORES),
         reward_processing_classes=[None] * len(SCORES), reward_weights=torch.tensor(weights),
         num_generations=GROUP, multi_objective_aggregation=aggregation, scale_rewards=scale_rewards,
         _metrics={"train": defaultdict(list)}, _pending_extra_logs=defaultdict(list),

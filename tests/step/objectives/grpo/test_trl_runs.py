@@ -75,7 +75,7 @@ OURS = {"learning_rate": "lr"}  # fntrain's name where it is not TRL's
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def trl_run_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny Llama whose EOS comes often enough that some completions end and others are cut, eight
     prompts with a `letter` column, and the reward module."""
     root = tmp_path_factory.mktemp("grpo_trl")
@@ -90,10 +90,10 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture
-def rewards_importable(inputs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def trl_rewards_importable(trl_run_inputs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The reward module importable by name (fntrain loads it as module:function; TRL gets the same
     function objects from sys.modules), and forgotten after the test."""
-    monkeypatch.syspath_prepend(str(inputs["root"]))
+    monkeypatch.syspath_prepend(str(trl_run_inputs["root"]))
     yield
     sys.modules.pop(REWARD_MODULE, None)
 
@@ -223,11 +223,11 @@ RUNS = [("dapo", "token"), ("grpo", "sequence"), ("bnpo", "token"), ("dr_grpo", 
 
 
 @pytest.mark.parametrize(("loss_type", "level"), RUNS)
-def test_a_grpo_run_matches_trls_metrics_and_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inputs,
-                                                      rewards_importable, loss_type: str, level: str) -> None:
+def test_a_grpo_run_matches_trls_metrics_and_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trl_run_inputs,
+                                                      trl_rewards_importable, loss_type: str, level: str) -> None:
     pytest.importorskip("trl")
-    ours, generations = _fntrain_run(inputs, tmp_path / "run", monkeypatch, loss_type, level)
-    theirs, weights = _trl_run(inputs, tmp_path / "trl", generations, loss_type, level)
+    ours, generations = _fntrain_run(trl_run_inputs, tmp_path / "run", monkeypatch, loss_type, level)
+    theirs, weights = _trl_run(trl_run_inputs, tmp_path / "trl", generations, loss_type, level)
     assert len(ours) == len(theirs) == STEPS and [generation.index for _, generation in generations] == [0, 1]
     lengths = [len(row.completion_ids) for _, generation in generations for row in generation.rows.values()]
     assert min(lengths) < COMPLETION == max(lengths)  # some completions end, some are cut
