@@ -38,7 +38,7 @@ HOOK_LOG = "fntrain.hooks.checkpoint"
 
 
 def hook_with(tmp_path, runtime=None, preemption=None, restoring=False, **fields):
-    """The hook with a given runtime, injected preemption or `restoring` (`make` uses the defaults)."""
+    """The hook with a given runtime, injected preemption or `restoring` (`make_hook` uses the defaults)."""
     hooks: list = []
     target = SaveTarget(tmp_path, toy.components(), hooks=lambda: hooks)
     config = CheckpointConfig(**fields)
