@@ -1,7 +1,7 @@
 """The config reference page (docs/config.md): every flag of the built-in recipes, its type, default and
 meaning, from the config dataclasses and their field docstrings (the text `--help-all` shows).
 
-    python -m fntrain.cli.config_doc > docs/config.md     # tests/test_config_doc.py checks it is current
+    python -m fntrain.cli.config_doc > docs/config.md     # tests/cli/test_config_doc.py checks it is current
 
 The shared `JobConfig` sections come first with their defaults; then, per recipe, the defaults it
 changes and the sections only it has. Field docstrings are read with `ast` from the class source, the

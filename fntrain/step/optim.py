@@ -86,7 +86,7 @@ class BuiltOptimizer:
 
 # transformers' Trainer.get_decay_parameter_names (transformers 5.x): parameters inside a torch LayerNorm,
 # or whose lowercased dotted name matches one of these, skip weight decay. Written out here, not imported,
-# so the grouping needs no transformers install; tests/test_hf_conventions.py holds it against Trainer's.
+# so the grouping needs no transformers install; tests/step/test_hf_conventions.py holds it against Trainer's.
 _HF_NO_DECAY_PATTERNS = tuple(
     re.compile(pattern)
     for pattern in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
