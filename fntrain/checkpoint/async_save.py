@@ -9,11 +9,19 @@ Threads: each `save_async` runs its write in an executor thread DCP starts; `Pen
 `stop()` join it once the save finished, and `close_async_saves()` (also called by the `close()` of a
 stager from `make_stager`) joins any that is left, so a run that closes its stager ends with no thread
 the checkpoint started.
+
+Forks wait for the writes: a process forked while a write runs (a DataLoader worker at the next epoch's
+start) inherits whatever C library lock the writer held at that instant. A first save initializes C++
+statics in the writer thread, registering their destructors under glibc's exit-function lock; a
+worker forked then hangs in its first torch call (`torch.set_num_threads` at its start, pytorch#130610)
+and the run with it. So `os.fork` first joins this process's write threads (`_before_fork`, registered
+once at import). A fork at an epoch's start then waits for the write in flight, if any.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import warnings
@@ -136,6 +144,25 @@ def _join(threads: Iterable[threading.Thread], timeout: float) -> list[threading
     with _threads_lock:
         _threads[:] = [thread for thread in _threads if thread.is_alive()]
     return alive
+
+
+def _before_fork() -> None:
+    """Runs in the thread that forks, before the fork: wait until no write thread of this process runs
+    (see the module's docstring). A write thread that forks does not wait for itself."""
+    with _threads_lock:
+        running = [thread for thread in _threads if thread.is_alive() and thread is not threading.current_thread()]  # fmt: skip
+    if not running:
+        return
+    started = time.monotonic()
+    for thread in running:
+        thread.join()
+    log.info(
+        "a fork waited %.2f s for the background checkpoint write to finish (a process forked during "
+        "it can hang)", time.monotonic() - started,
+    )  # fmt: skip
+
+
+os.register_at_fork(before=_before_fork)
 
 
 def close_async_saves(timeout: float = 5.0) -> bool:
