@@ -1,4 +1,4 @@
-"""Threads for the test processes, set before any test module imports torch.
+"""Threads for the test processes, set before any test module imports torch (and stacks on SIGABRT).
 
 The slow tier runs two test files at a time on a 2-core machine (`-n 2`). Each pytest-xdist worker,
 and every process it starts, then gets one torch thread, and OpenMP threads wait passively: two
@@ -10,6 +10,9 @@ does the same for the in-process tests and the recipes the tests launch. A value
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Every Python the tests start prints its threads' stacks on SIGABRT: what a wait that runs out sends
+# (tests/helpers/waiting.py), so that a hang fails with where each process was stuck.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -106,15 +106,17 @@ def test_state_and_loop_import_no_torch(module):
 
 
 def test_import_fntrain_is_light():
-    import subprocess
     import sys
+
+    from tests.helpers.waiting import run_to_end
 
     code = (
         "import sys, fntrain; "
         "heavy = sorted(m for m in ('torch', 'tyro', 'tqdm', 'matplotlib') if m in sys.modules); print(heavy)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    done = run_to_end([sys.executable, "-c", code], "the import of fntrain", 120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip() == "[]"
 
 
 def test_a_generating_objective_plans_whole_generation_batches_each_serving_several_steps():

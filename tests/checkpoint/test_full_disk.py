@@ -18,6 +18,7 @@ import pytest
 
 from fntrain.checkpoint import list_checkpoints
 from tests.helpers.commands import last_line
+from tests.helpers.waiting import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -34,7 +35,7 @@ def _can_mount(tmp_path: Path) -> bool:
     probe = tmp_path / "probe"
     probe.mkdir()
     command = f"mount -t tmpfs -o size=1m none {shlex.quote(str(probe))}"
-    return subprocess.run(["unshare", "-rm", "sh", "-c", command], capture_output=True).returncode == 0
+    return run_to_end(["unshare", "-rm", "sh", "-c", command], "the probe mount", 120).returncode == 0
 
 
 def run_on_tmpfs(tmp_path: Path, run_dir: Path, *args: str, size: int | None = None, driver: str | None = None,
@@ -60,7 +61,9 @@ def run_on_tmpfs(tmp_path: Path, run_dir: Path, *args: str, size: int | None = N
         keep = shlex.quote(str(run_dir / "checkpoints.tmpfs"))
         script = f"{mount} && {{ {shlex.join(command)}; rc=$?; mkdir -p {keep}; cp -a {shlex.quote(str(checkpoints))}/. {keep}/; exit $rc; }}"
         command = ["unshare", "-rm", "sh", "-c", script]
-    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    where = "on the plain disk" if size is None else f"with its checkpoints on a {size}-byte tmpfs"
+    what = f"the run in {run_dir.name} ({driver or '`fntrain run tiny_gpt`'}) {where}"
+    return run_to_end(command, what, 180, cwd=tmp_path, env=env)
 
 
 def checkpoint_size(tmp_path: Path) -> int:
@@ -164,8 +167,8 @@ def test_a_full_disk_at_the_export_keeps_the_previous_export_and_says_so(tmp_pat
               "exit $rc; }")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    result = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=180)  # fmt: skip
+    what = "the run exporting hf_model onto a full tmpfs"
+    result = run_to_end(["unshare", "-rm", "sh", "-c", script], what, 180, cwd=tmp_path, env=env)
     line = last_line(result)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     # (safetensors' own error type: "SafetensorError: ... No space left on device (os error 28)")

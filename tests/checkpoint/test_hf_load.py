@@ -6,7 +6,6 @@ its rows."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from torch import nn
 from fntrain.checkpoint.hf_load import hf_checkpoint_keys, hf_weights, load_hf_weights
 from fntrain.runtime.materialize import build_model
 from fntrain.runtime.runtime import Runtime
+from tests.helpers.waiting import run_to_end
 from tests.recipes.test_hf_causal_lm import tiny_hf_model  # noqa: F401 - a fixture of the recipe tests
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,7 +140,7 @@ def test_two_rank_fsdp2_load_gives_transformers_logits_and_reads_only_local_rows
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         "-m", "tests.checkpoint.hf_load_worker", str(sharded_tied_llama), str(out),
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
+    result = run_to_end(command, "the 2-rank FSDP2 load of the sharded Llama (torchrun)", 170, cwd=ROOT, env=env)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     loaded = torch.load(out)
 

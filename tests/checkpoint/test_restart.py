@@ -31,6 +31,7 @@ from fntrain.runtime.restart import RESTART_HINT, attempt_store, note_restart_hi
 from tests.checkpoint import toy
 from tests.helpers.ports import free_port
 from tests.helpers.runs import recorded_losses
+from tests.helpers.waiting import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,7 +138,8 @@ def torchrun_restarting(
     env.update({} if fresh else PYTHON.get("env", {}))
     # torchrun's default: one rendezvous store shared by every attempt (setup_runtime scopes the keys).
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    what = f"the 2-rank torchrun run in {run_dir.name} with fault {fault} and up to {restarts} restart(s)"
+    return run_to_end(command, what, 300, cwd=ROOT, env=env)
 
 
 # The slow tests' torchrun and its workers are forks of one process that imported torch and fntrain once

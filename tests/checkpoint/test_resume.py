@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from fntrain.checkpoint import find_latest, is_complete, read_meta
 from fntrain.checkpoint.layout import LATEST
 from tests.helpers.runs import exported_weights, recorded_losses
+from tests.helpers.waiting import wait_for_end
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -83,16 +84,24 @@ def launch(run_dir: Path, kill: str, args: list[str], corpus: Path, *, ranks: in
         start_new_session=True,
     )  # fmt: skip
     process.output = output  # type: ignore[attr-defined]
+    stop = "to its end" if kill == "none" else f"to its kill point {kill}"
+    process.what = f"the resume driver's run in {run_dir} on {ranks} rank(s), {stop},"  # type: ignore[attr-defined]
     return process
 
 
 def ended(process: subprocess.Popen, timeout: float = 240) -> str:
-    """Wait for the driver (or torchrun) to end, then end what it left in its session; its output.
+    """Wait for the driver (or torchrun) to end, then end what it left in its session; its output. A
+    wait that runs out fails naming the launch, with every process's stacks (`wait_for_end`).
     A DataLoader worker forked just before its parent's SIGKILL can take init (pid 1) for its parent
     and, its parent-death check never firing, live on; it would hold a pipe open for ever (seen under
     coverage, whose start-up in the forked worker widens that window), so the output is a file."""
+
+    def output_so_far() -> str:
+        process.output.seek(0)
+        return process.output.read()
+
     try:
-        process.wait(timeout=timeout)
+        wait_for_end(process, process.what, timeout, output_so_far)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # start_new_session: the driver's pid is its group's

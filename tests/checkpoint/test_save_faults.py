@@ -447,6 +447,7 @@ def test_two_ranks_fail_a_save_together_when_one_ranks_disk_is_full(tmp_path):
 
     from tests.checkpoint.test_verify import ROOT
     from tests.helpers.ports import free_port
+    from tests.helpers.waiting import wait_for_end
 
     port, processes = free_port(), []
     for rank in (0, 1):
@@ -455,10 +456,12 @@ def test_two_ranks_fail_a_save_together_when_one_ranks_disk_is_full(tmp_path):
                    PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # fmt: skip
         command = [sys.executable, "-m", "tests.checkpoint.save_fault_worker", str(tmp_path / "ckpt"),
                    str(tmp_path / f"{rank}.json")]  # fmt: skip
-        processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True))
-    for process in processes:
-        _, err = process.communicate(timeout=200)
-        assert process.returncode == 0, err[-3000:]
+        with (tmp_path / f"rank_{rank}.err").open("w") as sink:
+            processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stderr=sink, text=True))
+    for rank, process in enumerate(processes):
+        err = tmp_path / f"rank_{rank}.err"
+        wait_for_end(process, f"rank {rank} of the 2 save-fault workers", 200, err.read_text)
+        assert process.returncode == 0, err.read_text()[-3000:]
     results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
     seen, other = results[0]["seen"], results[1]["seen"]
     for case in seen:  # the same failure on both ranks (rank 0 alone removes the partial, says so)

@@ -27,6 +27,7 @@ from fntrain.runtime.runtime import Runtime
 from tests.checkpoint import toy
 from tests.helpers.checkpoints import saved_steps
 from tests.helpers.ports import free_port
+from tests.helpers.waiting import wait_for_end
 
 ROOT = Path(__file__).resolve().parents[2]
 INFO = StepInfo({"loss": 0.0})
@@ -129,10 +130,12 @@ def test_two_ranks_follow_rank_0s_clock_and_any_ranks_preemption(tmp_path, fork_
             str(root),
             str(tmp_path / f"{rank}.json"),
         ]
-        processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True))
-    for process in processes:
-        _, err = process.communicate(timeout=120)
-        assert process.returncode == 0, err[-3000:]
+        with (tmp_path / f"rank_{rank}.err").open("w") as sink:
+            processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stderr=sink, text=True))
+    for rank, process in enumerate(processes):
+        err = tmp_path / f"rank_{rank}.err"
+        wait_for_end(process, f"rank {rank} of the time-based save workers", 120, err.read_text)
+        assert process.returncode == 0, err.read_text()[-3000:]
     for rank in (0, 1):
         result = json.loads((tmp_path / f"{rank}.json").read_text())
         expected = {"stopped": 8, "saved": [6, 8], "outcome": "preempted", "exit_code": 143}

@@ -38,6 +38,7 @@ from fntrain.config import ConfigError
 from fntrain.state import TrainState
 from tests.checkpoint import toy
 from tests.helpers.ports import free_port
+from tests.helpers.waiting import wait_for_end
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = "__0_0.distcp"
@@ -310,10 +311,12 @@ def test_two_ranks_agree_to_skip_a_damaged_shard_of_rank_1(tmp_path):
         )  # fmt: skip
         command = [sys.executable, "-m", "tests.checkpoint.verify_worker", str(tmp_path / "ckpt")]
         command.append(str(tmp_path / f"{rank}.json"))
-        processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True))
-    for process in processes:
-        _, err = process.communicate(timeout=150)
-        assert process.returncode == 0, err[-3000:]
+        with (tmp_path / f"rank_{rank}.err").open("w") as sink:
+            processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stderr=sink, text=True))
+    for rank, process in enumerate(processes):
+        err = tmp_path / f"rank_{rank}.err"
+        wait_for_end(process, f"rank {rank} of the 2 verify workers", 150, err.read_text)
+        assert process.returncode == 0, err.read_text()[-3000:]
     results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
     for rank, result in enumerate(results):
         assert result["damaged_file"] == "__1_0.distcp", result

@@ -22,6 +22,7 @@ from fntrain.cli import dispatch
 from fntrain.cli.errors import UsageError
 from fntrain.cli.final_line import LINES_ENV, say
 from fntrain.cli.launcher import Ending, ending, is_launch, launch, read_lines, split_launch
+from tests.helpers.waiting import run_to_end, wait_for_end
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -248,10 +249,9 @@ def launcher_python(fork_env):
     return fork_env["PYTHON_FORK"], {key: value for key, value in fork_env.items() if key not in left_out}
 
 
-def _fntrain(python, cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _fntrain(python, cwd: Path, *args: str, what: str, timeout: float = 240) -> subprocess.CompletedProcess:
     executable, env = python
-    return subprocess.run([executable, "-m", "fntrain", "run", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return run_to_end([executable, "-m", "fntrain", "run", *args], what, timeout, cwd=cwd, env=env)
 
 
 def logged_losses(run_dir: Path) -> list[tuple[int, float]]:
@@ -264,11 +264,12 @@ def test_the_launcher_trains_as_torchrun_does_and_a_bad_setting_is_one_line(tmp_
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes((ROOT / "fntrain" / "data" / "corpora" / "shakespeare.txt").read_bytes()[:4000])
     common = ["tiny_gpt", *TINY, "--data.path", str(corpus), "--train.train-iters", "3"]
-    launched = _fntrain(launcher_python, tmp_path, "--nproc-per-node", "2", *common, "--run-dir", "launched")
+    launched = _fntrain(launcher_python, tmp_path, "--nproc-per-node", "2", *common, "--run-dir", "launched",
+                        what="the 2-rank `fntrain run --nproc-per-node 2 tiny_gpt`")  # fmt: skip
     assert launched.returncode == 0, launched.stderr[-3000:]
-    plain = subprocess.run([launcher_python[0], "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                            "-m", "fntrain", "run", *common, "--run-dir", "plain"],
-                           cwd=tmp_path, env=launcher_python[1], capture_output=True, text=True, timeout=240)  # fmt: skip
+    plain = run_to_end([launcher_python[0], "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", "fntrain", "run", *common, "--run-dir", "plain"],
+                       "the 2-rank torchrun `fntrain run`", 240, cwd=tmp_path, env=launcher_python[1])  # fmt: skip
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert (
         logged_losses(tmp_path / "launched") == logged_losses(tmp_path / "plain")
@@ -286,6 +287,7 @@ def test_the_launcher_trains_as_torchrun_does_and_a_bad_setting_is_one_line(tmp_
         "6",
         "--run-dir",
         "bad",
+        what="the 2-rank `fntrain run` with a bad global batch size",
     )
     assert bad.returncode == 2 and bad.stderr.splitlines() == [
         "fntrain run: --train.global-batch-size (6) must be divisible by --train.micro-batch-size (2) x "
@@ -301,7 +303,7 @@ def test_a_failing_rank_and_ctrl_c_end_the_launched_job_in_one_line(tmp_path, la
     (tmp_path / "failing_gpt.py").write_text(FAILING_RECIPE)
     common = [*TINY, "--data.path", str(corpus)]
     failed = _fntrain(launcher_python, tmp_path, "--nproc-per-node", "2", "failing_gpt.py", *common, "--train.train-iters", "4",
-                      "--run-dir", "failed")  # fmt: skip
+                      "--run-dir", "failed", what="the 2-rank `fntrain run` failing on rank 1")  # fmt: skip
     assert failed.returncode == 1, failed.stderr[-3000:]
     last = failed.stderr.strip().splitlines()[-1]
     assert last.startswith("[rank 1] run failed at step 2: RuntimeError: injected failure on rank 1; full "
@@ -324,9 +326,10 @@ def test_a_failing_rank_and_ctrl_c_end_the_launched_job_in_one_line(tmp_path, la
             time.sleep(0.2)
         agent.send_signal(signal.SIGINT)
         try:
-            code = agent.wait(timeout=90)
+            wait_for_end(agent, "the 2-rank `fntrain run` after Ctrl-C (SIGINT)", 90, stderr.read_text)
         finally:
             agent.kill()
+    code = agent.returncode
     text = stderr.read_text()
     assert code == 130, text[-3000:]
     assert "Traceback" not in text and "SignalException" not in text, text[-3000:]

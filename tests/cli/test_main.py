@@ -9,7 +9,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -30,6 +29,7 @@ from fntrain.run.config import CheckpointConfig
 from fntrain.run.job import plan_job
 from fntrain.runtime.parallel import ParallelConfig
 from fntrain.state import loader_length, make_run_plan
+from tests.helpers.waiting import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [  # a tiny GPT that trains two steps in well under a second
@@ -354,10 +354,9 @@ def test_plot_calls_plot_run_lazily(monkeypatch, tmp_path, capsys):
 def test_fntrain_import_stays_light():
     code = "import sys, fntrain, fntrain.cli, fntrain.cli.config_file, fntrain.cli.recipes, fntrain.plan.report; " \
            "print(sorted(m for m in ('torch', 'tyro', 'tqdm', 'matplotlib', 'transformers') if m in sys.modules))"  # fmt: skip
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout
-    assert out.strip() == "[]"
+    done = run_to_end([sys.executable, "-c", code], "the import of fntrain's CLI modules", 120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip() == "[]"
 
 
 # ----------------------------------------------------------------------------- packaging
@@ -401,31 +400,31 @@ def test_installed_wheel_runs_plan_outside_the_checkout(tmp_path):
     skipped = shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "runs")
     shutil.copytree(ROOT, source, ignore=skipped)
     wheels = tmp_path / "wheels"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(source)],
-        check=True,
-    )  # fmt: skip
+
+    def checked(command: list[str], what: str, timeout: float = 120) -> str:
+        done = run_to_end(command, what, timeout)
+        assert done.returncode == 0, f"{what} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        return done.stdout
+
+    pip = [sys.executable, "-m", "pip"]
+    checked([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(source)],
+            "`pip wheel` of the copied checkout", 300)  # fmt: skip
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    checked([sys.executable, "-m", "venv", "--without-pip", str(venv)], "the creation of the venv")
     python = venv / "bin" / "python"
-    purelib = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+    purelib = checked([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                      "the venv's Python asked for its purelib").strip()  # fmt: skip
     Path(purelib, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # torch, tyro, ...
     wheel = next(wheels.glob("fntrain-*.whl"))
-    subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)],
-        check=True,
-    )  # fmt: skip
+    checked([*pip, "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)],
+            "`pip install` of the wheel into the venv", 300)  # fmt: skip
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
     def fntrain(*args: str) -> str:
-        result = subprocess.run(
-            [str(venv / "bin" / "fntrain"), *args], cwd=elsewhere, env=env, capture_output=True, text=True
-        )
+        what = f"the installed `fntrain {' '.join(args)}`"
+        result = run_to_end([str(venv / "bin" / "fntrain"), *args], what, 120, cwd=elsewhere, env=env)
         assert result.returncode == 0, result.stderr
         return result.stdout
 
@@ -436,9 +435,7 @@ def test_installed_wheel_runs_plan_outside_the_checkout(tmp_path):
     listed = fntrain("recipes")
     assert "fntrain_recipes.tiny_gpt" in listed and "fntrain_recipes.hf_causal_lm" in listed
     probe = "import importlib.util as u; print(u.find_spec('recipes'), u.find_spec('fntrain_recipes').origin)"
-    out = subprocess.run(
-        [str(python), "-c", probe], cwd=elsewhere, env=env, capture_output=True, text=True
-    ).stdout
+    out = run_to_end([str(python), "-c", probe], "the venv's probe", 120, cwd=elsewhere, env=env).stdout
     assert out.startswith("None ") and str(venv) in out  # no top-level `recipes` installed
     assert "train_iters" in fntrain("config", "tiny_gpt", "--format", "toml")
 
@@ -476,9 +473,9 @@ def test_every_bad_value_is_one_line_naming_the_flag_before_any_file(tmp_path, c
 
 def test_python_dash_m_recipe_gives_the_same_one_line_errors(tmp_path, fork_env):
     for args, words in (BAD_VALUES[0], (["--config", str(tmp_path / "missing.toml")], "missing.toml")):
-        result = subprocess.run(
+        result = run_to_end(
             [fork_env["PYTHON_FORK"], "-m", "recipes.tiny_gpt", "--run-dir", str(tmp_path / "run"), *args],
-            cwd=ROOT, env=fork_env, capture_output=True, text=True,
+            f"`python -m recipes.tiny_gpt {' '.join(args)}`", 120, cwd=ROOT, env=fork_env,
         )  # fmt: skip
         assert result.returncode == 2 and words in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
@@ -507,10 +504,8 @@ def test_cp_copies_a_recipe_that_runs_from_its_new_place(tmp_path, capsys):
     result = dispatch(["run", str(dest), "--run-dir", str(tmp_path / "a"), *TINY])
     assert result.state.global_step == 2
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    ran = subprocess.run(
-        [sys.executable, str(dest), "--run-dir", str(tmp_path / "b"), *TINY],
-        cwd=tmp_path, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+    ran = run_to_end([sys.executable, str(dest), "--run-dir", str(tmp_path / "b"), *TINY],
+                     "the copied recipe run as a script", 180, cwd=tmp_path, env=env)  # fmt: skip
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert (tmp_path / "b" / "model.safetensors").is_file()
 

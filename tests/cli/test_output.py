@@ -11,27 +11,30 @@ import sys
 import pytest
 
 from fntrain.cli import dispatch
+from tests.helpers.waiting import run_to_end, wait_for_end
 
 
 def fntrain_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "fntrain", *args]
 
 
-def test_plan_json_into_a_closed_pipe_exits_quietly():
+def test_plan_json_into_a_closed_pipe_exits_quietly(tmp_path):
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the first byte: every write fails with EPIPE
+    err = tmp_path / "stderr.txt"
     try:
-        done = subprocess.run(
-            fntrain_command("plan", "tiny_gpt", "--json"), stdout=write, stderr=subprocess.PIPE, text=True
-        )
+        with open(err, "w") as stream:
+            done = subprocess.Popen(fntrain_command("plan", "tiny_gpt", "--json"), stdout=write, stderr=stream)
+            wait_for_end(done, "`fntrain plan tiny_gpt --json` into a closed pipe", 120, err.read_text)
     finally:
         os.close(write)
-    assert done.returncode == 1 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+    stderr = err.read_text()
+    assert done.returncode == 1 and "Traceback" not in stderr and "BrokenPipe" not in stderr
 
 
 def test_plan_json_piped_to_head_has_no_traceback():
     command = " ".join(fntrain_command("plan", "tiny_gpt", "--json")) + " | head -1"
-    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
+    done = run_to_end(["bash", "-c", command], "`fntrain plan tiny_gpt --json | head -1`", 120)
     assert done.returncode == 0 and done.stdout.strip() == "{"
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
 

@@ -5,7 +5,6 @@ a short list of the common flags and `--help-all` tyro's full help with every fl
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from fntrain.cli.errors import CommandError
 from fntrain.cli.flags import command_flags
 from fntrain.cli.recipes import load_recipe
 from fntrain.cli.short_help import COMMON_SHARED
+from tests.helpers.waiting import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ("tiny_gpt", "hf_causal_lm", "vlm")
@@ -117,9 +117,9 @@ def test_parse_config_cli_raises_the_line():
 
 
 def test_end_to_end_in_a_new_process(tmp_path, fork_env):
-    done = subprocess.run(
+    done = run_to_end(
         [fork_env["PYTHON_FORK"], "-m", "fntrain", "run", "tiny_gpt", "--train.train-iters", "twenty"],
-        cwd=tmp_path, env=fork_env, capture_output=True, text=True,
+        "`fntrain run tiny_gpt --train.train-iters twenty`", 120, cwd=tmp_path, env=fork_env,
     )  # fmt: skip
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == "fntrain run: --train.train-iters expects an integer (or None), got 'twenty'\n"

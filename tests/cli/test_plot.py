@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 from fntrain.cli.plot import main, plot_run, read_metrics, series
 from tests.helpers.files import relative_paths
+from tests.helpers.waiting import run_to_end
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -87,13 +87,9 @@ def test_missing_matplotlib_is_a_clear_error(tmp_path, monkeypatch, capsys):
 
 def test_module_command_line(tmp_path, fork_env):
     write_run(tmp_path / "run", sample_records())
-    result = subprocess.run(
-        [fork_env["PYTHON_FORK"], "-m", "fntrain.cli.plot", str(tmp_path / "run")],
-        env=fork_env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    result = run_to_end([fork_env["PYTHON_FORK"], "-m", "fntrain.cli.plot", str(tmp_path / "run")],
+                        "`python -m fntrain.cli.plot` on a run", 120, env=fork_env)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
     assert "loss.png" in result.stdout
     assert_png(tmp_path / "run" / "throughput.png")
 

@@ -6,6 +6,7 @@ import json
 import random
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from fntrain.data.sampler import MicroBatchSampler, epoch_order, epoch_seed, rank_order, shard_order
+from tests.helpers.waiting import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,15 +36,15 @@ print(json.dumps(out))
 
 def _orders_in_fresh_processes(*global_seeds: int) -> list[dict]:
     """Run the script in one fresh interpreter per global seed, concurrently."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _ORDERS_SCRIPT, str(seed)], cwd=ROOT, stdout=subprocess.PIPE, text=True
-        )
-        for seed in global_seeds
-    ]
-    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
-    assert [proc.returncode for proc in procs] == [0] * len(procs)
-    return [json.loads(out) for out in outputs]
+
+    def run(seed: int) -> subprocess.CompletedProcess:
+        what = f"the order script with global seed {seed}"
+        return run_to_end([sys.executable, "-c", _ORDERS_SCRIPT, str(seed)], what, 120, cwd=ROOT)
+
+    with ThreadPoolExecutor(len(global_seeds)) as pool:
+        done = list(pool.map(run, global_seeds))
+    assert [proc.returncode for proc in done] == [0] * len(done), [proc.stderr[-2000:] for proc in done]
+    return [json.loads(proc.stdout) for proc in done]
 
 
 def test_order_is_identical_across_processes_and_ignores_the_global_rng():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from fntrain.data.shards import TokenDocuments, open_shards
 from fntrain.data.tokenize import TokenizeSettings, tokenize_documents, tokenize_files
 from fntrain.data.tokenize_inputs import input_files, read_documents
 from fntrain.data.tokenizers import as_tokenizer, byte_tokenizer, hf_tokenizer
+from tests.helpers.waiting import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = ["To be, or not to be", "", "that is the question:", "Whether 'tis nobler — in the mind"]
@@ -260,10 +260,10 @@ def stream_of_function(tmp_path: Path, corpus: Path) -> list[int]:
 
 def test_python_dash_m_fntrain_tokenize(tmp_path, fork_env):
     (tmp_path / "play.txt").write_text("Enter GHOST.\n\nExit GHOST.\n")
-    result = subprocess.run(
+    result = run_to_end(
         [fork_env["PYTHON_FORK"], "-m", "fntrain", "tokenize", str(tmp_path / "play.txt"), "--output",
          str(tmp_path / "out"), "--split", "paragraph", "--eos-id", "0"],
-        cwd=ROOT, env=fork_env, capture_output=True, text=True, timeout=120,
+        "`python -m fntrain tokenize` of a play", 120, cwd=ROOT, env=fork_env,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "2 documents" in result.stdout

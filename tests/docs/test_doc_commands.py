@@ -46,7 +46,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -55,6 +54,7 @@ from pathlib import Path
 import pytest
 
 from fntrain.hooks.metrics_file import read_records
+from tests.helpers.waiting import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -291,8 +291,9 @@ def activated(env: Mapping[str, str]) -> dict[str, str]:
         return {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"}
 
     def shell_after(line: str) -> dict[str, str]:
-        out = subprocess.run(["bash", "-c", f"{line}env -0"], env=dict(env), capture_output=True, check=True)
-        return dict(item.split("=", 1) for item in out.stdout.decode().split("\0") if "=" in item)
+        out = run_to_end(["bash", "-c", f"{line}env -0"], f"bash's `{line}env -0`", 120, env=dict(env))
+        assert out.returncode == 0, out.stderr[-3000:]
+        return dict(item.split("=", 1) for item in out.stdout.split("\0") if "=" in item)
 
     before, after = shell_after(""), shell_after(f". {shlex.quote(str(script))} && ")
     kept = {name: value for name, value in env.items() if name in after or name not in before}
@@ -613,10 +614,8 @@ def run_document(commands: list[DocCommand], work: Path, env: dict[str, str]) ->
     failures, one entry each (a failed line does not stop the ones below)."""
     failures = []
     for parts, text, planned in document_steps(commands):
-        result = subprocess.run(
-            ["bash", "-c", text], cwd=work, env=env, capture_output=True, text=True, timeout=600
-        )
         where = f"{parts[0].file}:{parts[0].line}: {text}"
+        result = run_to_end(["bash", "-c", text], f"the line {where}", 600, cwd=work, env=env)
         if result.returncode != 0:
             failures.append(f"{where}\n    exit {result.returncode}: {result.stderr.strip()[-600:]}")
         elif planned and not re.search(r"^train_iters +[1-9]", result.stdout, re.M):

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.docs.test_doc_commands import DOCS, ROOT, activated
+from tests.helpers.waiting import run_to_end
 
 # (document, a line of the block that tells it apart, how it runs)
 HOW = (
@@ -67,8 +67,8 @@ def activated_env() -> dict[str, str]:
 
 @pytest.mark.slow
 def test_the_readme_loop_of_your_own_runs_as_written_and_learns(tmp_path):
-    result = subprocess.run([sys.executable, "-c", block("README.md", "model = TinyGPT(")], cwd=tmp_path, env=activated_env(),
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    loop = block("README.md", "model = TinyGPT(")
+    result = run_to_end([sys.executable, "-c", loop], "the README's own loop", 300, cwd=tmp_path, env=activated_env())
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [float(line.split()[1]) for line in result.stdout.splitlines()]
     assert len(losses) == 6 and losses[-1] < losses[0] - 1.0, losses  # about 4.3 -> 2.8, as the text says
@@ -80,8 +80,8 @@ def test_the_own_script_of_distributed_md_runs_under_torchrun(tmp_path):
     script = tmp_path / "my_loop.py"
     script.write_text(block("docs/distributed.md", "ParallelConfig(strategy="))
     torchrun = Path(sys.executable).parent / "torchrun"
-    result = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script)], cwd=tmp_path,
-                            env=activated_env(), capture_output=True, text=True, timeout=540)  # fmt: skip
+    result = run_to_end([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script)],
+                        "distributed.md's own script on 2 ranks (torchrun)", 540, cwd=tmp_path, env=activated_env())
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(re.findall(r"rank \d: completed at step 10", result.stdout)) == [
         "rank 0: completed at step 10", "rank 1: completed at step 10"]  # fmt: skip

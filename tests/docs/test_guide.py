@@ -23,6 +23,7 @@ import pytest
 from tests.docs.test_doc_commands import activated
 from tests.helpers.fork_server import HF_PRELOAD, started
 from tests.helpers.hf import CHATS, save_tiny_llama
+from tests.helpers.waiting import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "guide.md"
@@ -84,9 +85,7 @@ def _corpora(tmp: Path) -> tuple[Path, Path]:
 
 
 def run_in_bash(command: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
-    )
+    return run_to_end(["bash", "-c", command], f"the guide's command `{command}`", 600, cwd=cwd, env=env)
 
 
 def test_the_guide_commands_are_the_ones_this_test_runs():
@@ -140,8 +139,8 @@ def _run_the_guide(commands: list[str], work: Path, launch_env: dict, env: dict)
     assert (run / "hf_model" / "config.json").is_file() and (
         work / "llama-1b-sft-hf" / "config.json"
     ).is_file()
-    loaded = subprocess.run([sys.executable, "-c", guide_blocks("python")[0]], cwd=work, env=env,
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    loaded = run_to_end([sys.executable, "-c", guide_blocks("python")[0]], "the guide's Python block", 300,
+                        cwd=work, env=env)  # fmt: skip
     assert loaded.returncode == 0, loaded.stderr[-3000:]  # generated a reply from the exported model
     assert (work / "runs" / "llama-3.2-1b-cpt" / "hf_model" / "config.json").is_file()
     shutil.rmtree(work / "runs" / "llama-3.2-1b-cpt")

@@ -3,7 +3,8 @@ the Hugging Face tests, transformers and peft) once, and stdlib launchers ask it
 The command runs as a fresh process would: its own process (a fork), its arguments, working directory,
 environment and standard streams (passed over a Unix socket), `-m MODULE` run as `__main__`, its exit
 status back to the launcher (a signal as the shell reports it, 128 + N). A signal to the launcher
-(torchrun stopping a worker) is passed on, and `os.getppid()` in the command names the launcher's parent
+(torchrun stopping a worker) is passed on (SIGABRT, a test's wait running out, to the command and its
+children too, which print their stacks: faulthandler is on in the server and so in every fork), and `os.getppid()` in the command names the launcher's parent
 (torchrun's agent for a worker: what the resume driver kills as a node failure) until the command forks.
 What a fresh process would add to its environment at import (fntrain's OMP_WAIT_POLICY, the Hub's
 offline switches) is added. Without the server, or for anything but `-m MODULE`, the launcher runs the
@@ -104,6 +105,22 @@ def read(size):
 pid = struct.unpack("!q", read(8))[0]
 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
     signal.signal(sig, lambda number, frame: os.kill(pid, number))
+def abort_tree(number, frame):  # a test's wait ran out: the command and its children print their stacks
+    children = {{}}
+    for entry in os.listdir("/proc"):
+        try:
+            children.setdefault(int(open(f"/proc/{{entry}}/stat").read().rpartition(")")[2].split()[1]), []).append(int(entry))
+        except (OSError, ValueError, IndexError):
+            pass
+    tree = [pid]
+    for member in tree:
+        tree.extend(children.get(member, ()))
+    for member in reversed(tree):
+        try:
+            os.kill(member, signal.SIGABRT)
+        except OSError:
+            pass
+signal.signal(signal.SIGABRT, abort_tree)
 code = struct.unpack("!i", read(4))[0]
 sys.exit(code if code >= 0 else 128 - code)
 '''

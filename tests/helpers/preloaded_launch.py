@@ -16,10 +16,11 @@ only when a slow test asks for it (a module fixture), so the fast tier never pay
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.helpers.waiting import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,8 +49,8 @@ def command(python: Python, ranks: int, module: str, *args: str) -> list[str]:
 
 def run(python: Python, ranks: int, module: str, *args: str, timeout: float = 300, cwd: Path = ROOT) -> str:
     """Run it (from the checkout unless `cwd`); its output (stdout then stderr). A failure shows the
-    output's tail."""
-    result = subprocess.run(command(python, ranks, module, *args), cwd=cwd, env=dict(python.env),
-                            capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    output's tail; a run not ended within `timeout` seconds fails naming it, with its processes' stacks."""
+    what = f"`python -m {module} {' '.join(args)}`"[:300] + (f" under torchrun on {ranks} ranks" if ranks > 1 else "")
+    result = run_to_end(command(python, ranks, module, *args), what, timeout, cwd=cwd, env=dict(python.env))
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return result.stdout + result.stderr

@@ -15,6 +15,7 @@ from fntrain.loop import Event, StepInfo
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
 from fntrain.step import causal_lm_loss
+from tests.helpers.waiting import spawn_to_end
 from tests.hooks.drive import state_at
 
 
@@ -218,10 +219,8 @@ def _two_rank_eval(rank: int, init_file: str, out_file: str) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_give_the_single_rank_result(tmp_path):
-    import torch.multiprocessing as mp
-
     out = tmp_path / "result.json"
-    mp.spawn(_two_rank_eval, args=(str(tmp_path / "init"), str(out)), nprocs=2)
+    spawn_to_end(_two_rank_eval, (str(tmp_path / "init"), str(out)), 2, "the two evaluating ranks", 120)
     two_ranks = json.loads(out.read_text())
     one_rank = make_eval_fn(EvalLM(), causal_lm_loss, Samples(), micro_batch_size=2, runtime=Runtime())()
     assert two_ranks["val_loss"] == pytest.approx(one_rank["val_loss"], rel=1e-6)  # float32 forwards

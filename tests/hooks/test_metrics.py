@@ -17,6 +17,7 @@ from fntrain.loop import Event, StepInfo
 from fntrain.runtime.collectives import reduce_scalars
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
+from tests.helpers.waiting import spawn_to_end
 from tests.hooks.drive import drive, torch_op_recorder
 
 
@@ -256,9 +257,7 @@ def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_reduce_with_one_collective_and_rank_zero_writes(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_two_rank_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    spawn_to_end(_two_rank_worker, (str(tmp_path / "init"), str(tmp_path)), 2, "the two metrics ranks", 120)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records == [{"step": 1, "epoch": 0, "attempt": 0, "loss": 3.0, "lr": 0.1}]
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -33,6 +32,7 @@ from fntrain.run.job import run_job
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
 from recipes import tiny_gpt
+from tests.helpers.waiting import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,9 +99,7 @@ def test_second_signal_terminates_at_once():
         print("still alive", flush=True)
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=30
-    )
+    result = run_to_end([sys.executable, "-c", script], "the child signalling itself twice", 30, cwd=ROOT)
     assert result.returncode == -signal.SIGUSR1, (result.returncode, result.stderr)
     assert "requested True SIGTERM" in result.stdout and "still alive" not in result.stdout
 
@@ -209,7 +207,8 @@ def test_the_process_exits_with_the_documented_status(tmp_path, fork_env):
         "--log-every", "0", "--data.path", str(corpus), "--checkpoint.save-every", "100",
         "--progress.no-enabled", "--evaluate.eval-every", "0",
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=fork_env, capture_output=True, text=True, timeout=120)
+    what = "`python -m recipes.tiny_gpt` sent SIGTERM at step 3"
+    result = run_to_end(command, what, 120, cwd=ROOT, env=fork_env)
     assert result.returncode == 143, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert "preemption (SIGTERM): saving step 3" in result.stderr

@@ -4,7 +4,6 @@ without a terminal; other libraries' bars follow progress.enabled."""
 from __future__ import annotations
 
 import io
-import subprocess
 import sys
 import types
 
@@ -17,6 +16,7 @@ from fntrain.hooks.progress import ProgressConfig, format_postfix, progress_hook
 from fntrain.loop import Event, StepInfo
 from fntrain.runtime.runtime import Runtime
 from fntrain.state import TrainState
+from tests.helpers.waiting import run_to_end
 from tests.hooks.drive import drive, state_at
 
 
@@ -213,10 +213,9 @@ def test_redirected_run_has_log_lines_and_no_bar_redraws(tmp_path):
         "    for hook in hooks: hook(Event.STEP_END, TrainState(global_step=step, cursor=step), info)\n"
         "for hook in hooks: hook(Event.TRAIN_END, TrainState(global_step=20, cursor=20), None)\n"
     )
-    err = tmp_path / "stderr.txt"
-    with open(err, "w") as stream:
-        subprocess.run([sys.executable, "-c", code], check=True, stderr=stream)
-    text = err.read_text()
+    done = run_to_end([sys.executable, "-c", code], "the child process driving a real tqdm", 120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    text = done.stderr
     assert "\r" not in text and "it/s" not in text and "step/s" not in text
     assert text.splitlines() == [f"step={s} epoch=0 loss=2 loss_last=2 lr=1.000e-03" for s in (5, 10, 15, 20)]
 
@@ -246,7 +245,8 @@ def test_importing_fntrain_and_the_hook_module_does_not_import_tqdm():
     # with tqdm blocked, any import of it fails: fntrain and the hook module must import without it
     # (torch.hub imports tqdm itself when it can, so "not in sys.modules" cannot be the test)
     code = "import sys; sys.modules['tqdm'] = None; import fntrain, fntrain.hooks.progress"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    done = run_to_end([sys.executable, "-c", code], "the import of fntrain with tqdm blocked", 120)
+    assert done.returncode == 0, done.stderr[-4000:]
 
 
 def test_config_validation_names_the_field():

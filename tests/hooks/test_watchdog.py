@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -20,6 +19,7 @@ from fntrain.loop import Event
 from fntrain.runtime.runtime import Runtime
 from fntrain.runtime.watchdog import EXIT_CODE, HANG_MARKER, THREAD_NAME, Watchdog, WatchdogConfig
 from tests.helpers.ports import free_port
+from tests.helpers.waiting import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 INFO = StepInfo({"loss": 0.0})
@@ -202,7 +202,8 @@ def test_two_ranks_one_stalled_both_dump_stacks_and_exit(tmp_path):
     }
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     started = time.monotonic()
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    what = "the 2-rank torchrun run with rank 1 stalled at step 4"
+    result = run_to_end(command, what, 120, cwd=ROOT, env=env)
     output = result.stdout + result.stderr
     assert result.returncode != 0 and time.monotonic() - started < 50, output[-4000:]
     assert f"exitcode  : {EXIT_CODE}" in output, output[-4000:]

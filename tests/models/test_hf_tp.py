@@ -6,7 +6,6 @@ Qwen2 / Qwen3 / Phi3 models and match the unsharded model's logits, summed loss 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +20,7 @@ from fntrain.models.hf_tp import (
     tp_styles,
 )
 from tests.helpers.fork_server import HF_PRELOAD, started
+from tests.helpers.waiting import run_to_end
 from tests.helpers.workers import worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -213,7 +213,7 @@ def test_two_rank_split_matches_the_unsharded_model(tmp_path):
         "-m", "tests.models.hf_tp_worker", str(tmp_path / "models"), str(out),
     ]  # fmt: skip
     with started(worker_env(HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error"), PRELOAD) as env:
-        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        result = run_to_end(command, "the 2-rank tensor-parallel worker (torchrun)", 300, cwd=ROOT, env=env)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     results = json.loads(out.read_text())
     from tests.models.hf_tp_worker import MODELS

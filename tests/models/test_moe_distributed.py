@@ -15,6 +15,7 @@ import torch
 
 from tests.helpers import preloaded_launch
 from tests.helpers.runs import exported_weights
+from tests.helpers.waiting import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("module_launches_forked")]
@@ -29,12 +30,16 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 PYTHON: dict[str, object] = {}
 
 
-def launch_module(ranks: int, module: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """`python -m MODULE ARGS`, under torchrun when ranks > 1; its status must be 0 when `check`."""
+def launch_module(
+    ranks: int, module: str, *args: str, check: bool = True, what: str = ""
+) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS`, under torchrun when ranks > 1; its status must be 0 when `check`. `what`
+    names the launch in the failure of a wait that runs out."""
     python = preloaded_launch.Python(str(PYTHON["executable"]), dict(PYTHON["env"]))
     command = preloaded_launch.command(python, ranks, module, *args)
     env = dict(python.env)
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    what = what or f"`python -m {module}` on {ranks} rank(s){' (torchrun)' if ranks > 1 else ''}"
+    result = run_to_end(command, what, 240, cwd=ROOT, env=env)
     failed = f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     assert result.returncode == 0 or not check, failed
     return result
@@ -53,12 +58,14 @@ def layouts(tmp_path_factory):
         if (ranks, strategy, ep) not in cache:
             root = tmp_path_factory.mktemp(f"w{ranks}")
             if ranks == 1:
-                launch_module(1, "tests.models.moe_worker", strategy, str(ep), str(root / "results.pt"))
+                launch_module(1, "tests.models.moe_worker", strategy, str(ep), str(root / "results.pt"),
+                              what=f"the one-process MoE worker ({strategy}, ep {ep})")
                 cache[1, strategy, ep] = torch.load(root / "results.pt")
                 return cache[1, strategy, ep]
             outs = {ep: root / f"ep{ep}.pt" for ep in EP_SIZES[ranks]}
             runs = [("--", "tests.models.moe_worker", strategy, str(ep), str(out)) for ep, out in outs.items()]
-            launch_module(ranks, "tests.helpers.worker_sequence", *[word for run in runs for word in run][1:])
+            launch_module(ranks, "tests.helpers.worker_sequence", *[word for run in runs for word in run][1:],
+                          what=f"the {ranks}-rank MoE workers of ep sizes {EP_SIZES[ranks]} (torchrun)")
             cache.update({(ranks, strategy, ep): torch.load(out) for ep, out in outs.items()})
         return cache[ranks, strategy, ep]
 
@@ -103,7 +110,9 @@ EP2 = ["--parallel.strategy", "fsdp2", "--parallel.ep-size", "2"]
 def run_driver(run_dir: Path, ranks: int, kill: str, *args: str, corpus: Path) -> subprocess.CompletedProcess:
     run_dir.mkdir(parents=True, exist_ok=True)
     driver = [str(run_dir), kill, *RUN, *args, "--data.path", str(corpus), "--run-dir", str(run_dir)]
-    return launch_module(ranks, "tests.checkpoint.resume_driver", *driver, check=kill == "none")
+    stop = "to its end" if kill == "none" else f"killed at {kill}"
+    what = f"the MoE resume driver's run in {run_dir.name} on {ranks} rank(s), {stop},"
+    return launch_module(ranks, "tests.checkpoint.resume_driver", *driver, check=kill == "none", what=what)
 
 
 def losses_by_step(run_dir: Path) -> dict[int, str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 
 from tests.helpers.fork_server import HF_PRELOAD, started
 from tests.helpers.hf import save_tiny_llama
+from tests.helpers.waiting import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -75,7 +75,8 @@ def train_moe(env: dict, tiny_moe: tuple[Path, Path], run_dir: Path, ranks: int,
         "--optim.name", "sgd", "--optim.lr", "0.1", "--optim.momentum", "0.9", "--log-every", "1",
         "--progress.no-enabled", *layout,
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    what = f"the MoE hf_causal_lm run on {ranks} rank(s) with {' '.join(layout) or 'no parallel flags'}"
+    result = run_to_end(command, what, 280, cwd=ROOT, env=env)
     assert result.returncode == 0, f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [row["loss"] for row in rows if "loss" in row], load_file(

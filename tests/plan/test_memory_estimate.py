@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from fntrain.plan.memory import layout_from_module, plan_memory
 from fntrain.plan.tables import LLAMA3_8B, doc_tables
 from fntrain.runtime.parallel import ParallelConfig
 from recipes.tiny_gpt import Config, spec
+from tests.helpers.waiting import run_to_end
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "distributed.md"
 
@@ -211,5 +211,6 @@ def test_doc_tables_are_the_functions_output():
 
 def test_estimate_and_plan_modules_import_no_torch():
     code = "import sys, fntrain.plan.estimate, fntrain.plan.tables, fntrain.mesh_layout, fntrain.plan.report; print('torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = run_to_end([sys.executable, "-c", code], "the import of fntrain's plan modules", 120)
+    assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.strip() == "False"

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from fntrain.step.optim import OptimizerConfig
 from recipes import hf_causal_lm as hf
 from tests.helpers.fork_server import HF_PRELOAD, started
 from tests.helpers.hf import CHATS, TEMPLATE, save_tiny_llama
+from tests.helpers.waiting import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -272,7 +272,8 @@ def _fsdp2_fine_tune(model_dir: Path, data_path: Path, tmp_path: Path, env: dict
         "--train.micro-batch-size", "1", "--parallel.strategy", "fsdp2", "--optim.lr", "1e-2", "--log-every", "1",
         *extra,
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    what = f"the 2-rank `fntrain run hf_causal_lm` under torchrun ({' '.join(extra) or 'FSDP2'})"
+    result = run_to_end(command, what, 280, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     return tmp_path / "run" / "hf_model"
 
@@ -310,9 +311,8 @@ def test_two_rank_tensor_parallel_fine_tune_matches_one_process(tiny_hf_model, h
         "--train.train-iters", "2", "--train.global-batch-size", "4", "--train.micro-batch-size", "1",
         "--optim.lr", "1e-2", "--log-every", "1", "--optim.name", "sgd",
     ]  # fmt: skip
-    result = subprocess.run(
-        command, cwd=tmp_path, env=hf_launch_env, capture_output=True, text=True, timeout=280
-    )
+    what = "the one-process `fntrain run hf_causal_lm` (SGD)"
+    result = run_to_end(command, what, 280, cwd=tmp_path, env=hf_launch_env)
     assert result.returncode == 0, result.stderr[-4000:]
 
     def losses(run_dir: Path) -> list[float]:

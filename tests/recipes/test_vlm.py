@@ -26,6 +26,7 @@ from fntrain.run.job import plan_job, run_job
 from fntrain.step.optim import OptimizerConfig
 from recipes import vlm
 from tests.helpers.fork_server import VLM_PRELOAD, started
+from tests.helpers.waiting import run_to_end
 from tests.helpers.workers import worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,7 +113,9 @@ def _driver(
 ) -> subprocess.CompletedProcess:
     command = ["torchrun", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else [env["PYTHON_FORK"]]
     command += ["-m", "tests.recipes.vlm_driver", str(out), kill, *args, "--run-dir", str(out)]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    stop = "to its end" if kill == "none" else f"killed at {kill}"
+    what = f"the VLM driver's run in {out.name} on {ranks} rank(s), {stop},"
+    return run_to_end(command, what, 600, cwd=ROOT, env=env)
 
 
 def loss_words(out: Path) -> list[str]:

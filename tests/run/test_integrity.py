@@ -24,6 +24,7 @@ from fntrain.run.config import CheckpointConfig
 from fntrain.run.job import run_job
 from recipes import tiny_gpt
 from tests.helpers.commands import last_line
+from tests.helpers.waiting import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -57,8 +58,13 @@ def fntrain(tmp_path: Path, *args: str, driver: str | None = None) -> subprocess
         (tmp_path / "faults").mkdir(exist_ok=True)
     python = str(PYTHON.get("executable", sys.executable))
     command = [python, *head, *TINY, "--data.path", str(corpus_in(tmp_path)), *args]
-    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
-                          preexec_fn=_ctrl_c_as_in_a_terminal)  # fmt: skip
+    what = f"`{shown(tmp_path, (*head[1:], *args))}`"
+    return run_to_end(command, what, 180, cwd=tmp_path, env=env, preexec_fn=_ctrl_c_as_in_a_terminal)
+
+
+def shown(tmp_path: Path, args: tuple[str, ...]) -> str:
+    """ARGS as a failure message shows them: paths relative to the test's directory."""
+    return " ".join(args).replace(str(tmp_path) + os.sep, "")
 
 
 def _ctrl_c_as_in_a_terminal() -> None:
@@ -278,9 +284,7 @@ def test_a_second_ctrl_c_ends_the_process_at_once(tmp_path):
         "os.kill(os.getpid(), signal.SIGINT)\n"
         "time.sleep(30)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    result = run_to_end([sys.executable, "-c", code], "the child sending itself SIGINT twice", 60, cwd=ROOT)
     assert result.returncode == -signal.SIGINT, result.stderr
 
 
@@ -298,7 +302,8 @@ def torchrun_two_ranks(tmp_path: Path, *args: str) -> subprocess.CompletedProces
         str(PYTHON.get("executable", sys.executable)), "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "fntrain",
         "run", "tiny_gpt", *TINY, "--data.path", str(corpus_in(tmp_path)), "--parallel.strategy", "ddp", *args,
     ]  # fmt: skip
-    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    what = f"the 2-rank torchrun `fntrain run tiny_gpt {shown(tmp_path, args)}`"
+    return run_to_end(command, what, 240, cwd=tmp_path, env=env)
 
 
 @pytest.mark.slow

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import logging
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from fntrain.run.logs import RankFormatter, launch_rank, rank_log_path, rank_log
 from fntrain.run.metadata import METADATA_FILE, git_state, record_start, write_run_metadata
 from fntrain.runtime.runtime import Runtime
 from recipes import tiny_gpt
+from tests.helpers.waiting import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,9 @@ def read_metadata(run_dir: Path) -> dict:
 
 def git(directory: Path, *args: str) -> str:
     command = ["git", "-C", str(directory), "-c", "user.name=t", "-c", "user.email=t@t", *args]
-    return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
+    done = run_to_end(command, f"`git {' '.join(args)}`", 60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
 
 
 def test_metadata_fields(tmp_path, monkeypatch):

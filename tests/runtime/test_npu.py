@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.waiting import run_to_end
 from tests.runtime.conftest import write_fake_torch_npu
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,13 +24,9 @@ def test_npu_runtime_with_a_stand_in_torch_npu(tmp_path):
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "HCCL_DETERMINISTIC")
     }
     env.update(PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]), FAKE_TORCH_NPU_RENAME="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.runtime.npu_probe"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    result = run_to_end(
+        [sys.executable, "-m", "tests.runtime.npu_probe"], "the NPU probe with a stand-in torch_npu", 60,
+        cwd=ROOT, env=env,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("PROBE "))

@@ -23,6 +23,7 @@ from fntrain.checkpoint.hf_load import OFFLINE_SWITCHES
 from fntrain.cli import dispatch
 from fntrain.models import harness
 from tests.helpers.commands import eval_refusal
+from tests.helpers.waiting import run_to_end, wait_for_end
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(harness.importlib.util.find_spec("lm_eval") is None,
                                                    reason="needs the eval extra")]  # fmt: skip
@@ -104,7 +105,8 @@ def test_fntrain_eval_gives_lm_evals_own_results(tmp_path, capsys, monkeypatch):
                         "--output", str(ours)])  # fmt: skip
     out = capsys.readouterr().out
     (written,) = ours.iterdir()
-    assert lm_eval_cli.wait(timeout=600) == 0, (tmp_path / "lm_eval.log").read_text()[-2000:]
+    wait_for_end(lm_eval_cli, "the lm-eval CLI on the tiny Llama", 600, (tmp_path / "lm_eval.log").read_text)
+    assert lm_eval_cli.returncode == 0, (tmp_path / "lm_eval.log").read_text()[-2000:]
     log.close()
     their_results = json.loads(next(theirs.rglob("results_*.json")).read_text())["results"]["tiny_mc"]
     their_samples = _samples(next(theirs.rglob("samples_tiny_mc_*.jsonl")))
@@ -148,11 +150,10 @@ def test_fntrain_eval_gives_lm_evals_own_results(tmp_path, capsys, monkeypatch):
     # the run's own export carries that tokenizer: lm-eval's command line takes it as it is, with the same
     # log-likelihoods (it holds the step-2 weights the latest checkpoint holds)
     theirs = tmp_path / "theirs_gpt"
-    cli = subprocess.run([sys.executable, "-c", LM_EVAL_OWN_TASKS_ONLY, "--model", "hf", "--model_args",
-                          f"pretrained={run_dir / 'hf_model'}", "--tasks", "tiny_mc", "--include_path", str(tasks),
-                          "--device", "cpu", "--batch_size", "1", "--limit", "4", "--output_path", str(theirs),
-                          "--log_samples"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         text=True, timeout=600)  # fmt: skip
+    cli = run_to_end([sys.executable, "-c", LM_EVAL_OWN_TASKS_ONLY, "--model", "hf", "--model_args",
+                      f"pretrained={run_dir / 'hf_model'}", "--tasks", "tiny_mc", "--include_path", str(tasks),
+                      "--device", "cpu", "--batch_size", "1", "--limit", "4", "--output_path", str(theirs),
+                      "--log_samples"], "the lm-eval CLI on the tiny GPT's export", 600, env=env)  # fmt: skip
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert _samples(next(theirs.rglob("samples_tiny_mc_*.jsonl"))) == _samples(written / "samples_tiny_mc.jsonl")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from fntrain.cli import dispatch
+from tests.helpers.waiting import run_to_end
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[3]
@@ -95,7 +95,7 @@ def test_a_two_rank_fsdp2_checkpoint_loads_on_one_process(tmp_path, capsys):
         "--model.n-layer", "2", "--model.d-model", "32", "--model.n-head", "2", "--model.context", "32",
         "--checkpoint.save-every", "2", "--evaluate.no-at-end", "--progress.no-enabled",
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    result = run_to_end(command, "the 2-rank FSDP2 `fntrain run tiny_gpt` (torchrun)", 240, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     meta = json.loads((run / "checkpoints" / "step_2" / "meta.json").read_text())
     assert meta["world_size"] == 2

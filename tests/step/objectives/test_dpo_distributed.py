@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.fork_server import DPO_PRELOAD, started
+from tests.helpers.waiting import run_to_end
 from tests.helpers.workers import worker_env
 from tests.step.objectives.dpo_helpers import CORPUS, preference_rows, tiny_llama
 
@@ -81,7 +81,9 @@ def launch_cases(root: Path, cases: list[str], ranks: int, env: dict[str, str]) 
     torchrun = ["torchrun", "--standalone", f"--nproc_per_node={ranks}"]
     command = [*(torchrun if ranks > 1 else [env["PYTHON_FORK"]]), "-m", "tests.step.objectives.dpo_dist_worker", strategy, str(root),
                *cases]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    names = ", ".join(case.split("=", 1)[0] for case in cases)
+    what = f"the {strategy} DPO/KD worker on {ranks} rank(s) (cases {names})"
+    result = run_to_end(command, what, 500, cwd=ROOT, env=env)
     assert result.returncode == 0, (
         f"{ranks} rank(s) failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     )

@@ -59,13 +59,15 @@ def resume_flags(tmp_path_factory) -> list[str]:
 def launch_dpo_driver(run_dir: Path, kill: str, args: list[str], launch_env: dict[str, str],
            driver: str = "tests.step.objectives.dpo_resume_driver") -> subprocess.Popen:  # fmt: skip
     """tests/step/objectives/dpo_resume_driver.py (or another `driver` module) in its own session, its output in a file
-    (see test_resume.ended)."""
+    (see test_resume.ended, whose wait that runs out names it by `what`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     command = [launch_env["PYTHON_FORK"], "-m", driver, str(run_dir), kill, *args, "--run-dir", str(run_dir)]
     output = tempfile.TemporaryFile(mode="w+")
     process = subprocess.Popen(command, cwd=ROOT, env=launch_env, stdout=output, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)  # fmt: skip
     process.output = output  # type: ignore[attr-defined]
+    stop = "to its end" if kill == "none" else f"to its kill point {kill}"
+    process.what = f"`{driver}`'s run in {run_dir}, {stop},"  # type: ignore[attr-defined]
     return process
 
 

@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers.fork_server import started
+from tests.helpers.waiting import run_to_end
 from tests.step.objectives.grpo.helpers import (
     GRPO_PRELOAD,
     RECORD,
@@ -99,9 +99,9 @@ def launch_grpo(root: Path, layout: str, inputs: tuple[Path, Path, Path], launch
     cases = [f"{name}=grpo:{json.dumps([*COMMON, *data, *case_flags(name, ranks)])}" for name in CASES]  # fmt: skip
     runner = ["torchrun", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else [launch_env["PYTHON_FORK"]]  # fmt: skip
     (root / "record").mkdir(parents=True)
-    result = subprocess.run([*runner, "-m", "tests.step.objectives.dpo_dist_worker", strategy, str(root), *cases], cwd=ROOT,
-                            env={**launch_env, RECORD: str(root / "record")}, capture_output=True, text=True,
-                            timeout=500)  # fmt: skip
+    result = run_to_end([*runner, "-m", "tests.step.objectives.dpo_dist_worker", strategy, str(root), *cases],
+                        f"the GRPO cases' worker on layout {layout} ({ranks} rank(s))", 500, cwd=ROOT,
+                        env={**launch_env, RECORD: str(root / "record")})  # fmt: skip
     assert result.returncode == 0, f"{layout} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return root
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -37,6 +36,7 @@ import torch
 from fntrain.checkpoint import find_latest, read_meta
 from tests.checkpoint.test_resume import assert_latest_is_complete, finish
 from tests.helpers.fork_server import started
+from tests.helpers.waiting import run_to_end
 from tests.step.objectives.grpo.helpers import GRPO_PRELOAD, final_weights, grpo_env, is_timing
 from tests.step.objectives.test_dpo_resume import launch_dpo_driver, sizes_and_mtimes
 
@@ -217,9 +217,9 @@ def test_a_batch_saved_by_two_ranks_is_refused_by_one_process(tmp_path, grpo_run
     run_dir = tmp_path / "run"
     args = ["--model.path", str(model), "--data.path", str(prompts), "--grpo.reward-funcs", "grpo_test_rewards:plain",
             *SHORT, "--run-dir", str(run_dir)]  # fmt: skip
-    two = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "fntrain", "run", "grpo", *args,
-                          "--parallel.strategy", "ddp"], cwd=ROOT, env=grpo_launch_env, capture_output=True, text=True,
-                         timeout=240)  # fmt: skip
+    two = run_to_end(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "fntrain", "run", "grpo", *args,
+                      "--parallel.strategy", "ddp"], "the 2-rank DDP `fntrain run grpo` (torchrun)", 240, cwd=ROOT,
+                     env=grpo_launch_env)  # fmt: skip
     assert two.returncode == 0, two.stderr[-4000:]
     assert saved_generation(run_dir)["dp_size"] == 2
     capsys.readouterr()
