@@ -32,8 +32,8 @@ class SaveConfig:
     keep_best: bool = True
     """With keep_last, also keep the checkpoint with the lowest val_loss (evaluated at its step), if any."""
     async_save: bool = False
-    """Write checkpoints in the background (dcp.async_save); training waits only for the staging copy,
-    and DataLoader workers starting (each epoch) wait for a write in flight: forked during it, one can hang."""
+    """Write checkpoints in the background (dcp.async_save); training waits only for the staging copy.
+    DataLoader workers starting (each epoch) wait for a write in flight: forked during it, one can hang."""
     save_on_interrupt: bool = False
     """On Ctrl-C, save at the next step boundary and stop (exit status 130); a second Ctrl-C exits at once."""
     preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")

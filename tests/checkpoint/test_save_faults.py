@@ -442,26 +442,24 @@ def test_the_plan_lists_the_end_save_of_a_resumed_run():
 def test_two_ranks_fail_a_save_together_when_one_ranks_disk_is_full(tmp_path):
     """Rank 1's writes fail (its JSON part; its DCP data file, sync and async): both ranks raise the
     same line, none hangs, no partial stays, `latest` keeps step_1, and the next save works."""
-    import subprocess
     import sys
 
-    from tests.checkpoint.test_verify import ROOT
     from tests.helpers.ports import free_port
-    from tests.helpers.waiting import wait_for_end
+    from tests.helpers.workers import ROOT, run_ranks
 
-    port, processes = free_port(), []
-    for rank in (0, 1):
+    port = free_port()
+
+    def env_of_rank(rank: int) -> dict[str, str]:
         env = dict(os.environ)
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # fmt: skip
-        command = [sys.executable, "-m", "tests.checkpoint.save_fault_worker", str(tmp_path / "ckpt"),
-                   str(tmp_path / f"{rank}.json")]  # fmt: skip
-        with (tmp_path / f"rank_{rank}.err").open("w") as sink:
-            processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stderr=sink, text=True))
-    for rank, process in enumerate(processes):
-        err = tmp_path / f"rank_{rank}.err"
-        wait_for_end(process, f"rank {rank} of the 2 save-fault workers", 200, err.read_text)
-        assert process.returncode == 0, err.read_text()[-3000:]
+        return env
+
+    def command_of_rank(rank: int) -> list[str]:
+        return [sys.executable, "-m", "tests.checkpoint.save_fault_worker", str(tmp_path / "ckpt"),
+                str(tmp_path / f"{rank}.json")]  # fmt: skip
+
+    run_ranks(2, command_of_rank, env_of_rank, "the 2 save-fault workers", 200, tmp_path)
     results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
     seen, other = results[0]["seen"], results[1]["seen"]
     for case in seen:  # the same failure on both ranks (rank 0 alone removes the partial, says so)

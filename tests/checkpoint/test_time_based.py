@@ -4,7 +4,6 @@ alone; optionally temporary, each deleted once a newer checkpoint is complete (n
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from fntrain.runtime.runtime import Runtime
 from tests.checkpoint import toy
 from tests.helpers.checkpoints import saved_steps
 from tests.helpers.ports import free_port
-from tests.helpers.waiting import wait_for_end
+from tests.helpers.workers import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 INFO = StepInfo({"loss": 0.0})
@@ -120,22 +119,14 @@ def test_two_ranks_follow_rank_0s_clock_and_any_ranks_preemption(tmp_path, fork_
     Rank 1 alone is asked to stop at step 7: both save and stop at step 8, the next agreement step."""
     root = tmp_path / "ckpt"
     port = free_port()
-    processes = []
-    for rank in (0, 1):
-        env = {**fork_env, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        command = [
-            fork_env["PYTHON_FORK"],
-            "-m",
-            "tests.checkpoint.agree_worker",
-            str(root),
-            str(tmp_path / f"{rank}.json"),
-        ]
-        with (tmp_path / f"rank_{rank}.err").open("w") as sink:
-            processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stderr=sink, text=True))
-    for rank, process in enumerate(processes):
-        err = tmp_path / f"rank_{rank}.err"
-        wait_for_end(process, f"rank {rank} of the time-based save workers", 120, err.read_text)
-        assert process.returncode == 0, err.read_text()[-3000:]
+
+    def env_of_rank(rank: int) -> dict[str, str]:
+        return {**fork_env, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+    def command_of_rank(rank: int) -> list[str]:
+        return [fork_env["PYTHON_FORK"], "-m", "tests.checkpoint.agree_worker", str(root), str(tmp_path / f"{rank}.json")]
+
+    run_ranks(2, command_of_rank, env_of_rank, "the time-based save workers", 120, tmp_path)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"{rank}.json").read_text())
         expected = {"stopped": 8, "saved": [6, 8], "outcome": "preempted", "exit_code": 143}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 import threading
 import zlib
@@ -38,7 +37,7 @@ from fntrain.config import ConfigError
 from fntrain.state import TrainState
 from tests.checkpoint import toy
 from tests.helpers.ports import free_port
-from tests.helpers.waiting import wait_for_end
+from tests.helpers.workers import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = "__0_0.distcp"
@@ -302,21 +301,19 @@ def test_two_ranks_agree_to_skip_a_damaged_shard_of_rank_1(tmp_path):
     (rank 0 alone warns), restore the same previous checkpoint with exactly its state, and both raise
     the same one-line error when it is named by path."""
     port = free_port()
-    processes = []
-    for rank in (0, 1):
+
+    def env_of_rank(rank: int) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK",)}
         env.update(
             RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
             PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
         )  # fmt: skip
-        command = [sys.executable, "-m", "tests.checkpoint.verify_worker", str(tmp_path / "ckpt")]
-        command.append(str(tmp_path / f"{rank}.json"))
-        with (tmp_path / f"rank_{rank}.err").open("w") as sink:
-            processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stderr=sink, text=True))
-    for rank, process in enumerate(processes):
-        err = tmp_path / f"rank_{rank}.err"
-        wait_for_end(process, f"rank {rank} of the 2 verify workers", 150, err.read_text)
-        assert process.returncode == 0, err.read_text()[-3000:]
+        return env
+
+    def command_of_rank(rank: int) -> list[str]:
+        return [sys.executable, "-m", "tests.checkpoint.verify_worker", str(tmp_path / "ckpt"), str(tmp_path / f"{rank}.json")]
+
+    run_ranks(2, command_of_rank, env_of_rank, "the 2 verify workers", 150, tmp_path)
     results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
     for rank, result in enumerate(results):
         assert result["damaged_file"] == "__1_0.distcp", result
