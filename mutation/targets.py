@@ -113,5 +113,9 @@ TARGETS = {
         _t("fntrain/hooks/throughput.py", "tests/hooks/test_throughput.py"),
         _t("fntrain/hooks/preemption.py", "tests/hooks/test_preemption.py", "tests/hooks/test_preemption_groups.py"),
         _t("fntrain/hooks/watchdog.py", "tests/hooks/test_watchdog.py"),
+        # Landed since (issue 49 item 4): the sampler's row generators and draws, which every completion of
+        # `fntrain generate`, the samples hook and GRPO's rollout come from.
+        _t("fntrain/sampling/keys.py", "tests/sampling/test_keys.py", goal=0.9),
+        _t("fntrain/sampling/pick.py", "tests/sampling/test_pick.py", goal=0.9),
     )
 }
