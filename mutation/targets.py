@@ -117,5 +117,9 @@ TARGETS = {
         # `fntrain generate`, the samples hook and GRPO's rollout come from.
         _t("fntrain/sampling/keys.py", "tests/sampling/test_keys.py", goal=0.9),
         _t("fntrain/sampling/pick.py", "tests/sampling/test_pick.py", goal=0.9),
+        # GRPO's group advantages and which rows each rank, step and micro-batch trains on: a wrong number
+        # or a row trained twice changes every update.
+        _t("fntrain/step/objectives/grpo/advantages.py", "tests/step/objectives/grpo/test_advantages.py", goal=0.9),
+        _t("fntrain/step/objectives/grpo/layout.py", "tests/step/objectives/grpo/test_layout.py", goal=0.9),
     )
 }
