@@ -8,17 +8,13 @@ import pytest
 
 from bench import dpo
 from bench.harness import format_table
+from tests.helpers.hf import TINY_LLAMA_SHAPE
 
 pytestmark = pytest.mark.slow
 
-TINY = dict(
-    vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-    num_key_value_heads=2, max_position_embeddings=256,
-)  # fmt: skip
-
 
 def test_quick_run_measures_every_variant_and_gives_five_rows(monkeypatch):
-    monkeypatch.setattr(dpo, "SHAPE", TINY)
+    monkeypatch.setattr(dpo, "SHAPE", TINY_LLAMA_SHAPE)
     measured = dpo.measure(quick=True)
     timing, peaks, weights, loss = measured
     names = {"fntrain", "hand-written", "adapter-off", "copy"}

@@ -8,6 +8,13 @@ from pathlib import Path
 
 import torch
 
+TINY_LLAMA_SHAPE = dict(
+    vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+    num_key_value_heads=2, max_position_embeddings=256,
+)  # fmt: skip
+"""LlamaConfig keywords of the smallest Llama the benchmark tests run their quick rounds on (bench/dpo.py,
+bench/grpo.py): one layer, a byte-sized vocabulary."""
+
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
