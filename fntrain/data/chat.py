@@ -38,17 +38,33 @@ def tokenize_spans(tokenizer: Any, text: str, spans: Sequence[tuple[int, int]], 
             for token, (begin, _) in zip(ids, encoded["offset_mapping"], strict=True)
         ]
         return ids, labels
-    # A slow tokenizer has no offsets: tokenize the pieces between span borders one after another.
+    # A slow tokenizer has no offsets: tokenize the pieces between span borders one after another, without
+    # special tokens, and put the ones the tokenizer adds to the whole text (a BOS before, an EOS after)
+    # around them, labelled as the fast path labels them (their offsets are (0, 0)).
     ids, labels, position = [], [], 0
     borders = sorted({0, len(text), *(p for span in spans for p in span)})
-    for index, (begin, end) in enumerate(zip(borders, borders[1:], strict=False)):
-        piece = tokenizer(text[begin:end], add_special_tokens=add_special_tokens and index == 0)["input_ids"]
-        trained = _inside(begin, spans)
+    for begin, end in zip(borders, borders[1:], strict=False):
+        piece = list(tokenizer(text[begin:end], add_special_tokens=False)["input_ids"])
         ids.extend(piece)
-        labels.extend(piece if trained else [IGNORE_INDEX] * len(piece))
+        labels.extend(piece if _inside(begin, spans) else [IGNORE_INDEX] * len(piece))
         position = end
     assert position == len(text)
-    return ids, labels
+    if not add_special_tokens:
+        return ids, labels
+    before, after = _added_special_tokens(tokenizer, text)
+    special = (lambda tokens: tokens) if _inside(0, spans) else (lambda tokens: [IGNORE_INDEX] * len(tokens))
+    return before + ids + after, special(before) + labels + special(after)
+
+
+def _added_special_tokens(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after `text`'s own when it adds special tokens (e.g. [BOS], []
+    or [], [EOS]); all before when they do not surround the text's ids."""
+    whole = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    bare = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    for start in range(len(whole) - len(bare) + 1):
+        if whole[start : start + len(bare)] == bare:
+            return whole[:start], whole[start + len(bare) :]
+    return whole[: len(whole) - len(bare)], []
 
 
 def chat_spans(
