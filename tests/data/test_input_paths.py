@@ -14,6 +14,7 @@ leaves out. Everything here is built in the test: nothing is downloaded.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,11 +24,15 @@ pytest.importorskip("pyarrow")
 pytest.importorskip("datasets")
 
 from fntrain.config import ConfigError  # noqa: E402
+from fntrain.data.shard_index import read_index  # noqa: E402
+from fntrain.data.tokenize import tokenize_files  # noqa: E402
 from fntrain.data.tokens import IGNORE_INDEX  # noqa: E402
 from fntrain.models.hf_config import AssetsConfig, HFModelConfig  # noqa: E402
+from fntrain.models.tokenizer_files import write_byte_tokenizer  # noqa: E402
 from fntrain.run.checks import read_inputs  # noqa: E402
 from recipes import dpo, grpo, hf_causal_lm  # noqa: E402
 from tests.data.test_preference import TEMPLATE, USER, tiny_tokenizer  # noqa: E402
+from tests.data.test_tokenize import stream_of  # noqa: E402
 from tests.helpers.files import write_row_formats  # noqa: E402
 from tests.helpers.hf import CHATS, save_byte_tokenizer_pair, save_tokenizer_kinds  # noqa: E402
 
@@ -243,7 +248,7 @@ def test_grpo_prompts_are_the_same_from_every_format_and_every_kind_of_tokenizer
     ("rows.csv", "prompt,completion\nthe sky is, blue\n"),
     ("rows.json", json.dumps(SFT_ROWS[:2], indent=1)),
     ("rows-one-line.json", json.dumps(SFT_ROWS[:2])),
-])  # fmt: skip
+], ids=["csv", "json-array", "json-array-on-one-line"])  # fmt: skip
 def test_csv_and_json_array_files_are_refused_in_one_line_naming_the_file(tmp_path, kinds, name, content):
     path = tmp_path / name
     path.write_text(content)
@@ -251,3 +256,45 @@ def test_csv_and_json_array_files_are_refused_in_one_line_naming_the_file(tmp_pa
         batches(hf_causal_lm, sft_data(str(path), False), **kinds[FIRST])
     message = str(refused.value)
     assert len(message.splitlines()) == 1 and message.startswith(f"data.path {str(path)!r} line 1:"), message
+
+
+# ----------------------------------------------------------------------------- `fntrain tokenize` (plain text)
+
+TEXT_ROWS = [
+    {"text": text} for text in ("the sky is blue", "hello there, friend", "the sea is green, é!", "Well met.")
+]
+
+
+def shards_of(output: Path) -> tuple[list[int], bytes, int, int]:
+    """What a run on the shards reads: the token stream, the document starts, the EOS id, the vocabulary."""
+    index = read_index(output)
+    return stream_of(output), (output / "documents.bin").read_bytes(), index.eos_id, index.vocab_size
+
+
+def test_fntrain_tokenize_writes_the_same_shards_from_every_format_and_kind_of_tokenizer(tmp_path, kinds):
+    """`tokenize_files` (what `fntrain tokenize` runs): fntrain's `bytes` and the byte tokenizer directory a
+    tiny GPT exports (`write_byte_tokenizer`) are one vocabulary; so are the tiny BPE's tokenizer.json and
+    vocab.json + merges.txt directories."""
+    sources = write_row_formats(tmp_path / "rows", TEXT_ROWS)
+    write_byte_tokenizer(tmp_path / "bytes-dir", eos_id=256)
+    families = {
+        "bytes": {"bytes": "bytes", "byte tokenizer directory": str(tmp_path / "bytes-dir")},
+        "bpe": {kind: kinds[kind]["tokenizer_path"] for kind in (FIRST, "vocab.json + merges.txt")},
+    }
+    for family, tokenizers in families.items():
+        written = {}
+        for source, path in sources.items():
+            for kind, tokenizer in tokenizers.items():
+                output = tmp_path / family / kind.replace(" ", "-") / source
+                tokenize_files([path], output, tokenizer)
+                written[source, kind] = shards_of(output)
+        first = next(iter(written.values()))
+        assert all(value == first for value in written.values()), [
+            k for k, v in written.items() if v != first
+        ]
+        stream, _, eos, _ = first
+        assert stream.count(eos) == len(TEXT_ROWS) and stream[-1] == eos
+        if family == "bytes":
+            assert stream[: len(b"the sky is blue") + 1] == [*b"the sky is blue", 256]
+        else:  # each document without special tokens, then EOS
+            assert decode(kinds, stream) == "".join(row["text"] + "</s>" for row in TEXT_ROWS)
