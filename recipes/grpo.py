@@ -156,6 +156,7 @@ spec = RecipeSpec(
     check=check,
     export=hf_causal_lm.export,
     tensor_parallel=hf_causal_lm.spec.tensor_parallel,
+    sampler=hf_causal_lm.sampler,
     objective=ObjectiveSpec(
         name="grpo",
         build=build_objective,

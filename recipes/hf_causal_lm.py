@@ -31,6 +31,8 @@ from fntrain.data.sft import SFTDataConfig, build_sft_datasets
 from fntrain.data.sft_collate import make_sft_collate
 from fntrain.data.shards import TokenWindows, check_shard_vocab, require_shards, split_windows
 from fntrain.hooks.evaluate import EvaluateConfig
+from fntrain.hooks.sample import whole_logits_on_each_rank
+from fntrain.models.generate import text_sampler
 from fntrain.models.hf import causal_lm_from_config, check_vocab, load_assets, load_causal_lm, save_hf_model
 from fntrain.models.hf_config import (
     AssetsConfig,
@@ -170,6 +172,15 @@ def export(config: Config, built: Any, state: Any) -> Path:
     return save_hf_model(built.components.model, built.assets, config.output_path(), built.runtime)
 
 
+def sampler(config: Config, built: Any) -> Any:
+    """Samples during training (`--sample.*`) from the model being trained, its tokenizer and end ids,
+    as `fntrain generate` samples its export; None where no rank has the whole logits."""
+    if not whole_logits_on_each_rank(config.parallel):
+        return None
+    model = built.components.model
+    return text_sampler(getattr(model, "module", model), built.assets.tokenizer, built.assets.eos_id)
+
+
 spec = RecipeSpec(
     config=Config,
     build_model=build_model,
@@ -185,6 +196,7 @@ spec = RecipeSpec(
     check=check,
     export=export,
     tensor_parallel=hf_tensor_parallel,
+    sampler=sampler,
     describe=lambda config: {
         "strategy": config.parallel.strategy,
         "packing": config.data.packing,

@@ -26,7 +26,7 @@ from fntrain.data.corpora import corpus_path
 from fntrain.data.shard_index import INDEX_NAME, read_index
 from fntrain.data.shards import TokenWindows, split_windows
 from fntrain.hooks.evaluate import EvaluateConfig
-from fntrain.hooks.sample import SampleConfig
+from fntrain.hooks.sample import SampleConfig, whole_logits_on_each_rank
 from fntrain.models.gpt import ModelConfig, TinyGPT
 from fntrain.models.gpt2 import gpt2_conversion
 from fntrain.models.moe import loss_with_router_aux, moe_step_end
@@ -201,8 +201,7 @@ def sampler(config: Config, built: Any) -> Any:
     """Byte-level text from the trained model (prompt as UTF-8 bytes; bytes that do not decode: U+FFFD),
     ending at the shards' EOS; None under pipeline parallelism or a loss-parallel head (no rank holds
     the whole model or its logits: sample the checkpoint with `fntrain generate`)."""
-    if config.parallel.pp_size > 1 or (config.parallel.tp_size > 1 and config.parallel.loss_parallel):
-        log.warning("sample: no samples during training with pipeline parallelism or a loss-parallel head")
+    if not whole_logits_on_each_rank(config.parallel):
         return None
     model, device, eos_id = getattr(built.components.model, "module", built.components.model), built.runtime.device, _shards_eos(config)
 

@@ -34,7 +34,7 @@ from fntrain.runtime.runtime import Runtime
 from fntrain.sampling import TEXT_DEFAULTS, SampleSettings
 from fntrain.state import TrainState
 
-__all__ = ["SampleConfig", "Sampler", "sample_hook", "SAMPLES_FILE"]
+__all__ = ["SampleConfig", "Sampler", "sample_hook", "whole_logits_on_each_rank", "SAMPLES_FILE"]
 
 log = logging.getLogger("fntrain.hooks.sample")
 
@@ -92,6 +92,17 @@ def check_sampling(config: SampleConfig, has_sampler: bool, prefix: str = "sampl
     if config.enabled and not has_sampler:
         field = f"{prefix}.every {config.every}" if config.every else f"{prefix}.prompts {list(config.prompts)!r}"
         raise ValueError(f"{field}: this recipe cannot sample text (its spec has no sampler)")
+
+
+def whole_logits_on_each_rank(parallel: Any) -> bool:
+    """Whether every rank can run the whole model to its full logits, as sampling needs: not under
+    pipeline parallelism or with a loss-parallel head (`parallel` is the `--parallel.*` config). When
+    not, a warning says there are no samples during training (sample the checkpoint with `fntrain
+    generate`) and a recipe's sampler gives None."""
+    if parallel.pp_size > 1 or (parallel.tp_size > 1 and parallel.loss_parallel):
+        log.warning("sample: no samples during training with pipeline parallelism or a loss-parallel head")
+        return False
+    return True
 
 
 def generator_for(seed: int) -> torch.Generator:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import codecs
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -35,9 +35,10 @@ import torch
 
 from fntrain.config import require_float, require_int, require_str
 from fntrain.models.load import TextAssets
-from fntrain.sampling import TEXT_DEFAULTS, SampleSettings, decode, model_context
+from fntrain.sampling import TEXT_DEFAULTS, SampleSettings, decode, model_context, sample_tokens
 
-__all__ = ["GenerateOptions", "Sample", "generate", "read_prompts", "ByteStreamer", "TokenStreamer", "DEFAULT_PROMPT"]
+__all__ = ["GenerateOptions", "Sample", "generate", "read_prompts", "text_sampler", "ByteStreamer", "TokenStreamer",
+           "DEFAULT_PROMPT"]
 
 log = logging.getLogger("fntrain.generate")
 
@@ -269,3 +270,20 @@ def generate(
             ids = _sample(model, inputs, assets, options, seed, out)
             samples.append(Sample(index, seed, prompt, tuple(ids), _decode(assets, ids)))
     return samples
+
+
+def text_sampler(model: Any, tokenizer: Any, eos_id: int | None) -> Any:
+    """The samples hook's sampler for a transformers text model being trained (`--sample.*` of the
+    recipes built on one): `sampler(prompt, settings, generator) -> text`, the prompt encoded, the
+    sample ended and the text decoded as `fntrain generate` does (the model's generation_config end ids,
+    else `eos_id`), so the text a run logs at step N is what `fntrain generate` prints from step N's
+    checkpoint with the same seed and settings. Every rank calls it under fsdp2 (each forward gathers
+    the shards), with the same generator: the same tokens on every rank."""
+    assets = TextAssets(tokenizer=tokenizer, eos_id=eos_id)
+    end = _eos(model, assets)
+
+    def sample(prompt: str, settings: SampleSettings, generator: torch.Generator) -> str:
+        ids = _encode(assets, prompt, None)["input_ids"][0].to(next(model.parameters()).device)
+        return _decode(assets, list(sample_tokens(model, ids, replace(settings, eos_id=end), generator)))
+
+    return sample

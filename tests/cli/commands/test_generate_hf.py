@@ -80,6 +80,28 @@ def test_an_hf_causal_lm_run_samples_its_checkpoint_as_its_export(hf_llama_files
     assert from_checkpoint.token_ids != base.token_ids  # the fine-tuned weights (and adapter) are used
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_an_hf_run_logs_at_a_step_the_sample_generate_prints_from_that_steps_checkpoint(hf_llama_files, tmp_path,
+                                                                                       lora, capsys):  # fmt: skip
+    """`--sample.*` on an hf_causal_lm run (the recipes built on it share its sampler): the text
+    samples.jsonl holds for step 2 is what `fntrain generate` prints from step 2's checkpoint with the same
+    seed and settings, drawn (temperature 0.8), not greedy."""
+    if lora:
+        pytest.importorskip("peft")
+    extra = ("--lora.rank", "4", "--lora.target-modules", "q_proj", "v_proj") if lora else ()
+    sample = ("--sample.prompts", "ROMEO:", "JULIET:", "--sample.max-new-tokens", "12", "--sample.seed", "5")
+    run = _fine_tune(tmp_path / "run", hf_llama_files, *extra, *sample, "--sample.every", "1")
+    logged = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [(row["step"], row["prompt"]) for row in logged] == [(1, "ROMEO:"), (1, "JULIET:"), (2, "ROMEO:"),
+                                                                (2, "JULIET:")]  # fmt: skip
+    for row in logged[2:]:
+        (printed,) = dispatch(["generate", str(run / "checkpoints" / "step_2"), "--prompt", row["prompt"],
+                               "--max-new-tokens", "12", "--seed", "5", "--device", "cpu"])  # fmt: skip
+        assert printed.text == row["text"] and printed.token_ids, (printed, row)
+    assert logged[0]["text"] != logged[2]["text"] or logged[1]["text"] != logged[3]["text"]  # the weights moved
+    capsys.readouterr()
+
+
 def test_a_two_rank_fsdp2_checkpoint_loads_on_one_process(tmp_path, capsys):
     from safetensors.torch import load_file
 

@@ -83,7 +83,7 @@ class GRPOConfig:
     disable_dropout: bool = True
     """Switch dropout off in the policy (and reference), so on-policy importance ratios are exactly 1 (TRL's default: False)."""
     completions_to_log: int = 4
-    """Completions per generation batch written with their rewards to samples.jsonl and the trackers (0: none)."""
+    """The generation batch's first completions (its first prompts' groups, whatever the ranks) written with their rewards to samples.jsonl and the trackers (0: none)."""
     decode_batch_size: int = 0
     """Rows each rank decodes together (0: all of its rows of a generation batch at once)."""
 

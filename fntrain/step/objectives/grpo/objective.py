@@ -136,6 +136,17 @@ def group_all_reduce(group: Any) -> Callable[[torch.Tensor, str], torch.Tensor]:
     return all_reduce
 
 
+def group_gather_objects(group: Any) -> Callable[[list[Any]], list[list[Any]]]:
+    """`gather_objects(items)`: every rank of `group`'s items (picklable), in rank order, on every rank."""
+
+    def gather_objects(items: list[Any]) -> list[list[Any]]:
+        shares: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(shares, items, group=group)
+        return shares
+
+    return gather_objects
+
+
 def _keep_going(all_reduce: Callable[[torch.Tensor, str], torch.Tensor], device: torch.device) -> Callable[[bool], bool]:
     """Decode while any rank has an unfinished row: sharded weights are gathered by every rank's forward."""
 
@@ -169,6 +180,7 @@ def grpo_objective(grpo: GRPOConfig, parts: GRPOParts) -> tuple[Objective, Rollo
         parts.decode_text,
         tuple(parts.reward_functions), all_reduce,
         _keep_going(all_reduce, parts.device) if parts.sharded and all_reduce is not None else None,
+        group_gather_objects(parts.dp_group) if parts.dp_size > 1 else None,
     )  # fmt: skip
 
     def generate(state: TrainState, prompts: Sequence[Any], index: int) -> Any:

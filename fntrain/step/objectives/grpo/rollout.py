@@ -87,8 +87,9 @@ class RolloutParts:
     """What the rollout runs: `policy` (unwrapped from DDP; its mode is restored after generating),
     `policy_logps(model, micro_batch)` and `reference_logps(model, micro_batch)` (None when beta is 0):
     per-token log-probs [B, T-1] of the micro-batch's labels, without gradient; `decode_text(ids)`: a
-    completion's text; the reward functions; `all_reduce(tensor, op)` over the data-parallel ranks (None:
-    one process); `keep_going` for the sampler (sharded weights: every rank decodes the same steps)."""
+    completion's text; the reward functions; `all_reduce(tensor, op)` and `gather_objects(items) -> every
+    rank's items, in rank order` over the data-parallel ranks (None: one process); `keep_going` for the
+    sampler (sharded weights: every rank decodes the same steps)."""
 
     policy: torch.nn.Module
     policy_logps: Callable[[torch.nn.Module, Mapping[str, Any]], torch.Tensor]
@@ -97,13 +98,14 @@ class RolloutParts:
     reward_functions: tuple[Any, ...]
     all_reduce: AllReduce | None = None
     keep_going: Callable[[bool], bool] | None = None
+    gather_objects: Callable[[list[Any]], list[list[Any]]] | None = None
 
 
 @dataclass(frozen=True)
 class Generation:
     """One generation batch as this rank trains on it: its `index`, the rank's `plan` and `rows`, the
     micro-batches `steps[k][m]` of each optimizer step k of a pass, the generation's `metrics` (global,
-    the same on every rank), a few `samples` (this rank's first rows, with their rewards) and `tokens`,
+    the same on every rank), a few `samples` (the batch's first rows, with their rewards) and `tokens`,
     the prompt and completion tokens of the whole batch."""
 
     index: int
@@ -271,20 +273,27 @@ def _extra_logps(steps: Sequence[Sequence[dict[str, torch.Tensor]]], parts: Roll
 def _samples(prompts: Sequence[Any], rows: Sequence[int], sampled: Mapping[int, tuple[list[int], bool]],
              rewards: torch.Tensor, advantages: Any, parts: RolloutParts, settings: RolloutSettings,
              extras: _Extras) -> tuple[dict[str, Any], ...]:  # fmt: skip
-    """This rank's first `completions_to_log` rows with their rewards (JSON data: NaN rewards as None)."""
+    """The generation batch's first `completions_to_log` rows (by row index: the first prompts' groups),
+    with their rewards (JSON data: NaN rewards as None), whichever ranks sampled them: the same records
+    on every layout. Under several ranks each sends its share of them to all (one gather of a few small
+    records per generation batch)."""
     group, count = settings.grpo.num_generations, settings.grpo.completions_to_log
     order = sorted(sampled)
     names = [function.name for function in parts.reward_functions]
     records = []
-    for position, i in enumerate(order[:count]):
+    for position, i in enumerate(order):
+        if i >= count:
+            break
         prompt = prompts[i // group]
         values = [None if value != value else value for value in rewards[position].tolist()]
         total = float(advantages.rewards[i])
-        records.append({
+        records.append((i, {
             "prompt": prompt.prompt, "completion": parts.decode_text(sampled[i][0]),
             "rewards": dict(zip(names, values, strict=True)), "reward": None if total != total else total,
             "advantage": float(advantages.advantages[i]), "prompt_index": prompt.index, "sample": i % group,
             "columns": dict(prompt.columns),
             **{column: logged[position] for column, logged in extras.columns.items() if position < len(logged)},
-        })  # fmt: skip
-    return tuple(records)
+        }))  # fmt: skip
+    if parts.gather_objects is not None and count:
+        records = sorted(pair for share in parts.gather_objects(records) for pair in share)
+    return tuple(record for _, record in records)

@@ -3,6 +3,7 @@ a tiny GPT policy over byte prompts, a reward function, no run around them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -96,6 +97,36 @@ def test_a_rows_completion_does_not_depend_on_the_world_size():
         ranks.update(rollout(prompts, 5, rollout_parts(policy), settings).rows)
     assert sorted(ranks) == sorted(one.rows)
     assert {i: row.completion_ids for i, row in ranks.items()} == {i: row.completion_ids for i, row in one.rows.items()}
+
+
+def test_the_logged_completions_are_the_batchs_first_rows_on_any_world_size():
+    """samples.jsonl's completions are the generation batch's first `completions_to_log` rows, gathered
+    from the ranks that sampled them, in row order: 2 ranks log what one process logs. (Their rewards
+    and advantages need the ranks' all_reduce: tests/recipes/test_layout_invariance.py compares those on
+    real runs.)"""
+    policy, prompts = _policy(), _prompts(2)
+    grpo = {"reward_funcs": ("t:letter_a",), "num_generations": G, "max_completion_length": 6, "completions_to_log": 6}
+    one = rollout(prompts, 5, rollout_parts(policy),
+                  RolloutSettings(GRPOConfig(**grpo, steps_per_generation=4), 3, 2, 1, 0, 1, 0, (10,)))
+    shares: dict[int, list] = {}
+
+    def gather_as(rank: int):  # rank 1 runs first: rank 0's gather then sees both shares
+        def gather_objects(items):
+            shares[rank] = items
+            return [shares.get(0, []), shares[1]]
+
+        return gather_objects
+
+    logged = {}
+    for rank in (1, 0):
+        parts = dataclasses.replace(rollout_parts(policy), gather_objects=gather_as(rank))
+        settings = RolloutSettings(GRPOConfig(**grpo, steps_per_generation=2), 3, 2, 1, rank, 2, 0, (10,))
+        logged[rank] = rollout(prompts, 5, parts, settings).samples
+    assert shares[0] and shares[1]  # both ranks sampled some of the first 6 rows
+    keys = ("prompt", "completion", "prompt_index", "sample", "rewards")
+    assert [[row[k] for k in keys] for row in logged[0]] == [[row[k] for k in keys] for row in one.samples]
+    assert [(row["prompt_index"], row["sample"]) for row in one.samples] == [(0, 0), (0, 1), (0, 2), (0, 3),
+                                                                              (1, 0), (1, 1)]  # fmt: skip
 
 
 class _Train:
