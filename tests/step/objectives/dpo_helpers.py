@@ -4,6 +4,7 @@ with a known preferred answer (the true colour of a thing over a wrong one)."""
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 from tests.helpers.hf import save_tiny_llama
@@ -35,3 +36,17 @@ def preference_rows(count: int, *, seed: int, things: tuple[str, ...] | None = N
         prompt = rng.choice(QUESTIONS).format(thing)
         rows.append({"prompt": prompt, "chosen": f" It is {COLOURS[thing]}.", "rejected": f" It is {wrong}."})
     return rows
+
+
+def bigger_teacher(student: Path, teacher: Path) -> Path:
+    """The student's directory with a wider, deeper Llama in place of its model: the same tokenizer files
+    (so the same vocabulary, token for token), 3 layers of width 64 against the student's 2 of 32."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shutil.copytree(student, teacher)
+    config = LlamaConfig.from_pretrained(teacher)
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 64, 128, 3
+    torch.manual_seed(1)
+    LlamaForCausalLM(config).save_pretrained(teacher)
+    return teacher

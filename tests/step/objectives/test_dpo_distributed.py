@@ -13,7 +13,6 @@ tests/recipes/test_hf_causal_lm.py's tensor-parallel test). Tolerance: tests/run
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ import pytest
 from tests.helpers.fork_server import DPO_PRELOAD, started
 from tests.helpers.waiting import run_to_end
 from tests.helpers.workers import worker_env
-from tests.step.objectives.dpo_helpers import CORPUS, preference_rows, tiny_llama
+from tests.step.objectives.dpo_helpers import CORPUS, bigger_teacher, preference_rows, tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -38,20 +37,6 @@ LORA = ["--lora.rank", "4", "--lora.alpha", "8", "--lora.dropout", "0", "--lora.
 DPO_METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                "logps/chosen", "logps/rejected")  # fmt: skip
 KD_METRICS = ("loss", "grad_norm", "kd/ce", "kd/kl")
-
-
-def bigger_teacher(student: Path, teacher: Path) -> Path:
-    """The student's directory with a wider, deeper Llama in place of its model: the same tokenizer files
-    (so the same vocabulary, token for token), 3 layers of width 64 against the student's 2 of 32."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    shutil.copytree(student, teacher)
-    config = LlamaConfig.from_pretrained(teacher)
-    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 64, 128, 3
-    torch.manual_seed(1)
-    LlamaForCausalLM(config).save_pretrained(teacher)
-    return teacher
 
 
 @pytest.fixture(scope="module")
