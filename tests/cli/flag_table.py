@@ -1,0 +1,597 @@
+"""The flag table: for every user-facing flag (tests/cli/test_flag_effects.py derives the list from the
+config dataclasses), what it promises and how a run shows it. Keys: a shared (`JobConfig`) flag as
+`--section.name`, run on tiny_gpt, the cheapest recipe, since every recipe shares its code path; a
+recipe's own flag as `recipe:--section.name`, run on that recipe. A check reads what the two runs
+(tests/cli/flag_runs.py) left: their metrics, samples, checkpoints, optimizer, weights and batches.
+
+To add a flag: add its key to SHARED or to its recipe's table with one `Effect` (one check per thing its
+help text says it controls), `Inert` (with the reason it changes no number) or `TestedElsewhere` (only
+when one CPU process cannot show it: the test that does).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fntrain.checkpoint import list_checkpoints
+from fntrain.data.corpora import corpus_path
+from tests.cli.flag_kinds import Effect, Inert, TestedElsewhere, same, values_differ
+from tests.cli.flag_table_hf import HF_RECIPES
+
+SGD = ("--optim.name", "sgd", "--optim.weight-decay", "0")
+EVAL = ("--evaluate.eval-every", "1", "--evaluate.max-batches", "2")
+SAVES = ("--checkpoint.save-every", "1", "--checkpoint.keep-last", "0")
+SAMPLE = ("--sample.prompts", "ROMEO:", "--sample.max-new-tokens", "8", "--sample.temperature", "1.0")
+FIVE = ("--train.train-iters", "5")
+
+# ----------------------------------------------------------------------------- checks, one promise each
+
+
+def run_files_land_in_run_dir(first, second):
+    for outcome in (first.ok(), second.ok()):
+        held = {path.name for path in outcome.run_dir.iterdir()}
+        assert {"metrics.jsonl", "config.json", "logs", "run_metadata.json"} <= held, held
+    assert first.run_dir != second.run_dir
+
+
+def overwrite_starts_over_and_moves_the_old_run_aside(first, second):
+    assert [row["attempt"] for row in first.ok().train_rows] == [0, 0, 0]  # a fresh run, not a resume
+    aside = list(first.run_dir.parent.glob(f"{first.run_dir.name}.replaced-*"))
+    assert len(aside) == 1 and (aside[0] / "metrics.jsonl").is_file(), aside
+
+
+def without_overwrite_the_complete_run_is_left_as_it_was(first, second):
+    assert second.error is not None or second.result.reason == "already complete", second.result
+    assert not list(second.run_dir.parent.glob(f"{second.run_dir.name}.replaced-*"))
+
+
+initialisation_differs = values_differ("initial weights", lambda o: o.seen.initial)
+data_order_differs = values_differ("training batches", lambda o: o.train_batches)
+
+
+def logged_steps_follow_log_every(first, second):
+    assert [row["step"] for row in first.ok().train_rows] == [1, 2, 3]
+    assert [row["step"] for row in second.ok().train_rows] == [2, 3]  # and the last step
+
+
+def logged_loss_is_the_mean_since_the_last_log(first, second):
+    losses = first.losses
+    assert math.isclose(second.train_rows[0]["loss"], (losses[0] + losses[1]) / 2, rel_tol=1e-5)
+    norms = [row["grad_norm"] for row in first.train_rows]
+    assert math.isclose(second.train_rows[0]["grad_norm"], (norms[0] + norms[1]) / 2, rel_tol=1e-5)
+
+
+def torch_threads_follow_the_value(first, second):
+    assert set(first.ok().seen.threads) == {1} and set(second.ok().seen.threads) == {2}
+
+
+def bf16_computes_in_bf16(first, second):
+    assert set(first.ok().seen.output_dtypes) == {torch.float32}
+    assert set(second.ok().seen.output_dtypes) == {torch.bfloat16}
+
+
+def bf16_keeps_fp32_weights(first, second):
+    assert all(value.dtype == torch.float32 for value in second.ok().final.values())
+
+
+def blocks_recompute_in_backward(first, second):
+    # 3 steps of 2 micro-batches: each attention runs once per forward, once more in backward when recomputed
+    assert first.ok().seen.attention_calls == 12 and second.ok().seen.attention_calls == 6
+
+
+def same_numbers(first, second):
+    """Losses and final weights equal: the flag changed how, not what, was computed."""
+    assert first.ok().losses == second.ok().losses, (first.losses, second.losses)
+    assert same(first.final, second.final)
+
+
+def blocks_are_compiled(first, second):
+    def compiled(outcome):
+        return all(getattr(block, "_compiled_call_impl", None) is not None for block in outcome.model.blocks)
+
+    assert compiled(first.ok()) and not compiled(second.ok())
+
+
+def steps_run_follow_train_iters(first, second):
+    assert first.ok().result.state.global_step == 2 and second.ok().result.state.global_step == 3
+
+
+def steps_are_train_samples_over_global_batch(first, second):
+    assert first.ok().result.state.global_step == 2 and second.ok().result.state.global_step == 3
+
+
+def samples_per_step_follow_global_batch(first, second):
+    assert first.ok().train_rows[0]["consumed_samples"] == 2 and second.ok().train_rows[0]["consumed_samples"] == 4
+
+
+def micro_batches_per_step_follow_global_batch(first, second):
+    assert len(first.train_batches) == 3 * 2 and len(second.train_batches) == 3 * 4
+
+
+def rows_per_forward_follow_micro_batch(first, second):
+    assert {len(batch) for batch in first.ok().train_batches} == {1}
+    assert {len(batch) for batch in second.ok().train_batches} == {2}
+
+
+def samples_per_step_do_not_follow_micro_batch(first, second):
+    assert first.ok().train_rows[-1]["consumed_samples"] == second.ok().train_rows[-1]["consumed_samples"]
+
+
+def update_norm(outcome) -> float:
+    return sum(((outcome.final[k] - outcome.seen.initial[k]) ** 2).sum() for k in outcome.final).sqrt().item()
+
+
+def clipping_bounds_the_update(first, second):
+    # SGD at lr 1: each step's update is the (clipped) gradient, so 3 steps move the weights <= 3 * 1e-3
+    assert update_norm(first.ok()) <= 3e-3 * 1.001 < update_norm(second.ok())
+
+
+def token_weighting_weights_micro_batches_by_their_tokens(first, second):
+    assert first.ok().losses != second.ok().losses
+
+
+def shuffle_changes_the_order(first, second):
+    assert not same(first.ok().train_batches, second.ok().train_batches)
+
+
+def unshuffled_windows_come_in_corpus_order(first, second):
+    corpus = corpus_path("shakespeare").read_bytes()
+    starts = [corpus.find(bytes(batch[0].tolist())) for batch in second.ok().train_batches]
+    assert starts == sorted(starts) and starts[0] == 0, starts
+
+
+def optimizer_class_follows_name(first, second):
+    assert type(first.ok().optimizer).__name__ == "AdamW" and type(second.ok().optimizer).__name__ == "SGD"
+
+
+def logged_lr_is_the_peak(first, second):
+    assert {row["lr"] for row in first.ok().train_rows} == {1e-3}
+    assert {row["lr"] for row in second.ok().train_rows} == {2e-3}
+
+
+def larger_lr_moves_the_weights_further(first, second):
+    assert update_norm(first) < update_norm(second)
+
+
+def decay(outcome) -> dict[str, float]:
+    """Parameter name -> the weight decay its optimizer group applies."""
+    names = {id(param): name for name, param in outcome.model.named_parameters()}
+    return {names[id(p)]: group["weight_decay"] for group in outcome.optimizer.param_groups for p in group["params"]}
+
+
+def matrices_get_the_decay(first, second):
+    assert decay(first.ok())["blocks.0.attn.q.weight"] == 0.0 and decay(second.ok())["blocks.0.attn.q.weight"] == 0.5
+
+
+def vectors_get_no_decay(first, second):
+    assert all(value == 0.0 for name, value in decay(second.ok()).items() if name.endswith(("bias", "ln1.weight")))
+
+
+def group_setting(key):
+    return values_differ(f"param_groups[{key}]", lambda o: [group[key] for group in o.optimizer.param_groups])
+
+
+def decay_all_decays_vectors_and_embeddings(first, second):
+    assert decay(first.ok())["blocks.0.attn.q.bias"] == 0.0 and decay(first)["tok.weight"] == 0.0
+    assert set(decay(second.ok()).values()) == {0.1}
+
+
+def hf_grouping_decays_embeddings_not_biases(first, second):
+    assert decay(first.ok())["tok.weight"] == 0.0 and decay(second.ok())["tok.weight"] == 0.1
+    assert decay(second)["blocks.0.attn.q.bias"] == 0.0 and decay(second)["ln_f.weight"] == 0.0
+
+
+def fused_kernel_is_asked(first, second):
+    assert {group["fused"] for group in first.ok().optimizer.param_groups} in ({False}, {None})
+    assert {group["fused"] for group in second.ok().optimizer.param_groups} == {True}
+
+
+def lrs(outcome) -> list[float]:
+    return [row["lr"] for row in outcome.ok().train_rows]
+
+
+def constant_lr_stays_and_linear_decays(first, second):
+    assert lrs(first) == [1e-3] * 5
+    assert all(math.isclose(a, b) for a, b in zip(lrs(second), [1e-3 * (1 - 0.9 * s / 5) for s in range(5)], strict=True))
+
+
+def warmup_rises_linearly_to_the_peak(first, second):
+    assert lrs(first)[:2] == [1e-3, 1e-3]
+    assert all(math.isclose(a, b) for a, b in zip(lrs(second)[:3], [1e-3 / 2, 1e-3, 1e-3], strict=True))
+
+
+def hf_warmup_starts_at_zero(first, second):
+    assert math.isclose(lrs(first)[0], 1e-3 / 2) and lrs(second)[0] == 0.0 and math.isclose(lrs(second)[2], 1e-3)
+
+
+def min_lr_ratio_is_the_floor(first, second):
+    # linear over the 5 steps: the lr after the last scheduler step is peak * ratio
+    assert math.isclose(first.ok().optimizer.param_groups[0]["lr"], 1e-3 * 0.1)
+    assert math.isclose(second.ok().optimizer.param_groups[0]["lr"], 1e-3 * 0.5)
+
+
+def horizon_stretches_the_decay(first, second):
+    assert math.isclose(lrs(first)[-1], 1e-3 * (1 - 0.9 * 4 / 5)) and math.isclose(lrs(second)[-1], 1e-3 * (1 - 0.9 * 4 / 10))
+
+
+def peak_memory_is_logged(first, second):
+    assert "peak" in first.ok().log.lower() and "peak" not in second.ok().log.lower()
+
+
+def throughput_is_reported(first, second):
+    assert "tokens_per_s" in first.ok().train_rows[0] and "tokens_per_s" not in second.ok().train_rows[0]
+
+
+def tflops_follow_flops_per_token(first, second):
+    for outcome, flops in ((first, 1e9), (second, 2e9)):
+        row = outcome.ok().train_rows[-1]
+        assert math.isclose(row["tflops"], row["tokens_per_s"] * flops / 1e12, rel_tol=1e-6), row
+
+
+def flops_are_measured(first, second):
+    assert first.ok().train_rows[-1].get("tflops", 0) > 0 and "tflops" not in second.ok().train_rows[-1]
+
+
+def mfu_is_tflops_over_the_peak(first, second):
+    row = first.ok().train_rows[-1]
+    assert math.isclose(row["mfu"], row["tflops"] / 1.0, rel_tol=1e-6) and "mfu" not in second.ok().train_rows[-1]
+
+
+def metrics_file_is_written(first, second):
+    assert (first.ok().run_dir / "metrics.jsonl").is_file() and not (second.ok().run_dir / "metrics.jsonl").exists()
+
+
+def metrics_file_takes_the_name(first, second):
+    assert (first.ok().run_dir / "a.jsonl").is_file() and (second.ok().run_dir / "b.jsonl").is_file()
+    assert not (first.run_dir / "metrics.jsonl").exists()
+
+
+def val_steps(outcome) -> list[int]:
+    return [row["step"] for row in outcome.ok().val_rows]
+
+
+def evaluation_every_n_steps(first, second):
+    assert val_steps(first) == [1, 2, 3, 4, 5] and val_steps(second) == [2, 4]
+
+
+def evaluation_after_epochs(first, second):
+    assert val_steps(first) == [] and len(val_steps(second)) >= 1
+
+
+def evaluation_at_the_end(first, second):
+    assert val_steps(first) == [3] and val_steps(second) == []
+
+
+def eval_batches_per_evaluation(first, second):
+    assert len(first.ok().seen.eval_batches) == 5 * 1 and len(second.ok().seen.eval_batches) == 5 * 2
+
+
+def eval_rows_per_forward(first, second):
+    assert {len(b) for b in first.ok().seen.eval_batches} == {1} and {len(b) for b in second.ok().seen.eval_batches} == {3}
+
+
+def with_validation_evaluates_by_itself(first, second):
+    assert len(val_steps(first)) >= 1 and val_steps(second) == []
+
+
+def sample_steps(outcome) -> list[int]:
+    return [row["step"] for row in outcome.ok().samples]
+
+
+def samples_every_n_steps(first, second):
+    assert sample_steps(first) == [1, 2, 3, 4, 5] and sample_steps(second) == [2, 4, 5]
+
+
+def one_sample_per_prompt(first, second):
+    assert [row["prompt"] for row in first.ok().samples] == ["ROMEO:"]
+    assert [row["prompt"] for row in second.ok().samples] == ["ROMEO:", "JULIET:"]
+
+
+def sample_length_is_bounded(first, second):
+    assert all(len(row["text"].encode()) <= 2 for row in first.ok().samples)
+    assert any(len(row["text"].encode()) > 2 for row in second.ok().samples)
+
+
+sample_text_differs = values_differ("sample text", lambda o: [row["text"] for row in o.samples])
+
+
+def samples_at_the_end(first, second):
+    assert sample_steps(first) == [3] and sample_steps(second) == []
+
+
+def gc_automatic(first, second):
+    assert set(first.ok().seen.gc_enabled) == {False} and set(second.ok().seen.gc_enabled) == {True}
+
+
+def trace_files(outcome):
+    return sorted(p for p in outcome.run_dir.rglob("*") if p.is_file() and "profile" in p.parts)
+
+
+def profile_traces_are_written(first, second):
+    assert trace_files(first.ok()) and not trace_files(second.ok())
+
+
+def checkpoints(outcome, root=None):
+    return [int(path.name.split("_")[1]) for path in list_checkpoints(root or outcome.run_dir / "checkpoints")]
+
+
+def checkpoint_root_follows_dir(first, second):
+    assert checkpoints(first.ok(), first.run_dir.parent / f"{first.run_dir.name}_files" / "ckpt") == [1, 2, 3]
+    assert not (first.run_dir / "checkpoints").exists()
+
+
+def saves_every_k_steps(first, second):
+    assert checkpoints(first.ok()) == [1, 2, 3, 4, 5] and checkpoints(second.ok()) == [2, 4, 5]
+
+
+def saves_at_epoch_ends(first, second):
+    # 5 steps an epoch (the small corpus): epochs end at steps 5 and 10
+    assert not {5, 10} & set(checkpoints(first.ok())) and {5, 10} <= set(checkpoints(second.ok()))
+
+
+def saves_the_last_step(first, second):
+    assert checkpoints(first.ok()) == [2, 3] and checkpoints(second.ok()) == [2]
+
+
+def keeps_the_newest_k(first, second):
+    assert checkpoints(first.ok()) == [1, 2, 3, 4, 5] and checkpoints(second.ok()) == [4, 5]
+
+
+def keeps_the_best_too(first, second):
+    kept = checkpoints(first.ok())
+    best = min(first.val_rows, key=lambda row: row["val_loss"])["step"]
+    assert kept == sorted({best, 5}) and checkpoints(second.ok()) == [5]
+
+
+def exports_model_safetensors(first, second):
+    assert (first.ok().run_dir / "model.safetensors").is_file() and not (second.ok().run_dir / "model.safetensors").exists()
+
+
+def this_launch(outcome) -> list[int]:
+    """The steps the last launch in the run directory logged (a resume keeps the earlier launch's rows)."""
+    rows = outcome.ok().train_rows
+    return [row["step"] for row in rows if row["attempt"] == rows[-1]["attempt"]]
+
+
+def resumes_from_the_newest_checkpoint(first, second):
+    assert this_launch(first) == [4, 5]
+
+
+def none_never_resumes(first, second):
+    # the old run is there: `none` refuses to resume it (and to write into it) rather than continue it
+    assert second.error is not None and "already holds a run" in str(second.error), second.error
+
+
+def weights_only_restarts_at_step_zero(first, second):
+    assert this_launch(first) == [1, 2, 3, 4, 5] and this_launch(second) == [4, 5]
+
+
+def weights_only_starts_from_the_checkpoints_weights(first, second):
+    # step 1 of the restarted run trains the saved weights: below the first run's step-1 loss (fresh weights)
+    assert first.ok().losses[0] < second.ok().losses[0], (first.losses, second.losses)
+
+
+def allowed_change_lets_the_resume_run(first, second):
+    assert first.ok().result.state.global_step == 5
+    assert second.error is not None and "train.train_iters" in str(second.error)
+
+
+def tiny_gpt_batch_width(first, second):
+    assert {b.shape[1] for b in first.ok().train_batches} == {16} and {b.shape[1] for b in second.ok().train_batches} == {8}
+
+
+def shape(name):
+    return values_differ(f"{name}'s shape", lambda o: tuple(o.final[name].shape))
+
+
+def block_count(first, second):
+    assert len(first.ok().model.blocks) == 1 and len(second.ok().model.blocks) == 2
+
+
+def head_count(first, second):
+    assert first.ok().model.blocks[0].attn.head_dim == 8 and second.ok().model.blocks[0].attn.head_dim == 4
+
+
+def dropout_changes_training_losses(first, second):
+    assert first.ok().losses != second.ok().losses and first.seen.initial.keys() == second.seen.initial.keys()
+
+
+def has_experts(first, second):
+    assert not hasattr(first.ok().model.blocks[0], "moe") and hasattr(second.ok().model.blocks[0], "moe")
+
+
+def corpus_windows(outcome):
+    return {bytes(row.tolist()) for batch in outcome.ok().train_batches for row in batch}
+
+
+def trains_on_the_given_text(first, second):
+    assert all(window in b"abcdefgh" * 64 for window in corpus_windows(second))
+    assert not all(window in b"abcdefgh" * 64 for window in corpus_windows(first))
+
+
+def val_split_holds_the_tail(first, second):
+    assert len(first.ok().seen.eval_batches) != len(second.ok().seen.eval_batches) or first.val_rows != second.val_rows
+
+
+# ----------------------------------------------------------------------------- the shared flags, on tiny_gpt
+
+ELSEWHERE_MULTI = "needs several ranks under torchrun"
+SHARED = {
+    "--run-dir": Effect(("{root}/a", "{root}/b"), (run_files_land_in_run_dir,)),
+    "--overwrite": Effect((True, False), (overwrite_starts_over_and_moves_the_old_run_aside,
+                                          without_overwrite_the_complete_run_is_left_as_it_was), before=()),
+    "--seed": Effect((1, 2), (initialisation_differs, data_order_differs)),
+    "--log-every": Effect((1, 2), (logged_steps_follow_log_every, logged_loss_is_the_mean_since_the_last_log)),
+    "--runtime.device": TestedElsewhere("tests/runtime/test_device.py::test_cuda_requested_without_a_gpu_is_a_clear_error",
+                                        "cuda and npu need the device"),
+    "--runtime.deterministic": TestedElsewhere("tests/runtime/test_setup.py::test_determinism_is_on_inside_and_restored_after",
+                                               "the cuBLAS/cuDNN/HCCL settings need the device; the test reads them inside the run"),
+    "--runtime.backend": TestedElsewhere("tests/runtime/test_setup.py::test_backend_follows_the_device", ELSEWHERE_MULTI),
+    "--runtime.timeout-s": TestedElsewhere("tests/hooks/test_preemption_groups.py::test_the_default_groups_timeout_is_read", ELSEWHERE_MULTI),
+    "--runtime.tf32": TestedElsewhere("tests/runtime/test_device.py::test_cuda_precision_flags_set_and_restore", "TF32/HF32 exist on cuda/npu only"),
+    "--runtime.cpu-threads": Effect((1, 2), (torch_threads_follow_the_value,)),
+    "--parallel.strategy": TestedElsewhere("tests/runtime/test_distributed.py::test_two_ranks_match_one_rank", ELSEWHERE_MULTI),
+    "--parallel.mixed-precision": Effect(("fp32", "bf16"), (bf16_computes_in_bf16, bf16_keeps_fp32_weights)),
+    "--parallel.reshard-after-forward": TestedElsewhere("tests/runtime/test_parallel.py::test_fsdp2_shards_each_block_then_the_root_and_trains_like_the_plain_model", "fsdp2 " + ELSEWHERE_MULTI),
+    "--parallel.activation-checkpointing": Effect((True, False), (blocks_recompute_in_backward, same_numbers)),
+    "--parallel.compile": Effect((True, False), (blocks_are_compiled,), base=("--parallel.compile-backend", "eager"), slow=True),
+    "--parallel.compile-backend": TestedElsewhere("tests/runtime/test_parallel.py::test_compile_compiles_each_block_in_place",
+                                                  "the backend is torch.compile's: which one ran is not visible after the run"),
+    "--parallel.ddp-bucket-cap-mb": TestedElsewhere("tests/runtime/test_parallel.py::test_ddp_trains_like_the_plain_model", "ddp " + ELSEWHERE_MULTI),
+    "--parallel.find-unused-parameters": TestedElsewhere("tests/runtime/test_parallel.py::test_ddp_trains_like_the_plain_model", "ddp " + ELSEWHERE_MULTI),
+    "--parallel.tp-size": TestedElsewhere("tests/runtime/test_model_parallel.py::test_model_parallel_runs_match_one_rank", ELSEWHERE_MULTI),
+    "--parallel.pp-size": TestedElsewhere("tests/runtime/test_model_parallel.py::test_model_parallel_runs_match_one_rank", ELSEWHERE_MULTI),
+    "--parallel.pp-schedule": TestedElsewhere("tests/runtime/test_pipeline_step.py::test_one_stage_pipeline_steps_like_the_plain_step", "pipelines need a mesh"),
+    "--parallel.loss-parallel": TestedElsewhere("tests/runtime/test_tensor_parallel_one_process.py::test_gathered_output_returns_plain_full_logits", "tensor parallelism needs a mesh"),
+    "--parallel.cp-size": TestedElsewhere("tests/step/test_context_parallel.py::test_cp2_equals_one_rank", ELSEWHERE_MULTI),
+    "--parallel.cp-style": TestedElsewhere("tests/step/test_context_parallel.py::test_ring_slices_like_torchs_load_balancer_and_reaches_its_dispatcher", ELSEWHERE_MULTI),
+    "--parallel.ep-size": TestedElsewhere("tests/runtime/test_parallel.py::test_expert_parallelism_needs_fsdp2", "expert parallelism " + ELSEWHERE_MULTI),
+    "--parallel.replicate": TestedElsewhere("tests/runtime/test_hsdp.py::test_two_rank_hsdp_replicate_2_shard_1_matches_ddp", ELSEWHERE_MULTI),
+    "--parallel.meta-init": Inert("the same weights, built on meta then allocated", (True, False)),
+    "--train.train-iters": Effect((2, 3), (steps_run_follow_train_iters,)),
+    "--train.train-samples": Effect((4, 6), (steps_are_train_samples_over_global_batch,), base=("--train.train-iters", "None")),
+    "--train.global-batch-size": Effect((2, 4), (samples_per_step_follow_global_batch, micro_batches_per_step_follow_global_batch)),
+    "--train.micro-batch-size": Effect((1, 2), (rows_per_forward_follow_micro_batch, samples_per_step_do_not_follow_micro_batch)),
+    "--train.max-grad-norm": Effect((1e-3, 0), (clipping_bounds_the_update,), base=(*SGD, "--optim.lr", "1")),
+    "--train.loss-weighting": Effect(("token", "mean"), (token_weighting_weights_micro_batches_by_their_tokens,),
+                                     base=("--train.global-batch-size", "4", "--train.micro-batch-size", "2"),
+                                     recipe="hf_causal_lm", slow=True),  # tiny_gpt's windows all hold equal tokens
+    "--loader.shuffle": Effect((True, False), (shuffle_changes_the_order, unshuffled_windows_come_in_corpus_order)),
+    "--loader.num-workers": Inert("results do not depend on it", (0, 1), slow=True),
+    "--loader.prefetch": Inert("results do not depend on it", (False, True)),
+    "--loader.prefetch-depth": Inert("results do not depend on it", (1, 3), base=("--loader.prefetch",)),
+    "--loader.pin-memory": Inert("ignored on CPU; page-locking moves no number", (True, False)),
+    "--optim.name": Effect(("adamw", "sgd"), (optimizer_class_follows_name,)),
+    "--optim.lr": Effect((1e-3, 2e-3), (logged_lr_is_the_peak, larger_lr_moves_the_weights_further)),
+    "--optim.weight-decay": Effect((0.0, 0.5), (matrices_get_the_decay, vectors_get_no_decay)),
+    "--optim.betas": Effect(((0.9, 0.95), (0.5, 0.6)), (group_setting("betas"),)),
+    "--optim.eps": Effect((1e-8, 1e-3), (group_setting("eps"),)),
+    "--optim.momentum": Effect((0.0, 0.9), (group_setting("momentum"),), base=SGD),
+    "--optim.decay-all": Effect((False, True), (decay_all_decays_vectors_and_embeddings,), base=("--optim.weight-decay", "0.1")),
+    "--optim.decay-grouping": Effect(("fntrain", "hf"), (hf_grouping_decays_embeddings_not_biases,), base=("--optim.weight-decay", "0.1")),
+    "--optim.fused": Effect(("False", "True"), (fused_kernel_is_asked,)),
+    "--schedule.kind": Effect(("constant", "linear"), (constant_lr_stays_and_linear_decays,), base=(*FIVE, "--optim.lr", "1e-3")),
+    "--schedule.warmup-iters": Effect((0, 2), (warmup_rises_linearly_to_the_peak,), base=("--optim.lr", "1e-3")),
+    "--schedule.warmup-style": Effect(("fntrain", "hf"), (hf_warmup_starts_at_zero,), base=("--optim.lr", "1e-3", "--schedule.warmup-iters", "2")),
+    "--schedule.min-lr-ratio": Effect((0.1, 0.5), (min_lr_ratio_is_the_floor,), base=(*FIVE, "--optim.lr", "1e-3", "--schedule.kind", "linear")),
+    "--schedule.lr-schedule-iters": Effect(("None", 10), (horizon_stretches_the_decay,), base=(*FIVE, "--optim.lr", "1e-3", "--schedule.kind", "linear")),
+    **{f"--memory.{name}": TestedElsewhere(test, "allocator history is recorded on cuda/npu only") for name, test in (
+        ("enable", "tests/hooks/test_memory.py::test_window_1_to_3_records_once_then_writes_and_stops"),
+        ("start-step", "tests/hooks/test_memory.py::test_equal_bounds_mid_run"),
+        ("end-step", "tests/hooks/test_memory.py::test_equal_bounds_mid_run"),
+        ("save-path", "tests/hooks/test_memory.py::test_recipe_puts_the_memory_hook_first_with_save_path_under_run_dir"),
+        ("dump-ranks", "tests/hooks/test_memory.py::test_selected_nonzero_rank_writes_its_own_file"),
+        ("stacks", "tests/hooks/test_memory.py::test_window_1_to_3_records_once_then_writes_and_stops"),
+        ("max-entries", "tests/hooks/test_memory.py::test_unbounded_max_entries_is_passed_as_sys_maxsize"),
+    )},  # fmt: skip
+    "--memory.mem-info": Effect((True, False), (peak_memory_is_logged,)),
+    "--throughput.enabled": Effect((True, False), (throughput_is_reported,)),
+    "--throughput.flops-per-token": Effect((1e9, 2e9), (tflops_follow_flops_per_token,)),
+    "--throughput.measure-flops": Effect((True, False), (flops_are_measured,)),
+    "--throughput.peak-tflops": Effect((1.0, "None"), (mfu_is_tflops_over_the_peak,), base=("--throughput.flops-per-token", "1e9")),
+    "--throughput.memory": TestedElsewhere("tests/hooks/test_throughput.py::test_device_sync_and_memory_only_on_logging_steps", "device memory is not reported on cpu"),
+    "--metrics.jsonl": Effect((True, False), (metrics_file_is_written,)),
+    "--metrics.jsonl-name": Effect(("a.jsonl", "b.jsonl"), (metrics_file_takes_the_name,)),
+    **{f"--metrics.{name}": TestedElsewhere(f"tests/hooks/test_trackers.py::{test}", "the tracker packages start services and take seconds: their own tests") for name, test in (
+        ("tensorboard", "test_tensorboard_writes_one_event_file_even_when_reopened_after_close"),
+        ("tensorboard-dir", "test_sinks_are_built_as_configured"),
+        ("wandb", "test_wandb_offline_gets_metrics_config_tags_summary_and_is_finished_at_train_end"),
+        ("wandb-project", "test_wandb_offline_gets_metrics_config_tags_summary_and_is_finished_at_train_end"),
+        ("wandb-entity", "test_sinks_are_built_as_configured"),
+        ("wandb-mode", "test_wandb_offline_gets_metrics_config_tags_summary_and_is_finished_at_train_end"),
+        ("mlflow", "test_mlflow_sqlite_gets_metrics_params_tags_summary_and_is_finished_at_train_end"),
+        ("mlflow-tracking-uri", "test_mlflow_explicit_tracking_uri"),
+        ("mlflow-experiment", "test_mlflow_sqlite_gets_metrics_params_tags_summary_and_is_finished_at_train_end"),
+        ("run-name", "test_wandb_offline_gets_metrics_config_tags_summary_and_is_finished_at_train_end"),
+        ("tags", "test_mlflow_sqlite_gets_metrics_params_tags_summary_and_is_finished_at_train_end"),
+    )},  # fmt: skip
+    "--progress.enabled": TestedElsewhere("tests/hooks/test_progress.py::test_other_ranks_and_disabled_show_no_bar", "the bar needs a terminal"),
+    "--progress.mininterval": TestedElsewhere("tests/hooks/test_progress.py::test_real_bar_draws_to_its_file", "the bar needs a terminal"),
+    "--progress.leave": TestedElsewhere("tests/hooks/test_progress.py::test_real_bar_draws_to_its_file", "the bar needs a terminal"),
+    "--progress.redirect-logging": TestedElsewhere("tests/hooks/test_progress.py::test_console_log_handlers_go_through_tqdm_while_the_bar_is_open", "the bar needs a terminal"),
+    "--evaluate.eval-every": Effect((1, 2), (evaluation_every_n_steps,), base=(*FIVE, "--evaluate.max-batches", "1")),
+    "--evaluate.eval-epochs": Effect((0, 1), (evaluation_after_epochs,), base=("--data.path", "{corpus}", "--data.val-fraction", "0.2", "--evaluate.max-batches", "1", "--train.train-iters", "12")),
+    "--evaluate.at-end": Effect((True, False), (evaluation_at_the_end,), base=("--evaluate.max-batches", "1")),
+    "--evaluate.max-batches": Effect((1, 2), (eval_batches_per_evaluation,), base=(*FIVE, "--evaluate.eval-every", "1")),
+    "--evaluate.micro-batch-size": Effect((0, 3), (eval_rows_per_forward,), base=(*FIVE, "--evaluate.eval-every", "1", "--evaluate.max-batches", "1")),
+    "--evaluate.with-validation": Effect((True, False), (with_validation_evaluates_by_itself,), base=("--evaluate.max-batches", "1")),
+    "--sample.every": Effect((1, 2), (samples_every_n_steps,), base=(*FIVE, *SAMPLE)),
+    "--sample.prompts": Effect((("ROMEO:",), ("ROMEO:", "JULIET:")), (one_sample_per_prompt,), base=(*SAMPLE, )),
+    "--sample.max-new-tokens": Effect((2, 8), (sample_length_is_bounded,), base=SAMPLE),
+    "--sample.temperature": Effect((0.0, 1.0), (sample_text_differs,), base=SAMPLE),
+    "--sample.top-k": Effect((1, "None"), (sample_text_differs,), base=SAMPLE),
+    "--sample.top-p": Effect((1e-6, 1.0), (sample_text_differs,), base=SAMPLE),
+    "--sample.seed": Effect((1, 2), (sample_text_differs,), base=SAMPLE),
+    "--sample.at-end": Effect((True, False), (samples_at_the_end,), base=SAMPLE),
+    "--gc.gc-every": TestedElsewhere("tests/hooks/test_gc.py::test_collects_every_n_steps_with_the_configured_generation", "gc.collect calls are not visible after a run"),
+    "--gc.generation": TestedElsewhere("tests/hooks/test_gc.py::test_collects_every_n_steps_with_the_configured_generation", "gc.collect calls are not visible after a run"),
+    "--gc.empty-cache-every": TestedElsewhere("tests/hooks/test_gc.py::test_empty_cache_every_n_steps_on_an_accelerator_only", "ignored on cpu"),
+    "--gc.disable-automatic": Effect((True, False), (gc_automatic,)),
+    "--profiler.enabled": Effect((True, False), (profile_traces_are_written,), slow=True),
+    **{f"--profiler.{name}": TestedElsewhere(f"tests/hooks/test_profiler.py::{test}", why) for name, test, why in (
+        ("start-step", "test_window_three_to_four_on_cpu", "the profiled window is read from the trace's step marks"),
+        ("stop-step", "test_window_three_to_four_on_cpu", "the profiled window is read from the trace's step marks"),
+        ("start-on-init", "test_start_on_init", "the init phase's trace"),
+        ("memory", "test_profile_options_are_passed_through", "torch.profiler's own options"),
+        ("rank-ids", "test_rank_four_profiles_rank_two_does_not", ELSEWHERE_MULTI),
+        ("pipeline-stage-leaders", "test_stage_leaders_alone", ELSEWHERE_MULTI),
+        ("output-path", "test_valid_rank_ids_and_output_path_are_accepted", "the trace's root"),
+        ("level", "test_npu_backend_experimental_config_metadata_and_mstx", "npu only"),
+        ("with-stack", "test_profile_options_are_passed_through", "torch.profiler's own options"),
+        ("data-simplification", "test_npu_backend_experimental_config_metadata_and_mstx", "npu only"),
+        ("mstx", "test_npu_backend_experimental_config_metadata_and_mstx", "npu only"),
+        ("record-shapes", "test_profile_options_are_passed_through", "torch.profiler's own options"),
+    )},  # fmt: skip
+    "--checkpoint.dir": Effect(("{root}/ckpt", "None"), (checkpoint_root_follows_dir,), base=SAVES),
+    "--checkpoint.save-every": Effect((1, 2), (saves_every_k_steps,), base=(*FIVE, "--checkpoint.keep-last", "0")),
+    "--checkpoint.save-epochs": Effect((0, 1), (saves_at_epoch_ends,), base=("--data.path", "{corpus}", "--data.val-fraction", "0.2", "--train.train-iters", "12")),
+    "--checkpoint.save-at-end": Effect((True, False), (saves_the_last_step,), base=("--checkpoint.save-every", "2")),
+    "--checkpoint.keep-last": Effect((0, 2), (keeps_the_newest_k,), base=(*FIVE, "--checkpoint.save-every", "1", "--checkpoint.no-keep-best")),
+    "--checkpoint.keep-best": Effect((True, False), (keeps_the_best_too,), base=(*FIVE, "--checkpoint.save-every", "1", "--checkpoint.keep-last", "1", *EVAL, "--optim.lr", "0.3")),
+    "--checkpoint.async-save": Inert("the same checkpoints, written in the background", (True, False), base=SAVES),
+    "--checkpoint.save-on-interrupt": TestedElsewhere("tests/hooks/test_preemption_runs.py::test_second_signal_terminates_at_once", "needs a Ctrl-C"),
+    "--checkpoint.preempt-signals": TestedElsewhere("tests/hooks/test_preemption_runs.py::test_the_checkpoint_hook_installs_the_configured_signals_itself", "needs a signal"),
+    "--checkpoint.preempt-check-every": TestedElsewhere("tests/hooks/test_preemption_pins.py::test_only_several_ranks_with_a_process_group_wait_for_the_agreed_step", ELSEWHERE_MULTI),
+    "--checkpoint.preempt-exit-code": TestedElsewhere("tests/hooks/test_preemption_runs.py::test_the_process_exits_with_the_documented_status", "needs a signal and a process"),
+    "--checkpoint.save-every-minutes": TestedElsewhere("tests/checkpoint/test_time_based.py::test_saves_every_n_minutes_of_the_clock", "needs minutes of a clock"),
+    "--checkpoint.time-based-temporary": TestedElsewhere("tests/checkpoint/test_time_based.py::test_temporary_time_based_checkpoints_are_removed_once_superseded", "needs minutes of a clock"),
+    "--checkpoint.abort-wait-s": TestedElsewhere("tests/checkpoint/test_save_faults.py::test_a_failed_async_write_is_the_same_line_and_removes_its_partial", "needs a failing async save"),
+    "--checkpoint.thread-count": Inert("the same checkpoint, written by more threads", (1, 2), base=SAVES),
+    "--checkpoint.on-save-failure": TestedElsewhere("tests/checkpoint/test_save_faults.py::test_continue_warns_on_each_failure_and_tries_again_at_the_next_cadence", "needs a failing disk"),
+    "--checkpoint.make-room": TestedElsewhere("tests/checkpoint/test_full_disk.py::test_continue_and_make_room_on_a_small_disk", "needs a full disk"),
+    "--checkpoint.restore-from": Effect(("auto", "none"), (resumes_from_the_newest_checkpoint, none_never_resumes), base=(*FIVE, "--checkpoint.save-every", "3", "--checkpoint.allow-changes", "train.train_iters"), before=("--checkpoint.save-every", "3")),
+    "--checkpoint.allow-changes": Effect((("train.train_iters",), ()), (allowed_change_lets_the_resume_run,), base=(*FIVE, "--checkpoint.save-every", "3"), before=("--checkpoint.save-every", "3")),
+    "--checkpoint.weights-only": Effect((True, False), (weights_only_restarts_at_step_zero, weights_only_starts_from_the_checkpoints_weights), base=(*FIVE, "--checkpoint.save-every", "3", "--checkpoint.restore-from", "{run}/checkpoints/step_3", "--checkpoint.allow-changes", "train.train_iters"), before=("--checkpoint.save-every", "3")),
+    "--checkpoint.export": Effect((True, False), (exports_model_safetensors,)),
+    **{f"--watchdog.{name}": TestedElsewhere(f"tests/hooks/test_watchdog.py::{test}", "needs a hang") for name, test in (
+        ("enabled", "test_disabled_starts_nothing"),
+        ("factor", "test_limit_grace_then_median_times_factor_with_a_floor"),
+        ("floor-s", "test_limit_grace_then_median_times_factor_with_a_floor"),
+        ("grace-steps", "test_limit_grace_then_median_times_factor_with_a_floor"),
+        ("grace-s", "test_limit_grace_then_median_times_factor_with_a_floor"),
+        ("window", "test_limit_grace_then_median_times_factor_with_a_floor"),
+        ("poll-s", "test_fires_on_a_stall_dumps_stacks_and_aborts_with_the_exit_code"),
+        ("exit-code", "test_fires_on_a_stall_dumps_stacks_and_aborts_with_the_exit_code"),
+    )},  # fmt: skip
+}
+
+TINY_GPT = {
+    "tiny_gpt:--model.context": Effect((16, 8), (tiny_gpt_batch_width, shape("pos.weight"))),
+    "tiny_gpt:--model.n-layer": Effect((1, 2), (block_count,)),
+    "tiny_gpt:--model.n-head": Effect((2, 4), (head_count,)),
+    "tiny_gpt:--model.d-model": Effect((16, 32), (shape("tok.weight"), shape("blocks.0.attn.q.weight"))),
+    "tiny_gpt:--model.dropout": Effect((0.0, 0.5), (dropout_changes_training_losses,)),
+    "tiny_gpt:--model.vocab-size": Effect((256, 300), (shape("tok.weight"), shape("head.weight"))),
+    "tiny_gpt:--model.experts": Effect((0, 2), (has_experts,)),
+    **{f"tiny_gpt:--model.{name}": Effect(values, (values_differ(name, lambda o: o.losses),), base=("--model.experts", "4"))
+       for name, values in (("experts-per-token", (1, 2)), ("shared-experts", (0, 1)), ("expert-hidden", (0, 8)),
+                            ("router-aux-loss-weight", (0.0, 1.0)), ("router-bias-rate", (0.0, 0.5)))},  # fmt: skip
+    "tiny_gpt:--data.path": Effect(("None", "{abc}"), (trains_on_the_given_text,)),
+    "tiny_gpt:--data.shards": TestedElsewhere("tests/data/test_shards_recipe.py::test_three_steps_on_shards_through_the_cli", "needs fntrain tokenize's output"),
+    "tiny_gpt:--data.val-fraction": Effect((0.02, 0.3), (val_split_holds_the_tail,), base=("--data.path", "{corpus}", "--evaluate.at-end")),
+}
+
+TABLE = {**SHARED, **TINY_GPT, **HF_RECIPES}
+"""Every user-facing flag's entry, keyed as tests/cli/test_flag_effects.py's `user_flags` keys them."""
