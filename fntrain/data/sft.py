@@ -227,6 +227,8 @@ def transform_example(
             add_special_tokens=True,
             train_all=data.train_on_prompt,
         )
+        if eos and ids and ids[-1] == eos[0]:  # the tokenizer ends the text with the EOS itself: trained, once
+            return Example(tuple(ids), tuple(labels[:-1] + eos))
         return Example(tuple(ids + eos), tuple(labels + eos))
     messages = _field(record, data.messages_key, list, where, data)
     text, spans = chat_spans(tokenizer, assets.chat_template, messages, where)

@@ -168,9 +168,9 @@ def test_a_slow_and_a_fast_tokenizer_of_one_vocabulary_give_the_same_sft_batches
     path = sources["sft"]["jsonl"]
     slow, fast = (batches(hf_causal_lm, sft_data(path, False), **where) for where in byte_kinds.values())
     assert slow == fast
-    pair = fast["train"][0]  # row 1: "what color is the sky?" + " blue", the tokenizer's </s> (1) and data's
+    pair = fast["train"][0]  # row 1: "what color is the sky?" + " blue" and one </s> (1), the tokenizer's, trained
     length = sum(pair["attention_mask"][1])
-    assert pair["input_ids"][1][length - 7 : length] == [35, 101, 111, 120, 104, 1, 1]
+    assert pair["input_ids"][1][length - 6 : length] == [35, 101, 111, 120, 104, 1]
     assert trained(pair["input_ids"][1], pair["labels"][1]) == [35, 101, 111, 120, 104, 1]
 
 

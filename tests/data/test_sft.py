@@ -137,6 +137,31 @@ def test_prompt_completion_and_text_examples():
     )
 
 
+class EosAppendingTokenizer(CharTokenizer):
+    """A tokenizer that ends every text it encodes with special tokens with its EOS (ByT5's, or a Llama
+    tokenizer with add_eos_token)."""
+
+    def __call__(self, text, add_special_tokens=True, return_offsets_mapping=False):
+        out = super().__call__(text, add_special_tokens, return_offsets_mapping)
+        if add_special_tokens:
+            out["input_ids"] = [*out["input_ids"], self.eos_token_id]
+            if return_offsets_mapping:
+                out["offset_mapping"] = [*out["offset_mapping"], (0, 0)]
+        return out
+
+
+@pytest.mark.parametrize("is_fast", [True, False])
+def test_a_tokenizer_that_appends_the_eos_itself_ends_an_answer_with_one_trained_eos(is_fast):
+    """The model must learn to stop after the answer: one EOS after it, trained on (not the tokenizer's
+    masked one followed by fntrain's), as for a text example."""
+    tokenizer = EosAppendingTokenizer(is_fast=is_fast)
+    pair = transform_example({"prompt": "Q: 2+2? A:", "completion": " 4"}, assets_of(tokenizer), SFTDataConfig())
+    assert tokenizer.decode(pair.input_ids) == "<s>Q: 2+2? A: 4</s>"
+    assert trained_text(pair, tokenizer) == " 4</s>"
+    text = transform_example({"text": "To be."}, assets_of(tokenizer), SFTDataConfig())
+    assert tokenizer.decode(text.input_ids) == "<s>To be.</s>" and text.labels == text.input_ids
+
+
 def test_transform_errors_name_the_example():
     tokenizer = CharTokenizer()
     data = SFTDataConfig()
