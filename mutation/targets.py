@@ -127,6 +127,8 @@ TARGETS = {
         # slow tier's TRL comparisons and multi-process runs.
         _t("fntrain/step/objectives/dpo.py", "tests/step/objectives/test_dpo.py", "tests/step/objectives/test_reference.py",
            goal=0.9),
+        _t("fntrain/step/objectives/reference.py", "tests/step/objectives/test_reference.py",
+           "tests/step/objectives/test_dpo.py", goal=0.9),
         _t("fntrain/step/objectives/kd.py", "tests/step/objectives/test_kd.py", goal=0.9),
     )
 }
