@@ -129,7 +129,7 @@ def layout_flags(recipe: str, layout: str) -> list[str]:
     return ["--train.global-batch-size", str(batch), "--train.micro-batch-size", str(batch // (ranks * accumulation))]
 
 
-def launch(root: Path, layout: str, flags: dict[str, list[str]], launch_env: dict[str, str]) -> Path:
+def launch_every_recipe(root: Path, layout: str, flags: dict[str, list[str]], launch_env: dict[str, str]) -> Path:
     """Run every recipe on `layout` in one launch; its run directories are ROOT/<recipe>."""
     ranks, strategy, _ = LAYOUTS[layout]
     cases = [f"{name}={name}:{json.dumps([*COMMON, *flags[name], *layout_flags(name, layout)])}" for name in RECIPES]
@@ -141,13 +141,13 @@ def launch(root: Path, layout: str, flags: dict[str, list[str]], launch_env: dic
 
 
 @pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory) -> dict[str, Path]:
+def recipe_runs(tmp_path_factory) -> dict[str, Path]:
     """layout -> the root of its run directories, one per recipe."""
     inputs = make_inputs(tmp_path_factory.mktemp("inputs"))
     flags = recipe_flags(tmp_path_factory.getbasetemp(), inputs)
     preload = (*GRPO_PRELOAD, "recipes.tiny_gpt")
     with started(grpo_env(inputs["modules"]), preload) as launch_env:
-        return {layout: launch(tmp_path_factory.mktemp(layout), layout, flags, launch_env) for layout in LAYOUTS}
+        return {layout: launch_every_recipe(tmp_path_factory.mktemp(layout), layout, flags, launch_env) for layout in LAYOUTS}
 
 
 # ----------------------------------------------------------------------------- what the runs wrote
@@ -174,7 +174,7 @@ def assert_same_value(got, want, where) -> None:
         assert got == want, where
 
 
-def assert_same_metrics(got: Path, want: Path, skip: Callable[[str], bool] = lambda name: False) -> list[dict]:
+def assert_same_metric_rows(got: Path, want: Path, skip: Callable[[str], bool] = lambda name: False) -> list[dict]:
     """The same rows, each with the same metric names and (but those `skip` names) values."""
     expected, actual = metric_rows(want), metric_rows(got)
     assert len(actual) == len(expected), (len(actual), len(expected))
@@ -236,12 +236,12 @@ PAIRS = [(recipe, layout) for recipe in RECIPES for layout in ("whole", "ddp", "
 
 
 @pytest.mark.parametrize(("recipe", "layout"), PAIRS)
-def test_every_metric_is_the_same_on_every_layout(layout_runs, recipe, layout):
+def test_every_metric_is_the_same_on_every_layout(recipe_runs, recipe, layout):
     """Every metric of every row, train and val_, against one process with 4 accumulation steps."""
-    got, want = layout_runs[layout] / recipe, layout_runs["one"] / recipe
+    got, want = recipe_runs[layout] / recipe, recipe_runs["one"] / recipe
     exempt = per_micro_batch(recipe)
     matching = layout in PER_MICRO_BATCH.get(recipe, ((), (), ""))[1]
-    expected = assert_same_metrics(got, want, skip=lambda name: exempt(name) and not matching)
+    expected = assert_same_metric_rows(got, want, skip=lambda name: exempt(name) and not matching)
     names = {name for row in expected for name in row}
     assert [row["step"] for row in expected if "loss" in row] == list(range(1, STEPS + 1))  # every step logged
     assert recipe == "grpo" or any(name.startswith("val_") for name in names), names
@@ -249,16 +249,16 @@ def test_every_metric_is_the_same_on_every_layout(layout_runs, recipe, layout):
         assert any(exempt(name) for name in names), names  # the exception still names real metrics
 
 
-def test_grpo_per_micro_step_metrics_agree_where_micro_steps_match(layout_runs):
+def test_grpo_per_micro_step_metrics_agree_where_micro_steps_match(recipe_runs):
     """ddp and fsdp2 train the same rows in each micro-step: every metric agrees, those too."""
-    expected = assert_same_metrics(layout_runs["fsdp2"] / "grpo", layout_runs["ddp"] / "grpo")
+    expected = assert_same_metric_rows(recipe_runs["fsdp2"] / "grpo", recipe_runs["ddp"] / "grpo")
     assert any(per_micro_batch("grpo")(name) for row in expected for name in row)
 
 
 @pytest.mark.parametrize(("recipe", "layout"), PAIRS)
-def test_the_same_samples_on_every_layout(layout_runs, recipe, layout):
+def test_the_same_samples_on_every_layout(recipe_runs, recipe, layout):
     """samples.jsonl: every sample (its step, prompt, text and, for grpo, the completions and rewards)."""
-    got, want = layout_runs[layout] / recipe, layout_runs["one"] / recipe
+    got, want = recipe_runs[layout] / recipe, recipe_runs["one"] / recipe
     expected = (want / "samples.jsonl").read_text().splitlines()
     assert expected
     actual = (got / "samples.jsonl").read_text().splitlines()
@@ -268,10 +268,10 @@ def test_the_same_samples_on_every_layout(layout_runs, recipe, layout):
 
 
 @pytest.mark.parametrize(("recipe", "layout"), PAIRS)
-def test_the_same_checkpoint_on_every_layout(layout_runs, recipe, layout, tmp_path):
+def test_the_same_checkpoint_on_every_layout(recipe_runs, recipe, layout, tmp_path):
     """The last step's checkpoint: every tensor and every recorded value but LAYOUT_NAMED's; and the
     exported weights."""
-    got, want = layout_runs[layout] / recipe, layout_runs["one"] / recipe
+    got, want = recipe_runs[layout] / recipe, recipe_runs["one"] / recipe
     checkpoint = Path("checkpoints") / f"step_{STEPS}"
     expected = checkpoint_tensors(want / checkpoint, tmp_path / "want.pt")
     assert any(key.startswith("model") for key in expected) and any(key.startswith("optimizer") for key in expected)

@@ -287,7 +287,7 @@ def joined(pieces: list[tuple[GRPOOutput, dict]]) -> tuple[GRPOOutput, dict]:
     return output, {**batch, "generation_tokens": batches[0]["generation_tokens"]}
 
 
-def run_ranks(cfg: GRPOConfig, pieces: list) -> tuple[list, list[int]]:
+def losses_on_simulated_ranks(cfg: GRPOConfig, pieces: list) -> tuple[list, list[int]]:
     """Each rank's (loss, metrics) with an all_reduce that sees every rank's tensors: a first pass records
     what each rank contributes to each collective (the loss is deterministic), a second reduces them."""
     contributions: list[list[torch.Tensor]] = [[] for _ in pieces]
@@ -324,7 +324,7 @@ def _reducer(contributions: list[list[torch.Tensor]], rank: int):
 def test_metrics_are_global_over_the_ranks_rows(level):
     cfg = grpo_config(beta=0.05, importance_sampling_level=level)
     pieces = rank_batches()
-    results, collectives = run_ranks(cfg, pieces)
+    results, collectives = losses_on_simulated_ranks(cfg, pieces)
     assert collectives == [2, 2]  # one sum, one max
     _, single = make_grpo_loss(cfg, micro_batches=1, steps_per_generation=1)(*joined(pieces))
     assert set(single) == {"kl", "entropy", *CLIP_METRICS}
@@ -356,7 +356,7 @@ def test_rank_losses_average_to_the_one_process_loss_where_the_type_is_per_row_o
     mean, as TRL's is."""
     cfg = grpo_config(loss_type=loss_type)
     pieces = rank_batches()
-    results, _ = run_ranks(cfg, pieces)
+    results, _ = losses_on_simulated_ranks(cfg, pieces)
     single, _ = make_grpo_loss(cfg, micro_batches=1, steps_per_generation=1)(*joined(pieces))
     average = sum(loss for loss, _ in results) / 2
     if loss_type == "bnpo":
