@@ -72,7 +72,7 @@ PROMPT_CHAT_ROWS = [{"prompt": row["prompt"], "answer": "blue"} for row in PREFE
 # ----------------------------------------------------------------------------- the recipes' data path
 
 
-def config_of(recipe: Any, data: Any, model: str, tokenizer_path: str | None = None,
+def input_config(recipe: Any, data: Any, model: str, tokenizer_path: str | None = None,
               chat_template: str | None = None) -> Any:  # fmt: skip
     return recipe.spec.config(
         model=HFModelConfig(path=model),
@@ -81,10 +81,10 @@ def config_of(recipe: Any, data: Any, model: str, tokenizer_path: str | None = N
     )
 
 
-def batches(recipe: Any, data: Any, **where: Any) -> dict[str, Any]:
+def input_batches(recipe: Any, data: Any, **where: Any) -> dict[str, Any]:
     """What a run of `recipe` reads: every train and validation sample through the recipe's collate, in
     micro-batches of two, as lists; and for GRPO each prompt row's ids, prompt and reward columns."""
-    inputs = read_inputs(config_of(recipe, data, **where), recipe.spec)
+    inputs = read_inputs(input_config(recipe, data, **where), recipe.spec)
     read: dict[str, Any] = {"pad_id": inputs.assets.pad_id}
     for split, dataset in (("train", inputs.train_set), ("val", inputs.val_set)):
         samples = [] if dataset is None else [dataset[i] for i in range(len(dataset))]
@@ -128,50 +128,50 @@ def decode(kinds: dict, ids: list[int]) -> str:
     return AutoTokenizer.from_pretrained(kinds[FIRST]["tokenizer_path"]).decode(ids)
 
 
-def trained(ids: list[int], labels: list[int]) -> list[int]:
+def trained_ids(ids: list[int], labels: list[int]) -> list[int]:
     return [token for token, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX]
 
 
 # ----------------------------------------------------------------------------- SFT and chat rows
 
 
-def sft_data(path: str, packing: bool) -> hf_causal_lm.DataConfig:
+def sft_data_config(path: str, packing: bool) -> hf_causal_lm.DataConfig:
     return hf_causal_lm.DataConfig(path=path, max_length=128, packing=packing, val_fraction=0.2)
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 def test_sft_and_chat_rows_give_the_same_batches_from_every_format(sources, kinds, packing):
-    read = {name: batches(hf_causal_lm, sft_data(path, packing), **kinds[FIRST])
+    read = {name: input_batches(hf_causal_lm, sft_data_config(path, packing), **kinds[FIRST])
             for name, path in sources["sft"].items()}  # fmt: skip
     assert all(read[name] == read["jsonl"] for name in read), [n for n in read if read[n] != read["jsonl"]]
     first = read["jsonl"]["train"][0]
     if not packing:  # row 0 is a text row, trained on every token; row 1 a prompt/completion pair
-        assert decode(kinds, trained(first["input_ids"][0], first["labels"][0])) == "<s>the sky is blue</s>"
-        assert decode(kinds, trained(first["input_ids"][1], first["labels"][1])) == " blue</s>"
+        assert decode(kinds, trained_ids(first["input_ids"][0], first["labels"][0])) == "<s>the sky is blue</s>"
+        assert decode(kinds, trained_ids(first["input_ids"][1], first["labels"][1])) == " blue</s>"
         assert first["attention_mask"][0] != first["attention_mask"][1]  # the shorter row is padded
         chat = read["jsonl"]["train"][1]
-        assert decode(kinds, trained(chat["input_ids"][0], chat["labels"][0])) == "A king.</s>\n"
+        assert decode(kinds, trained_ids(chat["input_ids"][0], chat["labels"][0])) == "A king.</s>\n"
     assert len(read["jsonl"]["val"]) == 1  # the last row, held out
 
 
 def test_sft_and_chat_rows_give_the_same_batches_through_every_kind_of_tokenizer(sources, kinds):
     path = sources["sft"]["parquet"]
-    read = {name: batches(hf_causal_lm, sft_data(path, False), **where) for name, where in kinds.items()}
+    read = {name: input_batches(hf_causal_lm, sft_data_config(path, False), **where) for name, where in kinds.items()}
     assert all(read[name] == read[FIRST] for name in read), [n for n in read if read[n] != read[FIRST]]
     chat = read[FIRST]["train"][2]  # the five-turn chat: two assistant turns trained, the rest masked
-    assert decode(kinds, trained(chat["input_ids"][0], chat["labels"][0])) == "Well met.</s>\nLa la.</s>\n"
+    assert decode(kinds, trained_ids(chat["input_ids"][0], chat["labels"][0])) == "Well met.</s>\nLa la.</s>\n"
 
 
 def test_a_slow_and_a_fast_tokenizer_of_one_vocabulary_give_the_same_sft_batches(sources, byte_kinds):
     """ByT5Tokenizer has no offsets, so prompt masking tokenizes the prompt and the completion apart; the
     EOS it adds to a text must still come at the end, where the fast tokenizer puts it."""
     path = sources["sft"]["jsonl"]
-    slow, fast = (batches(hf_causal_lm, sft_data(path, False), **where) for where in byte_kinds.values())
+    slow, fast = (input_batches(hf_causal_lm, sft_data_config(path, False), **where) for where in byte_kinds.values())
     assert slow == fast
     pair = fast["train"][0]  # row 1: "what color is the sky?" + " blue" and one </s> (1), the tokenizer's, trained
     length = sum(pair["attention_mask"][1])
     assert pair["input_ids"][1][length - 6 : length] == [35, 101, 111, 120, 104, 1]
-    assert trained(pair["input_ids"][1], pair["labels"][1]) == [35, 101, 111, 120, 104, 1]
+    assert trained_ids(pair["input_ids"][1], pair["labels"][1]) == [35, 101, 111, 120, 104, 1]
 
 
 # ----------------------------------------------------------------------------- preference rows (DPO)
@@ -183,14 +183,14 @@ def preference_data(path: str) -> Any:
 
 @pytest.mark.parametrize("rows", ["preference_text", "preference_chat"])
 def test_preference_rows_give_the_same_chosen_and_rejected_batches_from_every_format(sources, kinds, rows):
-    read = {name: batches(dpo, preference_data(path), **kinds[FIRST]) for name, path in sources[rows].items()}
+    read = {name: input_batches(dpo, preference_data(path), **kinds[FIRST]) for name, path in sources[rows].items()}
     assert all(read[name] == read["jsonl"] for name in read), [n for n in read if read[n] != read["jsonl"]]
     batch = read["jsonl"]["train"][0]  # rows 0 and 1: chosen 0, chosen 1, rejected 0, rejected 1
     ends = {
         "preference_text": [" blue</s>", " green</s>"],
         "preference_chat": ["Blue.</s>\n", "Green.</s>\n"],
     }
-    assert [decode(kinds, trained(batch["input_ids"][i], batch["labels"][i])) for i in (0, 2)] == ends[rows]
+    assert [decode(kinds, trained_ids(batch["input_ids"][i], batch["labels"][i])) for i in (0, 2)] == ends[rows]
     assert len(read["jsonl"]["val"]) == 1
 
 
@@ -199,10 +199,10 @@ def test_preference_rows_give_the_same_batches_through_every_kind_of_tokenizer(
     sources, kinds, byte_kinds, rows
 ):
     path = sources[rows]["arrow"]
-    read = {name: batches(dpo, preference_data(path), **where) for name, where in kinds.items()}
+    read = {name: input_batches(dpo, preference_data(path), **where) for name, where in kinds.items()}
     assert all(read[name] == read[FIRST] for name in read), [n for n in read if read[n] != read[FIRST]]
     if rows == "preference_chat":  # text rows get "</s>" appended, to which ByT5 adds no second EOS
-        slow, fast = (batches(dpo, preference_data(path), **where) for where in byte_kinds.values())
+        slow, fast = (input_batches(dpo, preference_data(path), **where) for where in byte_kinds.values())
         assert slow == fast
 
 
@@ -213,7 +213,7 @@ def test_a_preference_row_without_a_prompt_is_refused_naming_the_setting(tmp_pat
     paths = write_row_formats(tmp_path, rows)
     for path in (paths["jsonl"], paths["parquet"]):
         with pytest.raises(ConfigError) as refused:
-            batches(dpo, preference_data(path), **kinds[FIRST])
+            input_batches(dpo, preference_data(path), **kinds[FIRST])
         message = str(refused.value)
         assert len(message.splitlines()) == 1 and f"data.path {path!r}" in message, message
         assert "data.prompt_key 'prompt'" in message or "check data.prompt_key" in message, message
@@ -226,9 +226,9 @@ def test_a_preference_row_without_a_prompt_is_refused_naming_the_setting(tmp_pat
 def test_grpo_prompts_are_the_same_from_every_format_and_every_kind_of_tokenizer(
     sources, kinds, byte_kinds, rows
 ):
-    read = {name: batches(grpo, grpo.PromptDataConfig(path=path), **kinds[FIRST])
+    read = {name: input_batches(grpo, grpo.PromptDataConfig(path=path), **kinds[FIRST])
             for name, path in sources[rows].items()}  # fmt: skip
-    read.update({kind: batches(grpo, grpo.PromptDataConfig(path=sources[rows]["parquet"]), **where)
+    read.update({kind: input_batches(grpo, grpo.PromptDataConfig(path=sources[rows]["parquet"]), **where)
                  for kind, where in kinds.items()})  # fmt: skip
     assert all(read[name] == read["jsonl"] for name in read), [n for n in read if read[n] != read["jsonl"]]
     first_ids, first_prompt, columns = read["jsonl"]["train"][0][0]
@@ -236,7 +236,7 @@ def test_grpo_prompts_are_the_same_from_every_format_and_every_kind_of_tokenizer
         "<s><|user|>\nWhat color is the sky?</s>\n<|assistant|>\n"  # fmt: skip
     assert decode(kinds, list(first_ids)) == expected
     assert columns == ({"answer": "blue", "level": 1} if rows == "prompt_text" else {"answer": "blue"})
-    slow, fast = (batches(grpo, grpo.PromptDataConfig(path=sources[rows]["jsonl"]), **where)
+    slow, fast = (input_batches(grpo, grpo.PromptDataConfig(path=sources[rows]["jsonl"]), **where)
                   for where in byte_kinds.values())  # fmt: skip
     assert slow["train"] == fast["train"]
 
@@ -253,7 +253,7 @@ def test_csv_and_json_array_files_are_refused_in_one_line_naming_the_file(tmp_pa
     path = tmp_path / name
     path.write_text(content)
     with pytest.raises(ConfigError) as refused:
-        batches(hf_causal_lm, sft_data(str(path), False), **kinds[FIRST])
+        input_batches(hf_causal_lm, sft_data_config(str(path), False), **kinds[FIRST])
     message = str(refused.value)
     assert len(message.splitlines()) == 1 and message.startswith(f"data.path {str(path)!r} line 1:"), message
 
