@@ -130,5 +130,7 @@ TARGETS = {
         _t("fntrain/step/objectives/reference.py", "tests/step/objectives/test_reference.py",
            "tests/step/objectives/test_dpo.py", goal=0.9),
         _t("fntrain/step/objectives/kd.py", "tests/step/objectives/test_kd.py", goal=0.9),
+        # Which tokens of a chat example are trained on (the prompt masked): a wrong label trains on the prompt.
+        _t("fntrain/data/chat.py", "tests/data/test_sft.py", "tests/data/test_vlm.py", goal=0.9),
     )
 }
