@@ -132,5 +132,7 @@ TARGETS = {
         _t("fntrain/step/objectives/kd.py", "tests/step/objectives/test_kd.py", goal=0.9),
         # Which tokens of a chat example are trained on (the prompt masked): a wrong label trains on the prompt.
         _t("fntrain/data/chat.py", "tests/data/test_sft.py", "tests/data/test_vlm.py", goal=0.9),
+        # DPO's pairs: how a batch pairs the chosen and rejected sequences, padded and masked.
+        _t("fntrain/data/preference_collate.py", "tests/data/test_preference.py", goal=0.9),
     )
 }
