@@ -26,7 +26,7 @@ class SaveConfig:
     save_epochs: int = 0
     """Save every K epochs, at the epoch's end (0: off)."""
     save_at_end: bool = True
-    """When checkpointing is on (a cadence is set, or the run resumes from a checkpoint), also save after the last step if unsaved."""
+    """Also save after the last step if unsaved, when a cadence is set or checkpoint.restore_from is not none (its default auto included: a rerun of the command then resumes the run or finds it complete)."""
     keep_last: int = 3
     """Keep the newest K complete checkpoints, delete older ones, each deletion logged (0: keep all)."""
     keep_best: bool = True

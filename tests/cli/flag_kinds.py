@@ -1,9 +1,11 @@
 """The three kinds of entry of the flag table (tests/cli/flag_table.py), and small check builders.
 
 - `Effect(values, checks)`: two runs, one per value; each check asserts one promised effect of the flag
-  from the two `Outcome`s (tests/cli/flag_runs.py).
+  from the two `Outcome`s (tests/cli/flag_runs.py); with `read=True`, the inputs two runs would read (two
+  `Read`s, no model: a data flag's effect).
 - `Inert(reason, values)`: the flag changes no number: the two runs' losses and final weights are equal.
-- `TestedElsewhere(test, why)`: the effect cannot be seen in one CPU process; `test` ("path::name") checks it.
+- `TestedElsewhere(test, why)`: the effect cannot be seen in one CPU process; `test` ("path::name"), whose
+  source names the flag, checks it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Effect:
     before: tuple[str, ...] | None = None
     slow: bool = False
     recipe: str | None = None  # a shared flag shown on another recipe than tiny_gpt
+    read: bool = False  # observe the inputs a run reads (FlagRuns.read), not a run
 
 
 @dataclass(frozen=True)

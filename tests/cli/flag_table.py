@@ -11,13 +11,17 @@ when one CPU process cannot show it: the test that does).
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import re
+from pathlib import Path
 
+import pytest
 import torch
 
 from fntrain.checkpoint import list_checkpoints
 from fntrain.data.corpora import corpus_path
-from tests.cli.flag_kinds import Effect, Inert, TestedElsewhere, same, values_differ
+from tests.cli.flag_kinds import Effect, Inert, TestedElsewhere, named, same, values_differ
 from tests.cli.flag_table_hf import HF_RECIPES
 
 SGD = ("--optim.name", "sgd", "--optim.weight-decay", "0")
@@ -25,8 +29,105 @@ EVAL = ("--evaluate.eval-every", "1", "--evaluate.max-batches", "2")
 SAVES = ("--checkpoint.save-every", "1", "--checkpoint.keep-last", "0")
 SAMPLE = ("--sample.prompts", "ROMEO:", "--sample.max-new-tokens", "8", "--sample.temperature", "1.0")
 FIVE = ("--train.train-iters", "5")
+BAR = ("--progress.enabled", "--progress.mininterval", "0")
+PROFILE = ("--profiler.enabled",)
+DDP = ("--parallel.strategy", "ddp")  # a gloo group of one rank (tests/cli/flag_runs.py)
+PROFILE_STEP_3 = (*PROFILE, "--profiler.start-step", "3", "--profiler.stop-step", "3")
 
 # ----------------------------------------------------------------------------- checks, one promise each
+
+# ----------------------------------------------------------------------------- trackers
+
+
+def tensorboard_losses(log_dir) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = {path.parent for path in log_dir.rglob("events.out.tfevents.*")}
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    return [event.value for event in accumulator.Scalars("loss")]
+
+
+def tensorboard_scalars_or_a_refusal_naming_the_package(first, second):
+    """With the tensorboard package: the losses as scalars under <run_dir>/tensorboard; without it, the
+    run refuses the flag in one line naming it and the package."""
+    assert second.ok() and not (second.run_dir / "tensorboard").exists()
+    if importlib.util.find_spec("tensorboard") is None:
+        message = str(first.error)
+        assert len(message.splitlines()) == 1 and "metrics.tensorboard" in message and "tensorboard package" in message
+        return
+    assert tensorboard_losses(first.ok().run_dir / "tensorboard") == pytest.approx(first.losses)
+
+
+def tensorboard_writes_to_the_given_dir(first, second):
+    if importlib.util.find_spec("tensorboard") is None:
+        pytest.skip("the tensorboard package is not installed: a run refuses metrics.tensorboard")
+    assert tensorboard_losses(first.ok().run_dir / "tensorboard") == pytest.approx(first.losses)
+    given = Path(second.ok().config.metrics.tensorboard_dir)
+    assert tensorboard_losses(given) == pytest.approx(second.losses) and not (second.run_dir / "tensorboard").exists()
+
+
+def wandb_run(outcome):
+    """The offline W&B run the run wrote under <run_dir>/wandb: its run record and its history rows."""
+    from tests.hooks.test_trackers import wandb_history, wandb_records
+
+    records = wandb_records(outcome.ok().run_dir)
+    return [record.run for kind, record in records if kind == "run"][-1], wandb_history(records)
+
+
+def wandb_offline_writes_the_metrics_to_run_dir_wandb(first, second):
+    _, history = wandb_run(first)
+    assert [row["loss"] for row in history if "loss" in row] == first.losses
+    assert not (second.ok().run_dir / "wandb").exists()
+
+
+def disabled_wandb_writes_nothing(first, second):
+    assert wandb_run(first)[1] and not (second.ok().run_dir / "wandb").exists()
+
+
+def wandb_run_field(field, values):
+    def check(first, second):
+        seen = [getattr(wandb_run(outcome)[0], field) for outcome in (first, second)]
+        assert seen == list(values), seen
+
+    return named(f"wandb run {field}", check)
+
+
+def run_name_defaults_to_the_run_directory(first, second):
+    assert wandb_run(first)[0].display_name == first.run_dir.name and wandb_run(second)[0].display_name == "myrun"
+
+
+def tags_reach_the_tracker(first, second):
+    assert {"a", "k=v"}.isdisjoint(wandb_run(first)[0].tags) and {"a", "k=v"} <= set(wandb_run(second)[0].tags)
+
+
+def mlflow_run_of(outcome, experiment="fntrain", uri=None):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri or f"sqlite:///{outcome.ok().run_dir.resolve() / 'mlflow.db'}")
+    found = client.get_experiment_by_name(experiment)
+    assert found is not None, f"no mlflow experiment {experiment!r}"
+    (run,) = client.search_runs([found.experiment_id])
+    return client, run
+
+
+def mlflow_records_the_metrics_in_the_run_dirs_sqlite(first, second):
+    client, run = mlflow_run_of(first)
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "loss")] == first.losses
+    assert not (second.ok().run_dir / "mlflow.db").exists()
+
+
+def mlflow_experiment_is_named(first, second):
+    mlflow_run_of(first, "fntrain"), mlflow_run_of(second, "exp1")
+
+
+def mlflow_logs_to_the_given_uri(first, second):
+    uri = f"sqlite:///{second.ok().config.metrics.mlflow_tracking_uri.removeprefix('sqlite:///')}"
+    client, run = mlflow_run_of(second, uri=uri)
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "loss")] == second.losses
+    assert (first.ok().run_dir / "mlflow.db").is_file() and not (second.run_dir / "mlflow.db").exists()
+
+
 
 
 def run_files_land_in_run_dir(first, second):
@@ -331,8 +432,10 @@ def saves_at_epoch_ends(first, second):
     assert not {5, 10} & set(checkpoints(first.ok())) and {5, 10} <= set(checkpoints(second.ok()))
 
 
-def saves_the_last_step(first, second):
-    assert checkpoints(first.ok()) == [2, 3] and checkpoints(second.ok()) == [2]
+def saves_the_last_step_without_a_cadence_under_auto(first, second):
+    # no save_every, save_epochs or save_every_minutes; restore_from auto (the default): the end is saved
+    assert checkpoints(first.ok()) == [3] and not (second.ok().run_dir / "checkpoints").exists()
+
 
 
 def keeps_the_newest_k(first, second):
@@ -417,6 +520,191 @@ def val_split_holds_the_tail(first, second):
 
 # ----------------------------------------------------------------------------- the shared flags, on tiny_gpt
 
+# ----------------------------------------------------------------------------- the progress bar (stderr faked as a terminal)
+
+
+def bar_draws(outcome) -> list[str]:
+    """The bar's states as drawn, one per redraw ("epoch 0:  33%|...| 1/3 ...")."""
+    return [part for part in outcome.ok().seen.terminal.split("\r") if "step/s" in part]
+
+
+def bar_is_drawn_on_a_terminal(first, second):
+    assert bar_draws(first) and "3/3" in bar_draws(first)[-1], first.seen.terminal[-300:]
+    assert bar_draws(second) == [], second.seen.terminal[-300:]
+
+
+def redraws_wait_mininterval(first, second):
+    counts = [[draw.split("|")[2].split()[0] for draw in bar_draws(outcome)] for outcome in (first, second)]
+    assert {"1/3", "2/3"} <= set(counts[0]) and not {"1/3", "2/3"} & set(counts[1]), counts
+
+
+def finished_bar_stays_or_is_cleared(first, second):
+    assert first.ok().seen.terminal.endswith("\n") and "3/3" in first.seen.terminal.rsplit("\r", 2)[-1]
+    assert second.ok().seen.terminal.rstrip(" ").endswith("\r") and not second.seen.terminal.rsplit("\r", 2)[-2].strip()
+
+
+def log_lines_print_above_the_bar(first, second):
+    # routed through tqdm.write: the bar's line is cleared, the record printed, the bar redrawn below it
+    assert re.search(r"\r +\rstep=2 epoch=0 .*\n\repoch 0:", first.ok().seen.terminal), first.seen.terminal[-500:]
+    assert "step=2 epoch=0" not in second.ok().seen.terminal  # the console handler writes on its own
+
+
+# ----------------------------------------------------------------------------- garbage collection
+
+
+def steps_of_collections(outcome) -> list[tuple[float, object]]:
+    """(step, generation) of each gc.collect call made at a step's end (2 micro-batches a step)."""
+    return [(batches / 2, generation) for batches, generation in outcome.ok().seen.collections if batches and generation is not None]
+
+
+def collects_every_n_steps(first, second):
+    assert [step for step, _ in steps_of_collections(first)] == [1, 2, 3, 4]
+    assert [step for step, _ in steps_of_collections(second)] == [2, 4]
+
+
+def collects_the_oldest_generation_given(first, second):
+    assert {g for _, g in steps_of_collections(first)} == {0} and {g for _, g in steps_of_collections(second)} == {1}
+
+
+# ----------------------------------------------------------------------------- the profiler's traces
+
+
+def traces(outcome, root=None) -> list[dict]:
+    """The events of each trace the run wrote under <root or run_dir>/profile/rank_0."""
+    import json
+
+    root = Path(root) if root else outcome.ok().run_dir
+    return [json.loads(path.read_text())["traceEvents"] for path in sorted((root / "profile" / "rank_0").glob("*.json"))]
+
+
+def profiled_steps(outcome, root=None) -> list[int]:
+    return sorted(int(e["name"].split("#")[1]) for events in traces(outcome, root) for e in events
+                  if str(e.get("name", "")).startswith("ProfilerStep#"))  # fmt: skip
+
+
+def window_starts_at_start_step(first, second):
+    assert profiled_steps(first) == [2, 3] and profiled_steps(second) == [3], (profiled_steps(first), profiled_steps(second))
+
+
+def window_ends_at_stop_step(first, second):
+    assert profiled_steps(first) == [2] and profiled_steps(second) == [2, 3], (profiled_steps(first), profiled_steps(second))
+
+
+def count_events(outcome, test) -> int:
+    return sum(1 for events in traces(outcome) for e in events if test(e))
+
+
+def operator_shapes_are_recorded(first, second):
+    assert count_events(first, lambda e: "Input Dims" in e.get("args", {})) == 0
+    assert count_events(second, lambda e: "Input Dims" in e.get("args", {})) > 0
+
+
+def python_stacks_are_recorded(first, second):
+    assert count_events(first, lambda e: e.get("cat") == "python_function") == 0
+    assert count_events(second, lambda e: e.get("cat") == "python_function") > 0
+
+
+def allocations_are_recorded(first, second):
+    assert count_events(first, lambda e: e.get("name") == "[memory]") > 0
+    assert count_events(second, lambda e: e.get("name") == "[memory]") == 0
+
+
+def traces_go_under_output_path(first, second):
+    assert profiled_steps(first) == [3] and profiled_steps(second, second.ok().config.profiler.output_path) == [3]
+    assert not (second.run_dir / "profile").exists()
+
+
+def init_phase_is_traced(first, second):
+    # the init phase opens the loader: its epoch's shuffle (randperm) shows only when traced from TRAIN_BEGIN
+    def shuffles(outcome) -> int:
+        return count_events(outcome, lambda e: e.get("name") == "aten::randperm")
+
+    assert shuffles(first) == 0 < shuffles(second), (shuffles(first), shuffles(second))
+
+
+# ----------------------------------------------------------------------------- the watchdog (its limit, on a fake clock)
+
+
+def watchdog_of(read, aborted=None):
+    import tempfile
+
+    from fntrain.hooks.watchdog import Watchdog
+    from tests.hooks.test_watchdog import FakeClock
+
+    clock = FakeClock()
+    dog = Watchdog(read.ok().config.watchdog, rank=0, stacks_dir=Path(tempfile.mkdtemp()) / "stacks", clock=clock,
+                   abort=(aborted if aborted is not None else []).append)  # fmt: skip
+    return dog, clock
+
+
+def limit_after(read, durations: list[float]) -> float:
+    from tests.hooks.test_watchdog import beat_steps
+
+    dog, clock = watchdog_of(read)
+    beat_steps(dog, clock, durations)
+    return dog.limit()[0]
+
+
+def limit_is_factor_times_the_median_step(first, second):
+    assert limit_after(first, [9, 9, 2, 2, 2]) == 3 * 2.0 and limit_after(second, [9, 9, 2, 2, 2]) == 5 * 2.0
+
+
+def limit_is_at_least_the_floor(first, second):
+    assert limit_after(first, [9, 9, 2, 2, 2]) == 6.0 and limit_after(second, [9, 9, 2, 2, 2]) == 10.0
+
+
+def first_steps_stay_out_of_the_median(first, second):
+    durations = [30, 20, 5, 5, 5, 1, 1]  # after 2 steps: median of 5 5 5 1 1; after 4: of 5 1 1
+    assert limit_after(first, durations) == 3 * 5.0 and limit_after(second, durations) == 3 * 1.0
+
+
+def limit_before_any_period_is_grace_s(first, second):
+    assert limit_after(first, [30, 20]) == 60.0 and limit_after(second, [30, 20]) == 100.0  # the first steps: grace
+
+
+def median_over_the_last_window_steps(first, second):
+    durations = [9, 9, 1, 1, 1, 4, 4, 4]
+    assert limit_after(first, durations) == 3 * 4.0 and limit_after(second, durations) == 3 * 2.5
+
+
+def a_stall_aborts_with_the_exit_code(first, second):
+    from tests.hooks.test_watchdog import beat_steps
+
+    for read, code in ((first, 124), (second, 7)):
+        aborted: list[int] = []
+        dog, clock = watchdog_of(read, aborted)
+        step = beat_steps(dog, clock, [1.0] * 4)
+        dog.beat("step", step + 1)
+        clock.now += 1000
+        assert dog.check() and aborted == [code], aborted
+
+
+# ----------------------------------------------------------------------------- data parallelism on a group of one rank
+
+
+def process_group_waits_timeout_s(first, second):
+    import datetime
+
+    assert first.ok().seen.group_timeouts == [datetime.timedelta(seconds=1800)]
+    assert second.ok().seen.group_timeouts == [datetime.timedelta(seconds=77)]
+
+
+def ddp_buckets_hold_the_cap(first, second):
+    assert first.ok().model_wrapper.bucket_bytes_cap == 25 * 2**20 and second.ok().model_wrapper.bucket_bytes_cap == 2**20
+
+
+def ddp_looks_for_unused_parameters(first, second):
+    assert not first.ok().model_wrapper.find_unused_parameters and second.ok().model_wrapper.find_unused_parameters
+
+
+def blocks_reshard_after_forward_but_the_last(first, second):
+    def resharded(outcome) -> list[bool]:
+        return [block._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+                for block in outcome.ok().model.blocks]  # fmt: skip
+
+    assert resharded(first) == [True, False] and resharded(second) == [False, False], (resharded(first), resharded(second))
+
+
 ELSEWHERE_MULTI = "needs several ranks under torchrun"
 SHARED = {
     "--run-dir": Effect(("{root}/a", "{root}/b"), (run_files_land_in_run_dir,)),
@@ -429,22 +717,22 @@ SHARED = {
     "--runtime.deterministic": TestedElsewhere("tests/runtime/test_setup.py::test_determinism_is_on_inside_and_restored_after",
                                                "the cuBLAS/cuDNN/HCCL settings need the device; the test reads them inside the run"),
     "--runtime.backend": TestedElsewhere("tests/runtime/test_setup.py::test_backend_follows_the_device", ELSEWHERE_MULTI),
-    "--runtime.timeout-s": TestedElsewhere("tests/hooks/test_preemption_groups.py::test_the_default_groups_timeout_is_read", ELSEWHERE_MULTI),
+    "--runtime.timeout-s": Effect((1800.0, 77.0), (process_group_waits_timeout_s,), base=DDP, slow=True),
     "--runtime.tf32": TestedElsewhere("tests/runtime/test_device.py::test_cuda_precision_flags_set_and_restore", "TF32/HF32 exist on cuda/npu only"),
     "--runtime.cpu-threads": Effect((1, 2), (torch_threads_follow_the_value,)),
     "--parallel.strategy": TestedElsewhere("tests/runtime/test_distributed.py::test_two_ranks_match_one_rank", ELSEWHERE_MULTI),
     "--parallel.mixed-precision": Effect(("fp32", "bf16"), (bf16_computes_in_bf16, bf16_keeps_fp32_weights)),
-    "--parallel.reshard-after-forward": TestedElsewhere("tests/runtime/test_parallel.py::test_fsdp2_shards_each_block_then_the_root_and_trains_like_the_plain_model", "fsdp2 " + ELSEWHERE_MULTI),
+    "--parallel.reshard-after-forward": Effect((True, False), (blocks_reshard_after_forward_but_the_last,), base=("--parallel.strategy", "fsdp2", "--model.n-layer", "2"), slow=True),
     "--parallel.activation-checkpointing": Effect((True, False), (blocks_recompute_in_backward, same_numbers)),
     "--parallel.compile": Effect((True, False), (blocks_are_compiled,), base=("--parallel.compile-backend", "eager"), slow=True),
     "--parallel.compile-backend": TestedElsewhere("tests/runtime/test_parallel.py::test_compile_compiles_each_block_in_place",
                                                   "the backend is torch.compile's: which one ran is not visible after the run"),
-    "--parallel.ddp-bucket-cap-mb": TestedElsewhere("tests/runtime/test_parallel.py::test_ddp_trains_like_the_plain_model", "ddp " + ELSEWHERE_MULTI),
-    "--parallel.find-unused-parameters": TestedElsewhere("tests/runtime/test_parallel.py::test_ddp_trains_like_the_plain_model", "ddp " + ELSEWHERE_MULTI),
+    "--parallel.ddp-bucket-cap-mb": Effect((25, 1), (ddp_buckets_hold_the_cap,), base=DDP, slow=True),
+    "--parallel.find-unused-parameters": Effect((False, True), (ddp_looks_for_unused_parameters,), base=DDP, slow=True),
     "--parallel.tp-size": TestedElsewhere("tests/runtime/test_model_parallel.py::test_model_parallel_runs_match_one_rank", ELSEWHERE_MULTI),
     "--parallel.pp-size": TestedElsewhere("tests/runtime/test_model_parallel.py::test_model_parallel_runs_match_one_rank", ELSEWHERE_MULTI),
-    "--parallel.pp-schedule": TestedElsewhere("tests/runtime/test_pipeline_step.py::test_one_stage_pipeline_steps_like_the_plain_step", "pipelines need a mesh"),
-    "--parallel.loss-parallel": TestedElsewhere("tests/runtime/test_tensor_parallel_one_process.py::test_gathered_output_returns_plain_full_logits", "tensor parallelism needs a mesh"),
+    "--parallel.pp-schedule": TestedElsewhere("tests/runtime/test_model_parallel.py::test_1f1b_needs_a_micro_batch_per_stage", "a pipeline schedule needs several stages, each a rank"),
+    "--parallel.loss-parallel": TestedElsewhere("tests/models/test_hf_tp.py::test_styles_translate_to_torch_parallel_styles", "vocabulary-parallel logits need a tensor-parallel mesh of several ranks"),
     "--parallel.cp-size": TestedElsewhere("tests/step/test_context_parallel.py::test_cp2_equals_one_rank", ELSEWHERE_MULTI),
     "--parallel.cp-style": TestedElsewhere("tests/step/test_context_parallel.py::test_ring_slices_like_torchs_load_balancer_and_reaches_its_dispatcher", ELSEWHERE_MULTI),
     "--parallel.ep-size": TestedElsewhere("tests/runtime/test_parallel.py::test_expert_parallelism_needs_fsdp2", "expert parallelism " + ELSEWHERE_MULTI),
@@ -494,23 +782,21 @@ SHARED = {
     "--throughput.memory": TestedElsewhere("tests/hooks/test_throughput.py::test_device_sync_and_memory_only_on_logging_steps", "device memory is not reported on cpu"),
     "--metrics.jsonl": Effect((True, False), (metrics_file_is_written,)),
     "--metrics.jsonl-name": Effect(("a.jsonl", "b.jsonl"), (metrics_file_takes_the_name,)),
-    **{f"--metrics.{name}": TestedElsewhere(f"tests/hooks/test_trackers.py::{test}", "the tracker packages start services and take seconds: their own tests") for name, test in (
-        ("tensorboard", "test_tensorboard_writes_one_event_file_even_when_reopened_after_close"),
-        ("tensorboard-dir", "test_sinks_are_built_as_configured"),
-        ("wandb", "test_wandb_offline_gets_metrics_config_tags_summary_and_is_finished_at_train_end"),
-        ("wandb-project", "test_wandb_offline_gets_metrics_config_tags_summary_and_is_finished_at_train_end"),
-        ("wandb-entity", "test_sinks_are_built_as_configured"),
-        ("wandb-mode", "test_wandb_offline_gets_metrics_config_tags_summary_and_is_finished_at_train_end"),
-        ("mlflow", "test_mlflow_sqlite_gets_metrics_params_tags_summary_and_is_finished_at_train_end"),
-        ("mlflow-tracking-uri", "test_mlflow_explicit_tracking_uri"),
-        ("mlflow-experiment", "test_mlflow_sqlite_gets_metrics_params_tags_summary_and_is_finished_at_train_end"),
-        ("run-name", "test_wandb_offline_gets_metrics_config_tags_summary_and_is_finished_at_train_end"),
-        ("tags", "test_mlflow_sqlite_gets_metrics_params_tags_summary_and_is_finished_at_train_end"),
-    )},  # fmt: skip
-    "--progress.enabled": TestedElsewhere("tests/hooks/test_progress.py::test_other_ranks_and_disabled_show_no_bar", "the bar needs a terminal"),
-    "--progress.mininterval": TestedElsewhere("tests/hooks/test_progress.py::test_real_bar_draws_to_its_file", "the bar needs a terminal"),
-    "--progress.leave": TestedElsewhere("tests/hooks/test_progress.py::test_real_bar_draws_to_its_file", "the bar needs a terminal"),
-    "--progress.redirect-logging": TestedElsewhere("tests/hooks/test_progress.py::test_console_log_handlers_go_through_tqdm_while_the_bar_is_open", "the bar needs a terminal"),
+    "--metrics.tensorboard": Effect((True, False), (tensorboard_scalars_or_a_refusal_naming_the_package,)),
+    "--metrics.tensorboard-dir": Effect(("None", "{root}/tb"), (tensorboard_writes_to_the_given_dir,), base=("--metrics.tensorboard",), slow=True),
+    "--metrics.wandb": Effect((True, False), (wandb_offline_writes_the_metrics_to_run_dir_wandb,), slow=True),
+    "--metrics.wandb-mode": Effect(("offline", "disabled"), (disabled_wandb_writes_nothing,), base=("--metrics.wandb",), slow=True),
+    "--metrics.wandb-project": Effect(("fntrain", "proj1"), (wandb_run_field("project", ("fntrain", "proj1")),), base=("--metrics.wandb",), slow=True),
+    "--metrics.wandb-entity": Effect(("None", "team1"), (wandb_run_field("entity", ("", "team1")),), base=("--metrics.wandb",), slow=True),
+    "--metrics.run-name": Effect(("None", "myrun"), (run_name_defaults_to_the_run_directory,), base=("--metrics.wandb",), slow=True),
+    "--metrics.tags": Effect(((), ("a", "k=v")), (tags_reach_the_tracker,), base=("--metrics.wandb",), slow=True),
+    "--metrics.mlflow": Effect((True, False), (mlflow_records_the_metrics_in_the_run_dirs_sqlite,), slow=True),
+    "--metrics.mlflow-experiment": Effect(("fntrain", "exp1"), (mlflow_experiment_is_named,), base=("--metrics.mlflow",), slow=True),
+    "--metrics.mlflow-tracking-uri": Effect(("None", "sqlite:///{root}/elsewhere.db"), (mlflow_logs_to_the_given_uri,), base=("--metrics.mlflow",), slow=True),
+    "--progress.enabled": Effect((True, False), (bar_is_drawn_on_a_terminal,), base=BAR, slow=True),
+    "--progress.mininterval": Effect((0.0, 1000.0), (redraws_wait_mininterval,), base=("--progress.enabled", "--progress.no-redirect-logging"), slow=True),
+    "--progress.leave": Effect((True, False), (finished_bar_stays_or_is_cleared,), base=BAR, slow=True),
+    "--progress.redirect-logging": Effect((True, False), (log_lines_print_above_the_bar,), base=BAR, slow=True),
     "--evaluate.eval-every": Effect((1, 2), (evaluation_every_n_steps,), base=(*FIVE, "--evaluate.max-batches", "1")),
     "--evaluate.eval-epochs": Effect((0, 1), (evaluation_after_epochs,), base=("--data.path", "{corpus}", "--data.val-fraction", "0.2", "--evaluate.max-batches", "1", "--train.train-iters", "12")),
     "--evaluate.at-end": Effect((True, False), (evaluation_at_the_end,), base=("--evaluate.max-batches", "1")),
@@ -525,39 +811,39 @@ SHARED = {
     "--sample.top-p": Effect((1e-6, 1.0), (sample_text_differs,), base=SAMPLE),
     "--sample.seed": Effect((1, 2), (sample_text_differs,), base=SAMPLE),
     "--sample.at-end": Effect((True, False), (samples_at_the_end,), base=SAMPLE),
-    "--gc.gc-every": TestedElsewhere("tests/hooks/test_gc.py::test_collects_every_n_steps_with_the_configured_generation", "gc.collect calls are not visible after a run"),
-    "--gc.generation": TestedElsewhere("tests/hooks/test_gc.py::test_collects_every_n_steps_with_the_configured_generation", "gc.collect calls are not visible after a run"),
+    "--gc.gc-every": Effect((1, 2), (collects_every_n_steps,), base=("--train.train-iters", "4", "--gc.generation", "0")),
+    "--gc.generation": Effect((0, 1), (collects_the_oldest_generation_given,), base=("--train.train-iters", "4", "--gc.gc-every", "1")),
     "--gc.empty-cache-every": TestedElsewhere("tests/hooks/test_gc.py::test_empty_cache_every_n_steps_on_an_accelerator_only", "ignored on cpu"),
     "--gc.disable-automatic": Effect((True, False), (gc_automatic,)),
     "--profiler.enabled": Effect((True, False), (profile_traces_are_written,), slow=True),
+    "--profiler.start-step": Effect((2, 3), (window_starts_at_start_step,), base=(*PROFILE, "--profiler.stop-step", "3"), slow=True),
+    "--profiler.stop-step": Effect((2, 3), (window_ends_at_stop_step,), base=(*PROFILE, "--profiler.start-step", "2"), slow=True),
+    "--profiler.start-on-init": Effect((False, True), (init_phase_is_traced,), base=(*PROFILE, "--profiler.start-step", "1", "--profiler.stop-step", "1"), slow=True),
+    "--profiler.record-shapes": Effect((False, True), (operator_shapes_are_recorded,), base=PROFILE_STEP_3, slow=True),
+    "--profiler.with-stack": Effect((False, True), (python_stacks_are_recorded,), base=PROFILE_STEP_3, slow=True),
+    "--profiler.memory": Effect((True, False), (allocations_are_recorded,), base=PROFILE_STEP_3, slow=True),
+    "--profiler.output-path": Effect(("None", "{root}/traces"), (traces_go_under_output_path,), base=PROFILE_STEP_3, slow=True),
     **{f"--profiler.{name}": TestedElsewhere(f"tests/hooks/test_profiler.py::{test}", why) for name, test, why in (
-        ("start-step", "test_window_three_to_four_on_cpu", "the profiled window is read from the trace's step marks"),
-        ("stop-step", "test_window_three_to_four_on_cpu", "the profiled window is read from the trace's step marks"),
-        ("start-on-init", "test_start_on_init", "the init phase's trace"),
-        ("memory", "test_profile_options_are_passed_through", "torch.profiler's own options"),
         ("rank-ids", "test_rank_four_profiles_rank_two_does_not", ELSEWHERE_MULTI),
         ("pipeline-stage-leaders", "test_stage_leaders_alone", ELSEWHERE_MULTI),
-        ("output-path", "test_valid_rank_ids_and_output_path_are_accepted", "the trace's root"),
         ("level", "test_npu_backend_experimental_config_metadata_and_mstx", "npu only"),
-        ("with-stack", "test_profile_options_are_passed_through", "torch.profiler's own options"),
         ("data-simplification", "test_npu_backend_experimental_config_metadata_and_mstx", "npu only"),
         ("mstx", "test_npu_backend_experimental_config_metadata_and_mstx", "npu only"),
-        ("record-shapes", "test_profile_options_are_passed_through", "torch.profiler's own options"),
     )},  # fmt: skip
     "--checkpoint.dir": Effect(("{root}/ckpt", "None"), (checkpoint_root_follows_dir,), base=SAVES),
     "--checkpoint.save-every": Effect((1, 2), (saves_every_k_steps,), base=(*FIVE, "--checkpoint.keep-last", "0")),
     "--checkpoint.save-epochs": Effect((0, 1), (saves_at_epoch_ends,), base=("--data.path", "{corpus}", "--data.val-fraction", "0.2", "--train.train-iters", "12")),
-    "--checkpoint.save-at-end": Effect((True, False), (saves_the_last_step,), base=("--checkpoint.save-every", "2")),
+    "--checkpoint.save-at-end": Effect((True, False), (saves_the_last_step_without_a_cadence_under_auto,)),
     "--checkpoint.keep-last": Effect((0, 2), (keeps_the_newest_k,), base=(*FIVE, "--checkpoint.save-every", "1", "--checkpoint.no-keep-best")),
     "--checkpoint.keep-best": Effect((True, False), (keeps_the_best_too,), base=(*FIVE, "--checkpoint.save-every", "1", "--checkpoint.keep-last", "1", *EVAL, "--optim.lr", "0.3")),
     "--checkpoint.async-save": Inert("the same checkpoints, written in the background", (True, False), base=SAVES),
-    "--checkpoint.save-on-interrupt": TestedElsewhere("tests/hooks/test_preemption_runs.py::test_second_signal_terminates_at_once", "needs a Ctrl-C"),
+    "--checkpoint.save-on-interrupt": TestedElsewhere("tests/hooks/test_checkpoint.py::test_ctrl_c_inside_a_step_saves_at_the_next_boundary_and_stops_with_130", "needs a Ctrl-C inside a step (the named test raises it from the step)"),
     "--checkpoint.preempt-signals": TestedElsewhere("tests/hooks/test_preemption_runs.py::test_the_checkpoint_hook_installs_the_configured_signals_itself", "needs a signal"),
-    "--checkpoint.preempt-check-every": TestedElsewhere("tests/hooks/test_preemption_pins.py::test_only_several_ranks_with_a_process_group_wait_for_the_agreed_step", ELSEWHERE_MULTI),
-    "--checkpoint.preempt-exit-code": TestedElsewhere("tests/hooks/test_preemption_runs.py::test_the_process_exits_with_the_documented_status", "needs a signal and a process"),
+    "--checkpoint.preempt-check-every": TestedElsewhere("tests/hooks/test_checkpoint_pins.py::test_ranks_stop_at_the_agreed_step_and_the_reason_names_the_step_the_notice_came", "ranks agree on a step only with several of them (the named test fakes a world of 2)"),
+    "--checkpoint.preempt-exit-code": TestedElsewhere("tests/hooks/test_preemption_runs.py::test_the_checkpoint_hook_installs_the_configured_signals_itself", "the process exits with it: needs a signal and a process of its own"),
     "--checkpoint.save-every-minutes": TestedElsewhere("tests/checkpoint/test_time_based.py::test_saves_every_n_minutes_of_the_clock", "needs minutes of a clock"),
     "--checkpoint.time-based-temporary": TestedElsewhere("tests/checkpoint/test_time_based.py::test_temporary_time_based_checkpoints_are_removed_once_superseded", "needs minutes of a clock"),
-    "--checkpoint.abort-wait-s": TestedElsewhere("tests/checkpoint/test_save_faults.py::test_a_failed_async_write_is_the_same_line_and_removes_its_partial", "needs a failing async save"),
+    "--checkpoint.abort-wait-s": TestedElsewhere("tests/hooks/test_checkpoint_pins.py::test_abort_waits_no_longer_than_abort_wait_s", "needs an async write held in flight at an abort"),
     "--checkpoint.thread-count": Inert("the same checkpoint, written by more threads", (1, 2), base=SAVES),
     "--checkpoint.on-save-failure": TestedElsewhere("tests/checkpoint/test_save_faults.py::test_continue_warns_on_each_failure_and_tries_again_at_the_next_cadence", "needs a failing disk"),
     "--checkpoint.make-room": TestedElsewhere("tests/checkpoint/test_full_disk.py::test_continue_and_make_room_on_a_small_disk", "needs a full disk"),
@@ -565,16 +851,14 @@ SHARED = {
     "--checkpoint.allow-changes": Effect((("train.train_iters",), ()), (allowed_change_lets_the_resume_run,), base=(*FIVE, "--checkpoint.save-every", "3"), before=("--checkpoint.save-every", "3")),
     "--checkpoint.weights-only": Effect((True, False), (weights_only_restarts_at_step_zero, weights_only_starts_from_the_checkpoints_weights), base=(*FIVE, "--checkpoint.save-every", "3", "--checkpoint.restore-from", "{run}/checkpoints/step_3", "--checkpoint.allow-changes", "train.train_iters"), before=("--checkpoint.save-every", "3")),
     "--checkpoint.export": Effect((True, False), (exports_model_safetensors,)),
-    **{f"--watchdog.{name}": TestedElsewhere(f"tests/hooks/test_watchdog.py::{test}", "needs a hang") for name, test in (
-        ("enabled", "test_disabled_starts_nothing"),
-        ("factor", "test_limit_grace_then_median_times_factor_with_a_floor"),
-        ("floor-s", "test_limit_grace_then_median_times_factor_with_a_floor"),
-        ("grace-steps", "test_limit_grace_then_median_times_factor_with_a_floor"),
-        ("grace-s", "test_limit_grace_then_median_times_factor_with_a_floor"),
-        ("window", "test_limit_grace_then_median_times_factor_with_a_floor"),
-        ("poll-s", "test_fires_on_a_stall_dumps_stacks_and_aborts_with_the_exit_code"),
-        ("exit-code", "test_fires_on_a_stall_dumps_stacks_and_aborts_with_the_exit_code"),
-    )},  # fmt: skip
+    "--watchdog.enabled": TestedElsewhere("tests/hooks/test_watchdog.py::test_disabled_starts_nothing", "its thread aborts the process: a run cannot be shown stalling and surviving"),
+    "--watchdog.factor": Effect((3.0, 5.0), (limit_is_factor_times_the_median_step,), base=("--watchdog.floor-s", "1", "--watchdog.grace-steps", "2"), read=True),
+    "--watchdog.floor-s": Effect((1.0, 10.0), (limit_is_at_least_the_floor,), base=("--watchdog.factor", "3", "--watchdog.grace-steps", "2"), read=True),
+    "--watchdog.grace-steps": Effect((2, 4), (first_steps_stay_out_of_the_median,), base=("--watchdog.factor", "3", "--watchdog.floor-s", "1"), read=True),
+    "--watchdog.grace-s": Effect((60.0, 100.0), (limit_before_any_period_is_grace_s,), base=("--watchdog.grace-steps", "2", "--watchdog.floor-s", "1"), read=True),
+    "--watchdog.window": Effect((3, 10), (median_over_the_last_window_steps,), base=("--watchdog.factor", "3", "--watchdog.floor-s", "1", "--watchdog.grace-steps", "2"), read=True),
+    "--watchdog.poll-s": TestedElsewhere("tests/hooks/test_watchdog.py::test_in_a_training_loop_the_thread_finds_the_stalled_step", "how often its thread looks: a stall that it finds aborts the process"),
+    "--watchdog.exit-code": Effect((124, 7), (a_stall_aborts_with_the_exit_code,), base=("--watchdog.floor-s", "1", "--watchdog.grace-steps", "2"), read=True),
 }
 
 TINY_GPT = {
