@@ -75,7 +75,7 @@ READ_BASE = {
 """Each Hugging Face recipe's inputs, read without a model (`FlagRuns.read`)."""
 
 FILES = ("llama", "chat", "pref", "prompts", "llava", "corpus", "abc", "model", "bytes", "sft", "keys", "val",
-         "teacher", "pairs", "shards", "shapes", "shapes_pc")  # fmt: skip
+         "teacher", "pairs", "shards", "shapes", "shapes_pc", "mlflow_db")  # fmt: skip
 """The inputs an argument may name as {name}: each made once, by FlagRuns._make_<name>."""
 
 REWARDS = '''"""A reward the flag table's GRPO runs score completions with (tests/cli/flag_runs.py)."""
@@ -104,6 +104,7 @@ class Seen:
     built: Any = None
     collections: list[tuple[int, Any]] = field(default_factory=list)  # gc.collect calls: (micro-batches so far, generation)
     terminal: str = ""  # what the run drew on stderr, faked to be a terminal
+    dropout_masks: list[torch.Tensor] = field(default_factory=list)  # which outputs the first dropout zeroed, per training forward
     group_timeouts: list[Any] = field(default_factory=list)  # the timeout each process group was created with
 
 
@@ -231,6 +232,10 @@ def _recording_spec(spec: Any, seen: Seen) -> Any:
         seen.initial = {name: value.detach().clone() for name, value in model.state_dict().items()}
         attention = next(module for name, module in model.named_modules() if name.endswith(("attn", "self_attn")))
         attention.register_forward_hook(lambda *_: setattr(seen, "attention_calls", seen.attention_calls + 1))
+        dropout = next((module for module in model.modules() if isinstance(module, torch.nn.Dropout) and module.p > 0), None)
+        if dropout is not None:
+            dropout.register_forward_hook(
+                lambda module, _, output: seen.dropout_masks.append((output == 0).cpu()) if module.training else None)
         return model
 
     def loss(output: Any, micro_batch: Any) -> Any:
@@ -383,6 +388,10 @@ class FlagRuns:
         row = {"text": "plain", "body": "other", "prompt": "ask", "question": "query", "completion": " yes",
                "answer": " no", "messages": CHATS[0], "dialog": CHATS[1]}  # fmt: skip
         return _jsonl(self.root / "keys.jsonl", [row] * 4)
+
+    def _make_mlflow_db(self) -> Path:
+        """An MLflow sqlite store the runs that name it share (created by the first: one schema migration)."""
+        return self.root / "mlflow-shared.db"
 
     def _make_pairs(self) -> Path:
         """Preference pairs under the default keys and under others (question, good, bad), long enough to cut."""

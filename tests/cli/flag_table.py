@@ -1,12 +1,15 @@
 """The flag table: for every user-facing flag (tests/cli/test_flag_effects.py derives the list from the
-config dataclasses), what it promises and how a run shows it. Keys: a shared (`JobConfig`) flag as
-`--section.name`, run on tiny_gpt, the cheapest recipe, since every recipe shares its code path; a
-recipe's own flag as `recipe:--section.name`, run on that recipe. A check reads what the two runs
-(tests/cli/flag_runs.py) left: their metrics, samples, checkpoints, optimizer, weights and batches.
+config dataclasses), what it promises and how it shows. Keys: a shared (`JobConfig`) flag as
+`--section.name`, run on tiny_gpt, the cheapest recipe, since every recipe shares its code path; any other
+flag as `recipes:--section.name`, the recipes whose configs share the dataclass declaring it (one recipe,
+or several joined by "+"), run on the cheapest of them. A check reads what the two runs
+(tests/cli/flag_runs.py) left: their metrics, samples, checkpoints, traces, trackers' records, what the
+progress bar drew, optimizer, weights and batches; or, for an entry with `read=True`, the parsed config
+and the inputs a run reads.
 
 To add a flag: add its key to SHARED or to its recipe's table with one `Effect` (one check per thing its
 help text says it controls), `Inert` (with the reason it changes no number) or `TestedElsewhere` (only
-when one CPU process cannot show it: the test that does).
+when one CPU process cannot show it: the test that does, which must name the flag).
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ SAMPLE = ("--sample.prompts", "ROMEO:", "--sample.max-new-tokens", "8", "--sampl
 FIVE = ("--train.train-iters", "5")
 BAR = ("--progress.enabled", "--progress.mininterval", "0")
 PROFILE = ("--profiler.enabled",)
-DDP = ("--parallel.strategy", "ddp")  # a gloo group of one rank (tests/cli/flag_runs.py)
+DDP = ("--parallel.strategy", "ddp")
+MOE = ("--model.experts", "4")
+SHARED_MLFLOW = ("--metrics.mlflow", "--metrics.mlflow-tracking-uri", "sqlite:///{mlflow_db}")  # one store: one migration  # a gloo group of one rank (tests/cli/flag_runs.py)
 PROFILE_STEP_3 = (*PROFILE, "--profiler.start-step", "3", "--profiler.stop-step", "3")
 
 # ----------------------------------------------------------------------------- checks, one promise each
@@ -118,12 +123,13 @@ def mlflow_records_the_metrics_in_the_run_dirs_sqlite(first, second):
 
 
 def mlflow_experiment_is_named(first, second):
-    mlflow_run_of(first, "fntrain"), mlflow_run_of(second, "exp1")
+    uri = first.ok().config.metrics.mlflow_tracking_uri  # both runs log to one store, each to its experiment
+    assert mlflow_run_of(first, "fntrain", uri)[1].info.run_name == first.run_dir.name
+    assert mlflow_run_of(second, "exp1", uri)[1].info.run_name == second.ok().run_dir.name
 
 
 def mlflow_logs_to_the_given_uri(first, second):
-    uri = f"sqlite:///{second.ok().config.metrics.mlflow_tracking_uri.removeprefix('sqlite:///')}"
-    client, run = mlflow_run_of(second, uri=uri)
+    client, run = mlflow_run_of(second, uri=second.ok().config.metrics.mlflow_tracking_uri)
     assert [m.value for m in client.get_metric_history(run.info.run_id, "loss")] == second.losses
     assert (first.ok().run_dir / "mlflow.db").is_file() and not (second.run_dir / "mlflow.db").exists()
 
@@ -398,6 +404,31 @@ def sample_length_is_bounded(first, second):
 sample_text_differs = values_differ("sample text", lambda o: [row["text"] for row in o.samples])
 
 
+def greedy(outcome, prompt: str = "ROMEO:", tokens: int = 8) -> str:
+    """The likeliest continuation of `prompt` under the run's final weights, byte by byte (argmax)."""
+    model, ids = outcome.model.eval(), list(prompt.encode())
+    with torch.no_grad():
+        for _ in range(tokens):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return bytes(ids[len(prompt.encode()):]).decode("utf-8", errors="replace")
+
+
+def end_sample(outcome) -> str:
+    """The text sampled after the last step (sample.at_end), under the final weights."""
+    (row,) = [row for row in outcome.ok().samples if row["step"] == outcome.result.state.global_step]
+    return row["text"]
+
+
+def first_is_greedy(first, second):
+    assert end_sample(first) == greedy(first), (end_sample(first), greedy(first))
+    assert end_sample(second) != greedy(second), end_sample(second)  # drawn: not the argmax here
+
+
+def seed_changes_the_text_not_the_training(first, second):
+    assert end_sample(first) != end_sample(second)
+    same_numbers(first, second)  # each prompt's own generator: the global RNGs (and so training) untouched
+
+
 def samples_at_the_end(first, second):
     assert sample_steps(first) == [3] and sample_steps(second) == []
 
@@ -495,6 +526,51 @@ def block_count(first, second):
 
 def head_count(first, second):
     assert first.ok().model.blocks[0].attn.head_dim == 8 and second.ok().model.blocks[0].attn.head_dim == 4
+
+
+def moe_of(outcome):
+    return outcome.ok().model.blocks[0].moe
+
+
+def routed_rows(outcome) -> int:
+    """(token, expert) pairs the router makes of 5 tokens in a training forward of the final block's MoE."""
+    moe = moe_of(outcome).train()
+    moe.step_load.zero_()
+    moe(torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(0)))
+    return int(moe.step_load.sum())
+
+
+def each_token_goes_to_k_experts(first, second):
+    assert routed_rows(first) == 5 * 1 and routed_rows(second) == 5 * 2, (routed_rows(first), routed_rows(second))
+
+
+def shared_mlp_of_an_experts_width(first, second):
+    assert moe_of(first).shared is None
+    assert moe_of(second).shared[0].weight.shape == (64, 16)  # 1 shared expert of 4 x d_model hidden units
+
+
+def expert_mlps_have_expert_hidden_units(first, second):
+    assert moe_of(first).experts.w_in.shape == (4, 16, 64) and moe_of(second).experts.w_in.shape == (4, 16, 8)
+
+
+def aux_loss_is_added_by_its_weight(first, second):
+    # the same first step (same seed, same weights): the trained loss grows by weight x the logged aux loss
+    a, b = first.ok().train_rows[0], second.ok().train_rows[0]
+    assert math.isclose(b["loss"] - a["loss"], 1.0 * b["moe/aux_loss"], rel_tol=1e-4), (a, b)
+
+
+def routing_bias_moves_by_the_rate_each_step(first, second):
+    assert torch.equal(moe_of(first).expert_bias, torch.zeros(4))
+    steps = moe_of(second).expert_bias / 0.5  # each step adds +-rate (or 0) per expert: 3 steps
+    assert steps.abs().max() > 0 and torch.equal(steps, steps.round()) and steps.abs().max() <= 3, steps
+
+
+def dropout_masks(outcome) -> torch.Tensor:
+    return outcome.ok().seen.dropout_masks[0]
+
+
+def dropout_follows_the_seed(first, second):
+    assert not torch.equal(dropout_masks(first), dropout_masks(second))
 
 
 def dropout_changes_training_losses(first, second):
@@ -710,7 +786,7 @@ SHARED = {
     "--run-dir": Effect(("{root}/a", "{root}/b"), (run_files_land_in_run_dir,)),
     "--overwrite": Effect((True, False), (overwrite_starts_over_and_moves_the_old_run_aside,
                                           without_overwrite_the_complete_run_is_left_as_it_was), before=()),
-    "--seed": Effect((1, 2), (initialisation_differs, data_order_differs)),
+    "--seed": Effect((1, 2), (initialisation_differs, data_order_differs, dropout_follows_the_seed), base=("--model.dropout", "0.5")),
     "--log-every": Effect((1, 2), (logged_steps_follow_log_every, logged_loss_is_the_mean_since_the_last_log)),
     "--runtime.device": TestedElsewhere("tests/runtime/test_device.py::test_cuda_requested_without_a_gpu_is_a_clear_error",
                                         "cuda and npu need the device"),
@@ -791,8 +867,8 @@ SHARED = {
     "--metrics.run-name": Effect(("None", "myrun"), (run_name_defaults_to_the_run_directory,), base=("--metrics.wandb",), slow=True),
     "--metrics.tags": Effect(((), ("a", "k=v")), (tags_reach_the_tracker,), base=("--metrics.wandb",), slow=True),
     "--metrics.mlflow": Effect((True, False), (mlflow_records_the_metrics_in_the_run_dirs_sqlite,), slow=True),
-    "--metrics.mlflow-experiment": Effect(("fntrain", "exp1"), (mlflow_experiment_is_named,), base=("--metrics.mlflow",), slow=True),
-    "--metrics.mlflow-tracking-uri": Effect(("None", "sqlite:///{root}/elsewhere.db"), (mlflow_logs_to_the_given_uri,), base=("--metrics.mlflow",), slow=True),
+    "--metrics.mlflow-experiment": Effect(("fntrain", "exp1"), (mlflow_experiment_is_named,), base=SHARED_MLFLOW, slow=True),
+    "--metrics.mlflow-tracking-uri": Effect(("None", "sqlite:///{mlflow_db}"), (mlflow_logs_to_the_given_uri,), base=("--metrics.mlflow",), slow=True),
     "--progress.enabled": Effect((True, False), (bar_is_drawn_on_a_terminal,), base=BAR, slow=True),
     "--progress.mininterval": Effect((0.0, 1000.0), (redraws_wait_mininterval,), base=("--progress.enabled", "--progress.no-redirect-logging"), slow=True),
     "--progress.leave": Effect((True, False), (finished_bar_stays_or_is_cleared,), base=BAR, slow=True),
@@ -806,10 +882,10 @@ SHARED = {
     "--sample.every": Effect((1, 2), (samples_every_n_steps,), base=(*FIVE, *SAMPLE)),
     "--sample.prompts": Effect((("ROMEO:",), ("ROMEO:", "JULIET:")), (one_sample_per_prompt,), base=(*SAMPLE, )),
     "--sample.max-new-tokens": Effect((2, 8), (sample_length_is_bounded,), base=SAMPLE),
-    "--sample.temperature": Effect((0.0, 1.0), (sample_text_differs,), base=SAMPLE),
-    "--sample.top-k": Effect((1, "None"), (sample_text_differs,), base=SAMPLE),
-    "--sample.top-p": Effect((1e-6, 1.0), (sample_text_differs,), base=SAMPLE),
-    "--sample.seed": Effect((1, 2), (sample_text_differs,), base=SAMPLE),
+    "--sample.temperature": Effect((0.0, 1.0), (first_is_greedy,), base=SAMPLE),
+    "--sample.top-k": Effect((1, "None"), (first_is_greedy,), base=SAMPLE),
+    "--sample.top-p": Effect((1e-6, 1.0), (first_is_greedy,), base=SAMPLE),
+    "--sample.seed": Effect((1, 2), (seed_changes_the_text_not_the_training,), base=SAMPLE),
     "--sample.at-end": Effect((True, False), (samples_at_the_end,), base=SAMPLE),
     "--gc.gc-every": Effect((1, 2), (collects_every_n_steps,), base=("--train.train-iters", "4", "--gc.generation", "0")),
     "--gc.generation": Effect((0, 1), (collects_the_oldest_generation_given,), base=("--train.train-iters", "4", "--gc.gc-every", "1")),
@@ -869,9 +945,11 @@ TINY_GPT = {
     "tiny_gpt:--model.dropout": Effect((0.0, 0.5), (dropout_changes_training_losses,)),
     "tiny_gpt:--model.vocab-size": Effect((256, 300), (shape("tok.weight"), shape("head.weight"))),
     "tiny_gpt:--model.experts": Effect((0, 2), (has_experts,)),
-    **{f"tiny_gpt:--model.{name}": Effect(values, (values_differ(name, lambda o: o.losses),), base=("--model.experts", "4"))
-       for name, values in (("experts-per-token", (1, 2)), ("shared-experts", (0, 1)), ("expert-hidden", (0, 8)),
-                            ("router-aux-loss-weight", (0.0, 1.0)), ("router-bias-rate", (0.0, 0.5)))},  # fmt: skip
+    "tiny_gpt:--model.experts-per-token": Effect((1, 2), (each_token_goes_to_k_experts,), base=MOE),
+    "tiny_gpt:--model.shared-experts": Effect((0, 1), (shared_mlp_of_an_experts_width,), base=MOE),
+    "tiny_gpt:--model.expert-hidden": Effect((0, 8), (expert_mlps_have_expert_hidden_units,), base=MOE),
+    "tiny_gpt:--model.router-aux-loss-weight": Effect((0.0, 1.0), (aux_loss_is_added_by_its_weight,), base=MOE),
+    "tiny_gpt:--model.router-bias-rate": Effect((0.0, 0.5), (routing_bias_moves_by_the_rate_each_step,), base=MOE),
     "tiny_gpt:--data.path": Effect(("None", "{abc}"), (trains_on_the_given_text,)),
     "tiny_gpt:--data.shards": TestedElsewhere("tests/data/test_shards_recipe.py::test_three_steps_on_shards_through_the_cli", "needs fntrain tokenize's output"),
     "tiny_gpt:--data.val-fraction": Effect((0.02, 0.3), (val_split_holds_the_tail,), base=("--data.path", "{corpus}", "--evaluate.at-end")),
