@@ -75,7 +75,7 @@ READ_BASE = {
 """Each Hugging Face recipe's inputs, read without a model (`FlagRuns.read`)."""
 
 FILES = ("llama", "chat", "pref", "prompts", "llava", "corpus", "abc", "model", "bytes", "sft", "keys", "val",
-         "teacher", "pairs", "shards", "shapes", "shapes_pc", "mlflow_db")  # fmt: skip
+         "teacher", "pairs", "shards", "shapes", "shapes_pc", "mlflow_db", "byte_shards")  # fmt: skip
 """The inputs an argument may name as {name}: each made once, by FlagRuns._make_<name>."""
 
 REWARDS = '''"""A reward the flag table's GRPO runs score completions with (tests/cli/flag_runs.py)."""
@@ -388,6 +388,14 @@ class FlagRuns:
         row = {"text": "plain", "body": "other", "prompt": "ask", "question": "query", "completion": " yes",
                "answer": " no", "messages": CHATS[0], "dialog": CHATS[1]}  # fmt: skip
         return _jsonl(self.root / "keys.jsonl", [row] * 4)
+
+    def _make_byte_shards(self) -> Path:
+        """`fntrain tokenize`'s shards of some text in fntrain's byte vocabulary (bytes, then EOS 256)."""
+        from fntrain.data.tokenize import tokenize_files
+
+        source = _jsonl(self.root / "byte_text.jsonl", [{"text": f"shard line {n}: abcdefgh"} for n in range(12)])
+        tokenize_files([str(source)], self.root / "byte_shards", "bytes")
+        return self.root / "byte_shards"
 
     def _make_mlflow_db(self) -> Path:
         """An MLflow sqlite store the runs that name it share (created by the first: one schema migration)."""

@@ -585,6 +585,19 @@ def corpus_windows(outcome):
     return {bytes(row.tolist()) for batch in outcome.ok().train_batches for row in batch}
 
 
+def trains_on_windows_of_the_shards(first, second):
+    from tests.data.test_tokenize import stream_of
+
+    stream = stream_of(second.ok().config.data.shards)
+    text = f",{','.join(map(str, stream))},"  # each window: a run of the stream's tokens
+    assert all(f",{','.join(map(str, row.tolist()))}," in text for batch in second.train_batches for row in batch)
+    assert not any(256 in batch for batch in first.ok().train_batches)  # the bundled corpus: bytes, no EOS
+
+
+def vocabulary_grows_to_the_shards(first, second):
+    assert first.ok().model.tok.weight.shape[0] == 256 and second.ok().model.tok.weight.shape[0] == 257
+
+
 def trains_on_the_given_text(first, second):
     assert all(window in b"abcdefgh" * 64 for window in corpus_windows(second))
     assert not all(window in b"abcdefgh" * 64 for window in corpus_windows(first))
@@ -758,6 +771,12 @@ def a_stall_aborts_with_the_exit_code(first, second):
 # ----------------------------------------------------------------------------- data parallelism on a group of one rank
 
 
+def data_parallel_wraps_the_model_and_trains_alike(first, second):
+    assert type(first.ok().model_wrapper).__name__ == "TinyGPT"
+    assert type(second.ok().model_wrapper).__name__ == "DistributedDataParallel"
+    assert second.losses == pytest.approx(first.losses, rel=1e-5)  # one rank: the same numbers
+
+
 def process_group_waits_timeout_s(first, second):
     import datetime
 
@@ -796,7 +815,7 @@ SHARED = {
     "--runtime.timeout-s": Effect((1800.0, 77.0), (process_group_waits_timeout_s,), base=DDP, slow=True),
     "--runtime.tf32": TestedElsewhere("tests/runtime/test_device.py::test_cuda_precision_flags_set_and_restore", "TF32/HF32 exist on cuda/npu only"),
     "--runtime.cpu-threads": Effect((1, 2), (torch_threads_follow_the_value,)),
-    "--parallel.strategy": TestedElsewhere("tests/runtime/test_distributed.py::test_two_ranks_match_one_rank", ELSEWHERE_MULTI),
+    "--parallel.strategy": Effect(("none", "ddp"), (data_parallel_wraps_the_model_and_trains_alike,), slow=True),
     "--parallel.mixed-precision": Effect(("fp32", "bf16"), (bf16_computes_in_bf16, bf16_keeps_fp32_weights)),
     "--parallel.reshard-after-forward": Effect((True, False), (blocks_reshard_after_forward_but_the_last,), base=("--parallel.strategy", "fsdp2", "--model.n-layer", "2"), slow=True),
     "--parallel.activation-checkpointing": Effect((True, False), (blocks_recompute_in_backward, same_numbers)),
@@ -917,8 +936,8 @@ SHARED = {
     "--checkpoint.preempt-signals": TestedElsewhere("tests/hooks/test_preemption_runs.py::test_the_checkpoint_hook_installs_the_configured_signals_itself", "needs a signal"),
     "--checkpoint.preempt-check-every": TestedElsewhere("tests/hooks/test_checkpoint_pins.py::test_ranks_stop_at_the_agreed_step_and_the_reason_names_the_step_the_notice_came", "ranks agree on a step only with several of them (the named test fakes a world of 2)"),
     "--checkpoint.preempt-exit-code": TestedElsewhere("tests/hooks/test_preemption_runs.py::test_the_checkpoint_hook_installs_the_configured_signals_itself", "the process exits with it: needs a signal and a process of its own"),
-    "--checkpoint.save-every-minutes": TestedElsewhere("tests/checkpoint/test_time_based.py::test_saves_every_n_minutes_of_the_clock", "needs minutes of a clock"),
-    "--checkpoint.time-based-temporary": TestedElsewhere("tests/checkpoint/test_time_based.py::test_temporary_time_based_checkpoints_are_removed_once_superseded", "needs minutes of a clock"),
+    "--checkpoint.save-every-minutes": TestedElsewhere("tests/checkpoint/test_time_based.py::test_saves_every_n_minutes_of_the_clock", "needs minutes of a clock: the named test drives the hook on a fake one, which a run cannot be given"),
+    "--checkpoint.time-based-temporary": TestedElsewhere("tests/checkpoint/test_time_based.py::test_temporary_time_based_checkpoints_are_removed_once_superseded", "needs minutes of a clock: the named test drives the hook on a fake one, which a run cannot be given"),
     "--checkpoint.abort-wait-s": TestedElsewhere("tests/hooks/test_checkpoint_pins.py::test_abort_waits_no_longer_than_abort_wait_s", "needs an async write held in flight at an abort"),
     "--checkpoint.thread-count": Inert("the same checkpoint, written by more threads", (1, 2), base=SAVES),
     "--checkpoint.on-save-failure": TestedElsewhere("tests/checkpoint/test_save_faults.py::test_continue_warns_on_each_failure_and_tries_again_at_the_next_cadence", "needs a failing disk"),
@@ -951,7 +970,7 @@ TINY_GPT = {
     "tiny_gpt:--model.router-aux-loss-weight": Effect((0.0, 1.0), (aux_loss_is_added_by_its_weight,), base=MOE),
     "tiny_gpt:--model.router-bias-rate": Effect((0.0, 0.5), (routing_bias_moves_by_the_rate_each_step,), base=MOE),
     "tiny_gpt:--data.path": Effect(("None", "{abc}"), (trains_on_the_given_text,)),
-    "tiny_gpt:--data.shards": TestedElsewhere("tests/data/test_shards_recipe.py::test_three_steps_on_shards_through_the_cli", "needs fntrain tokenize's output"),
+    "tiny_gpt:--data.shards": Effect(("None", "{byte_shards}"), (trains_on_windows_of_the_shards, vocabulary_grows_to_the_shards), slow=True),
     "tiny_gpt:--data.val-fraction": Effect((0.02, 0.3), (val_split_holds_the_tail,), base=("--data.path", "{corpus}", "--evaluate.at-end")),
 }
 

@@ -690,7 +690,7 @@ VLM = {
     "vlm:--answer-tokens": Effect((2, 0), (answers_are_scored_on_held_out_images,), base=("--evaluate.at-end",), slow=True),
     "vlm:--model.path": TestedElsewhere("tests/recipes/test_vlm.py::test_the_default_learns_the_shapes_and_the_export_answers_with_transformers", "needs a second LLaVA directory"),
     "vlm:--model.cache-dir": Effect(("{llava}", "{root}/llava"), (tiny_llava_is_built_under_cache_dir,), read=True, slow=True),
-    "vlm:--model.dtype": TestedElsewhere("tests/models/test_hf.py::test_bfloat16_dtype_is_passed_to_transformers", "the model loader's own tests"),
+    "vlm:--model.dtype": Effect(("float32", "bfloat16"), (weights_load_in_the_dtype,), slow=True),
     "vlm:--model.attn-implementation": Effect(("sdpa", "eager"), (attention_kernel_follows,), slow=True),
     "vlm:--data.path": Effect(("", "{shapes}"), (vlm_reads_the_file_or_generates,), read=True, slow=True),
     "vlm:--data.val-path": Effect(("{shapes_pc}", "None"), (vlm_validation_from_val_path,), base=SHAPES, read=True, slow=True),
