@@ -130,6 +130,9 @@ TARGETS = {
         _t("fntrain/step/objectives/reference.py", "tests/step/objectives/test_reference.py",
            "tests/step/objectives/test_dpo.py", goal=0.9),
         _t("fntrain/step/objectives/kd.py", "tests/step/objectives/test_kd.py", goal=0.9),
+        # The decode loop every completion of `fntrain generate`, the samples hook and GRPO's rollout comes out of
+        # (GRPO trains on its tokens): the tiny GPT's and a transformers model's paths.
+        _t("fntrain/sampling/decode.py", "tests/sampling/test_tiny_gpt.py", "tests/sampling/test_hf.py", goal=0.9),
         # Which tokens of a chat example are trained on (the prompt masked): a wrong label trains on the prompt.
         _t("fntrain/data/chat.py", "tests/data/test_sft.py", "tests/data/test_vlm.py", goal=0.9),
         # DPO's pairs: how a batch pairs the chosen and rejected sequences, padded and masked.

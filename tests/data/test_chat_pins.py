@@ -34,7 +34,8 @@ def test_a_slow_tokenizer_labels_as_a_fast_one_with_a_span_from_the_first_charac
 
 def test_an_empty_text_through_a_slow_tokenizer_is_its_special_tokens_alone():
     assert tokenize_spans(CharTokenizer(is_fast=False), "", [], add_special_tokens=True, train_all=False) == (
-        [BOS], [IGNORE_INDEX]
+        [BOS],
+        [IGNORE_INDEX],
     )
 
 
@@ -80,7 +81,9 @@ class NoOffsetsTokenizer(CharTokenizer):
 
 
 def test_a_tokenizer_that_does_not_say_it_is_fast_is_read_without_offsets():
-    ids, labels = tokenize_spans(NoOffsetsTokenizer(), "Q?A", [(2, 3)], add_special_tokens=True, train_all=False)
+    ids, labels = tokenize_spans(
+        NoOffsetsTokenizer(), "Q?A", [(2, 3)], add_special_tokens=True, train_all=False
+    )
     assert ids == [BOS, *char("Q?A")] and labels == [IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, *char("A")]
 
 
@@ -97,7 +100,9 @@ class PrefixingSlowTokenizer(CharTokenizer):
 
 
 def test_special_tokens_that_do_not_surround_the_text_go_before_it():
-    ids, labels = tokenize_spans(PrefixingSlowTokenizer(), "Q?A", [(2, 3)], add_special_tokens=True, train_all=False)
+    ids, labels = tokenize_spans(
+        PrefixingSlowTokenizer(), "Q?A", [(2, 3)], add_special_tokens=True, train_all=False
+    )
     assert ids == [BOS, *char("Q?A")] and labels == [IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, *char("A")]
 
 
@@ -106,14 +111,19 @@ def test_a_message_without_a_role_or_content_is_refused_naming_it(message):
     messages = [{"role": "user", "content": "Who?"}, message]
     with pytest.raises(ConfigError) as error:
         chat_spans(CharTokenizer(), CharTokenizer().chat_template, messages, "data.path 'chat.jsonl' line 3")
-    assert str(error.value) == "data.path 'chat.jsonl' line 3: message 1 must be an object with 'role' and 'content'"
+    assert (
+        str(error.value)
+        == "data.path 'chat.jsonl' line 3: message 1 must be an object with 'role' and 'content'"
+    )
 
 
 class TokenizingByDefault(CharTokenizer):
     """apply_chat_template as transformers' tokenizers define it: token ids unless told tokenize=False."""
 
     def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
-        text = super().apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = super().apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
         return self(text)["input_ids"] if tokenize else text
 
 
@@ -145,7 +155,10 @@ def test_an_empty_assistant_turn_is_an_empty_span_not_a_refusal():
     empty reply adds nothing, so its span is empty."""
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     messages = [{"role": "user", "content": "Who?"}, {"role": "assistant", "content": ""}]
-    assert chat_spans(CharTokenizer(chat_template=template), template, messages, "row 1") == ("Who?", [(4, 4)])
+    assert chat_spans(CharTokenizer(chat_template=template), template, messages, "row 1") == (
+        "Who?",
+        [(4, 4)],
+    )
 
 
 def test_a_template_that_renders_prefixes_otherwise_is_refused_pointing_at_train_on_prompt():

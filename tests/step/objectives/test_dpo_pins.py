@@ -45,7 +45,9 @@ def test_a_micro_batch_of_one_or_two_pairs_is_accepted():
     """Any even number of rows is whole pairs: 2 and 4 rows train, 3 rows are refused."""
     for pairs in (1, 2):
         batch = preference_batch(pairs=pairs)
-        loss, _ = make_dpo_loss(DPOConfig())(PreferenceOutput(_logits(2 * pairs), torch.zeros(2 * pairs)), batch)
+        loss, _ = make_dpo_loss(DPOConfig())(
+            PreferenceOutput(_logits(2 * pairs), torch.zeros(2 * pairs)), batch
+        )
         assert torch.isfinite(loss)
     three = {"labels": preference_batch(pairs=2)["labels"][:3]}
     with pytest.raises(ValueError, match="in pairs, got 3 rows"):

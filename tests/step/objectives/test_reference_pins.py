@@ -122,5 +122,7 @@ class TunerOnly(nn.Module):
 
 
 def test_a_model_with_a_peft_config_but_no_adapter_switch_is_refused_naming_lora():
-    with pytest.raises(ValueError, match="dpo.reference 'adapter-off' needs a LoRA model .* the policy is a TunerOnly"):
+    with pytest.raises(
+        ValueError, match="dpo.reference 'adapter-off' needs a LoRA model .* the policy is a TunerOnly"
+    ):
         adapter_off_reference()(TunerOnly(), preference_batch())
