@@ -137,5 +137,8 @@ TARGETS = {
         _t("fntrain/data/chat.py", "tests/data/test_sft.py", "tests/data/test_vlm.py", goal=0.9),
         # DPO's pairs: how a batch pairs the chosen and rejected sequences, padded and masked.
         _t("fntrain/data/preference_collate.py", "tests/data/test_preference.py", goal=0.9),
+        # Samples during training: when, from which generator, with the model's mode and the global RNGs restored,
+        # and where they go (its MLflow and W&B tests are the slow tier's).
+        _t("fntrain/hooks/sample.py", "tests/hooks/test_sample.py"),
     )
 }
