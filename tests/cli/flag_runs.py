@@ -174,13 +174,39 @@ class Outcome:
 
 @dataclass
 class Read:
-    """A recipe's inputs as a run reads them (no model): the config, the assets, every train and
-    validation sample through the recipe's collate in micro-batches of two (tensors as lists), or the
-    error the reading raised."""
+    """A recipe's parsed config (`settings`) and, read on first use, its inputs as a run reads them (no
+    model): the assets, every train and validation sample through the recipe's collate in micro-batches
+    of two (tensors as lists), or the error parsing or reading raised."""
 
     config: Any
-    inputs: Any
-    error: BaseException | None
+    spec: Any
+    parse_error: BaseException | None
+
+    @cached_property
+    def _read(self) -> tuple[Any, BaseException | None]:
+        from fntrain.run.checks import read_inputs
+
+        if self.parse_error is not None:
+            return None, self.parse_error
+        try:
+            self.config.data.validate()  # as a run does first (the model directory holds no weights: not checked)
+            return read_inputs(self.config, self.spec), None
+        except Exception as raised:  # a check may expect a refusal; others assert ok()
+            return None, raised
+
+    @property
+    def inputs(self) -> Any:
+        return self._read[0]
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._read[1]
+
+    @property
+    def settings(self) -> Any:
+        """The parsed config (its inputs not read: what an objective's or a hook's check needs)."""
+        assert self.parse_error is None, f"the flags did not parse: {self.parse_error!r}"
+        return self.config
 
     def ok(self) -> Read:
         assert self.error is None, f"reading the inputs failed: {self.error!r}"
@@ -267,53 +293,51 @@ class FlagRuns:
         same run directory); each distinct one runs once: runs whose flags give the same config (but for
         the run directory) are one run, so an entry's default value shares the run of its section's base."""
         run_dir = self.root / f"run{len(self._cache)}"
-        key = (recipe, self._config_key(recipe, flags, run_dir), before)
+        config = self._parse(recipe, flags, run_dir)
+        # what identifies a run: its config but for the run directory (its flags, when they do not parse)
+        same = flags if config is None else repr(config if "--run-dir" in flags else dataclasses.replace(config, run_dir=""))
+        key = (recipe, same, before)
         if key not in self._cache:
             if before is not None:
-                self._run(recipe, before, run_dir)
-            self._cache[key] = self._run(recipe, flags, run_dir)
+                self._run(recipe, self._parse(recipe, before, run_dir))
+            self._cache[key] = self._run(recipe, config)
         return self._cache[key]
 
-    def _config_key(self, recipe_name: str, flags: tuple[str, ...], run_dir: Path) -> Any:
-        """What identifies a run: its parsed config without the run directory (its flags, if they do not parse)."""
+    def _parse(self, recipe_name: str, flags: tuple[str, ...], run_dir: Path) -> Any:
+        """`recipe_name`'s config from its BASE flags then `flags` in `run_dir` (None: they do not parse)."""
         from fntrain.cli.config_file import parse_config_cli
 
         module = importlib.import_module(f"recipes.{recipe_name}")
         args = [self._expand(arg, run_dir) for arg in ("--run-dir", str(run_dir), *BASE[recipe_name], *flags)]
         try:
-            config = parse_config_cli(module.Config, args)
-            return repr(config if "--run-dir" in flags else dataclasses.replace(config, run_dir=""))
-        except Exception:  # a refusal to parse is the run's own outcome
-            return flags
+            return parse_config_cli(module.Config, args)
+        except Exception:  # a refusal to parse: no entry expects one of a run
+            return None
 
     def read(self, recipe: str, flags: tuple[str, ...]) -> Read:
-        """`recipe`'s inputs read with its READ_BASE flags then `flags`, as a run reads them; each once."""
+        """`recipe`'s config parsed from its READ_BASE flags then `flags`, its inputs read on first use as a
+        run reads them; each once."""
         key = ("read", recipe, flags)
         if key not in self._cache:
             from fntrain.cli.config_file import parse_config_cli
-            from fntrain.run.checks import read_inputs
 
             module = importlib.import_module(f"recipes.{recipe}")
             run_dir = self.root / f"read{len(self._cache)}"
             args = [self._expand(arg, run_dir) for arg in ("--run-dir", str(run_dir), *READ_BASE[recipe], *flags)]
-            config = inputs = error = None
+            config = error = None
             try:
                 config = parse_config_cli(module.Config, args)
-                config.data.validate()  # as a run does first (the model directory holds no weights: not checked)
-                inputs = read_inputs(config, module.spec)
-            except Exception as raised:  # a check may expect a refusal; others assert ok()
+            except Exception as raised:  # a check may expect a refusal; others assert settings or ok()
                 error = raised
-            self._cache[key] = Read(config, inputs, error)
+            self._cache[key] = Read(config, module.spec, error)
         return self._cache[key]
 
-    def _run(self, recipe_name: str, flags: tuple[str, ...], run_dir: Path) -> Outcome:
+    def _run(self, recipe_name: str, config: Any) -> Outcome:
         """The run, with stderr a fake terminal (what a progress bar draws is kept) and gc.collect counted."""
-        from fntrain.cli.config_file import parse_config_cli
         from fntrain.run.job import run_job
 
-        recipe = importlib.import_module(f"recipes.{recipe_name}")
-        args = [self._expand(arg, run_dir) for arg in ("--run-dir", str(run_dir), *BASE[recipe_name], *flags)]
-        config, seen = parse_config_cli(recipe.Config, args), Seen()
+        assert config is not None, f"the flags of a {recipe_name} run did not parse"
+        recipe, seen = importlib.import_module(f"recipes.{recipe_name}"), Seen()
         result = error = None
         collect, stderr, terminal = gc.collect, sys.stderr, _Terminal()
 

@@ -721,7 +721,7 @@ def watchdog_of(read, aborted=None):
     from tests.hooks.test_watchdog import FakeClock
 
     clock = FakeClock()
-    dog = Watchdog(read.ok().config.watchdog, rank=0, stacks_dir=Path(tempfile.mkdtemp()) / "stacks", clock=clock,
+    dog = Watchdog(read.settings.watchdog, rank=0, stacks_dir=Path(tempfile.mkdtemp()) / "stacks", clock=clock,
                    abort=(aborted if aborted is not None else []).append)  # fmt: skip
     return dog, clock
 
@@ -947,13 +947,13 @@ SHARED = {
     "--checkpoint.weights-only": Effect((True, False), (weights_only_restarts_at_step_zero, weights_only_starts_from_the_checkpoints_weights), base=(*FIVE, "--checkpoint.save-every", "3", "--checkpoint.restore-from", "{run}/checkpoints/step_3", "--checkpoint.allow-changes", "train.train_iters"), before=("--checkpoint.save-every", "3")),
     "--checkpoint.export": Effect((True, False), (exports_model_safetensors,)),
     "--watchdog.enabled": TestedElsewhere("tests/hooks/test_watchdog.py::test_disabled_starts_nothing", "its thread aborts the process: a run cannot be shown stalling and surviving"),
-    "--watchdog.factor": Effect((3.0, 5.0), (limit_is_factor_times_the_median_step,), base=("--watchdog.floor-s", "1", "--watchdog.grace-steps", "2"), read=True),
-    "--watchdog.floor-s": Effect((1.0, 10.0), (limit_is_at_least_the_floor,), base=("--watchdog.factor", "3", "--watchdog.grace-steps", "2"), read=True),
-    "--watchdog.grace-steps": Effect((2, 4), (first_steps_stay_out_of_the_median,), base=("--watchdog.factor", "3", "--watchdog.floor-s", "1"), read=True),
-    "--watchdog.grace-s": Effect((60.0, 100.0), (limit_before_any_period_is_grace_s,), base=("--watchdog.grace-steps", "2", "--watchdog.floor-s", "1"), read=True),
-    "--watchdog.window": Effect((3, 10), (median_over_the_last_window_steps,), base=("--watchdog.factor", "3", "--watchdog.floor-s", "1", "--watchdog.grace-steps", "2"), read=True),
+    "--watchdog.factor": Effect((3.0, 5.0), (limit_is_factor_times_the_median_step,), base=("--watchdog.floor-s", "1", "--watchdog.grace-steps", "2"), read=True, slow=True),
+    "--watchdog.floor-s": Effect((1.0, 10.0), (limit_is_at_least_the_floor,), base=("--watchdog.factor", "3", "--watchdog.grace-steps", "2"), read=True, slow=True),
+    "--watchdog.grace-steps": Effect((2, 4), (first_steps_stay_out_of_the_median,), base=("--watchdog.factor", "3", "--watchdog.floor-s", "1"), read=True, slow=True),
+    "--watchdog.grace-s": Effect((60.0, 100.0), (limit_before_any_period_is_grace_s,), base=("--watchdog.grace-steps", "2", "--watchdog.floor-s", "1"), read=True, slow=True),
+    "--watchdog.window": Effect((3, 10), (median_over_the_last_window_steps,), base=("--watchdog.factor", "3", "--watchdog.floor-s", "1", "--watchdog.grace-steps", "2"), read=True, slow=True),
     "--watchdog.poll-s": TestedElsewhere("tests/hooks/test_watchdog.py::test_in_a_training_loop_the_thread_finds_the_stalled_step", "how often its thread looks: a stall that it finds aborts the process"),
-    "--watchdog.exit-code": Effect((124, 7), (a_stall_aborts_with_the_exit_code,), base=("--watchdog.floor-s", "1", "--watchdog.grace-steps", "2"), read=True),
+    "--watchdog.exit-code": Effect((124, 7), (a_stall_aborts_with_the_exit_code,), base=("--watchdog.floor-s", "1", "--watchdog.grace-steps", "2"), read=True, slow=True),
 }
 
 TINY_GPT = {

@@ -289,7 +289,7 @@ def policy_logps() -> tuple[float, float, int, int]:
 def dpo_loss_of(read) -> tuple[float, dict]:
     from fntrain.step.objectives.dpo import PreferenceOutput, make_dpo_loss
 
-    config = read.ok().config.dpo
+    config = read.settings.dpo
     reference = REFERENCE if config.needs_reference else None
     loss, metrics = make_dpo_loss(config)(PreferenceOutput(LOGITS, reference), {"labels": LABELS})
     return loss.item(), {key: value.item() for key, value in metrics.items()}
@@ -343,7 +343,7 @@ STUDENT, TEACHER = LOGITS[:1], torch.randn(1, 3, 5, generator=torch.Generator().
 def kd_loss_of(read) -> tuple[float, dict]:
     from fntrain.step.objectives.kd import KDOutput, make_kd_loss
 
-    loss, metrics = make_kd_loss(read.ok().config.kd)(KDOutput(STUDENT, TEACHER), {"labels": LABELS[:1]})
+    loss, metrics = make_kd_loss(read.settings.kd)(KDOutput(STUDENT, TEACHER), {"labels": LABELS[:1]})
     return loss.item(), {key: value.item() for key, value in metrics.items()}
 
 
@@ -513,7 +513,7 @@ def dpo_reference_is_the_given_directory(first, second):
 def teacher_loads_in_its_dtype(first, second):
     from recipes.kd import teacher_model
 
-    assert teacher_model(first.ok().config).dtype == "float32" and teacher_model(second.ok().config).dtype == "bfloat16"
+    assert teacher_model(first.settings).dtype == "float32" and teacher_model(second.settings).dtype == "bfloat16"
 
 
 # ----------------------------------------------------------------------------- VLM inputs (the tiny LLaVA's processor)
@@ -723,7 +723,7 @@ RATIOS, ADVANTAGES, MASK = [[1.5, 1.1], [0.5, None]], [1.0, -1.0], [[True, True]
 def grpo_loss_of(read) -> tuple[float, dict]:
     from fntrain.step.objectives.grpo.loss import GRPOOutput, make_grpo_loss
 
-    config = read.ok().config.grpo
+    config = read.settings.grpo
     loss, metrics = make_grpo_loss(config, micro_batches=1, steps_per_generation=1)(
         GRPOOutput(GRPO_LOGPS, torch.zeros_like(GRPO_LOGPS)), GRPO_BATCH)
     return loss.item(), {key: value.item() for key, value in metrics.items()}
@@ -798,7 +798,7 @@ def advantages_of(read) -> list[float]:
     """The advantages the rollout gives REWARDS under the parsed grpo settings (fntrain's group_advantages)."""
     from fntrain.step.objectives.grpo.advantages import group_advantages
 
-    grpo = read.ok().config.grpo
+    grpo = read.settings.grpo
     weights = grpo.reward_weights or (1.0,) * REWARDS.shape[1]
     return group_advantages(REWARDS, weights, grpo.num_generations, grpo.scale_rewards,
                             grpo.multi_objective_aggregation, ("a", "b")).advantages.tolist()  # fmt: skip
@@ -842,16 +842,16 @@ def pytest_approx(values):
 
 
 GRPO.update({
-    "grpo:--grpo.epsilon": Effect((0.2, 0.5), (ratio_is_clipped_to_one_plus_minus_epsilon,), read=True),
-    "grpo:--grpo.epsilon-high": Effect(("None", 0.6), (upper_clip_is_epsilon_high,), read=True),
-    "grpo:--grpo.delta": Effect(("None", 1.3), (unclipped_ratio_is_capped_at_delta,), read=True),
-    "grpo:--grpo.beta": Effect((0.0, 0.5), (kl_penalty_weighs_beta,), read=True),
-    "grpo:--grpo.use-bias-correction-kl": Effect((True, False), (kl_is_multiplied_by_the_ratio_only_when_bias_corrected,), base=("--grpo.beta", "0.5"), read=True),
-    "grpo:--grpo.importance-sampling-level": Effect(("token", "sequence"), (sequence_level_takes_one_ratio_per_completion,), read=True),
-    "grpo:--grpo.loss-type": Effect(("grpo", "dr_grpo"), (loss_type_normalises_as_documented,), base=("--grpo.max-completion-length", "6"), read=True),
-    "grpo:--grpo.scale-rewards": Effect(("group", "batch"), (advantages_are_scaled_by_the_groups_or_the_batchs_std,), base=("--grpo.num-generations", "2"), read=True),
-    "grpo:--grpo.reward-weights": Effect(("None", (1.0, 3.0)), (weights_scale_each_function,), base=("--grpo.num-generations", "2", "--grpo.reward-funcs", "flag_rewards:even_share", "flag_rewards:even_share"), read=True),
-    "grpo:--grpo.multi-objective-aggregation": Effect(("sum_then_normalize", "normalize_then_sum"), (normalize_then_sum_scales_each_function_in_its_group_first,), base=("--grpo.num-generations", "2"), read=True),
+    "grpo:--grpo.epsilon": Effect((0.2, 0.5), (ratio_is_clipped_to_one_plus_minus_epsilon,), read=True, slow=True),
+    "grpo:--grpo.epsilon-high": Effect(("None", 0.6), (upper_clip_is_epsilon_high,), read=True, slow=True),
+    "grpo:--grpo.delta": Effect(("None", 1.3), (unclipped_ratio_is_capped_at_delta,), read=True, slow=True),
+    "grpo:--grpo.beta": Effect((0.0, 0.5), (kl_penalty_weighs_beta,), read=True, slow=True),
+    "grpo:--grpo.use-bias-correction-kl": Effect((True, False), (kl_is_multiplied_by_the_ratio_only_when_bias_corrected,), base=("--grpo.beta", "0.5"), read=True, slow=True),
+    "grpo:--grpo.importance-sampling-level": Effect(("token", "sequence"), (sequence_level_takes_one_ratio_per_completion,), read=True, slow=True),
+    "grpo:--grpo.loss-type": Effect(("grpo", "dr_grpo"), (loss_type_normalises_as_documented,), base=("--grpo.max-completion-length", "6"), read=True, slow=True),
+    "grpo:--grpo.scale-rewards": Effect(("group", "batch"), (advantages_are_scaled_by_the_groups_or_the_batchs_std,), base=("--grpo.num-generations", "2"), read=True, slow=True),
+    "grpo:--grpo.reward-weights": Effect(("None", (1.0, 3.0)), (weights_scale_each_function,), base=("--grpo.num-generations", "2", "--grpo.reward-funcs", "flag_rewards:even_share", "flag_rewards:even_share"), read=True, slow=True),
+    "grpo:--grpo.multi-objective-aggregation": Effect(("sum_then_normalize", "normalize_then_sum"), (normalize_then_sum_scales_each_function_in_its_group_first,), base=("--grpo.num-generations", "2"), read=True, slow=True),
 })
 
 HF_RECIPES = {**HF_SHARED, **SFT_DATA, **VLM, **DPO, **KD, **GRPO}

@@ -8,11 +8,14 @@ configs hold that same declaring class at that place joined by "+" (`hf_causal_l
 one `LoraConfig`; `hf_causal_lm+kd:--data.packing`: one SFT data config), exercised once on the cheapest of
 them (RUN_ORDER).
 
-Each `Effect` entry observes its flag at two values, on two tiny runs, or, for a data flag, on the inputs a
-run reads (`FlagRuns.read`: no model), and asserts, one check each, the effects its help text promises; an
-`Inert` entry asserts the numbers are unchanged; a `TestedElsewhere` entry names an existing test function
-whose source names the flag's field. Runs are in the slow tier but for a few shared flags (DEFAULT_TIER);
-reads of the inputs are in the default tier.
+Each `Effect` entry observes its flag at two values, on two tiny runs, or (`read=True`) on the parsed config
+and the inputs a run reads (`FlagRuns.read`: no model; a data flag's batches, an objective's loss on a fixed
+batch, the watchdog's limit on a fake clock), and asserts, one check each, the effects its help text
+promises; an `Inert` entry asserts the numbers are unchanged; a `TestedElsewhere` entry names an existing
+test function whose source (or a helper or worker it uses) names the flag. Runs are in the slow tier but
+for a few shared flags (DEFAULT_TIER); reads are in the default tier but for the VLM's (its tiny LLaVA
+takes seconds to build), GRPO's loss and advantages and the watchdog's limit (the default tier's budget:
+each entry costs two parses of its flags).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def _owned_flags(cls: type, prefix: str = "") -> Iterator[tuple[str, type]]:
             yield flag_name(f"{prefix}{item.name}"), _declaring(cls, item.name)
 
 
+@cache
 def user_flags() -> list[str]:
     """Every user-facing flag's key: a shared `JobConfig` flag once as `--section.name` (one code path
     for every recipe: the table exercises it on tiny_gpt); any other once per declaring dataclass, as
@@ -102,8 +106,8 @@ def test_the_table_covers_all_of_the_flags():
 def _test_sources(path: str) -> dict[str, str]:
     """Function name -> its source, of every function in the file `path`."""
     text = (ROOT / path).read_text()
-    tree = ast.parse(text)
-    return {node.name: ast.get_source_segment(text, node) or "" for node in ast.walk(tree)
+    lines = text.splitlines()
+    return {node.name: "\n".join(lines[node.lineno - 1 : node.end_lineno]) for node in ast.walk(ast.parse(text))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}  # fmt: skip
 
 
