@@ -135,7 +135,8 @@ TARGETS = {
         _t("fntrain/sampling/decode.py", "tests/sampling/test_tiny_gpt.py", "tests/sampling/test_hf.py", goal=0.9),
         # Which tokens of a chat example are trained on (the prompt masked): a wrong label trains on the prompt.
         _t("fntrain/data/chat.py", "tests/data/test_sft.py", "tests/data/test_vlm.py", goal=0.9),
-        # DPO's pairs: how a batch pairs the chosen and rejected sequences, padded and masked.
+        # DPO's pairs: which tokens are the prompt (masked) and which the completions, and how a batch pairs them.
+        _t("fntrain/data/preference.py", "tests/data/test_preference.py", goal=0.9),
         _t("fntrain/data/preference_collate.py", "tests/data/test_preference.py", goal=0.9),
         # Samples during training: when, from which generator, with the model's mode and the global RNGs restored,
         # and where they go (its MLflow and W&B tests are the slow tier's).
