@@ -295,22 +295,22 @@ def fused_kernel_is_asked(first, second):
     assert {group["fused"] for group in second.ok().optimizer.param_groups} == {True}
 
 
-def lrs(outcome) -> list[float]:
+def logged_lrs(outcome) -> list[float]:
     return [row["lr"] for row in outcome.ok().train_rows]
 
 
 def constant_lr_stays_and_linear_decays(first, second):
-    assert lrs(first) == [1e-3] * 5
-    assert all(math.isclose(a, b) for a, b in zip(lrs(second), [1e-3 * (1 - 0.9 * s / 5) for s in range(5)], strict=True))
+    assert logged_lrs(first) == [1e-3] * 5
+    assert all(math.isclose(a, b) for a, b in zip(logged_lrs(second), [1e-3 * (1 - 0.9 * s / 5) for s in range(5)], strict=True))
 
 
 def warmup_rises_linearly_to_the_peak(first, second):
-    assert lrs(first)[:2] == [1e-3, 1e-3]
-    assert all(math.isclose(a, b) for a, b in zip(lrs(second)[:3], [1e-3 / 2, 1e-3, 1e-3], strict=True))
+    assert logged_lrs(first)[:2] == [1e-3, 1e-3]
+    assert all(math.isclose(a, b) for a, b in zip(logged_lrs(second)[:3], [1e-3 / 2, 1e-3, 1e-3], strict=True))
 
 
 def hf_warmup_starts_at_zero(first, second):
-    assert math.isclose(lrs(first)[0], 1e-3 / 2) and lrs(second)[0] == 0.0 and math.isclose(lrs(second)[2], 1e-3)
+    assert math.isclose(logged_lrs(first)[0], 1e-3 / 2) and logged_lrs(second)[0] == 0.0 and math.isclose(logged_lrs(second)[2], 1e-3)
 
 
 def min_lr_ratio_is_the_floor(first, second):
@@ -320,7 +320,7 @@ def min_lr_ratio_is_the_floor(first, second):
 
 
 def horizon_stretches_the_decay(first, second):
-    assert math.isclose(lrs(first)[-1], 1e-3 * (1 - 0.9 * 4 / 5)) and math.isclose(lrs(second)[-1], 1e-3 * (1 - 0.9 * 4 / 10))
+    assert math.isclose(logged_lrs(first)[-1], 1e-3 * (1 - 0.9 * 4 / 5)) and math.isclose(logged_lrs(second)[-1], 1e-3 * (1 - 0.9 * 4 / 10))
 
 
 def peak_memory_is_logged(first, second):
@@ -404,7 +404,7 @@ def sample_length_is_bounded(first, second):
 sample_text_differs = values_differ("sample text", lambda o: [row["text"] for row in o.samples])
 
 
-def greedy(outcome, prompt: str = "ROMEO:", tokens: int = 8) -> str:
+def greedy_continuation(outcome, prompt: str = "ROMEO:", tokens: int = 8) -> str:
     """The likeliest continuation of `prompt` under the run's final weights, byte by byte (argmax)."""
     model, ids = outcome.model.eval(), list(prompt.encode())
     with torch.no_grad():
@@ -420,8 +420,8 @@ def end_sample(outcome) -> str:
 
 
 def first_is_greedy(first, second):
-    assert end_sample(first) == greedy(first), (end_sample(first), greedy(first))
-    assert end_sample(second) != greedy(second), end_sample(second)  # drawn: not the argmax here
+    assert end_sample(first) == greedy_continuation(first), (end_sample(first), greedy_continuation(first))
+    assert end_sample(second) != greedy_continuation(second), end_sample(second)  # drawn: not the argmax here
 
 
 def seed_changes_the_text_not_the_training(first, second):

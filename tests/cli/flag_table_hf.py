@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from fntrain.data.tokens import IGNORE_INDEX
 from tests.cli.flag_kinds import Effect, Inert, TestedElsewhere, same, values_differ
+from tests.step.objectives.preference_helpers import logsigmoid
 
 HF = "hf_causal_lm+dpo+kd+grpo"  # the causal-LM recipes' model, assets and LoRA sections
 SFT = "hf_causal_lm+kd"  # hf_causal_lm's data section, which kd's config inherits
@@ -293,10 +294,6 @@ def dpo_loss_of(read) -> tuple[float, dict]:
     reference = REFERENCE if config.needs_reference else None
     loss, metrics = make_dpo_loss(config)(PreferenceOutput(LOGITS, reference), {"labels": LABELS})
     return loss.item(), {key: value.item() for key, value in metrics.items()}
-
-
-def logsigmoid(x: float) -> float:
-    return F.logsigmoid(torch.tensor(x, dtype=torch.float64)).item()
 
 
 def delta() -> float:
@@ -794,7 +791,7 @@ def loss_type_normalises_as_documented(first, second):
 REWARDS = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])  # 2 prompts x 2 generations, 2 functions
 
 
-def advantages_of(read) -> list[float]:
+def grpo_advantages_of(read) -> list[float]:
     """The advantages the rollout gives REWARDS under the parsed grpo settings (fntrain's group_advantages)."""
     from fntrain.step.objectives.grpo.advantages import group_advantages
 
@@ -817,22 +814,22 @@ def advantages_are_scaled_by_the_groups_or_the_batchs_std(first, second):
     summed = [1.0, 1.0, 2.0, 0.0]
     group = [c / (std(summed[i // 2 * 2 : i // 2 * 2 + 2]) + 1e-4) for i, c in enumerate(centred(summed))]
     batch = [c / (std(summed) + 1e-4) for c in centred(summed)]
-    assert advantages_of(first) == pytest_approx(group) and advantages_of(second) == pytest_approx(batch)
+    assert grpo_advantages_of(first) == pytest_approx(group) and grpo_advantages_of(second) == pytest_approx(batch)
 
 
 def weights_scale_each_function(first, second):
     for read, weights in ((first, (1.0, 1.0)), (second, (1.0, 3.0))):
         summed = [a * weights[0] + b * weights[1] for a, b in REWARDS.tolist()]
-        assert advantages_of(read) == pytest_approx([c / (std(summed[i // 2 * 2 : i // 2 * 2 + 2]) + 1e-4)
+        assert grpo_advantages_of(read) == pytest_approx([c / (std(summed[i // 2 * 2 : i // 2 * 2 + 2]) + 1e-4)
                                                      for i, c in enumerate(centred(summed))])  # fmt: skip
 
 
 def normalize_then_sum_scales_each_function_in_its_group_first(first, second):
-    assert advantages_of(first) != advantages_of(second)
+    assert grpo_advantages_of(first) != grpo_advantages_of(second)
     per = [[c / (std(col[i // 2 * 2 : i // 2 * 2 + 2]) + 1e-4) for i, c in enumerate(centred(col))]
            for col in (REWARDS[:, 0].tolist(), REWARDS[:, 1].tolist())]  # fmt: skip
     summed = [a + b for a, b in zip(*per, strict=True)]
-    assert advantages_of(second) == pytest_approx([s / (std(summed) + 1e-4) for s in summed])
+    assert grpo_advantages_of(second) == pytest_approx([s / (std(summed) + 1e-4) for s in summed])
 
 
 def pytest_approx(values):

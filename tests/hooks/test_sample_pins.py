@@ -14,7 +14,7 @@ from tests.hooks.drive import drive
 from tests.hooks.test_sample import read_samples, small_model
 
 
-def parallel(pp_size: int = 1, tp_size: int = 1, loss_parallel: bool = False) -> types.SimpleNamespace:
+def parallel_config(pp_size: int = 1, tp_size: int = 1, loss_parallel: bool = False) -> types.SimpleNamespace:
     return types.SimpleNamespace(pp_size=pp_size, tp_size=tp_size, loss_parallel=loss_parallel)
 
 
@@ -32,7 +32,7 @@ def parallel(pp_size: int = 1, tp_size: int = 1, loss_parallel: bool = False) ->
 def test_samples_during_training_need_whole_logits_on_every_rank(caplog, sizes, whole):
     """Pipeline parallelism or a loss-parallel head: no samples, and one warning saying so."""
     with caplog.at_level(logging.WARNING, logger="fntrain.hooks.sample"):
-        assert whole_logits_on_each_rank(parallel(**sizes)) is whole
+        assert whole_logits_on_each_rank(parallel_config(**sizes)) is whole
     expected = (
         []
         if whole
