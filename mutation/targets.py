@@ -141,5 +141,7 @@ TARGETS = {
         # Samples during training: when, from which generator, with the model's mode and the global RNGs restored,
         # and where they go (its MLflow and W&B tests are the slow tier's).
         _t("fntrain/hooks/sample.py", "tests/hooks/test_sample.py"),
+        # What torchrun told the process: a rank or world size read wrong runs every rank as another.
+        _t("fntrain/runtime/launch.py", "tests/runtime/test_setup.py", goal=0.9),
     )
 }
