@@ -121,6 +121,9 @@ TARGETS = {
         # or a row trained twice changes every update.
         _t("fntrain/step/objectives/grpo/advantages.py", "tests/step/objectives/grpo/test_advantages.py", goal=0.9),
         _t("fntrain/step/objectives/grpo/layout.py", "tests/step/objectives/grpo/test_layout.py", goal=0.9),
+        # GRPO's per-token loss, its normalisation per loss type and its logged metrics: the number users train on.
+        # Left out: the slow tier's TRL comparisons (tests/step/objectives/grpo/test_trl_parity.py).
+        _t("fntrain/step/objectives/grpo/loss.py", "tests/step/objectives/grpo/test_loss.py", goal=0.9),
         # Preference tuning and distillation: the loss every DPO/KD update follows. Left out: the recipe runs
         # (tests/step/objectives/test_dpo_recipe.py, 1 to 3 s a test building a tiny Llama; what they check of
         # these losses, the logged metrics and a refused value, is the unit tests' and the pins'), and the
