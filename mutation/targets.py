@@ -124,6 +124,10 @@ TARGETS = {
         # GRPO's per-token loss, its normalisation per loss type and its logged metrics: the number users train on.
         # Left out: the slow tier's TRL comparisons (tests/step/objectives/grpo/test_trl_parity.py).
         _t("fntrain/step/objectives/grpo/loss.py", "tests/step/objectives/grpo/test_loss.py", goal=0.9),
+        # GRPO's phase: one generation per batch of R steps, and what a checkpoint keeps of it and resumes. Not
+        # listed: tests/step/objectives/grpo/test_resume.py and test_recipe.py (jobs and launches); test_rollout.py
+        # and the pins drive the phase in-process.
+        _t("fntrain/step/objectives/grpo/phase.py", "tests/step/objectives/grpo/test_rollout.py"),
         # Preference tuning and distillation: the loss every DPO/KD update follows. Left out: the recipe runs
         # (tests/step/objectives/test_dpo_recipe.py, 1 to 3 s a test building a tiny Llama; what they check of
         # these losses, the logged metrics and a refused value, is the unit tests' and the pins'), and the
