@@ -151,14 +151,21 @@ PREEMPT = ["--checkpoint.preempt-check-every", "2"]
 
 def preempted(run_dir: Path, at: int, args: list[str], corpus: Path, ranks: int) -> None:
     """SIGTERM to the last rank at step `at` (odd): every rank agrees to save the step they stop at and
-    stop cleanly, exiting with the documented status 143 (torchrun then reports the workers' 143)."""
+    stop cleanly, exiting with the documented status 143 (torchrun then reports the workers' 143). The
+    ranks leave the run's last barrier together, but the first to exit makes torchrun's agent send the
+    others SIGTERM at once: a rank still destroying its process group then dies by that signal (-15)
+    instead of exiting 143 (seen on a loaded 2-core machine). That changes nothing but torchrun's report:
+    its own status is 1 either way, and the checkpoint and records were written before the barrier (the
+    resume that follows checks them)."""
     earlier = len(recorded_losses(run_dir)) if (run_dir / "losses.txt").exists() else 0
     process = launch(run_dir, f"preempt:{at}", args, corpus, ranks=ranks)
     output = ended(process)
     if ranks == 1:
         assert process.returncode == 143, output[-3000:]
     else:
-        assert process.returncode != 0 and output.count("exitcode  : 143") == 2, output[-3000:]
+        statuses = re.findall(r"exitcode {2}: (-?\d+)", output)  # torchrun's per-rank lines
+        assert process.returncode != 0 and len(statuses) == 2 and "143" in statuses, output[-3000:]
+        assert set(statuses) <= {"143", "-15"} and ("-15" not in statuses or "closing signal SIGTERM" in output), output[-3000:]
     stop = at if ranks == 1 else at + 1
     assert max(step for step, _ in recorded_losses(run_dir)[earlier:]) == stop  # the last step this launch ran
     assert read_meta(find_latest(run_dir / "checkpoints"))["train_state"]["global_step"] == stop
