@@ -203,6 +203,15 @@ def _field(record: Mapping[str, Any], key: str, kind: type, where: str, data: SF
     return value
 
 
+def _ended(ids: list[int], labels: list[int], eos: list[int]) -> Example:
+    """The example ending with one trained EOS (`eos`: [id], or [] for none): appended, or, when the
+    tokenizer already ends the text with it, that one trained (it is labelled with the prompt's special
+    tokens otherwise), so the model learns to stop after the text, not to repeat the EOS."""
+    if eos and ids and ids[-1] == eos[0]:
+        return Example(tuple(ids), tuple(labels[:-1] + eos))
+    return Example(tuple(ids + eos), tuple(labels + eos))
+
+
 def transform_example(
     record: Mapping[str, Any], assets: TokenizerAssets, data: SFTDataConfig, where: str = "example"
 ) -> Example:
@@ -213,9 +222,8 @@ def transform_example(
     eos = [assets.eos_id] if data.add_eos and assets.eos_id is not None else []
     if kind == "text":
         text = _field(record, data.text_key, str, where, data)
-        ids, _ = tokenize_spans(tokenizer, text, [], add_special_tokens=True, train_all=True)
-        ids = ids + eos if not (eos and ids and ids[-1] == eos[0]) else ids
-        return Example(tuple(ids), tuple(ids))
+        ids, labels = tokenize_spans(tokenizer, text, [], add_special_tokens=True, train_all=True)
+        return _ended(ids, labels, eos)
     if kind == "prompt_completion":
         prompt = _field(record, data.prompt_key, str, where, data)
         completion = _field(record, data.completion_key, str, where, data)
@@ -227,9 +235,7 @@ def transform_example(
             add_special_tokens=True,
             train_all=data.train_on_prompt,
         )
-        if eos and ids and ids[-1] == eos[0]:  # the tokenizer ends the text with the EOS itself: trained, once
-            return Example(tuple(ids), tuple(labels[:-1] + eos))
-        return Example(tuple(ids + eos), tuple(labels + eos))
+        return _ended(ids, labels, eos)
     messages = _field(record, data.messages_key, list, where, data)
     text, spans = chat_spans(tokenizer, assets.chat_template, messages, where)
     ids, labels = tokenize_spans(
